@@ -1,0 +1,34 @@
+"""Host side: the run-time scalars and compile-time switches every launch derives from a problem."""
+import torch
+
+
+LOG2E_PY = 1.4426950408889634
+
+
+def kernel_scalars(p, extras, dummy):
+    """Run-time scalars and compile-time switches shared by the forward and backward launches."""
+    band = p.band
+    has_left = band is not None and band.left is not None
+    has_right = band is not None and band.right is not None
+    softcap = p.softcap > 0.0
+    qk_scale = p.scale / p.softcap if softcap else p.scale * LOG2E_PY
+    return {
+        "qk_scale": qk_scale,
+        "win_left": band.left if has_left else 0,
+        "win_right": band.right if has_right else 0,
+        "dropout_threshold": min(int(p.dropout_p * 2 ** 31), 2 ** 31 - 1),
+        "dropout_rescale": 1.0 / (1.0 - p.dropout_p),
+        "seq_q": extras["seq_len_q"] if extras["seq_len_q"] is not None else dummy,
+        "seq_kv": extras["seq_len_kv"] if extras["seq_len_kv"] is not None else dummy,
+        "slopes": extras["slopes"] if extras["slopes"] is not None else dummy,
+        "causal_like": has_right and not has_left,
+        "switches": dict(
+            BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
+            HAS_LEFT=has_left, HAS_RIGHT=has_right,
+            HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
+            BIAS_KIND={None: 0, "float": 1, "bool": 2}[p.bias],
+            HAS_ALIBI=p.alibi is not None, SOFTCAP=softcap, DROPOUT=p.has_dropout,
+            DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+        ),
+    }
+

@@ -1,0 +1,191 @@
+"""Forward attention: one Triton kernel, features as compile-time switches.
+
+Algorithm (FlashAttention-2): program (pid_m, bh) owns query rows
+[start_m, start_m + BLOCK_M) of one (batch, query head); its key/value head is
+``head // GROUP`` (GQA/MQA read K/V in place, no copies). The Q tile stays in
+registers while K/V tiles stream through; the row state (running max ``m_i``
+and sum ``l_i``, both base 2) rescales the fp32 accumulator ``acc`` [BLOCK_M,
+d_v] at each tile (online softmax), so memory is O(s), never O(s_q * s_kv).
+
+Key tiles are visited in three runs (``common.kv_block_range``): masked edge
+blocks on the left of the band, whole blocks with no mask arithmetic, masked
+edge blocks on the right; blocks wholly outside the band or past the sequence
+length are never touched.
+
+[Note] empty rows: a row with no key to attend to (band, padding, a -inf bias)
+has m_i = -inf and l_i = 0. Exponents use ``m_safe`` (0 where m is -inf) so no
+inf - inf arises; the row writes output 0 and stats 0, never NaN.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .args import kernel_scalars
+from .common import (LN2, dropout_keep, kv_block_range, load_bias, load_tile, scores_base2,
+                     sequence_lengths)
+
+
+@triton.jit
+def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, bias_base, slope,
+                     offs_m, offs_n, offs_d, offs_dv, start, end, len_kv, diag,
+                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                     S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+                     dropout_seed, dropout_offset, dropout_threshold, bh,
+                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                     BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of one query tile over key blocks [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                      cols, offs_d, len_kv, D, MASKED, not EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        bias = 0.0
+        if BIAS_KIND != 0:
+            bias = load_bias(bias_base, offs_m, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
+        s = scores_base2(qk, bias, slope, offs_m, cols, len_kv, diag, win_left, win_right,
+                         qk_scale, softcap, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, cols, S_Q, S_KV, dropout_threshold)
+            p = tl.where(keep, p, 0.0)
+        v = load_tile(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                      cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
+              stride_qb, stride_qh, stride_qm, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              stride_ob, stride_oh, stride_om, stride_od,
+              stride_lb, stride_lh, stride_lm,
+              stride_bb, stride_bh, stride_bm, stride_bn,
+              H_Q, GROUP, S_Q, S_KV, D, D_V,
+              qk_scale, softcap, win_left, win_right,
+              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
+              BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+              DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    if REVERSE_M:
+        # causal: the longest rows (last tiles) start first, so the tail of the grid is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    batch = bh // H_Q
+    head = bh % H_Q
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK_M
+    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    diag = len_q * 0
+    if BOTTOM_RIGHT:
+        diag = len_kv - len_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV == D_V
+
+    # int64 base offsets: batch * stride can pass 2^31 on large tensors
+    b64 = batch.to(tl.int64)
+    q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    bias_base = BIAS
+    if BIAS_KIND != 0:
+        bias_base = BIAS + b64 * stride_bb + head.to(tl.int64) * stride_bh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + head) * 1.4426950408889634
+
+    q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                  offs_m, offs_d, S_Q, D, True, not EVEN_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, m_i, l_i = _attn_fwd_blocks(
+        acc, m_i, l_i, q, k_base, v_base, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
+        lo, full_lo, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+        dropout_seed, dropout_offset, dropout_threshold, bh,
+        True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        DOT_PRECISION)
+    acc, m_i, l_i = _attn_fwd_blocks(
+        acc, m_i, l_i, q, k_base, v_base, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
+        full_lo, full_hi, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+        dropout_seed, dropout_offset, dropout_threshold, bh,
+        False, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        DOT_PRECISION)
+    acc, m_i, l_i = _attn_fwd_blocks(
+        acc, m_i, l_i, q, k_base, v_base, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
+        full_hi, hi, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+        dropout_seed, dropout_offset, dropout_threshold, bh,
+        True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        DOT_PRECISION)
+
+    # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0
+    row_ok = l_i > 0.0
+    if HAS_SEQ_Q:
+        row_ok = row_ok & (offs_m < len_q)
+    inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
+    out = acc * inv_l[:, None]
+    o_ptrs = O + b64 * stride_ob + head.to(tl.int64) * stride_oh \
+        + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    if EVEN_DV:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < S_Q)[:, None])
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < S_Q)[:, None] & (offs_dv < D_V)[None, :])
+    if WRITE_LSE:
+        # natural-log log-sum-exp of the scaled scores (cuDNN's Stats); 0 for empty rows
+        lse = tl.where(row_ok, (m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))) * LN2, 0.0)
+        l_ptrs = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm
+        tl.store(l_ptrs, lse, mask=offs_m < S_Q)
+
+
+def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
+    """Launch the forward kernel. Decisions were made upstream (problem, tiles).
+
+    q [b,h_q,s_q,d], k [b,h_kv,s_kv,d], v [b,h_kv,s_kv,d_v], out [b,h_q,s_q,d_v]: any strides.
+    lse: fp32 [b,h_q,s_q] view (or None). extras: from ``problem.make_problem``.
+    """
+    p = problem
+    args = kernel_scalars(p, extras, q)
+    bias = extras["bias"]
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    if bias is not None and bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    grid = (triton.cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
+    _attn_fwd[grid](
+        q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides,
+        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v,
+        args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
+        p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_D=triton.next_power_of_2(p.d), BLOCK_DV=triton.next_power_of_2(p.d_v),
+        WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **args["switches"],
+    )

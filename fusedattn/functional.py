@@ -1,0 +1,264 @@
+"""The functional door: ``attention`` (autograd), ``attention_forward`` / ``attention_backward``.
+
+Every call builds one :class:`~fusedattn.problem.AttentionProblem`, asks
+:func:`~fusedattn.plan.plan` for a backend and tiles, and runs it. The Graph
+door calls ``attention_forward`` / ``attention_backward`` too.
+
+PyTorch integration: in eager mode ``attention`` uses a plain
+``torch.autograd.Function`` that calls the launchers directly (a
+``torch.library`` op costs tens of microseconds of dispatch per call). Under
+``torch.compile`` it calls the registered custom ops ``fusedattn::attn_fwd`` /
+``fusedattn::attn_bwd`` (with fake implementations and autograd), so a model
+compiles with ``fullgraph=True``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .backends import cpu as cpu_backend
+from .plan import plan
+from .problem import InvalidArgumentError, InvalidTypeError, make_problem
+
+__all__ = ["attention", "attention_forward", "attention_backward"]
+
+
+def _like_layout(t: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """Empty [b, h, s, d] tensor in t's physical layout: BSHD memory stays BSHD (no later copies)."""
+    b, h, s, d = shape
+    if t.stride(1) < t.stride(2) and h > 1 and s > 1:
+        return torch.empty((b, s, h, d), dtype=dtype, device=t.device).transpose(1, 2)
+    return torch.empty((b, h, s, d), dtype=dtype, device=t.device)
+
+
+def _check_out(name, t, shape, dtype, device):
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise InvalidArgumentError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise InvalidTypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device}, expected {device}")
+
+
+def _stats_view(stats, p, device, name="stats"):
+    """Accept stats as [b,h_q,s_q,1] or [b,h_q,s_q] fp32; return the [b,h_q,s_q] view."""
+    if stats.dim() == 4 and stats.shape[-1] == 1:
+        stats = stats[..., 0]
+    _check_out(name, stats, (p.b, p.h_q, p.s_q), torch.float32, device)
+    return stats
+
+
+def _run_forward(p, extras, pl, q, k, v, out, lse):
+    if pl.backend == "cpu":
+        cpu_backend.forward(p, q, k, v, extras, out, lse)
+    else:
+        from .backends.triton.fwd import launch_fwd
+        launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)
+
+
+def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
+                      seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
+                      dropout_p=0.0, dropout_seed=0, dropout_offset=0, page_table_k=None, page_table_v=None,
+                      return_stats=False, backend="auto", out=None, stats_out=None):
+    """Forward only, no autograd. Arguments as :func:`attention`.
+
+    Returns ``(out, stats)``: out [b,h_q,s_q,d_v] in q.dtype (written into ``out`` when
+    given), stats fp32 [b,h_q,s_q,1] natural-log log-sum-exp (None unless
+    ``return_stats`` or ``stats_out``).
+    """
+    p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
+                             window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
+                             alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset, page_table_k=page_table_k, page_table_v=page_table_v)
+    pl = plan(p, backend)
+    shape_o = (p.b, p.h_q, p.s_q, p.d_v)
+    if out is None:
+        out = _like_layout(q, shape_o, q.dtype)
+    else:
+        _check_out("out", out, shape_o, q.dtype, q.device)
+    if stats_out is not None:
+        lse = _stats_view(stats_out, p, q.device, "stats_out")
+        stats = stats_out
+    elif return_stats:
+        stats = torch.empty((p.b, p.h_q, p.s_q, 1), dtype=torch.float32, device=q.device)
+        lse = stats[..., 0]
+    else:
+        stats = lse = None
+    if p.s_q > 0:
+        if p.s_kv == 0:
+            out.zero_()
+            if lse is not None:
+                lse.zero_()
+        else:
+            _run_forward(p, extras, pl, q, k, v, out, lse)
+    return out, stats
+
+
+def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal=False,
+                       causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None,
+                       attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0, dropout_seed=0,
+                       dropout_offset=0, deterministic=True, backend="auto", dq=None, dk=None, dv=None,
+                       need_dbias=False):
+    """Gradients of attention from the forward's output and stats, no autograd.
+
+    q, k, v, out as in :func:`attention`; grad_out like out; stats fp32
+    [b,h_q,s_q,1] (the forward's). Returns ``(dq, dk, dv, dbias)``: dq/dk/dv in
+    the layout of q/k/v (written into dq/dk/dv when given); dbias fp32 in the
+    shape of ``attn_bias`` (summed over its broadcast dims) when ``need_dbias``,
+    else None. The result is deterministic whatever ``deterministic`` says: the
+    kernels use no atomics.
+    """
+    p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
+                             window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
+                             alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset)
+    pl = plan(p, backend)
+    shape_o = (p.b, p.h_q, p.s_q, p.d_v)
+    _check_out("out", out, shape_o, q.dtype, q.device)
+    _check_out("grad_out", grad_out, shape_o, q.dtype, q.device)
+    lse = _stats_view(stats, p, q.device)
+    grads = []
+    for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if given is None:
+            given = _like_layout(like, like.shape, like.dtype)
+        else:
+            _check_out(name, given, like.shape, like.dtype, like.device)
+        grads.append(given)
+    dq, dk, dv = grads
+    need_dbias = need_dbias and p.bias == "float"
+    dbias_full = None
+    if p.s_q == 0 or p.s_kv == 0:
+        for t in grads:
+            t.zero_()
+        if need_dbias:
+            dbias_full = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device)
+    elif pl.backend == "cpu":
+        dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
+    else:
+        from .backends.triton.bwd import launch_bwd
+        dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
+    dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None
+    return dq, dk, dv, dbias
+
+
+def _reduce_to_shape(full: torch.Tensor, shape) -> torch.Tensor:
+    """Sum a [b,h,s_q,s_kv] gradient over the dims the bias was broadcast along."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    dims = [i for i, (n, m) in enumerate(zip(shape4, full.shape)) if n == 1 and m != 1]
+    if dims:
+        full = full.sum(dim=dims, keepdim=True)
+    return full.reshape(shape)
+
+
+class _Attention(torch.autograd.Function):
+    """Eager autograd: saves out and stats, never recomputes the forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, opts):
+        out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, **opts)
+        ctx.save_for_backward(q, k, v, out, stats, attn_bias)
+        ctx.opts = opts
+        ctx.mark_non_differentiable(stats)
+        return out, stats
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_stats):
+        q, k, v, out, stats, attn_bias = ctx.saved_tensors
+        opts = dict(ctx.opts)
+        need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = attention_backward(q, k, v, out, grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out,
+                                               stats, attn_bias=attn_bias, need_dbias=need_dbias, **opts)
+        if dbias is not None:
+            dbias = dbias.to(attn_bias.dtype)
+        return dq, dk, dv, dbias, None
+
+
+def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
+              seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0,
+              dropout_seed=None, dropout_offset=0, deterministic=True, return_stats=False,
+              backend="auto", out=None):
+    r"""Fused scaled-dot-product attention: ``softmax(scale * q @ k^T + bias [+ ALiBi], masked) @ v``.
+
+    O(s) memory (the FlashAttention algorithm), forward and backward, fp16 / bf16 /
+    fp32 (fp64 on the CPU path). Differentiable in q, k, v and a float ``attn_bias``.
+
+    Args:
+        q: ``[b, h_q, s_q, d]``; any strides (BSHD memory as ``x.transpose(1, 2)`` works
+            without a copy).
+        k: ``[b, h_kv, s_kv, d]``. ``h_q`` must be a multiple of ``h_kv``: query head ``i``
+            reads key/value head ``i // (h_q // h_kv)`` (GQA; h_kv = 1 is MQA). With 6 query
+            and 2 kv heads, query heads 0, 1, 2 read kv head 0 and 3, 4, 5 read kv head 1.
+        v: ``[b, h_kv, s_kv, d_v]``; ``d`` and ``d_v`` are multiples of 8 up to 256.
+        attn_scale: multiplies ``q @ k^T``; default ``1 / sqrt(d)``.
+        causal: keep key ``j`` for query ``i`` only when ``j <= i + off``.
+        causal_alignment: ``"top_left"`` (off = 0, PyTorch's ``is_causal``, cuDNN's
+            ``use_causal_mask``) or ``"bottom_right"`` (off = s_kv - s_q, FlashAttention's and
+            cuDNN's ``use_causal_mask_bottom_right``). For s_q = 2, s_kv = 5 (1 = kept)::
+
+                top_left      bottom_right
+                1 0 0 0 0     1 1 1 1 0
+                1 1 0 0 0     1 1 1 1 1
+
+            The alignment applies to ``window`` too, and uses each sequence's own lengths
+            when ``seq_len_q`` / ``seq_len_kv`` are given.
+        window: ``(left, right)``: keep key ``j`` iff ``i + off - left <= j <= i + off + right``
+            (inclusive); -1 or None is unbounded. ``causal=True`` caps ``right`` at 0.
+        seq_len_q, seq_len_kv: int32 ``[b]`` or ``[b, 1, 1, 1]``: valid lengths per batch entry
+            (padding masks). Rows past ``seq_len_q`` give output 0, stats 0, gradient 0.
+        attn_bias: added to the scaled scores; any shape broadcastable to ``[b, h_q, s_q, s_kv]``
+            (strides 0 allowed). A bool tensor is a mask (True = keep), as in PyTorch's SDPA.
+            A float bias with ``requires_grad`` gets its gradient (summed over broadcast dims).
+        alibi: True for the ALiBi paper's slopes for ``h_q`` heads, or a float ``[h_q]`` tensor;
+            adds ``slope_h * (j - i)`` (computed in the kernel, no bias tensor in memory).
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2), before bias.
+        dropout_p: probability of dropping an attention probability (kept ones are scaled by
+            ``1 / (1 - p)``). The mask is Philox keyed by (dropout_seed, dropout_offset, batch,
+            head, row, col): reproducible and independent of tile sizes.
+        dropout_seed: int; None draws one from torch's default generator per call.
+        dropout_offset: int added to the Philox counter.
+        deterministic: accepted for FlashAttention compatibility; the backward is always
+            bitwise reproducible (no atomics).
+        return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``.
+        backend: ``"auto"`` (Triton on CUDA, the CPU path on CPU tensors), ``"triton"`` (on CPU
+            tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``), ``"cpu"``.
+        out: optional preallocated output ``[b, h_q, s_q, d_v]`` (not with autograd).
+
+    Returns:
+        ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and physical layout, or ``(out, stats)``.
+        A row with no key to attend to gives output 0, never NaN.
+
+    Raises:
+        ValueError / TypeError (``fusedattn.FusedAttnError``) naming the argument, what was
+        given and what is allowed; ``fusedattn.NotSupportedError`` for a valid request this
+        build cannot run.
+
+    Example::
+
+        >>> import torch, fusedattn
+        >>> q = torch.randn(2, 8, 128, 64)
+        >>> k = v = torch.randn(2, 2, 128, 64)
+        >>> fusedattn.attention(q, k, v, causal=True).shape
+        torch.Size([2, 8, 128, 64])
+    """
+    if dropout_p and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+    opts = dict(attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,
+                seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, alibi=alibi, softcap=softcap,
+                dropout_p=dropout_p, dropout_seed=dropout_seed or 0, dropout_offset=dropout_offset,
+                backend=backend)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias))
+    if torch.compiler.is_compiling():
+        from .ops import attention_op
+        out_t, stats = attention_op(q, k, v, attn_bias, opts)
+        if out is not None:
+            out.copy_(out_t)
+            out_t = out
+    elif needs_grad:
+        if out is not None:
+            raise InvalidArgumentError("out= cannot be used with autograd (inputs require grad)")
+        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts)
+    else:
+        out_t, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=return_stats, out=out, **opts)
+    return (out_t, stats) if return_stats else out_t

@@ -1,0 +1,108 @@
+"""plan(problem, backend) -> Plan: which backend runs a problem, and with which tiles.
+
+Plans are cached on the problem's static key, so a repeated call costs one
+dict lookup. Tile tables are per (pass, head-dim bucket, dtype size) with the
+measurement or reason beside each entry; nothing autotunes at run time.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .problem import InvalidArgumentError, NotSupportedError
+
+BACKENDS = ("auto", "triton", "cpu")
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str          # "triton" | "cpu"
+    fwd: Tiles | None
+    bwd: Tiles | None     # dK/dV pass (block_m: query rows per step, block_n: keys per program)
+    bwd_dq: Tiles | None  # dQ pass
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _bucket(d: int) -> int:
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+# Hopper (sm90) forward tiles: (block_m, block_n, warps, stages) by (head-dim bucket, bytes per element).
+# Starting points from PyTorch's FlexAttention H100 table, then measured (bench/NOTES.md).
+_FWD_SM90 = {
+    (64, 2): Tiles(128, 128, 8, 3),
+    (128, 2): Tiles(128, 64, 8, 3),
+    (256, 2): Tiles(128, 64, 8, 2),
+    (64, 4): Tiles(64, 64, 4, 3),
+    (128, 4): Tiles(64, 32, 4, 3),
+    (256, 4): Tiles(32, 32, 4, 2),
+}
+# Backward dK/dV and dQ passes (FA2 split; no atomics, so deterministic).
+_BWD_SM90 = {
+    (64, 2): Tiles(64, 128, 8, 2),
+    (128, 2): Tiles(64, 128, 8, 2),
+    (256, 2): Tiles(32, 64, 8, 1),
+    (64, 4): Tiles(32, 64, 4, 2),
+    (128, 4): Tiles(32, 64, 4, 1),
+    (256, 4): Tiles(16, 32, 4, 1),
+}
+_BWD_DQ_SM90 = {
+    (64, 2): Tiles(128, 64, 8, 2),
+    (128, 2): Tiles(128, 64, 8, 2),
+    (256, 2): Tiles(64, 32, 8, 1),
+    (64, 4): Tiles(64, 32, 4, 2),
+    (128, 4): Tiles(64, 32, 4, 1),
+    (256, 4): Tiles(32, 16, 4, 1),
+}
+# Interpreter: small tiles so short test sequences still span several blocks.
+_INTERPRET = Tiles(32, 16, 4, 1)
+
+
+def choose_backend(backend: str, device_type: str) -> str:
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device_type == "cuda" else "cpu"
+    if backend == "triton" and device_type == "cpu" and not interpreting():
+        raise NotSupportedError(
+            "backend='triton' on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported, or use backend='cpu'")
+    if backend == "triton" and device_type not in ("cuda", "cpu"):
+        raise NotSupportedError(f"backend='triton' needs CUDA tensors, got device type {device_type!r}")
+    if backend == "cpu" and device_type != "cpu":
+        raise NotSupportedError(f"backend='cpu' needs CPU tensors, got device type {device_type!r}")
+    return backend
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype, device_type: str) -> Plan:
+    backend = choose_backend(backend, device_type)
+    if backend == "cpu":
+        return Plan("cpu", None, None, None)
+    if dtype == torch.float64:
+        raise NotSupportedError("float64 runs on the CPU path only (backend='cpu')")
+    if interpreting() or device_type == "cpu":
+        return Plan("triton", _INTERPRET, _INTERPRET, _INTERPRET)
+    key = (_bucket(max(d, d_v)), 4 if dtype == torch.float32 else 2)
+    return Plan("triton", _FWD_SM90[key], _BWD_SM90[key], _BWD_DQ_SM90[key])
+
+
+def plan(problem, backend: str = "auto") -> Plan:
+    """The plan for ``problem``; cached on its static key."""
+    return _plan_cached(problem.static_key(), backend, problem.d, problem.d_v, problem.dtype,
+                        problem.device_type)

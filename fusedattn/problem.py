@@ -1,0 +1,317 @@
+"""One validated, immutable description of an attention call.
+
+Both front doors (the functional API and the cuDNN-style Graph) build an
+:class:`AttentionProblem`; nothing below it knows which door was used. Every
+check on user input and every clear error message lives here.
+
+Notation used across the package::
+
+    b        batch                      h_q, h_kv   query / key-value heads
+    g        h_q // h_kv (GQA group)    s_q, s_kv   query / key sequence lengths
+    d        query/key head dim         d_v         value head dim
+
+Mask model: every causal / window / padding spelling is one diagonal *band*.
+Query row ``i`` keeps key ``j`` iff::
+
+    i + off - left <= j <= i + off + right          (a bound of None is unbounded)
+    off = 0                      for alignment "top_left"
+    off = len_kv - len_q         for alignment "bottom_right" (per-sequence lengths)
+
+so ``causal`` is ``Band(alignment, left=None, right=0)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "FusedAttnError",
+    "NotSupportedError",
+    "Band",
+    "AttentionProblem",
+    "make_problem",
+    "IO_DTYPES",
+    "MAX_HEAD_DIM",
+]
+
+IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+class FusedAttnError(Exception):
+    """Base class of every error fusedattn raises on purpose."""
+
+
+class InvalidArgumentError(FusedAttnError, ValueError):
+    """Bad input: the message names the argument, what was given and what is allowed."""
+
+
+class InvalidTypeError(FusedAttnError, TypeError):
+    """An argument of the wrong type or dtype."""
+
+
+class NotSupportedError(FusedAttnError, NotImplementedError):
+    """A valid request that this build cannot run (the message says what would)."""
+
+
+@dataclass(frozen=True)
+class Band:
+    """The diagonal band of kept keys (see the module docstring).
+
+    ``left``/``right`` are ``None`` when unbounded. ``Band("top_left", None, 0)``
+    is PyTorch's ``is_causal``; ``Band("bottom_right", None, 0)`` is
+    FlashAttention's causal.
+    """
+
+    alignment: str = "top_left"
+    left: Optional[int] = None
+    right: Optional[int] = None
+
+    @property
+    def is_full(self) -> bool:
+        """True when nothing is masked by the band itself."""
+        return self.left is None and self.right is None
+
+
+def make_band(causal: bool, causal_alignment: str, window) -> Optional[Band]:
+    """Translate the functional door's ``causal`` / ``window`` into one Band (or None)."""
+    if causal_alignment not in ALIGNMENTS:
+        raise InvalidArgumentError(
+            f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    left = right = None
+    if window is not None:
+        if not (isinstance(window, (tuple, list)) and len(window) == 2):
+            raise InvalidArgumentError(
+                f"window must be a pair (left, right) of ints (-1 or None = unbounded), got {window!r}")
+        bounds = []
+        for name, w in zip(("left", "right"), window):
+            if w is None or (isinstance(w, int) and not isinstance(w, bool) and w == -1):
+                bounds.append(None)
+            elif isinstance(w, int) and not isinstance(w, bool) and w >= 0:
+                bounds.append(int(w))
+            else:
+                raise InvalidArgumentError(
+                    f"window[{name}] must be an int >= 0, or -1/None for unbounded; got {w!r}")
+        left, right = bounds
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    return Band(causal_alignment, left, right)
+
+
+def _check_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise InvalidArgumentError(
+            f"{name} must be {ndim}-D [batch, heads, seq, head_dim] (BHSD; use .transpose(1, 2) "
+            f"for BSHD memory), got shape {tuple(t.shape)}")
+    if t.dtype not in IO_DTYPES:
+        raise InvalidTypeError(
+            f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32 (float64 on the CPU path)")
+
+
+def _seq_lens(name: str, t, b: int, device) -> Optional[torch.Tensor]:
+    """Accept [b] or [b,1,1,1] integer tensors; return a flat int32 view/copy of length b."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be an int32 tensor of shape [b] or [b, 1, 1, 1], got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise InvalidTypeError(f"{name} must be an int32 (or int64) tensor, got dtype {t.dtype}")
+    if t.numel() != b or (t.dim() not in (1, 4)) or (t.dim() == 4 and tuple(t.shape) != (b, 1, 1, 1)):
+        raise InvalidArgumentError(f"{name} must have shape [{b}] or [{b}, 1, 1, 1] (batch {b}), got {tuple(t.shape)}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}")
+    return t.reshape(b).to(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Everything static about one attention call (shapes, dtype, options).
+
+    Run-time magnitudes that change call to call (scale, window widths, dropout
+    seed) are plain fields too, but only the presence of a feature enters
+    :meth:`static_key` (the compile/plan cache key).
+    """
+
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d: int
+    d_v: int
+    dtype: torch.dtype
+    device_type: str
+    scale: float
+    band: Optional[Band] = None
+    has_seq_len_q: bool = False
+    has_seq_len_kv: bool = False
+    bias: Optional[str] = None          # None | "float" | "bool"
+    bias_shape: Tuple[int, ...] = ()    # the user's broadcastable shape
+    alibi: Optional[str] = None         # None | "default" | "tensor"
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    dropout_offset: int = 0
+    paged: bool = False
+    page_size: int = 0
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1 = MHA, h_q = MQA)."""
+        return self.h_q // self.h_kv
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_p > 0.0
+
+    def static_key(self) -> tuple:
+        """What a compiled kernel depends on: presence of features, never magnitudes."""
+        band = self.band
+        return (
+            self.dtype, self.device_type, self.d, self.d_v,
+            None if band is None else (band.alignment, band.left is not None, band.right is not None),
+            self.has_seq_len_q, self.has_seq_len_kv, self.bias, self.alibi is not None,
+            self.softcap > 0.0, self.has_dropout, self.paged,
+        )
+
+    def flops(self, backward: bool = False) -> float:
+        """FLOPs by the usual count: 2*b*h*s_q*s_kv*(d+d_v), halved for causal; bwd 2.5x."""
+        f = 2.0 * self.b * self.h_q * self.s_q * self.s_kv * (self.d + self.d_v)
+        if self.band is not None and self.band.right == 0 and self.band.left is None:
+            f /= 2
+        return f * (2.5 if backward else 1.0)
+
+
+def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left",
+                 window=None, seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False,
+                 softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+                 page_table_k=None, page_table_v=None):
+    """Validate the inputs of one attention call and describe it.
+
+    Returns ``(problem, extras)`` where ``extras`` holds the normalized run-time
+    tensors: ``seq_len_q``/``seq_len_kv`` as int32 ``[b]``, ``bias`` as a
+    ``[b, h_q, s_q, s_kv]`` expanded view (strides 0 where broadcast),
+    ``slopes`` as fp32 ``[h_q]``.
+    Raises InvalidArgumentError / InvalidTypeError naming the argument.
+    """
+    paged = page_table_k is not None or page_table_v is not None
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    b, h_q, s_q, d = q.shape
+    if paged:
+        raise NotSupportedError("page_table_k/page_table_v: paged K/V caches are not supported by this build yet")
+    bk, h_kv, s_kv, dk = k.shape
+    bv, h_v, s_v, d_v = v.shape
+    if not (k.dtype == q.dtype and v.dtype == q.dtype):
+        raise InvalidTypeError(f"q, k, v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (k.device == q.device and v.device == q.device):
+        raise InvalidArgumentError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
+    if q.dtype == torch.float64 and q.device.type != "cpu":
+        raise InvalidTypeError("float64 is supported on the CPU path only (for gradcheck); use float32/16 on the GPU")
+    if bk != b or bv != b:
+        raise InvalidArgumentError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    if dk != d:
+        raise InvalidArgumentError(f"head dim of k ({dk}) must equal that of q ({d})")
+    if h_v != h_kv or s_v != s_kv:
+        raise InvalidArgumentError(
+            f"k and v must have the same heads and sequence length; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise InvalidArgumentError(
+            f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA")
+    for name, dim in (("d (q/k head dim)", d), ("d_v (v head dim)", d_v)):
+        if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
+            raise InvalidArgumentError(
+                f"{name} = {dim}; supported: a multiple of 8 from 8 to {MAX_HEAD_DIM} (64, 80, 96, 128, 224, 256 ...)")
+    if b == 0 or h_q == 0:
+        raise InvalidArgumentError(f"q has an empty batch or head dim: shape {tuple(q.shape)}")
+
+    if attn_scale is None:
+        attn_scale = 1.0 / math.sqrt(d)
+    try:
+        attn_scale = float(attn_scale)
+    except (TypeError, ValueError):
+        raise InvalidTypeError(f"attn_scale must be a float, got {attn_scale!r}") from None
+    if not math.isfinite(attn_scale) or attn_scale <= 0:
+        raise InvalidArgumentError(f"attn_scale must be finite and > 0, got {attn_scale}")
+
+    band = make_band(bool(causal), causal_alignment, window)
+    extras = {
+        "seq_len_q": _seq_lens("seq_len_q", seq_len_q, b, q.device),
+        "seq_len_kv": _seq_lens("seq_len_kv", seq_len_kv, b, q.device),
+        "bias": None,
+        "slopes": None,
+    }
+
+    bias_kind, bias_shape = None, ()
+    if attn_bias is not None:
+        if not isinstance(attn_bias, torch.Tensor):
+            raise InvalidTypeError(f"attn_bias must be a tensor, got {type(attn_bias).__name__}")
+        if attn_bias.dtype == torch.bool:
+            bias_kind = "bool"
+        elif attn_bias.dtype in IO_DTYPES:
+            bias_kind = "float"
+        else:
+            raise InvalidTypeError(f"attn_bias dtype {attn_bias.dtype}; supported: bool (True = keep), float16, bfloat16, float32")
+        if attn_bias.device != q.device:
+            raise InvalidArgumentError(f"attn_bias is on {attn_bias.device} but q is on {q.device}")
+        bias_shape = tuple(attn_bias.shape)
+        try:
+            bias4 = attn_bias.reshape((1,) * (4 - attn_bias.dim()) + bias_shape) if attn_bias.dim() < 4 else attn_bias
+            extras["bias"] = bias4.expand(b, h_q, s_q, s_kv)
+        except RuntimeError:
+            raise InvalidArgumentError(
+                f"attn_bias of shape {bias_shape} does not broadcast to [b, h_q, s_q, s_kv] = {[b, h_q, s_q, s_kv]}") from None
+
+    alibi_kind = None
+    if isinstance(alibi, torch.Tensor):
+        if alibi.shape != (h_q,) or not alibi.is_floating_point():
+            raise InvalidArgumentError(f"alibi slopes must be a float tensor of shape [{h_q}] (h_q), got {tuple(alibi.shape)} {alibi.dtype}")
+        if alibi.device != q.device:
+            raise InvalidArgumentError(f"alibi slopes are on {alibi.device} but q is on {q.device}")
+        alibi_kind = "tensor"
+        extras["slopes"] = alibi.to(torch.float32).contiguous()
+    elif alibi:
+        alibi_kind = "default"
+        extras["slopes"] = alibi_slopes(h_q, q.device)
+
+    try:
+        softcap = float(softcap or 0.0)
+        dropout_p = float(dropout_p or 0.0)
+    except (TypeError, ValueError):
+        raise InvalidTypeError("softcap and dropout_p must be floats") from None
+    if not math.isfinite(softcap) or softcap < 0:
+        raise InvalidArgumentError(f"softcap must be >= 0 (0 = off), got {softcap}")
+    if not (0.0 <= dropout_p < 1.0):
+        raise InvalidArgumentError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    for name, val in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        if not isinstance(val, int) or isinstance(val, bool) or not (0 <= val < 2 ** 63):
+            raise InvalidArgumentError(f"{name} must be an int in [0, 2**63), got {val!r}")
+
+    problem = AttentionProblem(
+        b=b, h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d_v, dtype=q.dtype,
+        device_type=q.device.type, scale=attn_scale, band=band,
+        has_seq_len_q=extras["seq_len_q"] is not None, has_seq_len_kv=extras["seq_len_kv"] is not None,
+        bias=bias_kind, bias_shape=bias_shape, alibi=alibi_kind, softcap=softcap,
+        dropout_p=dropout_p, dropout_seed=int(dropout_seed), dropout_offset=int(dropout_offset),
+    )
+    return problem, extras
+
+
+def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:
+    """The ALiBi paper's per-head slopes, fp32 ``[n_heads]`` (non-powers of two as the seeds do)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** p for p in range(1, closest + 1)]
+    if closest != n_heads:
+        extra_base = base ** 0.5
+        slopes += [extra_base ** p for p in range(1, 2 * (n_heads - closest) + 1, 2)]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)

@@ -1,0 +1,69 @@
+"""Plain attention math, for tests only: the whole score matrix, no tiling, no tricks.
+
+``attention_reference`` runs in whatever dtype it is given: float64 for the
+golden result, the input dtype for "PyTorch's own same-precision error"
+(FlashAttention's rule compares the kernel's error to that one). It is
+differentiable, so gradients come from autograd through it.
+
+Order of operations (the kernels' too): logits = softcap(scale * q k^T) + bias
++ ALiBi slope_h * (j - i); then the band / padding mask; softmax; an empty row
+gives output 0 and stats 0; dropout scales kept probabilities by 1 / (1 - p).
+"""
+from __future__ import annotations
+
+import torch
+
+from .backends.cpu import dropout_keep_mask
+from .problem import alibi_slopes, make_band
+
+
+def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
+                        seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
+                        dropout_p=0.0, dropout_seed=0, dropout_offset=0, dtype=torch.float64):
+    """Returns (out [b,h_q,s_q,d_v], lse [b,h_q,s_q,1]) computed in ``dtype``."""
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    g = h_q // h_kv
+    scale = attn_scale if attn_scale is not None else d ** -0.5
+    qf, kf, vf = (t.to(dtype) for t in (q, k, v))
+    kf = kf.repeat_interleave(g, dim=1)
+    vf = vf.repeat_interleave(g, dim=1)
+    s = qf @ kf.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s * (scale / softcap))
+    else:
+        s = s * scale
+    rows = torch.arange(s_q, device=q.device).view(-1, 1)
+    cols = torch.arange(s_kv, device=q.device).view(1, -1)
+    if attn_bias is not None:
+        if attn_bias.dtype == torch.bool:
+            s = s.masked_fill(~attn_bias.expand(b, h_q, s_q, s_kv), float("-inf"))
+        else:
+            s = s + attn_bias.to(dtype)
+    if isinstance(alibi, torch.Tensor) or alibi:
+        slopes = alibi if isinstance(alibi, torch.Tensor) else alibi_slopes(h_q, q.device)
+        s = s + slopes.to(dtype).view(1, h_q, 1, 1) * (cols - rows).to(dtype)
+    len_q = seq_len_q.reshape(b).long() if seq_len_q is not None else torch.full((b,), s_q, device=q.device)
+    len_kv = seq_len_kv.reshape(b).long() if seq_len_kv is not None else torch.full((b,), s_kv, device=q.device)
+    lq, lkv = len_q.view(b, 1, 1, 1), len_kv.view(b, 1, 1, 1)
+    keep = (rows < lq) & (cols < lkv)
+    band = make_band(causal, causal_alignment, window)
+    if band is not None:
+        diag = (lkv - lq) if band.alignment == "bottom_right" else 0
+        if band.left is not None:
+            keep = keep & (cols >= rows + diag - band.left)
+        if band.right is not None:
+            keep = keep & (cols <= rows + diag + band.right)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    nonempty = l > 0
+    prob = e / torch.where(nonempty, l, torch.ones_like(l))
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), torch.zeros_like(l))
+    if dropout_p > 0:
+        kept = dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, dropout_seed, dropout_offset, q.device)
+        prob = prob * kept / (1.0 - dropout_p)
+    out = prob @ vf
+    return out, lse.float()
