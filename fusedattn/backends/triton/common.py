@@ -62,24 +62,32 @@ def kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
 
 
 @triton.jit
-def q_block_range(start_n, len_q, len_kv, diag, win_left, win_right, num_q_blocks,
+def q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Query blocks that key columns [start_n, start_n + BLOCK_N) are seen by (the band transposed).
+    """Query blocks that see key columns [start_n, start_n + BLOCK_N): the band transposed.
 
-    Returns (lo, hi) in units of rows, lo a multiple of BLOCK_M: rows in
-    [lo, hi) may keep one of the keys. Key j is kept by row i iff
-    j - diag - right <= i <= j - diag + left.
+    Returns (lo, full_lo, full_hi, hi) in rows: rows [lo, hi) may keep one of the
+    keys; row blocks starting in [full_lo, full_hi) keep all of them and lie inside
+    len_q (no mask needed). Key j is kept by row i iff j - diag - right <= i <= j - diag + left.
     """
-    last = tl.minimum(start_n + BLOCK_N, len_kv) - 1
+    last = tl.minimum(start_n + BLOCK_N, len_kv) - 1       # last real key of the block
     lo = start_n * 0
     hi = len_q
+    full_lo = lo
+    full_hi = len_q // BLOCK_M * BLOCK_M
+    full_hi = tl.where(last < start_n + BLOCK_N - 1, lo, full_hi)   # a ragged key block: mask every row block
     if HAS_RIGHT:
         lo = tl.maximum(start_n - diag - win_right, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last - diag - win_right, 0), BLOCK_M) * BLOCK_M
     if HAS_LEFT:
         hi = tl.minimum(last - diag + win_left + 1, len_q)
+        full_hi = tl.minimum(full_hi, tl.maximum(start_n - diag + win_left + 1, 0) // BLOCK_M * BLOCK_M)
     hi = tl.where(start_n >= len_kv, lo, tl.maximum(hi, lo))
-    return lo, hi
+    hi_ceil = tl.cdiv(hi, BLOCK_M) * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi_ceil)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_ceil)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -96,10 +104,14 @@ def load_tile(ptrs, rows, cols, n_rows, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 
 
 @triton.jit
-def load_bias(BIAS, offs_m, offs_n, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND: tl.constexpr):
-    """The bias tile in natural units, fp32: float bias as is, bool mask as 0 / -inf."""
-    ptrs = BIAS + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn
-    inside = (offs_m < S_Q)[:, None] & (offs_n < S_KV)[None, :]
+def load_bias(BIAS, rows, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND: tl.constexpr):
+    """The bias tile in natural units, fp32: float bias as is, bool mask as 0 / -inf.
+
+    ``rows`` / ``cols`` are broadcastable 2-D index tensors, so the same code serves a
+    [rows, cols] tile (forward, dQ) and a [cols, rows] one (dK/dV).
+    """
+    ptrs = BIAS + rows * stride_bm + cols * stride_bn
+    inside = (rows < S_Q) & (cols < S_KV)
     if BIAS_KIND == 2:
         keep = tl.load(ptrs, mask=inside, other=1)
         return tl.where(keep != 0, 0.0, float("-inf"))
@@ -108,45 +120,53 @@ def load_bias(BIAS, offs_m, offs_n, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND: 
 
 
 @triton.jit
-def scores_base2(qk, bias, slope, offs_m, offs_n, len_kv, diag, win_left, win_right, qk_scale, softcap,
-                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+def softcap_tanh(qk, qk_scale):
+    """tanh(qk * qk_scale) as 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice needed."""
+    return 1.0 - 2.0 / (tl.math.exp2(qk * (qk_scale * 2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def scores_base2(qk, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win_right, qk_scale, softcap,
+                 MASKED: tl.constexpr, MASK_ROWS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  SOFTCAP: tl.constexpr, BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Attention logits of one tile in base 2, -inf where masked.
 
-    Order (the reference's too): softcap(scale * q.k) + bias + ALiBi, then the band and
-    length mask. ``qk_scale`` is ``scale * log2(e)``, or ``scale / softcap`` with SOFTCAP.
+    ``rows`` (query index) and ``cols`` (key index) are broadcastable 2-D index
+    tensors matching the tile's orientation. Order (the reference's too):
+    softcap(scale * q.k) + bias + ALiBi, then the band and length masks.
+    ``qk_scale`` is ``scale * log2(e)``, or ``scale / softcap`` with SOFTCAP.
     ALiBi adds ``slope * (j - i)`` (cuDNN's sign); ``slope`` arrives in base 2.
+    MASK_ROWS also drops rows past ``len_q`` (the backward needs it; the forward
+    zeroes those rows at the end instead).
     """
     if SOFTCAP:
-        x = qk * qk_scale
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice needed
-        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
-        s = t * (softcap * LOG2E)
+        s = softcap_tanh(qk, qk_scale) * (softcap * LOG2E)
     else:
         s = qk * qk_scale
     if BIAS_KIND != 0:
         s += bias * LOG2E
     if HAS_ALIBI:
-        s += slope * (offs_n[None, :] - offs_m[:, None]).to(tl.float32)
+        s += slope * (cols - rows).to(tl.float32)
     if MASKED:
-        keep = (offs_n < len_kv)[None, :]
+        keep = cols < len_kv
+        if MASK_ROWS:
+            keep = keep & (rows < len_q)
         if HAS_LEFT:
-            keep = keep & (offs_n[None, :] >= offs_m[:, None] + (diag - win_left))
+            keep = keep & (cols >= rows + (diag - win_left))
         if HAS_RIGHT:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (diag + win_right))
+            keep = keep & (cols <= rows + (diag + win_right))
         s = tl.where(keep, s, float("-inf"))
     return s
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, offs_m, offs_n, S_Q, S_KV, threshold):
+def dropout_keep(seed, offset, bh, rows, cols, S_Q, S_KV, threshold):
     """Which probabilities survive dropout: a pure function of (seed, offset, b*h_q+head, row, col).
 
     Philox (tl.randint) at the 64-bit counter ``offset + (bh * S_Q + row) * S_KV + col``;
     keep iff the top 31 bits >= threshold = p * 2^31. Independent of tile sizes, so the
     backward regenerates the forward's mask; ``backends.cpu.dropout_keep_mask`` mirrors it.
     """
-    rows = (bh.to(tl.int64) * S_Q + offs_m) * S_KV
-    counter = offset + rows[:, None] + offs_n[None, :]
+    counter = offset + (bh.to(tl.int64) * S_Q + rows) * S_KV + cols     # rows/cols: broadcastable 2-D
     r = tl.randint(seed, counter)
     return (r >> 1).to(tl.int32) >= threshold

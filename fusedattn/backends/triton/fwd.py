@@ -44,16 +44,17 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, bias_base, slope,
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias = 0.0
         if BIAS_KIND != 0:
-            bias = load_bias(bias_base, offs_m, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
-        s = scores_base2(qk, bias, slope, offs_m, cols, len_kv, diag, win_left, win_right,
-                         qk_scale, softcap, MASKED, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
+            bias = load_bias(bias_base, offs_m[:, None], cols[None, :], stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
+        s = scores_base2(qk, bias, slope, offs_m[:, None], cols[None, :], len_kv, len_kv, diag, win_left, win_right,
+                         qk_scale, softcap, MASKED, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, cols, S_Q, S_KV, dropout_threshold)
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m[:, None], cols[None, :], S_Q, S_KV,
+                                dropout_threshold)
             p = tl.where(keep, p, 0.0)
         v = load_tile(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                       cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)

@@ -1,0 +1,350 @@
+"""Backward attention: FlashAttention-2's split, deterministic (no atomics).
+
+Notation as in fwd.py. Given q, k, v, o, dO and the forward's natural-log
+stats ``lse``, with P = exp(S - lse) recomputed tile by tile (never stored):
+
+    delta = rowsum(dO * O)                          _attn_bwd_preprocess, [b*h_q, s_q] fp32
+    dV_j  = sum_i P_ij^T dO_i        (dropout: P masked and scaled by 1/(1-p))
+    dS_ij = P_ij * (dP_ij - delta_i),  dP = dO V^T   (dropout: dP masked and scaled)
+    dK_j  = scale * sum_i dS_ij^T Q_i                _attn_bwd_dkdv, program = (key block, b, kv head)
+    dQ_i  = scale * sum_j dS_ij K_j                  _attn_bwd_dq,   program = (query block, b, q head)
+
+The dK/dV program owns one key block of one kv head and loops over the query
+heads of its GQA group and the query blocks that see it (the band transposed,
+``common.q_block_range``), so every dK/dV element has exactly one writer: the
+result is bitwise reproducible. It works on transposed tiles [keys, rows]
+(S^T = K Q^T) so no tile is transposed in registers. With softcap, dS also
+carries the tanh derivative (1 - t^2). dBias (when asked) is dS itself,
+written per (row, key) by the dK/dV program into a zeroed fp32 buffer.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .args import kernel_scalars
+from .common import (LOG2E, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range, scores_base2,
+                     sequence_lengths, softcap_tanh)
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
+                         stride_dob, stride_doh, stride_dom, stride_dod, H_Q, S_Q, D_V,
+                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = (bh // H_Q).to(tl.int64)
+    head = (bh % H_Q).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = load_tile(O + batch * stride_ob + head * stride_oh + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                  rows, offs_dv, S_Q, D_V, True, True)
+    do = load_tile(DO + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
+                   + offs_dv[None, :] * stride_dod, rows, offs_dv, S_Q, D_V, True, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * S_Q + rows, delta, mask=rows < S_Q)
+
+
+@triton.jit
+def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
+                          offs_n, offs_m0, offs_d, offs_dv, start, end, len_q, len_kv, diag, bh,
+                          stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
+                          S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+                          dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                          MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                          BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                          WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head."""
+    cols = offs_n[:, None]                                    # key index, tiles are [keys, rows]
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + offs_m0
+        rows = offs_m[None, :]
+        q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                      offs_m, offs_d, S_Q, D, MASKED, not EVEN_D)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        bias = 0.0
+        if BIAS_KIND != 0:
+            bias = load_bias(bias_base, rows, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
+        s_t = scores_base2(qk_t, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win_right, qk_scale,
+                           softcap, MASKED, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
+        if MASKED:
+            lse = tl.load(lse_base + offs_m * stride_lm, mask=offs_m < S_Q, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=offs_m < S_Q, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m * stride_lm)
+            delta = tl.load(delta_base + offs_m)
+        p_t = tl.math.exp2(s_t - (lse * LOG2E)[None, :])
+        do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                       offs_m, offs_dv, S_Q, D_V, MASKED, not EVEN_DV)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, rows, cols, S_Q, S_KV, dropout_threshold)
+            dv = tl.dot(tl.where(keep, p_t * dropout_rescale, 0.0).to(do.dtype), do, dv,
+                        input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep, dp_t * dropout_rescale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])                 # d loss / d logit (natural units)
+        if WRITE_DBIAS:
+            tl.store(dbias_base + rows * S_KV + cols, ds_t, mask=(rows < S_Q) & (cols < S_KV))
+        if SOFTCAP:
+            t = softcap_tanh(qk_t, qk_scale)
+            ds_t = ds_t * (1.0 - t * t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, SLOPES,
+                   stride_qb, stride_qh, stride_qm, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                   stride_lb, stride_lh, stride_lm,
+                   stride_bb, stride_bh, stride_bm, stride_bn,
+                   H_Q, H_KV, GROUP, S_Q, S_KV, D, D_V,
+                   sm_scale, qk_scale, softcap, win_left, win_right,
+                   dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
+                   BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+                   DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhkv = tl.program_id(1)
+    batch = bhkv // H_KV
+    kv_head = bhkv % H_KV
+    start_n = pid_n * BLOCK_N
+    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    diag = len_q * 0
+    if BOTTOM_RIGHT:
+        diag = len_kv - len_q
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV == D_V
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = batch.to(tl.int64)
+    kvh64 = kv_head.to(tl.int64)
+    k = load_tile(K + b64 * stride_kb + kvh64 * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                  offs_n, offs_d, S_KV, D, True, not EVEN_D)
+    v = load_tile(V + b64 * stride_vb + kvh64 * stride_vh + offs_n[:, None] * stride_vn
+                  + offs_dv[None, :] * stride_vd, offs_n, offs_dv, S_KV, D_V, True, not EVEN_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, full_lo, full_hi, hi = q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, GROUP):
+        head = kv_head * GROUP + g                              # query heads of this kv head's group
+        h64 = head.to(tl.int64)
+        bh = batch * H_Q + head
+        q_base = Q + b64 * stride_qb + h64 * stride_qh
+        do_base = DO + b64 * stride_dob + h64 * stride_doh
+        lse_base = LSE + b64 * stride_lb + h64 * stride_lh
+        delta_base = DELTA + bh.to(tl.int64) * S_Q
+        bias_base = BIAS
+        if BIAS_KIND != 0:
+            bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
+        dbias_base = DBIAS
+        if WRITE_DBIAS:
+            dbias_base = DBIAS + bh.to(tl.int64) * S_Q * S_KV
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(SLOPES + head) * LOG2E
+        dk, dv = _attn_bwd_dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
+            offs_n, offs_m0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
+            S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+            dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+            True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+            WRITE_DBIAS, DOT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
+            offs_n, offs_m0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
+            S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+            dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+            False, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+            WRITE_DBIAS, DOT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
+            offs_n, offs_m0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
+            S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+            dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+            True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+            WRITE_DBIAS, DOT_PRECISION)
+    dk = dk * sm_scale              # d(scale * q.k) / dk; softcap's tanh' is already in dS
+    dk_ptrs = DK + b64 * stride_dkb + kvh64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b64 * stride_dvb + kvh64 * stride_dvh + offs_n[:, None] * stride_dvn \
+        + offs_dv[None, :] * stride_dvd
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=(offs_n < S_KV)[:, None] & (offs_d < D)[None, :])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=(offs_n < S_KV)[:, None] & (offs_dv < D_V)[None, :])
+
+
+@triton.jit
+def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
+                        offs_m, offs_n0, offs_d, offs_dv, start, end, len_q, len_kv, diag, bh,
+                        stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                        S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+                        dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                        MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                        BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """Accumulate dQ [rows, d] of one query tile over key blocks [start, end)."""
+    rows = offs_m[:, None]
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        cols = offs_n[None, :]
+        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                      offs_n, offs_d, len_kv, D, MASKED, not EVEN_D)
+        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                      offs_n, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        bias = 0.0
+        if BIAS_KIND != 0:
+            bias = load_bias(bias_base, rows, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
+        s = scores_base2(qk, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win_right, qk_scale,
+                         softcap, MASKED, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, rows, cols, S_Q, S_KV, dropout_threshold)
+            dp = tl.where(keep, dp * dropout_rescale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            t = softcap_tanh(qk, qk_scale)
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
+                 stride_qb, stride_qh, stride_qm, stride_qd,
+                 stride_kb, stride_kh, stride_kn, stride_kd,
+                 stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_dob, stride_doh, stride_dom, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                 stride_lb, stride_lh, stride_lm,
+                 stride_bb, stride_bh, stride_bm, stride_bn,
+                 H_Q, GROUP, S_Q, S_KV, D, D_V,
+                 sm_scale, qk_scale, softcap, win_left, win_right,
+                 dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
+                 BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
+                 DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    batch = bh // H_Q
+    head = bh % H_Q
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK_M
+    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    diag = len_q * 0
+    if BOTTOM_RIGHT:
+        diag = len_kv - len_q
+    EVEN_D: tl.constexpr = BLOCK_D == D
+    EVEN_DV: tl.constexpr = BLOCK_DV == D_V
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    kvh64 = kv_head.to(tl.int64)
+    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                  offs_m, offs_d, S_Q, D, True, not EVEN_D)
+    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom
+                   + offs_dv[None, :] * stride_dod, offs_m, offs_dv, S_Q, D_V, True, not EVEN_DV)
+    lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, mask=offs_m < S_Q, other=0.0) * LOG2E
+    delta = tl.load(DELTA + bh.to(tl.int64) * S_Q + offs_m, mask=offs_m < S_Q, other=0.0)
+    k_base = K + b64 * stride_kb + kvh64 * stride_kh
+    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    bias_base = BIAS
+    if BIAS_KIND != 0:
+        bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + head) * LOG2E
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
+                             offs_m, offs_n0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh,
+                             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+                             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                             True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
+                             DROPOUT, DOT_PRECISION)
+    dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
+                             offs_m, offs_n0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh,
+                             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+                             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                             False, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
+                             DROPOUT, DOT_PRECISION)
+    dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
+                             offs_m, offs_n0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh,
+                             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
+                             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
+                             True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
+                             DROPOUT, DOT_PRECISION)
+    # rows past the sequence get no gradient (their unmasked full blocks computed garbage)
+    dq = tl.where((offs_m < len_q)[:, None], dq * sm_scale, 0.0)
+    dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < S_Q)[:, None] & (offs_d < D)[None, :])
+
+
+def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
+    """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None."""
+    p = problem
+    args = kernel_scalars(p, extras, q)
+    sw = args["switches"]
+    bias = extras["bias"]
+    bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    if bias is not None and bias.dtype == torch.bool:
+        bias = bias.view(torch.uint8)
+    bias_arg = bias if bias is not None else q
+    block_d, block_dv = triton.next_power_of_2(p.d), triton.next_power_of_2(p.d_v)
+
+    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    pre_m = 64
+    _attn_bwd_preprocess[(triton.cdiv(p.s_q, pre_m), p.b * p.h_q)](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
+        BLOCK_M=pre_m, BLOCK_DV=block_dv)
+
+    dbias = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device) if need_dbias else None
+    common = (p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
+              p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
+    t = plan.bwd
+    _attn_bwd_dkdv[(triton.cdiv(p.s_kv, t.block_n), p.b * p.h_kv)](
+        q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
+        args["seq_q"], args["seq_kv"], bias_arg, args["slopes"],
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+        *lse.stride(), *bias_strides,
+        p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        WRITE_DBIAS=dbias is not None, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+    t = plan.bwd_dq
+    _attn_bwd_dq[(triton.cdiv(p.s_q, t.block_m), p.b * p.h_q)](
+        q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"],
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+        *lse.stride(), *bias_strides,
+        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        REVERSE_M=args["causal_like"], num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+    return dbias

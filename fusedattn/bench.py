@@ -1,0 +1,1118 @@
+"""``fusedattn bench``: fusedattn beside every attention a user could pick instead.
+
+Times our forward, backward and forward+backward on the configs of
+``shared/ANCHORS.md`` (plus the issue-5 masked configs and the issue-6 decode
+configs) beside every alternative importable in the same process, on the same
+inputs (random, physically BSHD: ``torch.randn(b, s, h, d).transpose(1, 2)``):
+
+* PyTorch SDPA with each backend (flash, efficient, cudnn, math) through
+  ``torch.nn.attention.sdpa_kernel``;
+* FlexAttention (``torch.compile``-d ``flex_attention``, block masks for causal
+  and the masked configs, ``score_mod`` for ALiBi);
+* cuDNN frontend (``import cudnn``; one pygraph sdpa / sdpa_backward per config);
+* FlashAttention-4 (``flash_attn.cute.flash_attn_func``).
+
+Counting (the usual one, see DESIGN.md "Performance"): forward
+``2*b*h*s_q*s_kv*(d + d_v)`` FLOPs (``4*b*h*s*s*d`` when ``d_v == d``), halved
+when causal; masked configs count only the unmasked (query, key) pairs;
+backward 2.5x the forward, forward+backward 3.5x. Decode reports K/V bytes read
+per second. Timing: median of ``triton.testing.do_bench`` (which also flushes
+the L2 cache before each call); input sets are rotated when one set fits in L2;
+``--cuda-graphs`` times CUDA-graph replays instead of eager calls (for small,
+launch-bound problems). Backward is timed alone (``autograd.grad`` with
+``retain_graph``), forward+backward is the sum of the two medians.
+
+Usage::
+
+    python -m fusedattn bench [--configs anchors|masked|decode|all] [--pass fwd|bwd|both]
+                              [--csv FILE] [--plot FILE.png] [--quick] [--only NAME[,NAME]]
+                              [--cuda-graphs] [--budget SECONDS]
+
+A progress line per config goes to stderr, the final markdown table to stdout.
+Without a GPU it says so, times one tiny CPU config, and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import importlib
+import math
+import os
+import site
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+# Wheels carried to the GPU machine are installed with ``pip --target``; a
+# plain PYTHONPATH entry does not run their ``.pth`` files (FA4 finds its DSL
+# through one), so bench/run_device.sh names the folder here and we add it as
+# a real site directory.
+for _dir in filter(None, os.environ.get("FUSEDATTN_EXTRA_SITE", "").split(os.pathsep)):
+    site.addsitedir(_dir)
+
+MATH_LIMIT_BYTES = 20e9       # skip SDPA math where its score matrices would need more
+QUICK = dict(warmup=5, rep=20)
+FULL = dict(warmup=25, rep=100)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- configs
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmark problem. ``mask`` is "" (plain), padding, alibi, window or dropout."""
+
+    table: str                  # anchors | masked | decode | cpu
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d: int
+    dtype: str
+    causal: bool = False
+    d_v: int = 0                # 0 = same as d
+    mask: str = ""
+    lens: Tuple[int, ...] = ()  # padding: per-sequence lengths (q and kv)
+    window: int = 0             # window: keys i-window .. i (FlashAttention's left)
+    dropout_p: float = 0.0
+    page_block: int = 0         # decode: 0 = contiguous cache, else paged with this block size
+
+    @property
+    def dv(self) -> int:
+        return self.d_v or self.d
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def gqa(self) -> bool:
+        return self.h_q != self.h_kv
+
+    @property
+    def heads(self) -> str:
+        return f"{self.h_q}" if not self.gqa else f"{self.h_q}/{self.h_kv}"
+
+    @property
+    def label(self) -> str:
+        """The ANCHORS.md spelling: ``b, h_q/h_kv, s, d, dtype[, causal]``."""
+        if self.table == "decode":
+            cache = "contiguous" if not self.page_block else f"paged {self.page_block}"
+            return f"b {self.b}, h {self.heads}, kv {self.s_kv}, d {self.d}, {self.dtype}, {cache}"
+        s = f"{self.s_q}" if self.s_q == self.s_kv else f"{self.s_q}x{self.s_kv}"
+        parts = [str(self.b), self.heads, s, str(self.d), self.dtype]
+        if self.mask:
+            parts.insert(0, self.mask_label)
+        if self.causal:
+            parts.append("causal")
+        return ", ".join(parts)
+
+    @property
+    def mask_label(self) -> str:
+        if self.mask == "padding":
+            return "padding(" + "/".join(map(str, self.lens)) + ")"
+        if self.mask == "window":
+            return f"window({self.window},0)"
+        if self.mask == "dropout":
+            return f"dropout {self.dropout_p:g}"
+        return self.mask
+
+    @property
+    def name(self) -> str:
+        """A shell-friendly id for ``--only``."""
+        heads = f"h{self.h_q}" + (f"kv{self.h_kv}" if self.gqa else "")
+        if self.table == "decode":
+            cache = "contig" if not self.page_block else f"paged{self.page_block}"
+            return f"decode-b{self.b}-{heads}-kv{self.s_kv}-d{self.d}-{self.dtype}-{cache}"
+        name = f"b{self.b}-{heads}-s{self.s_q}-d{self.d}-{self.dtype}" + ("-causal" if self.causal else "")
+        return f"{self.mask}-{name}" if self.mask else name
+
+    def unmasked(self) -> "Config":
+        """The same problem with the mask removed (causal kept): the kernel a mask must not slow."""
+        return replace(self, mask="", lens=(), window=0, dropout_p=0.0, table="anchors")
+
+
+def anchor_configs() -> List[Config]:
+    """The eight configs of shared/ANCHORS.md, in its order."""
+    c = Config
+    return [
+        c("anchors", 8, 12, 12, 1024, 1024, 64, "fp16"),
+        c("anchors", 8, 12, 12, 1024, 1024, 64, "fp16", causal=True),
+        c("anchors", 4, 32, 32, 2048, 2048, 128, "bf16", causal=True),
+        c("anchors", 32, 32, 32, 2048, 2048, 224, "fp16"),
+        c("anchors", 1, 32, 32, 16384, 16384, 128, "bf16", causal=True),
+        c("anchors", 4, 32, 8, 4096, 4096, 128, "bf16", causal=True),
+        c("anchors", 2, 16, 16, 8192, 8192, 128, "bf16"),
+        c("anchors", 4, 16, 16, 4096, 4096, 256, "bf16", causal=True),
+    ]
+
+
+def masked_configs() -> List[Config]:
+    """Issue 5: each mask on an anchor-sized problem, so 'ours/no-mask' compares like with like."""
+    base = Config("masked", 4, 32, 32, 2048, 2048, 128, "bf16", causal=True)
+    return [
+        replace(base, mask="padding", lens=(2048, 1536, 1024, 512)),
+        replace(base, mask="alibi"),
+        Config("masked", 2, 16, 16, 8192, 8192, 128, "bf16", causal=True, mask="window", window=1024),
+        replace(base, mask="dropout", dropout_p=0.1),
+    ]
+
+
+def decode_configs() -> List[Config]:
+    """Issue 6: one new token per sequence against a long K/V cache, contiguous and paged."""
+    out = []
+    for b, h_q, h_kv, s_kv in ((64, 32, 8, 4096), (8, 32, 32, 16384)):
+        for block in (0, 16, 64):
+            out.append(Config("decode", b, h_q, h_kv, 1, s_kv, 128, "bf16", page_block=block))
+    return out
+
+
+def cpu_configs() -> List[Config]:
+    """The tiny problem timed when no GPU is present (proves the command runs, nothing more)."""
+    return [Config("cpu", 1, 4, 4, 256, 256, 64, "fp32", causal=True)]
+
+
+# ----------------------------------------------------------------------------- work counts
+
+def _band_pairs(s_q: int, s_kv: int, causal: bool, window: int) -> float:
+    """Unmasked (query, key) pairs of one head of one sequence (causal: the usual half)."""
+    if window:
+        w = min(window, s_kv - 1)       # row i keeps keys max(0, i-w) .. i (top-left, s_q == s_kv)
+        return w * (w + 1) / 2 + (s_q - w) * (w + 1)
+    return s_q * s_kv / 2 if causal else float(s_q * s_kv)
+
+
+def fwd_flops(cfg: Config) -> float:
+    """Forward FLOPs of the unmasked work: 2 * pairs * (d + d_v) per head."""
+    if cfg.lens:
+        pairs = sum(_band_pairs(n, n, cfg.causal, cfg.window) for n in cfg.lens)
+    else:
+        pairs = cfg.b * _band_pairs(cfg.s_q, cfg.s_kv, cfg.causal, cfg.window)
+    return 2.0 * cfg.h_q * pairs * (cfg.d + cfg.dv)
+
+
+def kv_bytes(cfg: Config) -> float:
+    """Bytes of K and V a decode step must read once."""
+    elt = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    return float(cfg.b * cfg.h_kv * cfg.s_kv * (cfg.d + cfg.dv) * elt)
+
+
+def math_bytes(cfg: Config) -> float:
+    """What SDPA's math backend holds for one call: scores, probabilities and their grads."""
+    elt = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    return 3.0 * cfg.b * cfg.h_q * cfg.s_q * cfg.s_kv * elt
+
+
+# ----------------------------------------------------------------------------- inputs
+
+@dataclass
+class Inputs:
+    """One input set. q, k, v are leaf tensors, logical BHSD over BSHD memory."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.q, self.k, self.v] + list(self.extra.values())
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def bshd(b: int, h: int, s: int, d: int, dtype, device, fill: str = "randn") -> torch.Tensor:
+    """A logical [b, h, s, d] tensor laid out in memory as [b, s, h, d] (what models produce)."""
+    make = torch.randn if fill == "randn" else torch.empty
+    return make(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+
+
+def make_inputs(cfg: Config, device) -> Inputs:
+    """Random inputs for ``cfg``; the masks/tables the alternatives need go in ``extra``."""
+    dt = cfg.torch_dtype
+    q = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.d, dt, device).requires_grad_(cfg.table != "decode")
+    k = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.d, dt, device).requires_grad_(cfg.table != "decode")
+    v = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.dv, dt, device).requires_grad_(cfg.table != "decode")
+    inp = Inputs(q, k, v)
+    if cfg.lens:
+        inp.extra["lens"] = torch.tensor(cfg.lens, dtype=torch.int32, device=device)
+    if cfg.mask == "alibi":
+        from fusedattn.problem import alibi_slopes
+        inp.extra["slopes"] = alibi_slopes(cfg.h_q, device)
+    if cfg.page_block:
+        _add_paged_cache(cfg, inp)
+    return inp
+
+
+def _add_paged_cache(cfg: Config, inp: Inputs) -> None:
+    """Scatter the contiguous K/V into shuffled pages: containers [blocks, h_kv, block, d]
+    (over [blocks, block, h_kv, d] memory) and a page table [b, blocks_per_seq] (int32)."""
+    blk, b = cfg.page_block, cfg.b
+    per_seq = -(-cfg.s_kv // blk)
+    n_blocks = b * per_seq
+    perm = torch.randperm(n_blocks, device=inp.k.device).to(torch.int32)
+    table = perm.view(b, per_seq)
+    for name, t in (("k_cache", inp.k), ("v_cache", inp.v)):
+        d = t.shape[-1]
+        pad = per_seq * blk - cfg.s_kv
+        src = F.pad(t.detach(), (0, 0, 0, pad))                       # [b, h, per_seq*blk, d]
+        src = src.reshape(b, cfg.h_kv, per_seq, blk, d).permute(0, 2, 3, 1, 4)  # [b, per_seq, blk, h, d]
+        container = torch.empty(n_blocks, blk, cfg.h_kv, d, dtype=t.dtype, device=t.device)
+        container[table.reshape(-1).long()] = src.reshape(n_blocks, blk, cfg.h_kv, d)
+        inp.extra[name] = container.transpose(1, 2)                     # logical [blocks, h, blk, d]
+    inp.extra["page_table"] = table
+    inp.extra["seq_len_kv"] = torch.full((b,), cfg.s_kv, dtype=torch.int32, device=inp.k.device)
+
+
+# ----------------------------------------------------------------------------- timing
+
+class Unsupported(Exception):
+    """A backend refuses this config (printed as 'none')."""
+
+
+@dataclass
+class Runner:
+    """What a backend gives for one input set: a forward callable and a backward factory."""
+
+    fwd: Callable[[], object]
+    make_bwd: Optional[Callable[[], Callable[[], object]]] = None
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_cpu_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median wall time of ``fn`` in ms (CPU tensors; one warm-up call first)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_gpu_ms(fns: Sequence[Callable[[], object]], quick: bool, graphs: bool) -> float:
+    """Median ms of one call, rotating over ``fns`` (one per input set).
+
+    Eager: ``do_bench`` on a closure that cycles through the sets. Graphs: the
+    calls over all sets are captured once and the replay's median is divided
+    by the number of sets.
+    """
+    from triton.testing import do_bench
+
+    opts = QUICK if quick else FULL
+    for f in fns:                      # compile, autotune, allocate workspaces
+        f()
+    _cuda_sync()
+    if graphs:
+        graph = _capture(fns)
+        return do_bench(graph.replay, return_mode="median", **opts) / len(fns)
+    state = [0]
+
+    def call():
+        f = fns[state[0] % len(fns)]
+        state[0] += 1
+        return f()
+
+    return do_bench(call, return_mode="median", **opts)
+
+
+def _capture(fns: Sequence[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph that runs every callable once (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return graph
+
+
+def n_input_sets(one_set_bytes: int, free_bytes: float, graphs: bool) -> int:
+    """How many input sets to rotate so consecutive calls do not run from L2.
+
+    ``do_bench`` already flushes L2 before each eager call, so rotation matters
+    for graph replays; eager runs still rotate when a set is smaller than L2.
+    """
+    l2 = 50 * 2 ** 20
+    try:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size or l2
+    except Exception:
+        pass
+    target = (4 if graphs else 2) * l2
+    n = max(1, min(8, math.ceil(target / max(one_set_bytes, 1))))
+    while n > 1 and n * one_set_bytes * 4 > free_bytes:   # leave room for outputs and grads
+        n -= 1
+    return n
+
+
+# ----------------------------------------------------------------------------- backends
+
+def _sdpa_kwargs(cfg: Config, inp: Inputs) -> dict:
+    """Keyword arguments that make F.scaled_dot_product_attention compute ``cfg``'s problem."""
+    kw = {"enable_gqa": cfg.gqa}
+    if cfg.mask in ("", "dropout"):
+        kw["is_causal"] = cfg.causal and cfg.s_q > 1
+        kw["dropout_p"] = cfg.dropout_p
+    else:
+        kw["attn_mask"] = _explicit_mask(cfg, inp)
+    return kw
+
+
+def _explicit_mask(cfg: Config, inp: Inputs) -> torch.Tensor:
+    """The mask a PyTorch user would build: bool keep-mask, or a float bias for ALiBi."""
+    dev = inp.q.device
+    key = "sdpa_mask"
+    if key in inp.extra:
+        return inp.extra[key]
+    i = torch.arange(cfg.s_q, device=dev)[:, None]
+    j = torch.arange(cfg.s_kv, device=dev)[None, :]
+    keep = j <= i
+    if cfg.mask == "padding":      # keys past each sequence's length (rows keep key 0: no NaN rows)
+        keep = keep[None, None] & (j[None, None] < inp.extra["lens"][:, None, None, None])
+    elif cfg.mask == "window":
+        keep = (keep & (i - j <= cfg.window))[None, None]
+    elif cfg.mask == "alibi":
+        slopes = inp.extra["slopes"][None, :, None, None]
+        bias = slopes * (j - i).to(torch.float32)[None, None]
+        bias = bias.masked_fill(~keep[None, None], float("-inf")).to(cfg.torch_dtype)
+        inp.extra[key] = bias
+        return bias
+    inp.extra[key] = keep
+    return keep
+
+
+def _autograd_runner(attn: Callable[[Inputs], torch.Tensor], inp: Inputs) -> Runner:
+    """Forward under no_grad; backward is autograd.grad of one kept forward (retain_graph)."""
+
+    def fwd():
+        with torch.no_grad():
+            return attn(inp)
+
+    def make_bwd():
+        out = attn(inp)
+        d_out = torch.randn_like(out)
+        leaves = (inp.q, inp.k, inp.v)
+        return lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True)
+
+    return Runner(fwd, make_bwd)
+
+
+def prepare_ours(cfg: Config, need_bwd: bool):
+    """fusedattn itself: ``attention`` (and ``attention_with_kvcache`` for decode)."""
+    import fusedattn
+
+    attention = getattr(fusedattn, "attention", None)
+    if attention is None:
+        raise Unsupported("fusedattn.attention is missing")
+    with_cache = getattr(fusedattn, "attention_with_kvcache", None)
+    if cfg.page_block:
+        if with_cache is None:
+            raise Unsupported("fusedattn.attention_with_kvcache is missing (issue 6)")
+
+        def bind(inp):
+            x = inp.extra
+            return Runner(lambda: with_cache(inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
+                                             seq_len_kv=x["seq_len_kv"], causal=True))
+        return bind
+    if cfg.table == "decode" and with_cache is not None:
+        return lambda inp: Runner(lambda: with_cache(inp.q, inp.k, inp.v, causal=True))
+    kw = _ours_kwargs(cfg)
+
+    def attn(inp):
+        extra = {"seq_len_q": inp.extra["lens"], "seq_len_kv": inp.extra["lens"]} if cfg.lens else {}
+        return attention(inp.q, inp.k, inp.v, **kw, **extra)
+
+    return lambda inp: _autograd_runner(attn, inp)
+
+
+def _ours_kwargs(cfg: Config) -> dict:
+    kw = {"causal": cfg.causal and cfg.s_q > 1}
+    if cfg.mask == "alibi":
+        kw["alibi"] = True
+    elif cfg.mask == "window":
+        kw["window"] = (cfg.window, 0)
+    elif cfg.mask == "dropout":
+        kw["dropout_p"] = cfg.dropout_p
+    return kw
+
+
+def prepare_sdpa(backend_name: str):
+    """A factory for SDPA pinned to one backend through ``sdpa_kernel``."""
+
+    def prepare(cfg: Config, need_bwd: bool):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+        if backend_name == "MATH" and math_bytes(cfg) > MATH_LIMIT_BYTES:
+            raise Unsupported(f"skip: math would need {math_bytes(cfg) / 1e9:.0f} GB")
+        if cfg.page_block:
+            raise Unsupported("SDPA has no paged K/V cache")
+
+        def attn(inp):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(inp.q, inp.k, inp.v, **_sdpa_kwargs(cfg, inp))
+
+        return lambda inp: _autograd_runner(attn, inp)
+
+    return prepare
+
+
+_FLEX = {}
+
+
+def _flex_compiled():
+    """One compiled flex_attention; the recompile limits raised so no config falls back to eager
+    (eager flex materializes the score matrix and would time something else)."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        import torch._dynamo.config as dcfg
+
+        for name, value in (("recompile_limit", 256), ("accumulated_recompile_limit", 4096),
+                            ("cache_size_limit", 256), ("accumulated_cache_size_limit", 4096),
+                            ("fail_on_recompile_limit_hit", True)):
+            if hasattr(dcfg, name):
+                setattr(dcfg, name, value)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def prepare_flex(cfg: Config, need_bwd: bool):
+    """FlexAttention with the block mask / score_mod a user would write for ``cfg``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if cfg.mask == "dropout":
+        raise Unsupported("FlexAttention has no dropout")
+    if cfg.page_block:
+        raise Unsupported("paged cache not wired for FlexAttention here")
+    flex = _flex_compiled()
+    dev = _device()
+    lens = torch.tensor(cfg.lens, dtype=torch.int32, device=dev) if cfg.lens else None
+    window = cfg.window
+    mask_mod, batch = None, None
+    if cfg.mask == "padding":
+        def mask_mod(b, h, qi, ki):
+            return (qi >= ki) & (ki < lens[b])
+        batch = cfg.b
+    elif cfg.mask == "window":
+        def mask_mod(b, h, qi, ki):
+            return (qi >= ki) & (qi - ki <= window)
+    elif cfg.causal and cfg.s_q > 1:
+        def mask_mod(b, h, qi, ki):
+            return qi >= ki
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, batch, None, cfg.s_q, cfg.s_kv, device=dev)
+    score_mod = None
+    if cfg.mask == "alibi":
+        from fusedattn.problem import alibi_slopes
+        slopes = alibi_slopes(cfg.h_q, dev)
+
+        def score_mod(score, b, h, qi, ki):
+            return score + slopes[h] * (ki - qi)
+
+    def attn(inp):
+        return flex(inp.q, inp.k, inp.v, score_mod=score_mod, block_mask=block_mask, enable_gqa=cfg.gqa)
+
+    return lambda inp: _autograd_runner(attn, inp)
+
+
+def prepare_fa4(cfg: Config, need_bwd: bool):
+    """FlashAttention-4 (CuTe DSL); it takes BSHD tensors, so the views are transposed back."""
+    from flash_attn.cute import flash_attn_func
+
+    if cfg.mask in ("padding", "alibi", "dropout") or cfg.page_block:
+        raise Unsupported(f"not wired for FA4: {cfg.mask or 'paged'}")
+    kw = {"causal": cfg.causal and cfg.s_q > 1}
+    if cfg.mask == "window":
+        kw["window_size"] = (cfg.window, 0)
+
+    def attn(inp):
+        out = flash_attn_func(inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2), **kw)
+        if isinstance(out, tuple):
+            out = out[0]
+        return out.transpose(1, 2)
+
+    return lambda inp: _autograd_runner(attn, inp)
+
+
+_CUDNN = {}
+
+
+def _cudnn_handle():
+    import cudnn
+
+    if "handle" not in _CUDNN:
+        _CUDNN["handle"] = cudnn.create_handle()
+    return _CUDNN["handle"]
+
+
+def _cudnn_finish(graph) -> None:
+    import cudnn
+
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+
+
+def _cudnn_new_graph(cfg: Config):
+    import cudnn
+
+    io = {"fp16": cudnn.data_type.HALF, "bf16": cudnn.data_type.BFLOAT16, "fp32": cudnn.data_type.FLOAT}
+    return cudnn.pygraph(io_data_type=io[cfg.dtype], intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=_cudnn_handle())
+
+
+def _cudnn_mask_args(cfg: Config, graph, example: Inputs, tensors: Dict[str, object]) -> dict:
+    """cuDNN's own spelling of ``cfg``'s mask; graph tensors for run-time inputs go in ``tensors``."""
+    dev = example.q.device
+    kw = {"use_causal_mask": cfg.causal and cfg.s_q > 1}
+    if cfg.lens or cfg.page_block:
+        lens_q = torch.tensor(cfg.lens or (cfg.s_q,) * cfg.b, dtype=torch.int32, device=dev).view(cfg.b, 1, 1, 1)
+        lens_kv = torch.tensor(cfg.lens or (cfg.s_kv,) * cfg.b, dtype=torch.int32, device=dev).view(cfg.b, 1, 1, 1)
+        tensors["seq_len_q"] = (graph.tensor_like(lens_q), lens_q)
+        tensors["seq_len_kv"] = (graph.tensor_like(lens_kv), lens_kv)
+        kw.update(use_padding_mask=True, seq_len_q=tensors["seq_len_q"][0], seq_len_kv=tensors["seq_len_kv"][0])
+    if cfg.mask == "alibi":
+        kw["use_alibi_mask"] = True
+    if cfg.mask == "window":
+        kw["sliding_window_length"] = cfg.window + 1     # cuDNN counts the diagonal in the window
+    if cfg.mask == "dropout":
+        seed = torch.full((1, 1, 1, 1), 123456, dtype=torch.int64, device=dev)
+        offset = torch.full((1, 1, 1, 1), 1, dtype=torch.int64, device=dev)
+        tensors["seed"] = (graph.tensor_like(seed), seed)
+        tensors["offset"] = (graph.tensor_like(offset), offset)
+        kw["dropout"] = (cfg.dropout_p, tensors["seed"][0], tensors["offset"][0])
+    return kw
+
+
+def _cudnn_fwd_graph(cfg: Config, example: Inputs, stats: bool):
+    """Build one forward graph; returns (graph, q/k/v/o/stats handles, extra run-time tensors)."""
+    import cudnn
+
+    graph = _cudnn_new_graph(cfg)
+    tensors: Dict[str, object] = {}
+    if cfg.page_block:
+        k_src, v_src = example.extra["k_cache"], example.extra["v_cache"]
+    else:
+        k_src, v_src = example.k, example.v
+    q, k, v = (graph.tensor_like(t.detach()) for t in (example.q, k_src, v_src))
+    kw = _cudnn_mask_args(cfg, graph, example, tensors)
+    if cfg.page_block:
+        table = example.extra["page_table"].view(cfg.b, 1, -1, 1)
+        tk, tv = graph.tensor_like(table), graph.tensor_like(table)
+        tensors["table_k"], tensors["table_v"] = (tk, table), (tv, table)
+        kw.update(paged_attention_k_table=tk, paged_attention_v_table=tv,
+                  paged_attention_max_seq_len_kv=cfg.s_kv)
+    o, st = graph.sdpa(name="sdpa", q=q, k=k, v=v, generate_stats=stats,
+                       attn_scale=1.0 / math.sqrt(cfg.d), **kw)
+    o_like = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, cfg.torch_dtype, example.q.device, fill="empty")
+    o.set_output(True).set_dim(list(o_like.shape)).set_stride(list(o_like.stride()))
+    if stats:
+        st.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    _cudnn_finish(graph)
+    return graph, (q, k, v, o, st), tensors
+
+
+def _cudnn_bwd_graph(cfg: Config, example: Inputs):
+    graph = _cudnn_new_graph(cfg)
+    tensors: Dict[str, object] = {}
+    dev = example.q.device
+    o_like = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, cfg.torch_dtype, dev, fill="empty")
+    stats_like = torch.empty(cfg.b, cfg.h_q, cfg.s_q, 1, dtype=torch.float32, device=dev)
+    q, k, v = (graph.tensor_like(t.detach()) for t in (example.q, example.k, example.v))
+    o, d_o, stats = graph.tensor_like(o_like), graph.tensor_like(o_like), graph.tensor_like(stats_like)
+    kw = _cudnn_mask_args(cfg, graph, example, tensors)
+    dq, dk, dv = graph.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=d_o, stats=stats,
+                                     attn_scale=1.0 / math.sqrt(cfg.d), **kw)
+    for grad, like in ((dq, example.q), (dk, example.k), (dv, example.v)):
+        grad.set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride()))
+    _cudnn_finish(graph)
+    return graph, (q, k, v, o, d_o, stats, dq, dk, dv), tensors
+
+
+def prepare_cudnn(cfg: Config, need_bwd: bool):
+    """cuDNN frontend: graphs built once per config, executed with each input set's buffers."""
+    import cudnn
+
+    handle = _cudnn_handle()
+    state: Dict[str, object] = {}
+
+    def execute(graph, pack, workspace):
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        graph.execute(pack, workspace, handle=handle)
+
+    def extras(tensors):
+        return {h: t for h, t in tensors.values()}
+
+    def bind(inp: Inputs) -> Runner:
+        if "fwd" not in state:
+            state["fwd"] = _cudnn_fwd_graph(cfg, inp, stats=False)
+        graph, (q, k, v, o, _), tensors = state["fwd"]
+        k_t, v_t = (inp.extra["k_cache"], inp.extra["v_cache"]) if cfg.page_block else (inp.k, inp.v)
+        out = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, cfg.torch_dtype, inp.q.device, fill="empty")
+        ws = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=inp.q.device)
+        pack = {q: inp.q.detach(), k: k_t.detach(), v: v_t.detach(), o: out, **extras(tensors)}
+        return Runner(lambda: execute(graph, pack, ws), lambda: make_bwd(inp))
+
+    def make_bwd(inp: Inputs):
+        if cfg.page_block:
+            raise Unsupported("no backward for decode")
+        if "train" not in state:
+            state["train"] = _cudnn_fwd_graph(cfg, inp, stats=True)
+            state["bwd"] = _cudnn_bwd_graph(cfg, inp)
+        fgraph, (q, k, v, o, st), ftensors = state["train"]
+        bgraph, (bq, bk, bv, bo, bdo, bst, bdq, bdk, bdv), btensors = state["bwd"]
+        dev = inp.q.device
+        out = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, cfg.torch_dtype, dev, fill="empty")
+        stats = torch.empty(cfg.b, cfg.h_q, cfg.s_q, 1, dtype=torch.float32, device=dev)
+        ws = torch.empty(max(fgraph.get_workspace_size(), bgraph.get_workspace_size()),
+                         dtype=torch.uint8, device=dev)
+        qd, kd, vd = inp.q.detach(), inp.k.detach(), inp.v.detach()
+        execute(fgraph, {q: qd, k: kd, v: vd, o: out, st: stats, **extras(ftensors)}, ws)
+        d_out = torch.randn_like(out)
+        grads = [torch.empty_like(t) for t in (qd, kd, vd)]
+        pack = {bq: qd, bk: kd, bv: vd, bo: out, bdo: d_out, bst: stats,
+                bdq: grads[0], bdk: grads[1], bdv: grads[2], **extras(btensors)}
+        return lambda: execute(bgraph, pack, ws)
+
+    return bind
+
+
+def _importable(module: str) -> Optional[str]:
+    """None when ``module`` imports, else the reason it does not."""
+    try:
+        importlib.import_module(module)
+        return None
+    except Exception as exc:          # ImportError, or a wheel built for another CUDA
+        return f"{type(exc).__name__}: {exc}"
+
+
+def gpu_backends() -> Tuple[List[Tuple[str, Callable]], Dict[str, str]]:
+    """(column, prepare) for ours and every importable alternative; reasons for the missing."""
+    cols = [("ours", prepare_ours)]
+    cols += [(f"torch {n.split('_')[0].lower()}", prepare_sdpa(n))
+             for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")]
+    missing = {}
+    optional = (("FlexAttention", "torch.nn.attention.flex_attention", prepare_flex),
+                ("cuDNN frontend", "cudnn", prepare_cudnn),
+                ("FA4", "flash_attn.cute", prepare_fa4))
+    for col, module, prep in optional:
+        why = _importable(module)
+        if why is None:
+            cols.append((col, prep))
+        else:
+            missing[col] = why
+    return cols, missing
+
+
+# ----------------------------------------------------------------------------- measuring
+
+@dataclass
+class Cell:
+    """One measurement: status ok/none/OOM/skip, ms, and the rate (TFLOP/s or TB/s)."""
+
+    status: str
+    ms: float = float("nan")
+    value: float = float("nan")
+    why: str = ""
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:240]
+
+
+def _failure(exc: BaseException) -> Cell:
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return Cell("OOM", why=_short(exc))
+    if isinstance(exc, Unsupported) and str(exc).startswith("skip"):
+        return Cell("skip", why=str(exc))
+    return Cell("none", why=_short(exc))
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Bench:
+    """Runs configs, keeps the cells, writes CSV rows as they come."""
+
+    def __init__(self, args, csv_file=None):
+        self.args = args
+        self.csv_file = csv_file
+        self.csv = csv.writer(csv_file) if csv_file else None
+        if self.csv:
+            self.csv.writerow(["table", "config", "name", "pass", "backend", "status", "ms", "value", "unit"])
+        self.on_gpu = torch.cuda.is_available()
+        self.results: Dict[Tuple[str, str], Dict[str, Cell]] = {}
+        self.checks: Dict[str, float] = {}
+
+    # -- one config
+    def run_config(self, cfg: Config, backends) -> None:
+        passes = self._passes(cfg)
+        sets = self._input_sets(cfg)
+        for col, prepare in backends:
+            self._run_backend(cfg, col, prepare, passes, sets)
+            _free_memory()
+        if cfg.table == "masked":
+            self._run_backend(cfg.unmasked(), "ours (no mask)", prepare_ours, passes,
+                              sets, store_as=cfg)
+        self._check_ours(cfg, sets[0])
+        self._derive_total(cfg)
+        del sets
+        _free_memory()
+
+    def _passes(self, cfg: Config) -> List[str]:
+        """What to time; ``--pass bwd`` times the forward too, for the fwd+bwd row."""
+        if cfg.table == "decode" or self.args.pass_ == "fwd":
+            return ["fwd"]
+        return ["fwd", "bwd"]
+
+    def _input_sets(self, cfg: Config) -> List[Inputs]:
+        dev = _device()
+        first = make_inputs(cfg, dev)
+        if not self.on_gpu:
+            return [first]
+        free, _ = torch.cuda.mem_get_info()
+        n = n_input_sets(first.nbytes, free, self.args.cuda_graphs)
+        return [first] + [make_inputs(cfg, dev) for _ in range(n - 1)]
+
+    def _run_backend(self, cfg, col, prepare, passes, sets, store_as: Optional[Config] = None):
+        key_cfg = store_as or cfg
+        try:
+            bind = prepare(cfg, "bwd" in passes)
+            runners = [bind(inp) for inp in sets]
+        except Exception as exc:
+            for p in passes:
+                self._store(key_cfg, p, col, _failure(exc))
+            return
+        for p in passes:
+            try:
+                fns = [r.fwd for r in runners] if p == "fwd" else [self._bwd_fn(r) for r in runners]
+                ms = self._time(fns)
+                self._store(key_cfg, p, col, self._cell(cfg, p, ms))
+            except Exception as exc:
+                self._store(key_cfg, p, col, _failure(exc))
+            _free_memory()
+
+    @staticmethod
+    def _bwd_fn(runner: Runner):
+        if runner.make_bwd is None:
+            raise Unsupported("no backward")
+        return runner.make_bwd()
+
+    def _time(self, fns) -> float:
+        if not self.on_gpu:
+            return time_cpu_ms(fns[0], reps=3 if self.args.quick else 10)
+        return time_gpu_ms(fns, self.args.quick, self.args.cuda_graphs)
+
+    @staticmethod
+    def _cell(cfg: Config, pass_: str, ms: float) -> Cell:
+        if cfg.table == "decode":
+            return Cell("ok", ms, kv_bytes(cfg) / (ms * 1e-3) / 1e12)
+        flops = fwd_flops(cfg) * (2.5 if pass_ == "bwd" else 1.0)
+        return Cell("ok", ms, flops / (ms * 1e-3) / 1e12)
+
+    def _store(self, cfg: Config, pass_: str, col: str, cell: Cell) -> None:
+        self.results.setdefault((cfg.name, pass_), {})[col] = cell
+        if cell.status != "ok" and cell.why:
+            print(f"    {col} {pass_}: {cell.status} ({cell.why})", file=sys.stderr)
+        if self.csv is not None:
+            unit = "TB/s" if cfg.table == "decode" else "TFLOP/s"
+            self.csv.writerow([cfg.table, cfg.label, cfg.name, pass_, col, cell.status,
+                               f"{cell.ms:.6g}", f"{cell.value:.6g}", unit])
+            self.csv_file.flush()
+
+    def _derive_total(self, cfg: Config) -> None:
+        """fwd+bwd = the sum of the two medians, counted as 3.5x the forward FLOPs."""
+        fwd, bwd = self.results.get((cfg.name, "fwd")), self.results.get((cfg.name, "bwd"))
+        if not fwd or not bwd:
+            return
+        for col in fwd:
+            a, b = fwd[col], bwd.get(col)
+            if b is None:
+                continue
+            if a.status == "ok" and b.status == "ok":
+                ms = a.ms + b.ms
+                cell = Cell("ok", ms, 3.5 * fwd_flops(cfg) / (ms * 1e-3) / 1e12)
+            else:
+                cell = Cell(b.status if a.status == "ok" else a.status)
+            self._store(cfg, "fwd+bwd", col, cell)
+
+    def _check_ours(self, cfg: Config, inp: Inputs) -> None:
+        """Our forward against PyTorch's SDPA on the same inputs (plain problems only), so a
+        fast table never hides a wrong kernel."""
+        if cfg.mask or cfg.page_block:
+            return
+        try:
+            with torch.no_grad():
+                ours = prepare_ours(cfg, False)(inp).fwd()
+                ref = F.scaled_dot_product_attention(inp.q, inp.k, inp.v, **_sdpa_kwargs(cfg, inp))
+            self.checks[cfg.name] = (ours.float() - ref.float()).abs().max().item()
+        except Exception as exc:
+            print(f"    check skipped: {_short(exc)}", file=sys.stderr)
+
+    # -- progress
+    def progress(self, i: int, n: int, cfg: Config, seconds: float) -> None:
+        parts = []
+        for p in ("fwd", "bwd"):
+            row = self.results.get((cfg.name, p))
+            if not row:
+                continue
+            cells = ", ".join(f"{c} {fmt_cell(cell, cfg)}" for c, cell in row.items())
+            parts.append(f"{p}: {cells}")
+        check = f"; ours max|err| vs SDPA {self.checks[cfg.name]:.2e}" if cfg.name in self.checks else ""
+        print(f"[{i}/{n}] {cfg.label} ({seconds:.0f} s) " + " | ".join(parts) + check, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- output
+
+def fmt_cell(cell: Optional[Cell], cfg: Config) -> str:
+    if cell is None:
+        return "-"
+    if cell.status != "ok":
+        return cell.status
+    if cfg.table == "decode":
+        return f"{cell.value:.2f}"
+    return f"{cell.value:.0f}" if cell.value >= 10 else f"{cell.value:.2g}"   # CPU rates are tiny
+
+
+def _best_alternative(row: Dict[str, Cell]) -> Optional[float]:
+    alts = [c.value for name, c in row.items() if not name.startswith("ours") and c.status == "ok"]
+    return max(alts) if alts else None
+
+
+def _ratio(num: Optional[Cell], den: Optional[float]) -> str:
+    if num is None or num.status != "ok" or not den:
+        return "-"
+    return f"{num.value / den:.2f}"
+
+
+def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs: Optional[float]) -> str:
+    """The markdown table of one group of configs (all share a table kind)."""
+    kind = cfgs[0].table
+    cols = list(columns)
+    if kind == "masked":
+        cols.insert(1, "ours (no mask)")
+    head = ["config"] + ([] if kind == "decode" else ["pass"]) + cols + ["ours/best"]
+    if kind == "masked":
+        head.append("ours/no-mask")
+    if kind == "decode":
+        head.append("ours/copy")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    shown = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd")}.get(bench.args.pass_, ("fwd", "bwd", "fwd+bwd"))
+    if kind == "decode":
+        shown = ("fwd",)
+    for cfg in cfgs:
+        for p in shown:
+            row = bench.results.get((cfg.name, p))
+            if row is None:
+                continue
+            cells = [cfg.label] + ([] if kind == "decode" else [p])
+            cells += [fmt_cell(row.get(c), cfg) for c in cols]
+            cells.append(_ratio(row.get("ours"), _best_alternative(row)))
+            if kind == "masked":
+                base = row.get("ours (no mask)")
+                cells.append(_ratio(row.get("ours"), base.value if base and base.status == "ok" else None))
+            if kind == "decode":
+                cells.append(_ratio(row.get("ours"), copy_tbs))
+            lines.append("| " + " | ".join(cells) + " |")
+    unit = "K/V bytes read per second, TB/s" if kind == "decode" else "TFLOP/s"
+    title = {"anchors": "Anchor configs (ANCHORS.md)", "masked": "Masked configs (issue 5)",
+             "decode": "Decode (issue 6)", "cpu": "CPU (no GPU present)"}[kind]
+    return f"\n### {title}: {unit}\n\n" + "\n".join(lines) + "\n"
+
+
+def write_plot(path: str, bench: Bench, cfgs: List[Config], columns: List[str]) -> None:
+    """Grouped bars of forward (and backward) TFLOP/s by config; matplotlib is optional."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
+        return
+    rows = [(cfg, p) for cfg in cfgs if cfg.table != "decode"
+            for p in ("fwd", "bwd") if (cfg.name, p) in bench.results]
+    if not rows:
+        print("--plot: nothing to plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 5))
+    width = 0.8 / max(1, len(columns))
+    for j, col in enumerate(columns):
+        ys = []
+        for cfg, p in rows:
+            cell = bench.results[(cfg.name, p)].get(col)
+            ys.append(cell.value if cell and cell.status == "ok" else 0.0)
+        ax.bar([i + j * width for i in range(len(rows))], ys, width, label=col)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{cfg.label}\n{p}" for cfg, p in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- ceilings, header
+
+def measure_ceilings(quick: bool) -> Tuple[float, float]:
+    """(bf16 8192^3 matmul TFLOP/s, device-to-device copy TB/s counting read + write)."""
+    from triton.testing import do_bench
+
+    opts = QUICK if quick else FULL
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = do_bench(lambda: a @ b, return_mode="median", **opts)
+    tflops = 2 * n ** 3 / (ms * 1e-3) / 1e12
+    del a, b
+    src = torch.randn(2 ** 29, dtype=torch.float16, device="cuda")     # 1 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median", **opts)
+    tbs = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e12
+    del src, dst
+    _free_memory()
+    return tflops, tbs
+
+
+def _version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:
+        return "-"
+
+
+def header(missing: Dict[str, str], timing: str) -> str:
+    lines = []
+    if torch.cuda.is_available():
+        lines.append(f"device: {torch.cuda.get_device_name(0)}")
+    cudnn_v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    lines.append(f"torch {torch.__version__}, triton {_version('triton')}, cuDNN backend {cudnn_v}, "
+                 f"cuDNN frontend {_version('nvidia-cudnn-frontend')}, FA4 {_version('flash-attn-4')}")
+    lines.append(f"timing: {timing}")
+    for col, why in missing.items():
+        lines.append(f"not importable, no column: {col} ({why[:120]})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv: Optional[Sequence[str]] = None):
+    p = argparse.ArgumentParser(prog="fusedattn bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", choices=("anchors", "masked", "decode", "all"), default="all")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="both",
+                   help="fwd; bwd (backward and fwd+bwd); both (default)")
+    p.add_argument("--csv", metavar="FILE", help="write every measurement as a CSV row, as it is taken")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of TFLOP/s (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (do_bench warmup 5 ms, rep 20 ms)")
+    p.add_argument("--only", metavar="NAME", help="comma-separated substrings of config names or labels")
+    p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (small problems)")
+    p.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
+                   help="start no new config after this many seconds (0 = no limit)")
+    p.add_argument("--list", action="store_true", help="print the config names and exit")
+    return p.parse_args(argv)
+
+
+def select_configs(args) -> List[Config]:
+    groups = {"anchors": anchor_configs, "masked": masked_configs, "decode": decode_configs}
+    names = list(groups) if args.configs == "all" else [args.configs]
+    cfgs = [c for n in names for c in groups[n]()]
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        cfgs = [c for c in cfgs if any(k in c.name or k in c.label for k in keys)]
+    return cfgs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``fusedattn bench``; returns the exit code."""
+    args = parse_args(argv)
+    if args.list:
+        for c in select_configs(args):
+            print(f"{c.name:45s} {c.label}")
+        return 0
+    csv_file = open(args.csv, "w", newline="") if args.csv else None
+    bench = Bench(args, csv_file)
+    try:
+        if torch.cuda.is_available():
+            return _main_gpu(args, bench)
+        return _main_cpu(args, bench)
+    finally:
+        if csv_file:
+            csv_file.close()
+
+
+def _main_cpu(args, bench: Bench) -> int:
+    print("no CUDA GPU found: timing one tiny CPU config only, to show the command works; "
+          "these numbers say nothing about GPU speed", file=sys.stderr)
+    print(header({}, "median wall time on the CPU"))
+    cols = [("ours", prepare_ours), ("torch sdpa", _prepare_cpu_sdpa)]
+    cfgs = cpu_configs()
+    for i, cfg in enumerate(cfgs, 1):
+        t0 = time.time()
+        bench.run_config(cfg, cols)
+        bench.progress(i, len(cfgs), cfg, time.time() - t0)
+    print(render_table(bench, cfgs, [c for c, _ in cols], None))
+    return 0
+
+
+def _prepare_cpu_sdpa(cfg: Config, need_bwd: bool):
+    def attn(inp):
+        return F.scaled_dot_product_attention(inp.q, inp.k, inp.v, **_sdpa_kwargs(cfg, inp))
+    return lambda inp: _autograd_runner(attn, inp)
+
+
+def _main_gpu(args, bench: Bench) -> int:
+    backends, missing = gpu_backends()
+    mode = "CUDA graph replays" if args.cuda_graphs else "eager calls (L2 flushed before each)"
+    print(header(missing, f"median of triton.testing.do_bench, {mode}"))
+    print("measuring ceilings ...", file=sys.stderr)
+    mm, copy = measure_ceilings(args.quick)
+    print(f"ceilings: bf16 8192^3 matmul {mm:.0f} TFLOP/s; device-to-device copy {copy:.2f} TB/s (read + write)")
+    cfgs = select_configs(args)
+    start, done = time.time(), []
+    for i, cfg in enumerate(cfgs, 1):
+        if args.budget and time.time() - start > args.budget:
+            print(f"budget of {args.budget:.0f} s reached; not run: {', '.join(c.name for c in cfgs[i - 1:])}",
+                  file=sys.stderr)
+            break
+        t0 = time.time()
+        bench.run_config(cfg, backends)
+        bench.progress(i, len(cfgs), cfg, time.time() - t0)
+        done.append(cfg)
+    columns = [c for c, _ in backends]
+    for kind in ("anchors", "masked", "decode"):
+        group = [c for c in done if c.table == kind]
+        if group:
+            print(render_table(bench, group, columns, copy))
+    if args.plot:
+        write_plot(args.plot, bench, done, columns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

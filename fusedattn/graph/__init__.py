@@ -1,0 +1,45 @@
+"""cuDNN frontend's Python Graph API for SDPA, running fusedattn's kernels.
+
+Code written for cuDNN frontend runs with one changed import::
+
+    import fusedattn as cudnn
+
+Both spellings work: the released frontend's ``cudnn.pygraph`` (tensors, ``sdpa``,
+``sdpa_backward``, ``validate`` ... ``build_plans``, ``execute(variant_pack, workspace,
+handle)``) and the seeds' ``with cudnn.Graph(...) as graph:`` context manager that builds on
+exit and is then called as ``graph(Q, K, V, handle=handle)``.
+
+The Graph door only translates: every ``sdpa`` / ``sdpa_backward`` node becomes one call of
+:func:`fusedattn.functional.attention_forward` / ``attention_backward`` (the same path the
+functional API takes), worked out once when the graph is built and reused by every
+``execute``.
+"""
+from .enums import (attention_implementation, build_plan_policy, data_type, diagonal_alignment,
+                    heur_mode, tensor_reordering)
+from .errors import GraphError, cudnnGraphNotSupportedError
+from .handle import (Handle, backend_version, backend_version_string, create_handle, destroy_handle,
+                     get_stream, set_stream)
+from .pygraph import pygraph
+from .tensor import tensor
+from .wrapper import Graph
+
+__all__ = [
+    "Graph",
+    "pygraph",
+    "tensor",
+    "Handle",
+    "create_handle",
+    "destroy_handle",
+    "set_stream",
+    "get_stream",
+    "backend_version",
+    "backend_version_string",
+    "data_type",
+    "heur_mode",
+    "diagonal_alignment",
+    "attention_implementation",
+    "tensor_reordering",
+    "build_plan_policy",
+    "GraphError",
+    "cudnnGraphNotSupportedError",
+]
