@@ -19,8 +19,8 @@ from .enums import (attention_implementation, build_plan_policy, data_type, diag
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .handle import (Handle, backend_version, backend_version_string, create_handle, destroy_handle,
                      get_stream, set_stream)
-from .pygraph import pygraph
-from .tensor import tensor
+from .graphs import pygraph
+from .tensors import tensor
 from .wrapper import Graph
 
 __all__ = [

@@ -1,0 +1,203 @@
+"""``Graph``: the seeds' context-manager spelling over :class:`pygraph`.
+
+::
+
+    with cudnn.Graph(io_data_type=cudnn.data_type.HALF,
+                     intermediate_data_type=cudnn.data_type.FLOAT,
+                     compute_data_type=cudnn.data_type.FLOAT) as graph:
+        output, stats = graph.sdpa(q=Q, k=K, v=V, attn_scale=scale, is_inference=True)
+        output.set_output(True).set_dim(Q.shape).set_stride(Q.stride())
+    result = graph(Q, K, V, handle=handle)     # built on exit; called with the inputs
+
+Operations take torch tensors directly (each distinct tensor becomes one graph input, by
+identity). On exit the graph is validated and built. Calling it maps the positional arguments
+to the graph's inputs **in the order the operations first read them** (per operation in its
+argument order: q, k, v, o, dO, stats, attn_scale, bias, seq_len_q, seq_len_kv, dropout seed
+and offset, rng_dump / dBias buffers, page tables), allocates every output marked
+``set_output(True)`` with the dims, strides and data type set on it (or inferred), runs, and
+returns the outputs in the order the operations created them: one tensor, or a tuple.
+``set_io_tuples(inputs, outputs)`` (cuDNN's wrapper) fixes another order.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+from .enums import heur_mode
+from .errors import GraphError
+from .graphs import pygraph
+from .tensors import tensor
+
+__all__ = ["Graph"]
+
+_OPS = ("sdpa", "sdpa_backward", "sdpa_with_paged_cache")
+_SIGS = {op: inspect.signature(getattr(pygraph, op)) for op in _OPS}
+
+
+class Graph:
+    """A graph built by a ``with`` block and called like a function.
+
+    Args (keyword-only, as cuDNN's ``cudnn.Graph``):
+        handle: default handle for calls (a call's ``handle=`` wins).
+        inputs, outputs: optional orders for positional calls (as ``set_io_tuples``).
+        heuristics: ``cudnn.heur_mode`` list for ``create_execution_plans`` (default [A, FALLBACK]).
+        workspace_alloc: accepted (fusedattn needs no workspace).
+        io_data_type, intermediate_data_type, compute_data_type, name, backend, ...: passed to
+            :class:`pygraph` (``torch.dtype`` values are accepted).
+    """
+
+    def __init__(self, *, handle=None, inputs=None, outputs=None, heuristics=None, workspace_alloc=True,
+                 **kwargs):
+        kwargs.setdefault("name", "graph")
+        self._pg = pygraph(handle=handle, **kwargs)
+        self._heuristics = list(heuristics) if heuristics else [heur_mode.A, heur_mode.FALLBACK]
+        self._by_id = {}          # id(torch tensor) -> (weakref to it, graph tensor)
+        self._strong = []         # construction-time references, so ids stay unique; dropped on exit
+        self._io = (inputs, outputs)
+        self._in_order = None     # set_io_tuples
+        self._out_order = None
+        self._entered = False
+        self._built = False
+
+    # -- context manager --------------------------------------------------------------------
+    def __enter__(self):
+        if self._entered:
+            raise GraphError("this Graph was already built; create a new one")
+        self._entered = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._strong = []
+        if exc_type is not None:
+            return None          # propagate the error from the with block; build nothing
+        self._pg.validate()
+        self._pg.build_operation_graph()
+        self._pg.create_execution_plans(self._heuristics)
+        self._pg.check_support()
+        self._pg.build_plans()
+        self._built = True
+        inputs, outputs = self._io
+        if inputs is not None or outputs is not None:
+            self.set_io_tuples(inputs or self._default_inputs(), outputs or self._default_outputs())
+        return None
+
+    # -- operations on torch tensors --------------------------------------------------------
+    def _convert(self, value, arg: str):
+        if isinstance(value, torch.Tensor):
+            hit = self._by_id.get(id(value))
+            if hit is not None and hit[0]() is value:
+                return hit[1]
+            gt = self._pg.tensor_like(value.detach(), name="")
+            self._by_id[id(value)] = (weakref.ref(value), gt)
+            self._strong.append(value)
+            return gt
+        if isinstance(value, tuple):
+            return tuple(self._convert(x, arg) for x in value)
+        return value
+
+    def _op(self, op: str, args, kwargs):
+        if self._built:
+            raise GraphError(f"Graph.{op}: the graph is already built (operations go inside the with block)")
+        bound = _SIGS[op].bind(self._pg, *args, **kwargs)
+        call = {}
+        for i, (name, value) in enumerate(bound.arguments.items()):
+            if i == 0:
+                continue     # self
+            call[name] = self._convert(value, name)
+        return getattr(self._pg, op)(**call)
+
+    def sdpa(self, *args, **kwargs):
+        """:meth:`pygraph.sdpa` taking torch tensors (or graph tensors); returns ``[o, stats]``."""
+        return self._op("sdpa", args, kwargs)
+
+    def sdpa_backward(self, *args, **kwargs):
+        """:meth:`pygraph.sdpa_backward` taking torch tensors; returns ``[dQ, dK, dV]``."""
+        return self._op("sdpa_backward", args, kwargs)
+
+    def sdpa_with_paged_cache(self, *args, **kwargs):
+        """:meth:`pygraph.sdpa_with_paged_cache` (the seeds' paged spelling) on torch tensors."""
+        return self._op("sdpa_with_paged_cache", args, kwargs)
+
+    def __getattr__(self, name):
+        # tensor, tensor_like, get_workspace_size, execute, key ... are the pygraph's
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._pg, name)
+
+    # -- calling ----------------------------------------------------------------------------
+    def _default_inputs(self):
+        return list(self._pg._seen_inputs)
+
+    def _default_outputs(self):
+        return [t for t in self._pg._tensors if t._producer is not None and not t._virtual]
+
+    def _lookup(self, item, what: str, i: int):
+        if isinstance(item, tensor):
+            return item
+        if isinstance(item, torch.Tensor):
+            hit = self._by_id.get(id(item))
+            if hit is not None and hit[0]() is item:
+                return hit[1]
+        if isinstance(item, str):
+            hits = [t for t in self._pg._tensors if t._name == item]
+            if len(hits) == 1:
+                return hits[0]
+        if isinstance(item, int) and not isinstance(item, bool) and item in self._pg._uid_to_tensor:
+            return self._pg._uid_to_tensor[item]
+        raise GraphError(f"set_io_tuples: {what} {i} ({item!r}) is not a tensor of this graph")
+
+    def set_io_tuples(self, inputs, outputs) -> None:
+        """Fix the order of positional inputs and returned outputs (graph tensors, the torch
+        tensors the operations were given, names or uids)."""
+        if not isinstance(inputs, (list, tuple)) or not isinstance(outputs, (list, tuple)):
+            raise GraphError("set_io_tuples expects two lists (inputs, outputs)")
+        if not self._built:
+            self._io = (inputs, outputs)
+            return
+        self._in_order = [self._lookup(x, "input", i) for i, x in enumerate(inputs)]
+        self._out_order = [self._lookup(x, "output", i) for i, x in enumerate(outputs)]
+
+    def __call__(self, *args, handle=None, workspace=None):
+        """Run the built graph: ``graph(Q, K, V, handle=h)`` -> output or tuple of outputs.
+
+        A single dict argument is a variant pack (graph tensors / uids / names -> torch tensors);
+        missing outputs are allocated, and the dict, with them added, is returned.
+        """
+        if not self._built:
+            raise GraphError("call the graph after its with block has built it")
+        if len(args) == 1 and isinstance(args[0], dict):
+            return self._call_dict(args[0], handle, workspace)
+        inputs = self._in_order if self._in_order is not None else self._default_inputs()
+        outputs = self._out_order if self._out_order is not None else self._default_outputs()
+        if len(args) != len(inputs):
+            names = ", ".join(t.label() for t in inputs)
+            raise GraphError(f"the graph takes {len(inputs)} inputs, in the order its operations first "
+                             f"read them ({names}); got {len(args)}")
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        pack = dict(zip(inputs, args))
+        results = [self._alloc(t, device) for t in outputs]
+        pack.update(zip(outputs, results))
+        self._pg.execute(pack, workspace, handle)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    @staticmethod
+    def _alloc(t: tensor, device):
+        from .enums import torch_dtype_of
+        return torch.empty_strided(t.get_dim(), t.get_stride(), dtype=torch_dtype_of(t.get_data_type()),
+                                   device=device)
+
+    def _call_dict(self, tensors: dict, handle, workspace):
+        pack = {}
+        for key, val in tensors.items():
+            pack[self._lookup(key, "key", 0) if not isinstance(key, tensor) else key] = val
+        device = next((v.device for v in pack.values() if isinstance(v, torch.Tensor)), None)
+        for t in self._default_outputs():
+            if t not in pack:
+                tensors[t] = pack[t] = self._alloc(t, device)
+        self._pg.execute(pack, workspace, handle)
+        return tensors
+
+    def __repr__(self):
+        return f"<fusedattn Graph over {self._pg!r}>"

@@ -1,0 +1,126 @@
+"""Test helpers: seeded random cases, NaN-guarded buffers, FlashAttention's error rule.
+
+* :func:`guarded` places a tensor inside a NaN-filled buffer with margins and,
+  optionally, a shuffled physical dim order with gaps between rows, so a kernel
+  that writes outside the tensor (or into a stride gap) is caught by
+  :meth:`Guarded.check_untouched`, and an unwritten output element stays NaN.
+* :func:`assert_error_within` is FlashAttention's rule: the kernel's max error
+  against a float64 reference must be at most ``factor`` times PyTorch's own
+  same-precision error, plus a small floor.
+* :func:`random_case` draws a geometry from weighted distributions (odd lengths,
+  GQA, head dims 40..256, BSHD and gapped layouts) from a seed, and
+  :meth:`Case.repro` prints a one-line repro.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-10}
+
+
+class Guarded:
+    """A tensor living inside a NaN-poisoned buffer."""
+
+    def __init__(self, shape, dtype, device, order=(0, 1, 2, 3), gap=0, margin=7, fill="randn", gen=None):
+        # physical layout: dims in `order` (outermost first); the innermost-but-one dim gets `gap` extra elements
+        sizes = [shape[i] for i in order]
+        strides = [0] * 4
+        acc = 1
+        for pos in range(3, -1, -1):
+            dim = order[pos]
+            strides[dim] = acc
+            acc *= sizes[pos] + (gap if pos == 3 and gap and sizes[pos] > 0 else 0)
+        self.numel_span = acc
+        self.buffer = torch.full((acc + 2 * margin,), float("nan"), dtype=dtype, device=device)
+        self.view = self.buffer.as_strided(shape, strides, storage_offset=margin)
+        self.margin = margin
+        if fill == "randn":
+            self.view.copy_(torch.randn(shape, generator=gen).to(dtype))
+        # map of which buffer elements belong to the tensor
+        marker = torch.zeros(acc + 2 * margin, dtype=torch.bool)
+        marker.as_strided(shape, strides, storage_offset=margin).fill_(True)
+        self.inside = marker.to(device)
+
+    def check_untouched(self, what="tensor"):
+        """Fail if anything outside the tensor (margins, stride gaps) is no longer NaN."""
+        outside = self.buffer[~self.inside]
+        bad = (~torch.isnan(outside.float())).sum().item()
+        assert bad == 0, f"{what}: {bad} elements written outside the tensor (margins or stride gaps)"
+
+
+def guarded(shape, dtype, device, layout="bhsd", gen=None, fill="randn"):
+    """A Guarded tensor of logical shape [b, h, s, d] in the given physical layout.
+
+    layout: "bhsd" (contiguous), "bshd" (models' usual, seen through transpose),
+    "gap" (BSHD with 8 unused elements after each row), "sbhd" (sequence outermost).
+    """
+    order, gap = {"bhsd": ((0, 1, 2, 3), 0), "bshd": ((0, 2, 1, 3), 0), "gap": ((0, 2, 1, 3), 8),
+                  "sbhd": ((2, 0, 1, 3), 0)}[layout]
+    return Guarded(shape, dtype, device, order=order, gap=gap, gen=gen, fill=fill)
+
+
+def max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_error_within(got, gold, base, *, factor=2.0, floor=None, msg=""):
+    """FlashAttention's rule: |got - gold| <= factor * |base - gold| + floor (max norms, no NaN)."""
+    assert not torch.isnan(got).any(), f"NaN in result ({int(torch.isnan(got).sum())} elements). {msg}"
+    floor = FLOOR[base.dtype] if floor is None else floor
+    e_got, e_base = max_err(got, gold), max_err(base, gold)
+    assert e_got <= factor * e_base + floor, (
+        f"error {e_got:.3e} > {factor} x PyTorch's same-precision error {e_base:.3e} + {floor:.1e}. {msg}")
+
+
+@dataclass
+class Case:
+    """One random attention configuration; ``repro()`` rebuilds it."""
+
+    seed: int
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d: int
+    d_v: int
+    dtype: str
+    layout: str
+    causal: bool = False
+    causal_alignment: str = "top_left"
+    window: Optional[Tuple[int, int]] = None
+
+    @property
+    def torch_dtype(self):
+        return getattr(torch, self.dtype)
+
+    def kwargs(self):
+        return dict(causal=self.causal, causal_alignment=self.causal_alignment, window=self.window)
+
+    def repro(self, test="tests/test_forward.py"):
+        return f"repro: pytest {test} -k 'case{self.seed}-' ; {asdict(self)}"
+
+
+def random_case(seed: int, dtypes=("float32", "float16"), max_s=300, head_dims=(40, 64, 96, 128, 224)) -> Case:
+    """Draw a geometry from weighted distributions: odd lengths, s_q != s_kv both ways, GQA/MQA."""
+    rng = random.Random(seed)
+    s_choices = [1, 2, 17, 33, 64, 113, 128, 200, max_s]
+    s_q = rng.choice(s_choices)
+    s_kv = rng.choice(s_choices) if rng.random() < 0.6 else s_q
+    h_kv = rng.choice([1, 2, 3])
+    h_q = h_kv * rng.choice([1, 1, 2, 4])
+    d = rng.choice(head_dims)
+    d_v = d if rng.random() < 0.8 else rng.choice([32, 64, 96])
+    mask = rng.random()
+    causal, window = False, None
+    if mask < 0.35:
+        causal = True
+    elif mask < 0.5:
+        window = (rng.choice([-1, 0, 5, 40]), rng.choice([-1, 0, 3, 17]))
+    return Case(seed=seed, b=rng.choice([1, 2, 3]), h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d_v,
+                dtype=rng.choice(dtypes), layout=rng.choice(["bhsd", "bshd", "gap", "sbhd"]), causal=causal,
+                causal_alignment=rng.choice(["top_left", "bottom_right"]), window=window)

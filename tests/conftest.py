@@ -1,0 +1,37 @@
+"""Test setup: Triton's interpreter where there is no GPU, and the (device, backend) matrix.
+
+TRITON_INTERPRET must be set before triton is imported (triton.jit reads it when a
+kernel is defined), so this runs before any fusedattn import. On a CUDA machine the
+real kernels run on the GPU and the interpreter cases skip, visibly.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# (device, backend): the CPU path, the real Triton kernels under the interpreter, the GPU kernels
+TARGETS = [
+    pytest.param(("cpu", "cpu"), id="cpu"),
+    pytest.param(("cpu", "triton"), id="interp",
+                 marks=pytest.mark.skipif(not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")),
+    pytest.param(("cuda", "triton"), id="gpu",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: GPU tests skipped")]),
+]
+
+
+@pytest.fixture(params=TARGETS)
+def target(request):
+    """(device, backend) pair a test runs on."""
+    return request.param
+
+
+def pytest_report_header(config):
+    return (f"fusedattn tests: CUDA {'yes: ' + torch.cuda.get_device_name() if HAS_CUDA else 'no (GPU tests skip)'}; "
+            f"Triton interpreter {'on' if INTERPRET else 'off'}")

@@ -1,0 +1,97 @@
+"""The command line: ``python -m fusedattn demo`` and ``python -m fusedattn bench --quick``.
+
+Run as subprocesses on the CPU (CUDA hidden, so a GPU machine runs the same fast path),
+they must finish and print sane tables. The work counts the bench reports are checked
+in-process against the formulas of DESIGN.md.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=120):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "fusedattn", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(text):
+    """Markdown table rows as lists of cells (header and separator rows dropped)."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_demo_runs_every_seed_example_and_passes():
+    res = run_cli("demo", "--device", "cpu")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = table_rows(res.stdout)
+    header, body = rows[0], rows[1:]
+    assert header[0] == "case" and "check" in header
+    assert [r[0] for r in body] == ["basic", "causal", "GQA", "BSHD (LLM quick start)"]
+    check = header.index("check")
+    err = header.index("max abs error")
+    for r in body:
+        assert r[check] == "pass", r
+        assert 0 <= float(r[err]) < 0.05, r
+        assert float(r[-1]) > 0 and float(r[-2]) > 0, r          # both timed
+    assert "all 4 examples match PyTorch" in res.stdout
+
+
+def test_bench_quick_without_gpu_times_a_tiny_config(tmp_path):
+    csv_path = tmp_path / "bench.csv"
+    res = run_cli("bench", "--quick", "--csv", str(csv_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no CUDA GPU found" in res.stderr
+    rows = table_rows(res.stdout)
+    header, body = rows[0], rows[1:]
+    assert header[:3] == ["config", "pass", "ours"] and header[-1] == "ours/best"
+    assert [r[1] for r in body] == ["fwd", "bwd", "fwd+bwd"]
+    for r in body:
+        assert float(r[2]) > 0 and float(r[3]) > 0, r            # ours and torch both measured
+        assert float(r[-1]) > 0, r
+    lines = csv_path.read_text().splitlines()
+    assert lines[0].startswith("table,config,name,pass,backend,status")
+    assert sum(",ok," in line for line in lines) == 6            # 2 backends x fwd, bwd, fwd+bwd
+
+
+def test_unknown_command_is_refused_with_usage():
+    res = run_cli("frobnicate")
+    assert res.returncode == 2
+    assert "unknown command" in res.stderr and "demo" in res.stderr
+
+
+def test_bench_work_counts_follow_the_usual_formulas():
+    from fusedattn import bench
+
+    plain, causal = bench.anchor_configs()[:2]
+    assert bench.fwd_flops(plain) == 4 * 8 * 12 * 1024 * 1024 * 64
+    assert bench.fwd_flops(causal) == bench.fwd_flops(plain) / 2
+    # a window counts only the kept pairs: row i keeps min(i, w) + 1 keys
+    win = bench.Config("masked", 1, 1, 1, 10, 10, 8, "fp16", causal=True, mask="window", window=3)
+    kept = sum(min(i, 3) + 1 for i in range(10))
+    assert bench.fwd_flops(win) == 2 * kept * (8 + 8)
+    pad = bench.Config("masked", 2, 1, 1, 8, 8, 8, "fp16", causal=True, mask="padding", lens=(8, 4))
+    assert bench.fwd_flops(pad) == 2 * (8 * 8 / 2 + 4 * 4 / 2) * 16
+    dec = bench.decode_configs()[0]
+    assert bench.kv_bytes(dec) == 64 * 8 * 4096 * (128 + 128) * 2
+
+
+def test_bench_config_names_are_unique_and_filterable():
+    from fusedattn import bench
+
+    args = bench.parse_args(["--configs", "all"])
+    names = [c.name for c in bench.select_configs(args)]
+    assert len(names) == len(set(names)) == 8 + 4 + 6
+    only = bench.select_configs(bench.parse_args(["--only", "h32kv8,paged16"]))
+    assert [c.name for c in only] == ["b4-h32kv8-s4096-d128-bf16-causal",
+                                      "decode-b64-h32kv8-kv4096-d128-bf16-contig",
+                                      "decode-b64-h32kv8-kv4096-d128-bf16-paged16",
+                                      "decode-b64-h32kv8-kv4096-d128-bf16-paged64",
+                                      "decode-b8-h32-kv16384-d128-bf16-paged16"]
