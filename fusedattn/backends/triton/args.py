@@ -1,5 +1,6 @@
 """Host side: the run-time scalars and compile-time switches every launch derives from a problem."""
 import torch
+import triton
 
 
 LOG2E_PY = 1.4426950408889634
@@ -29,6 +30,8 @@ def kernel_scalars(p, extras, dummy):
             BIAS_KIND={None: 0, "float": 1, "bool": 2}[p.bias],
             HAS_ALIBI=p.alibi is not None, SOFTCAP=softcap, DROPOUT=p.has_dropout,
             DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+            # head dims that are not powers of two (40, 96, 224) pad the tile and mask loads
+            EVEN_D=triton.next_power_of_2(p.d) == p.d, EVEN_DV=triton.next_power_of_2(p.d_v) == p.d_v,
         ),
     }
 

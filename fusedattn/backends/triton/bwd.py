@@ -108,6 +108,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
                    sm_scale, qk_scale, softcap, win_left, win_right,
                    dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                    BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                    BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -121,8 +122,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
     diag = len_q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q
-    EVEN_D: tl.constexpr = BLOCK_D == D
-    EVEN_DV: tl.constexpr = BLOCK_DV == D_V
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -238,6 +237,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
                  sm_scale, qk_scale, softcap, win_left, win_right,
                  dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                  BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                  BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -254,8 +254,6 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     diag = len_q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q
-    EVEN_D: tl.constexpr = BLOCK_D == D
-    EVEN_DV: tl.constexpr = BLOCK_DV == D_V
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)

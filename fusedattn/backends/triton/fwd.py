@@ -77,6 +77,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
               dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
               BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -100,8 +101,6 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    EVEN_D: tl.constexpr = BLOCK_D == D
-    EVEN_DV: tl.constexpr = BLOCK_DV == D_V
 
     # int64 base offsets: batch * stride can pass 2^31 on large tensors
     b64 = batch.to(tl.int64)
