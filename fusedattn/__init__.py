@@ -10,8 +10,4 @@ __version__ = "0.1.0"
 from .functional import attention, attention_backward, attention_forward  # noqa: F401
 from .problem import FusedAttnError, NotSupportedError, alibi_slopes  # noqa: F401
 
-try:  # the cuDNN-compatible Graph door (its own module; absent parts never block the functional API)
-    from .graph import *  # noqa: F401,F403
-except ImportError as _graph_import_error:  # pragma: no cover - only while graph.py is being written
-    if "fusedattn.graph" not in str(_graph_import_error) and "graph" not in str(_graph_import_error):
-        raise
+from .graph import *  # noqa: F401,F403  (the cuDNN-compatible Graph door)

@@ -642,6 +642,7 @@ def _cudnn_fwd_graph(cfg: Config, example: Inputs, stats: bool):
 
 
 def _cudnn_bwd_graph(cfg: Config, example: Inputs):
+    """Build the backward graph; returns (graph, tensor handles, extra run-time tensors)."""
     graph = _cudnn_new_graph(cfg)
     tensors: Dict[str, object] = {}
     dev = example.q.device
@@ -879,7 +880,11 @@ class Bench:
             with torch.no_grad():
                 ours = prepare_ours(cfg, False)(inp).fwd()
                 ref = F.scaled_dot_product_attention(inp.q, inp.k, inp.v, **_sdpa_kwargs(cfg, inp))
-            self.checks[cfg.name] = (ours.float() - ref.float()).abs().max().item()
+            err = (ours.float() - ref.float()).abs().max().item()
+            self.checks[cfg.name] = err
+            if self.csv is not None:
+                self.csv.writerow([cfg.table, cfg.label, cfg.name, "fwd", "ours max|err| vs SDPA", "check",
+                                   "", f"{err:.6g}", "abs"])
         except Exception as exc:
             print(f"    check skipped: {_short(exc)}", file=sys.stderr)
 
@@ -899,6 +904,7 @@ class Bench:
 # ----------------------------------------------------------------------------- output
 
 def fmt_cell(cell: Optional[Cell], cfg: Config) -> str:
+    """A table cell: the rate (TFLOP/s, or TB/s for decode), or none / OOM / skip / '-' (not run)."""
     if cell is None:
         return "-"
     if cell.status != "ok":
@@ -948,6 +954,9 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
             if kind == "decode":
                 cells.append(_ratio(row.get("ours"), copy_tbs))
             lines.append("| " + " | ".join(cells) + " |")
+    checked = [f"{cfg.label}: {bench.checks[cfg.name]:.1e}" for cfg in cfgs if cfg.name in bench.checks]
+    if checked:
+        lines.append("\nours' forward, max abs difference from SDPA on the same inputs: " + "; ".join(checked))
     unit = "K/V bytes read per second, TB/s" if kind == "decode" else "TFLOP/s"
     title = {"anchors": "Anchor configs (ANCHORS.md)", "masked": "Masked configs (issue 5)",
              "decode": "Decode (issue 6)", "cpu": "CPU (no GPU present)"}[kind]
@@ -1022,6 +1031,7 @@ def _version(dist: str) -> str:
 
 
 def header(missing: Dict[str, str], timing: str) -> str:
+    """Device and versions, the timing method, and the alternatives that could not be imported."""
     lines = []
     if torch.cuda.is_available():
         lines.append(f"device: {torch.cuda.get_device_name(0)}")
@@ -1037,6 +1047,7 @@ def header(missing: Dict[str, str], timing: str) -> str:
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv: Optional[Sequence[str]] = None):
+    """The bench's command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(prog="fusedattn bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", choices=("anchors", "masked", "decode", "all"), default="all")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="both",
@@ -1053,6 +1064,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 
 def select_configs(args) -> List[Config]:
+    """The configs named by ``--configs`` and filtered by ``--only`` (substrings of name or label)."""
     groups = {"anchors": anchor_configs, "masked": masked_configs, "decode": decode_configs}
     names = list(groups) if args.configs == "all" else [args.configs]
     cfgs = [c for n in names for c in groups[n]()]

@@ -45,26 +45,29 @@ def _bucket(d: int) -> int:
 # Hopper (sm90) forward tiles: (block_m, block_n, warps, stages) by (head-dim bucket, bytes per element).
 # Starting points from PyTorch's FlexAttention H100 table, then measured (bench/NOTES.md).
 _FWD_SM90 = {
-    (64, 2): Tiles(128, 128, 8, 3),
+    # H100 bf16/fp16, bench/sweep.py 2026-11-22 (TFLOP/s: d64 344, d64 causal 209, d128 causal 369,
+    # 8k d128 473, GQA 425, d224 419, d256 causal 452); 128x128 and 4 stages within 3% on d128.
+    (64, 2): Tiles(128, 64, 8, 3),
     (128, 2): Tiles(128, 64, 8, 3),
-    (256, 2): Tiles(128, 64, 8, 2),
+    (256, 2): Tiles(128, 64, 8, 2),      # 3 stages exceed shared memory at d 224/256
     (64, 4): Tiles(64, 64, 4, 3),
     (128, 4): Tiles(64, 32, 4, 3),
     (256, 4): Tiles(32, 32, 4, 2),
 }
-# Backward dK/dV and dQ passes (FA2 split; no atomics, so deterministic).
+# Backward dK/dV (block_m: query rows per step, block_n: keys per program) and dQ passes.
+# H100 sweep: 64x64 with 4 warps beat 64x128 with 8 on d64 (285 vs 223) and d128 (430 vs 375 on 8k).
 _BWD_SM90 = {
-    (64, 2): Tiles(64, 128, 8, 2),
-    (128, 2): Tiles(64, 128, 8, 2),
-    (256, 2): Tiles(32, 64, 8, 1),
+    (64, 2): Tiles(64, 64, 4, 3),
+    (128, 2): Tiles(64, 64, 4, 2),
+    (256, 2): Tiles(64, 64, 8, 1),       # 122 TFLOP/s at d 224: register-bound, see bench/NOTES.md
     (64, 4): Tiles(32, 64, 4, 2),
     (128, 4): Tiles(32, 64, 4, 1),
     (256, 4): Tiles(16, 32, 4, 1),
 }
 _BWD_DQ_SM90 = {
-    (64, 2): Tiles(128, 64, 8, 2),
-    (128, 2): Tiles(128, 64, 8, 2),
-    (256, 2): Tiles(64, 32, 8, 1),
+    (64, 2): Tiles(64, 64, 4, 3),
+    (128, 2): Tiles(64, 64, 4, 2),
+    (256, 2): Tiles(64, 64, 8, 1),
     (64, 4): Tiles(64, 32, 4, 2),
     (128, 4): Tiles(64, 32, 4, 1),
     (256, 4): Tiles(32, 16, 4, 1),

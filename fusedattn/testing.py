@@ -25,7 +25,7 @@ FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch
 class Guarded:
     """A tensor living inside a NaN-poisoned buffer."""
 
-    def __init__(self, shape, dtype, device, order=(0, 1, 2, 3), gap=0, margin=7, fill="randn", gen=None):
+    def __init__(self, shape, dtype, device, order=(0, 1, 2, 3), gap=0, margin=8, fill="randn", gen=None):
         # physical layout: dims in `order` (outermost first); the innermost-but-one dim gets `gap` extra elements
         sizes = [shape[i] for i in order]
         strides = [0] * 4
@@ -52,15 +52,17 @@ class Guarded:
         assert bad == 0, f"{what}: {bad} elements written outside the tensor (margins or stride gaps)"
 
 
-def guarded(shape, dtype, device, layout="bhsd", gen=None, fill="randn"):
+def guarded(shape, dtype, device, layout="bhsd", gen=None, fill="randn", margin=8):
     """A Guarded tensor of logical shape [b, h, s, d] in the given physical layout.
 
     layout: "bhsd" (contiguous), "bshd" (models' usual, seen through transpose),
     "gap" (BSHD with 8 unused elements after each row), "sbhd" (sequence outermost).
+    margin: elements of NaN before the tensor; 8 keeps the base 16-byte aligned, an odd
+    margin tests the misaligned-pointer path.
     """
     order, gap = {"bhsd": ((0, 1, 2, 3), 0), "bshd": ((0, 2, 1, 3), 0), "gap": ((0, 2, 1, 3), 8),
                   "sbhd": ((2, 0, 1, 3), 0)}[layout]
-    return Guarded(shape, dtype, device, order=order, gap=gap, gen=gen, fill=fill)
+    return Guarded(shape, dtype, device, order=order, gap=gap, gen=gen, fill=fill, margin=margin)
 
 
 def max_err(a, b) -> float:
@@ -93,6 +95,7 @@ class Case:
     causal: bool = False
     causal_alignment: str = "top_left"
     window: Optional[Tuple[int, int]] = None
+    margin: int = 8
 
     @property
     def torch_dtype(self):
@@ -123,4 +126,5 @@ def random_case(seed: int, dtypes=("float32", "float16"), max_s=300, head_dims=(
         window = (rng.choice([-1, 0, 5, 40]), rng.choice([-1, 0, 3, 17]))
     return Case(seed=seed, b=rng.choice([1, 2, 3]), h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d_v,
                 dtype=rng.choice(dtypes), layout=rng.choice(["bhsd", "bshd", "gap", "sbhd"]), causal=causal,
-                causal_alignment=rng.choice(["top_left", "bottom_right"]), window=window)
+                causal_alignment=rng.choice(["top_left", "bottom_right"]), window=window,
+                margin=rng.choice([8, 8, 8, 3]))

@@ -22,11 +22,11 @@ def run_backward_case(case, device, backend):
     dt = case.torch_dtype
     shapes = {"q": (case.b, case.h_q, case.s_q, case.d), "k": (case.b, case.h_kv, case.s_kv, case.d),
               "v": (case.b, case.h_kv, case.s_kv, case.d_v), "o": (case.b, case.h_q, case.s_q, case.d_v)}
-    q, k, v = (guarded(shapes[n], dt, device, case.layout, gen) for n in "qkv")
-    do = guarded(shapes["o"], dt, device, case.layout, gen)
+    q, k, v = (guarded(shapes[n], dt, device, case.layout, gen, margin=case.margin) for n in "qkv")
+    do = guarded(shapes["o"], dt, device, case.layout, gen, margin=case.margin)
     kw = case.kwargs()
     out, stats = fusedattn.attention_forward(q.view, k.view, v.view, return_stats=True, backend=backend, **kw)
-    grads = [guarded(shapes[n], dt, device, case.layout, fill=None) for n in "qkv"]
+    grads = [guarded(shapes[n], dt, device, case.layout, fill=None, margin=case.margin) for n in "qkv"]
     fusedattn.attention_backward(q.view, k.view, v.view, out, do.view, stats, backend=backend,
                                  dq=grads[0].view, dk=grads[1].view, dv=grads[2].view, **kw)
     gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **kw)

@@ -17,10 +17,10 @@ N_CASES = 24
 def run_forward_case(case, device, backend, gen_seed=0):
     gen = torch.Generator().manual_seed(case.seed + gen_seed)
     dt = case.torch_dtype
-    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, device, case.layout, gen)
-    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, device, case.layout, gen)
-    v = guarded((case.b, case.h_kv, case.s_kv, case.d_v), dt, device, case.layout, gen)
-    out = guarded((case.b, case.h_q, case.s_q, case.d_v), dt, device, case.layout, fill=None)
+    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, device, case.layout, gen, margin=case.margin)
+    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, device, case.layout, gen, margin=case.margin)
+    v = guarded((case.b, case.h_kv, case.s_kv, case.d_v), dt, device, case.layout, gen, margin=case.margin)
+    out = guarded((case.b, case.h_q, case.s_q, case.d_v), dt, device, case.layout, fill=None, margin=case.margin)
     stats = guarded((case.b, case.h_q, case.s_q, 1), torch.float32, device, "bhsd", fill=None)
     kw = case.kwargs()
     for _ in range(2):   # second run: the cached plan / compiled kernel

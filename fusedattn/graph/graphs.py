@@ -188,12 +188,10 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
 
     def _add_node(self, node) -> None:
         self._nodes.append(node)
-        for t in node.inputs.values():
-            if t not in self._seen_inputs and t._producer is None:
-                self._seen_inputs.append(t)
-        for t in node.outputs.values():
+        # node.order: the user tensors it reads, and those it writes (rng_dump, dBias: buffers the
+        # user passes), in its signature order; outputs of earlier operations are not inputs
+        for t in node.order:
             if t._producer is None and t not in self._seen_inputs:
-                # user-created tensors the node writes (rng_dump, dBias): buffers the user passes
                 self._seen_inputs.append(t)
 
     def sdpa(self, q, k, v, is_inference=None, attn_scale=None, bias=None, block_mask=None,
@@ -481,6 +479,7 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         return 1 if self._state >= _PLANNED else 0
 
     def get_engine_count(self) -> int:
+        """1: fusedattn's one engine (the functional layer)."""
         return 1
 
     def build_plan_at_index(self, index: int = 0) -> None:
@@ -489,14 +488,17 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         self.build_plans()
 
     def get_plan_name_at_index(self, index: int = 0) -> str:
+        """``"fusedattn:<backend>"`` for plan 0."""
         self._check_plan_index(index)
         return f"fusedattn:{self._backend}"
 
     def get_workspace_size_plan_at_index(self, index: int = 0) -> int:
+        """``get_workspace_size()`` of plan 0."""
         self._check_plan_index(index)
         return self.get_workspace_size()
 
     def execute_plan_at_index(self, variant_pack, workspace=None, index: int = 0, handle=None):
+        """``execute`` with plan 0 (the only plan)."""
         self._check_plan_index(index)
         return self.execute(variant_pack, workspace, handle)
 

@@ -301,6 +301,16 @@ def resolve_dt(t: tensor, role: str, where: str, default: data_type) -> data_typ
     return dt
 
 
+def check_float_io(dts: Dict[str, data_type], where: str) -> None:
+    """Attention inputs are float: FP8 is valid cuDNN but not supported here, the rest is bad input."""
+    for role, dt in dts.items():
+        if dt in _FP8_DTS:
+            raise cudnnGraphNotSupportedError(f"{where}: {role} is {dt.name}; FP8 attention is not supported "
+                                              f"by fusedattn (use HALF or BFLOAT16)")
+        if dt not in _FLOAT_DTS:
+            raise GraphError(f"{where}: {role} is {dt.name}; attention inputs must be HALF, BFLOAT16 or FLOAT")
+
+
 def _index_tensor(t: tensor, role: str, where: str, b: int):
     """seq_len-style tensors: dims [b, 1, 1, 1] or [b], INT32/INT64."""
     dims = need_dims(t, role, where, rank=None)
@@ -391,6 +401,7 @@ class _Node:
         self.where = f"{self.op_name} {name!r}"
         self.inputs: Dict[str, tensor] = {}     # role -> tensor, in the order the op reads them
         self.outputs: Dict[str, tensor] = {}    # role -> tensor this node writes
+        self.order: List[tensor] = []           # user tensors (read or written) in signature order
         self.unsupported: List[str] = []        # arguments fusedattn cannot run, raised at validate
 
     op_name = "sdpa"
@@ -400,6 +411,7 @@ class _Node:
         t = check_graph_tensor(self.graph, value, arg or role, self.where)
         if t is not None:
             self.inputs[role] = t
+            self.order.append(t)
             t._roles.append(f"{self.name}.{role}")
         return t
 
@@ -408,6 +420,7 @@ class _Node:
         t = check_graph_tensor(self.graph, value, arg or role, self.where)
         if t is not None:
             self.outputs[role] = t
+            self.order.append(t)
             t._roles.append(f"{self.name}.{role}")
         return t
 
@@ -419,7 +432,7 @@ class _Node:
 
     def _common_args(self, *, attn_scale, bias, use_alibi_mask, use_padding_mask, seq_len_q, seq_len_kv,
                      use_causal_mask, use_causal_mask_bottom_right, sliding_window_length, diagonal_alignment_,
-                     left_bound, right_bound, dropout, dropout_seed, dropout_offset, rng_dump):
+                     left_bound, right_bound, dropout, dropout_seed, dropout_offset, rng_dump, dbias=None):
         w = self.where
         self.scale, scale_t = parse_scale(self.graph, w, attn_scale)
         if scale_t is not None:
@@ -432,6 +445,10 @@ class _Node:
         self.alibi = bool(use_alibi_mask)
         self.padding = bool(use_padding_mask)
         self._input("bias", bias, "bias (attn_bias)")
+        if dbias is not None:
+            if bias is None:
+                raise GraphError(f"{w}: dBias given without bias; the bias gradient needs the bias")
+            self._written("dBias", dbias)
         self._input("seq_len_q", seq_len_q)
         self._input("seq_len_kv", seq_len_kv)
         self.dropout = parse_dropout(self.graph, w, dropout, dropout_seed, dropout_offset, self.unsupported)
@@ -578,6 +595,12 @@ class SdpaNode(_Node):
             if val is None:
                 raise GraphError(f"{w}: {role} is required")
             self._input(role, val)
+        # Inputs register in the order the op's signature lists them, which is the positional order
+        # of a cudnn.Graph call: the seeds' sdpa_with_paged_cache(q, k, v, page_table, ...) reads the
+        # table fourth, cuDNN's sdpa lists its tables last.
+        if kv_layout == "paged_nshd":
+            self._input("page_table_k", paged_attention_k_table, "page_table")
+            self._input("page_table_v", paged_attention_v_table, "page_table_v")
         self._common_args(attn_scale=attn_scale, bias=bias, use_alibi_mask=use_alibi_mask,
                           use_padding_mask=use_padding_mask, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
                           use_causal_mask=use_causal_mask, use_causal_mask_bottom_right=use_causal_mask_bottom_right,
@@ -587,8 +610,9 @@ class SdpaNode(_Node):
         self.generate_stats = parse_stats_flag(w, is_inference, generate_stats)
         # paging
         self.kv_layout = kv_layout
-        self._input("page_table_k", paged_attention_k_table, "paged_attention_k_table")
-        self._input("page_table_v", paged_attention_v_table, "paged_attention_v_table")
+        if kv_layout != "paged_nshd":
+            self._input("page_table_k", paged_attention_k_table, "paged_attention_k_table")
+            self._input("page_table_v", paged_attention_v_table, "paged_attention_v_table")
         self.paged = kv_layout != "dense" or "page_table_k" in self.inputs or "page_table_v" in self.inputs
         if self.paged and self.kv_layout == "dense":
             self.kv_layout = "paged"
@@ -650,10 +674,12 @@ class SdpaNode(_Node):
         if not (dts["q"] == dts["k"] == dts["v"]):
             raise GraphError(f"{w}: q, k, v must share a data type; got q {dts['q'].name}, k {dts['k'].name}, "
                              f"v {dts['v'].name}")
+        check_float_io(dts, w)
         self._validate_common(ctx, b, h_q, s_q, s_kv, d, d_v, io_dt)
         # outputs
-        o_dt = io_dt if io_dt is not data_type.NOT_SET else dts["q"]
-        infer_output(self.o, "O", w, [b, h_q, s_q, d_v], packed_strides([b, h_q, s_q, d_v]), o_dt)
+        # O defaults to Q's type (cuDNN says io_data_type; they agree unless Q is typed otherwise,
+        # and then Q's type is the one fusedattn can write)
+        infer_output(self.o, "O", w, [b, h_q, s_q, d_v], packed_strides([b, h_q, s_q, d_v]), dts["q"])
         if self.o._data_type != dts["q"]:
             raise cudnnGraphNotSupportedError(
                 f"{w}: O {self.o.label()} is {self.o._data_type.name} but q is {dts['q'].name}; fusedattn "
@@ -745,11 +771,8 @@ class SdpaBackwardNode(_Node):
                           use_causal_mask=use_causal_mask, use_causal_mask_bottom_right=use_causal_mask_bottom_right,
                           sliding_window_length=sliding_window_length, diagonal_alignment_=diagonal_alignment_,
                           left_bound=left_bound, right_bound=right_bound, dropout=dropout,
-                          dropout_seed=dropout_seed, dropout_offset=dropout_offset, rng_dump=rng_dump)
-        if dBias is not None:
-            if bias is None:
-                raise GraphError(f"{w}: dBias given without bias; the bias gradient needs the bias")
-            self._written("dBias", dBias)
+                          dropout_seed=dropout_seed, dropout_offset=dropout_offset, rng_dump=rng_dump,
+                          dbias=dBias)
         if not isinstance(use_deterministic_algorithm, bool):
             raise GraphError(f"{w}: use_deterministic_algorithm must be a bool, got {use_deterministic_algorithm!r}")
         self.deterministic = use_deterministic_algorithm
@@ -798,6 +821,7 @@ class SdpaBackwardNode(_Node):
         if len(set(dts.values())) != 1:
             raise GraphError(f"{w}: q, k, v, o, dO must share a data type; got "
                              + ", ".join(f"{r} {dt.name}" for r, dt in dts.items()))
+        check_float_io(dts, w)
         resolve_dt(st, "stats", w, data_type.FLOAT)
         if st._data_type != data_type.FLOAT:
             raise GraphError(f"{w}: stats {st.label()} must be FLOAT (the forward's fp32 log-sum-exp), got "
@@ -815,8 +839,7 @@ class SdpaBackwardNode(_Node):
                 raise GraphError(f"{w}: dBias {t.label()} is virtual; it must be a tensor the variant pack provides")
         grad_dt = dts["q"]
         for out, src, role in ((self.dq, q, "dQ"), (self.dk, k, "dK"), (self.dv, v, "dV")):
-            default = io_dt if io_dt is not data_type.NOT_SET else grad_dt
-            infer_output(out, role, w, src._dim, dense_strides_like(src._dim, src._stride), default)
+            infer_output(out, role, w, src._dim, dense_strides_like(src._dim, src._stride), grad_dt)
             if out._data_type != grad_dt:
                 raise cudnnGraphNotSupportedError(
                     f"{w}: {role} {out.label()} is {out._data_type.name} but q is {grad_dt.name}; fusedattn "
@@ -875,11 +898,24 @@ def _functional():
     return functional
 
 
+_PARAMS_CACHE: Dict[object, Optional[frozenset]] = {}
+
+
 def _signature_params(fn):
+    """The keyword names ``fn`` accepts, or None when it takes ``**kwargs`` (or is opaque).
+    Cached per function: ``inspect.signature`` costs tens of microseconds, execute must not."""
     try:
-        return set(inspect.signature(fn).parameters)
+        return _PARAMS_CACHE[fn]
+    except KeyError:
+        pass
+    try:
+        params = inspect.signature(fn).parameters
+        names = None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) \
+            else frozenset(params)
     except (TypeError, ValueError):
-        return None
+        names = None
+    _PARAMS_CACHE[fn] = names
+    return names
 
 
 def _host_scalar(t: torch.Tensor, as_int: bool):
@@ -955,7 +991,8 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
         kw["dq"], kw["dk"], kw["dv"] = t["dQ"], t["dK"], t["dV"]
     kw["backend"] = backend
     params = _signature_params(fn)
-    if params is not None and not any(p in params for p in ("kwargs",)):
+    if params is not None:
+        # a keyword the functional layer does not have yet is a feature it does not support
         missing = [key for key in kw if key not in params]
         if missing:
             raise NotSupportedError(f"{fn.__name__} has no argument {', '.join(missing)} yet")

@@ -172,9 +172,11 @@ class tensor:  # noqa: N801 (cuDNN's spelling: cudnn.tensor)
         return list(self._stride or [])
 
     def get_data_type(self) -> data_type:
+        """The element type (``NOT_SET`` until given or inferred at ``validate``)."""
         return self._data_type
 
     def get_name(self) -> str:
+        """The name (operations name their outputs ``op::O``, ``op::Stats``, ``op::dQ`` ...)."""
         return self._name
 
     def get_uid(self) -> int:
@@ -182,15 +184,19 @@ class tensor:  # noqa: N801 (cuDNN's spelling: cudnn.tensor)
         return self._uid
 
     def get_is_virtual(self) -> bool:
+        """True for an operation output not marked ``set_output(True)``."""
         return self._virtual
 
     def get_is_pass_by_value(self) -> bool:
+        """True for a one-element tensor read on the host."""
         return self._pass_by_value
 
     def get_ragged_offset(self):
+        """The ragged-offset graph tensor, or None."""
         return self._ragged_offset
 
     def get_reordering_type(self):
+        """The ``tensor_reordering`` (``NONE`` unless set)."""
         return self._reordering
 
     def __repr__(self):

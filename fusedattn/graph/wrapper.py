@@ -10,10 +10,13 @@
     result = graph(Q, K, V, handle=handle)     # built on exit; called with the inputs
 
 Operations take torch tensors directly (each distinct tensor becomes one graph input, by
-identity). On exit the graph is validated and built. Calling it maps the positional arguments
-to the graph's inputs **in the order the operations first read them** (per operation in its
-argument order: q, k, v, o, dO, stats, attn_scale, bias, seq_len_q, seq_len_kv, dropout seed
-and offset, rng_dump / dBias buffers, page tables), allocates every output marked
+identity). On exit the graph is validated and built; an operation none of whose outputs was
+marked ``set_output(True)`` gets its primary outputs marked (O; dQ, dK, dV). Calling it maps the positional arguments
+to the graph's inputs **in the order the operations first read them**, each operation in its
+signature order (``sdpa``: q, k, v, attn_scale, bias, seq_len_q, seq_len_kv, dropout seed and
+offset, rng_dump, page tables; ``sdpa_with_paged_cache``: q, k, v, page_table, ...;
+``sdpa_backward``: q, k, v, o, dO, stats, attn_scale, bias, dBias, ...; buffers an operation
+writes, rng_dump and dBias, are inputs too), allocates every output marked
 ``set_output(True)`` with the dims, strides and data type set on it (or inferred), runs, and
 returns the outputs in the order the operations created them: one tensor, or a tuple.
 ``set_io_tuples(inputs, outputs)`` (cuDNN's wrapper) fixes another order.
@@ -25,7 +28,7 @@ import weakref
 
 import torch
 
-from .enums import heur_mode
+from .enums import heur_mode, torch_dtype_of
 from .errors import GraphError
 from .graphs import pygraph
 from .tensors import tensor
@@ -56,8 +59,9 @@ class Graph:
         self._by_id = {}          # id(torch tensor) -> (weakref to it, graph tensor)
         self._strong = []         # construction-time references, so ids stay unique; dropped on exit
         self._io = (inputs, outputs)
-        self._in_order = None     # set_io_tuples
+        self._in_order = None     # positional inputs / returned outputs, fixed at build or by set_io_tuples
         self._out_order = None
+        self._out_specs = None
         self._entered = False
         self._built = False
 
@@ -72,6 +76,7 @@ class Graph:
         self._strong = []
         if exc_type is not None:
             return None          # propagate the error from the with block; build nothing
+        self._mark_default_outputs()
         self._pg.validate()
         self._pg.build_operation_graph()
         self._pg.create_execution_plans(self._heuristics)
@@ -81,7 +86,26 @@ class Graph:
         inputs, outputs = self._io
         if inputs is not None or outputs is not None:
             self.set_io_tuples(inputs or self._default_inputs(), outputs or self._default_outputs())
+        else:
+            self._set_order(self._default_inputs(), self._default_outputs())
         return None
+
+    def _set_order(self, inputs, outputs) -> None:
+        # fixed once: a call only zips and allocates
+        self._in_order, self._out_order = list(inputs), list(outputs)
+        self._out_specs = [(tuple(t._dim), tuple(t._stride), torch_dtype_of(t._data_type)) for t in outputs]
+
+    def _mark_default_outputs(self) -> None:
+        """A graph that is called like a function must return something: for an operation none
+        of whose outputs is marked (the seeds' paged and GQA snippets mark none), mark its
+        primary outputs (O of sdpa; dQ, dK, dV of sdpa_backward), never its Stats."""
+        consumed = {id(t) for n in self._pg._nodes for t in n.inputs.values()}
+        for node in self._pg._nodes:
+            made = [t for t in node.outputs.values() if t._producer is node]
+            if all(t._virtual and id(t) not in consumed for t in made):
+                for role in ("o", "dQ", "dK", "dV"):
+                    if role in node.outputs:
+                        node.outputs[role].set_output(True)
 
     # -- operations on torch tensors --------------------------------------------------------
     def _convert(self, value, arg: str):
@@ -146,7 +170,10 @@ class Graph:
                 return hits[0]
         if isinstance(item, int) and not isinstance(item, bool) and item in self._pg._uid_to_tensor:
             return self._pg._uid_to_tensor[item]
-        raise GraphError(f"set_io_tuples: {what} {i} ({item!r}) is not a tensor of this graph")
+        desc = (f"a torch tensor of shape {list(item.shape)}" if isinstance(item, torch.Tensor)
+                 else repr(item))
+        raise GraphError(f"{what} {i} ({desc}) is not a tensor of this graph (give graph tensors, the torch "
+                         f"tensors its operations were given, names or uids)")
 
     def set_io_tuples(self, inputs, outputs) -> None:
         """Fix the order of positional inputs and returned outputs (graph tensors, the torch
@@ -156,8 +183,8 @@ class Graph:
         if not self._built:
             self._io = (inputs, outputs)
             return
-        self._in_order = [self._lookup(x, "input", i) for i, x in enumerate(inputs)]
-        self._out_order = [self._lookup(x, "output", i) for i, x in enumerate(outputs)]
+        self._set_order([self._lookup(x, "input", i) for i, x in enumerate(inputs)],
+                        [self._lookup(x, "output", i) for i, x in enumerate(outputs)])
 
     def __call__(self, *args, handle=None, workspace=None):
         """Run the built graph: ``graph(Q, K, V, handle=h)`` -> output or tuple of outputs.
@@ -169,29 +196,29 @@ class Graph:
             raise GraphError("call the graph after its with block has built it")
         if len(args) == 1 and isinstance(args[0], dict):
             return self._call_dict(args[0], handle, workspace)
-        inputs = self._in_order if self._in_order is not None else self._default_inputs()
-        outputs = self._out_order if self._out_order is not None else self._default_outputs()
+        inputs, outputs = self._in_order, self._out_order
         if len(args) != len(inputs):
             names = ", ".join(t.label() for t in inputs)
-            raise GraphError(f"the graph takes {len(inputs)} inputs, in the order its operations first "
+            raise GraphError(f"the graph takes {len(inputs)} input(s), in the order its operations first "
                              f"read them ({names}); got {len(args)}")
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        device = args[0].device if args and isinstance(args[0], torch.Tensor) else \
+            next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         pack = dict(zip(inputs, args))
-        results = [self._alloc(t, device) for t in outputs]
+        results = [torch.empty_strided(dims, strides, dtype=dt, device=device)
+                   for dims, strides, dt in self._out_specs]
         pack.update(zip(outputs, results))
         self._pg.execute(pack, workspace, handle)
         return results[0] if len(results) == 1 else tuple(results)
 
     @staticmethod
     def _alloc(t: tensor, device):
-        from .enums import torch_dtype_of
         return torch.empty_strided(t.get_dim(), t.get_stride(), dtype=torch_dtype_of(t.get_data_type()),
                                    device=device)
 
     def _call_dict(self, tensors: dict, handle, workspace):
         pack = {}
-        for key, val in tensors.items():
-            pack[self._lookup(key, "key", 0) if not isinstance(key, tensor) else key] = val
+        for i, (key, val) in enumerate(tensors.items()):
+            pack[self._lookup(key, "variant pack key", i)] = val
         device = next((v.device for v in pack.values() if isinstance(v, torch.Tensor)), None)
         for t in self._default_outputs():
             if t not in pack:

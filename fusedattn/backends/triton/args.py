@@ -35,3 +35,21 @@ def kernel_scalars(p, extras, dummy):
         ),
     }
 
+
+
+def misaligned(t) -> bool:
+    """Compiled Triton kernels assume 16-byte aligned base pointers (measured on an H100 with
+    Triton 3.6: a bf16 tensor at storage offset 7 gave wrong results and illegal accesses)."""
+    return t is not None and t.data_ptr() % 16 != 0
+
+
+def aligned(t):
+    """t itself, or an aligned copy when its base pointer is not 16-byte aligned (rare: odd slices)."""
+    return t.clone() if misaligned(t) else t
+
+
+def aligned_output(t):
+    """(buffer to write, tensor to copy it into afterwards or None)."""
+    if misaligned(t):
+        return torch.empty_like(t), t
+    return t, None

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import kernel_scalars
+from .args import aligned, aligned_output, kernel_scalars
 from .common import (LOG2E, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range, scores_base2,
                      sequence_lengths, softcap_tanh)
 
@@ -310,9 +310,11 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
 def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
     """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None."""
     p = problem
+    q, k, v, out, grad_out, lse = (aligned(t) for t in (q, k, v, out, grad_out, lse))
+    (dq, dq_target), (dk, dk_target), (dv, dv_target) = (aligned_output(t) for t in (dq, dk, dv))
     args = kernel_scalars(p, extras, q)
     sw = args["switches"]
-    bias = extras["bias"]
+    bias = aligned(extras["bias"])
     bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
@@ -345,4 +347,7 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
         p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         REVERSE_M=args["causal_like"], num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+    for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
+        if target is not None:
+            target.copy_(buf)
     return dbias

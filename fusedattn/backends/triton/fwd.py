@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import kernel_scalars
+from .args import aligned, aligned_output, kernel_scalars
 from .common import (LN2, dropout_keep, kv_block_range, load_bias, load_tile, scores_base2,
                      sequence_lengths)
 
@@ -170,8 +170,13 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     lse: fp32 [b,h_q,s_q] view (or None). extras: from ``problem.make_problem``.
     """
     p = problem
+    q, k, v = aligned(q), aligned(k), aligned(v)
+    out, out_target = aligned_output(out)
+    lse_target = None
+    if lse is not None:
+        lse, lse_target = aligned_output(lse)
     args = kernel_scalars(p, extras, q)
-    bias = extras["bias"]
+    bias = aligned(extras["bias"])
     bias_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
@@ -189,3 +194,6 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **args["switches"],
     )
+    for buf, target in ((out, out_target), (lse, lse_target)):
+        if target is not None:
+            target.copy_(buf)

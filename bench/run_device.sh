@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The one script run on the GPU machine (device tool), from the repository root:
+#
+#   bash bench/run_device.sh [PART ...] [-- EXTRA BENCH ARGS]
+#
+# PARTS, run in the order given (default: tests demo bench-quick):
+#   tests          python3 -m pytest -x -q tests -m gpu        (the GPU tests)
+#   demo           python3 -m fusedattn demo
+#   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
+#   bench-quick    the same with --quick (fewer repetitions)
+#   bench-anchors | bench-masked | bench-decode     one group of configs (quick reps)
+#   bench-anchors-a | bench-anchors-b                the first / last four anchors
+#   bench-graphs   the two small d=64 anchors under --cuda-graphs (launch-bound sizes)
+#   stash          copy .whl/*.whl.part-* to /tmp/whlparts and stop (first half of a split
+#                  wheel; the next call, while the machine is warm, carries the rest)
+# Extra args after `--` go to every bench part (e.g. `-- --only b4-h32kv8 --pass fwd`).
+#
+# Wheels carried in .whl/ (bench/fetch_wheels.sh; name `.whl` in the call's carry) are
+# installed into /tmp/site first; split wheels are joined from /tmp/whlparts and .whl/.
+# Everything is teed into $OUT/run.log; each bench part also writes $OUT/bench-PART.csv
+# (row by row, so a part cut short still returns what it measured) and, where matplotlib
+# is present, $OUT/bench-PART.png. Parts get a share of the time left before DEADLINE
+# seconds (default 570, under the device call's 600 s limit); the bench stops starting new
+# configs BENCH_SLACK seconds (default 120) before that.
+set -uo pipefail          # not -e: a failing part must not stop the next one
+
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+DEADLINE=${DEADLINE:-570}
+BENCH_SLACK=${BENCH_SLACK:-120}
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+
+PARTS=()
+BENCH_ARGS=()
+while [ $# -gt 0 ]; do
+    if [ "$1" = "--" ]; then shift; BENCH_ARGS=("$@"); break; fi
+    PARTS+=("$1"); shift
+done
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests demo bench-quick)
+
+say() { echo "== $*" | tee -a "$LOG"; }
+left() { echo $((DEADLINE - (SECONDS - START))); }
+
+stash_parts() {
+    mkdir -p /tmp/whlparts
+    cp -v .whl/*.whl.part-* /tmp/whlparts/ 2>&1 | tee -a "$LOG"
+    ls -l /tmp/whlparts | tee -a "$LOG"
+}
+
+install_wheels() {
+    # Joins split wheels (NAME.whl.part-aa, -ab ...) kept by an earlier `stash` and carried now.
+    local joined=/tmp/whljoined wheels=()
+    mkdir -p "$joined"
+    local names
+    names=$(ls /tmp/whlparts/*.whl.part-* .whl/*.whl.part-* 2>/dev/null | sed 's#.*/##; s#\.part-.*##' | sort -u)
+    for name in $names; do
+        # parts sort by file name (part-aa, part-ab ...) whichever folder holds them
+        cat $(for f in /tmp/whlparts/"$name".part-* .whl/"$name".part-*; do
+                  [ -f "$f" ] && echo "$(basename "$f") $f"; done | sort | cut -d' ' -f2) > "$joined/$name"
+        say "joined $name ($(stat -c %s "$joined/$name") bytes)"
+    done
+    wheels=(.whl/*.whl "$joined"/*.whl)
+    local present=()
+    for w in "${wheels[@]}"; do [ -f "$w" ] && present+=("$w"); done
+    export PYTHONPATH="$PWD"
+    if [ ${#present[@]} -gt 0 ]; then
+        say "installing ${#present[@]} carried wheels into /tmp/site"
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site "${present[@]}" 2>&1 | tee -a "$LOG"
+        export PYTHONPATH="/tmp/site:$PWD"
+        # PYTHONPATH skips .pth files; fusedattn.bench adds this folder as a site dir (FA4 needs it).
+        export FUSEDATTN_EXTRA_SITE=/tmp/site
+    fi
+}
+
+report_env() {
+    say "environment"
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit \
+            --format=csv 2>&1
+        python3 - <<'EOF'
+import importlib, sys
+import torch, triton
+print(f"python {sys.version.split()[0]}; torch {torch.__version__} (CUDA {torch.version.cuda}, "
+      f"cuDNN {torch.backends.cudnn.version()}); triton {triton.__version__}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU {p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
+          f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB")
+for mod in ("cudnn", "flash_attn.cute", "pytest", "matplotlib", "fusedattn"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"import {mod}: ok {getattr(m, '__version__', '')}")
+    except Exception as exc:
+        print(f"import {mod}: no ({type(exc).__name__}: {str(exc)[:120]})")
+EOF
+    } 2>&1 | tee -a "$LOG"
+}
+
+declare -A STATUS
+run_part() {   # run_part NAME COMMAND...: bounded by the time left, teed into the log
+    local name=$1; shift
+    local limit=$(( $(left) - 10 ))
+    if [ "$limit" -lt 30 ]; then
+        say "$name: skipped, only $(left) s left"; STATUS[$name]=skipped; return
+    fi
+    say "$name (limit ${limit} s): $*"
+    local t0=$SECONDS
+    timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    STATUS[$name]="rc=$rc, $((SECONDS - t0)) s"
+    say "$name: ${STATUS[$name]}"
+}
+
+bench_part() {   # bench_part PART ARGS...: the bench with a CSV and plot of its own
+    local part=$1; shift
+    local budget=$(( $(left) - BENCH_SLACK ))
+    [ "$budget" -lt 30 ] && budget=30
+    run_part "$part" python3 -m fusedattn bench --csv "$OUT/$part.csv" --plot "$OUT/$part.png" \
+        --budget "$budget" "$@" "${BENCH_ARGS[@]}"
+}
+
+say "parts: ${PARTS[*]}; bench args: ${BENCH_ARGS[*]:-none}; deadline ${DEADLINE} s"
+if [ "${PARTS[0]}" = "stash" ]; then stash_parts; exit 0; fi
+install_wheels
+report_env
+
+for part in "${PARTS[@]}"; do
+    case "$part" in
+        tests)         run_part tests python3 -m pytest -x -q -rfEs tests -m gpu ;;
+        demo)          run_part demo python3 -m fusedattn demo ;;
+        bench)         bench_part bench ;;
+        bench-quick)   bench_part bench-quick --quick ;;
+        bench-anchors) bench_part bench-anchors --quick --configs anchors ;;
+        # the anchors in two halves: with every alternative compiling per config, all eight
+        # may not fit one 10-minute call
+        bench-anchors-a) bench_part bench-anchors-a --quick --configs anchors \
+                             --only b8-h12-s1024,b4-h32-s2048,b32-h32-s2048 ;;
+        bench-anchors-b) bench_part bench-anchors-b --quick --configs anchors \
+                             --only b1-h32-s16384,b4-h32kv8,b2-h16-s8192,b4-h16-s4096 ;;
+        bench-masked)  bench_part bench-masked --quick --configs masked ;;
+        bench-decode)  bench_part bench-decode --quick --configs decode ;;
+        bench-graphs)  bench_part bench-graphs --cuda-graphs --configs anchors --only b8-h12-s1024 ;;
+        stash)         stash_parts ;;
+        *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;
+    esac
+done
+
+say "summary ($((SECONDS - START)) s)"
+failed=0
+for part in "${PARTS[@]}"; do
+    echo "  $part: ${STATUS[$part]:-done}" | tee -a "$LOG"
+    case "${STATUS[$part]:-}" in rc=0,*|"") ;; *) failed=1 ;; esac
+done
+exit $failed

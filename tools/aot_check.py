@@ -1,0 +1,78 @@
+"""Compile fusedattn's kernels for sm_90 on a machine with no GPU (Triton ships ptxas).
+
+Catches compile errors before spending device time, and prints registers, spills and
+shared memory per kernel variant:   python tools/aot_check.py [fwd|bwd|all]
+"""
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fusedattn.backends.triton import bwd, fwd
+
+TARGET = GPUTarget("cuda", 90, 32)
+FLOATS = {"qk_scale", "softcap", "dropout_rescale", "sm_scale"}
+INT64 = {"dropout_seed", "dropout_offset"}
+
+
+def compile_variant(kernel, ptrs, constexprs, num_warps, num_stages):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        elif name in INT64:
+            sig[name] = "i64"
+        else:
+            sig[name] = "i32"
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    k = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    meta = k.metadata
+    return f"regs={k.n_regs if hasattr(k, 'n_regs') else '?'} spills={getattr(k, 'n_spills', '?')} smem={meta.shared}"
+
+
+BASE_SWITCHES = dict(BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_SEQ_Q=False, HAS_SEQ_KV=False,
+                     BIAS_KIND=0, HAS_ALIBI=False, SOFTCAP=False, DROPOUT=False, DOT_PRECISION="tf32")
+
+
+def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
+    ptr = f"*{dtype}"
+    ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32")
+    bd = triton.next_power_of_2(d)
+    c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
+             WRITE_LSE=True, REVERSE_M=True)
+    c.update(sw)
+    return compile_variant(fwd._attn_fwd, ptrs, c, warps, stages)
+
+
+def bwd_variants(d, tk, tq, dtype="bf16", **sw):
+    ptr = f"*{dtype}"
+    bd = triton.next_power_of_2(d)
+    c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d)
+    c.update(sw)
+    ptrs = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,
+                SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32")
+    a = compile_variant(bwd._attn_bwd_dkdv, ptrs, dict(c, BLOCK_M=tk[0], BLOCK_N=tk[1], WRITE_DBIAS=False), tk[2], tk[3])
+    b = compile_variant(bwd._attn_bwd_dq, ptrs, dict(c, BLOCK_M=tq[0], BLOCK_N=tq[1], REVERSE_M=True), tq[2], tq[3])
+    return a, b
+
+
+if __name__ == "__main__":
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which in ("fwd", "all"):
+        for d, t in ((64, (128, 128, 8, 3)), (128, (128, 64, 8, 3)), (224, (128, 64, 8, 2)), (40, (64, 64, 4, 2))):
+            print("fwd", d, t, fwd_variant(d, *t))
+        print("fwd all switches", fwd_variant(96, 64, 64, 4, 2, BOTTOM_RIGHT=True, HAS_LEFT=True, HAS_SEQ_Q=True,
+                                              HAS_SEQ_KV=True, BIAS_KIND=1, HAS_ALIBI=True, SOFTCAP=True, DROPOUT=True))
+        print("fwd fp32", fwd_variant(64, 64, 64, 4, 2, dtype="fp32", DOT_PRECISION="ieee", BIAS_KIND=2))
+    if which in ("bwd", "all"):
+        for d, tk, tq in ((64, (64, 128, 8, 2), (128, 64, 8, 2)), (128, (64, 128, 8, 2), (128, 64, 8, 2)),
+                          (224, (32, 64, 8, 1), (64, 32, 8, 1))):
+            print("bwd", d, bwd_variants(d, tk, tq))
+        print("bwd all switches", bwd_variants(96, (32, 64, 4, 1), (64, 32, 4, 1), BOTTOM_RIGHT=True, HAS_LEFT=True,
+                                               HAS_SEQ_Q=True, HAS_SEQ_KV=True, BIAS_KIND=1, HAS_ALIBI=True,
+                                               SOFTCAP=True, DROPOUT=True))
