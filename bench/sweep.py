@@ -26,17 +26,20 @@ CONFIGS = {  # name: (b, h_q, h_kv, s, d, dtype, causal), ANCHORS.md
 }
 
 FWD_CANDIDATES = {
-    64: [Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 3), Tiles(128, 128, 4, 3), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 3)],
-    128: [Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 4), Tiles(64, 64, 4, 3)],
-    256: [Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2), Tiles(64, 32, 4, 3), Tiles(128, 64, 8, 3)],
+    64: [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3, True), Tiles(128, 128, 8, 3, True), Tiles(128, 64, 4, 3, True),
+         Tiles(128, 128, 8, 3, True, True)],
+    128: [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3, True), Tiles(128, 128, 8, 3, True), Tiles(128, 64, 8, 4, True),
+          Tiles(128, 128, 8, 3, True, True), Tiles(128, 64, 8, 3, True, True)],
+    256: [Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 2, True), Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 2, True)],
 }
 BWD_CANDIDATES = {
     64: [(Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2)), (Tiles(32, 128, 4, 2), Tiles(64, 64, 4, 2)),
          (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3))],
     128: [(Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2)), (Tiles(32, 128, 8, 2), Tiles(64, 64, 4, 2)),
           (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)), (Tiles(64, 128, 8, 1), Tiles(128, 32, 8, 2))],
-    256: [(Tiles(32, 64, 8, 1), Tiles(64, 32, 8, 1)), (Tiles(32, 64, 4, 2), Tiles(32, 64, 4, 2)),
-          (Tiles(64, 64, 8, 1), Tiles(64, 64, 8, 1)), (Tiles(16, 64, 4, 1), Tiles(64, 16, 4, 2))],
+    256: [(Tiles(64, 64, 8, 1), Tiles(64, 64, 8, 1)), (Tiles(32, 32, 8, 1), Tiles(32, 32, 8, 1)),
+          (Tiles(64, 32, 8, 2), Tiles(32, 64, 8, 2)), (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2)),
+          (Tiles(32, 64, 8, 2), Tiles(64, 32, 8, 2))],
 }
 
 

@@ -23,6 +23,8 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False               # K/V through tensor descriptors (Hopper bulk copies)
+    warp_specialize: bool = False   # tl.range(..., warp_specialize=True) on the mask-free loop
 
 
 @dataclass(frozen=True)

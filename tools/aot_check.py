@@ -44,7 +44,7 @@ def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32")
     bd = triton.next_power_of_2(d)
     c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
-             WRITE_LSE=True, REVERSE_M=True)
+             WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False)
     c.update(sw)
     return compile_variant(fwd._attn_fwd, ptrs, c, warps, stages)
 
@@ -76,3 +76,19 @@ if __name__ == "__main__":
         print("bwd all switches", bwd_variants(96, (32, 64, 4, 1), (64, 32, 4, 1), BOTTOM_RIGHT=True, HAS_LEFT=True,
                                                HAS_SEQ_Q=True, HAS_SEQ_KV=True, BIAS_KIND=1, HAS_ALIBI=True,
                                                SOFTCAP=True, DROPOUT=True))
+
+
+def ptxas_report(kernel_obj):
+    """Registers and spills from ptxas -v on the compiled PTX (no GPU needed)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel_obj.asm["ptx"])
+    r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    text = r.stderr
+    regs = re.findall(r"Used (\d+) registers", text)
+    spill = re.findall(r"(\d+) bytes spill stores", text)
+    return f"regs={regs} spill_stores={spill}"

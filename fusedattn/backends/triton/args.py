@@ -53,3 +53,20 @@ def aligned_output(t):
     if misaligned(t):
         return torch.empty_like(t), t
     return t, None
+
+
+def tma_ok(*tensors) -> bool:
+    """Tensor descriptors need a unit stride on the head dim and 16-byte aligned row strides."""
+    return all(t.is_cuda and t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+_ALLOCATOR_SET = False
+
+
+def set_descriptor_allocator():
+    """In-kernel tl.make_tensor_descriptor needs a global scratch allocator (once per process)."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True

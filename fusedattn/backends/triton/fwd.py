@@ -20,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, kernel_scalars
+from .args import aligned, aligned_output, kernel_scalars, set_descriptor_allocator, tma_ok
 from .common import (LN2, dropout_keep, kv_block_range, load_bias, load_tile, scores_base2,
                      sequence_lengths)
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, bias_base, slope,
+def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope,
                      offs_m, offs_n, offs_d, offs_dv, start, end, len_kv, diag,
                      stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
                      S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
@@ -35,12 +35,19 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, bias_base, slope,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of one query tile over key blocks [start, end)."""
-    for start_n in range(start, end, BLOCK_N):
+                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Online-softmax update of one query tile over key blocks [start, end).
+
+    USE_TMA loads K/V tiles through tensor descriptors (Hopper's bulk copy engine; rows
+    past the tensor and head-dim padding arrive as zeros, the score mask does the rest).
+    """
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
-        k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                      cols, offs_d, len_kv, D, MASKED, not EVEN_D)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+        else:
+            k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                          cols, offs_d, len_kv, D, MASKED, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias = 0.0
         if BIAS_KIND != 0:
@@ -56,8 +63,11 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, bias_base, slope,
             keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m[:, None], cols[None, :], S_Q, S_KV,
                                 dropout_threshold)
             p = tl.where(keep, p, 0.0)
-        v = load_tile(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                      cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = load_tile(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                          cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -82,7 +92,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
               HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
               DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -116,6 +126,14 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
 
     q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                   offs_m, offs_d, S_Q, D, True, not EVEN_D)
+    k_desc = k_base
+    v_desc = v_base
+    if USE_TMA:
+        # one 2-D [s_kv, d] view per (batch, kv head): any batch/head strides, unit stride on d
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[S_KV, D], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[S_KV, D_V], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -123,26 +141,26 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
         lo, full_lo, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
         True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, USE_TMA, False)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
         full_lo, full_hi, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
         False, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
         full_hi, hi, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
         True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION)
+        DOT_PRECISION, USE_TMA, False)
 
     # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0
     row_ok = l_i > 0.0
@@ -181,6 +199,10 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    # descriptors only for power-of-two head dims (ptxas crashes on a 224-wide box over 256)
+    use_tma = tiles.tma and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
+    if use_tma:
+        set_descriptor_allocator()
     grid = (triton.cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
     _attn_fwd[grid](
         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
@@ -191,6 +213,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=triton.next_power_of_2(p.d), BLOCK_DV=triton.next_power_of_2(p.d_v),
         WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **args["switches"],
     )

@@ -1,0 +1,473 @@
+"""Decode: a few new query tokens against a (paged) K/V cache, split along the keys (flash-decoding).
+
+Notation: b, h_q, h_kv, g = h_q // h_kv, s_q (new tokens per sequence), d, d_v. Batch entry
+``bi`` holds ``len_kv`` keys in its cache (``seq_len_kv``, the new tokens included), at most
+CAP (``s_max`` of a contiguous cache, ``max_pages * PAGE_SIZE`` of a paged one).
+
+GQA packing: the g query heads of one kv head and the s_q tokens share K/V, so they share a
+tile. Packed row ``r`` of kv head ``kvh`` is token ``r // g`` of query head ``kvh * g + r % g``
+(token-major, so one tile covers a contiguous run of tokens and its band is narrow). One
+program owns BLOCK_M packed rows of one (batch, kv head) and reads each K/V tile once for all
+of them; the M dimension of the dots is ``g * s_q`` (padded to 16 at least), not s_q.
+
+Split-KV: program (bkv, split, m) visits the ``split``-th of NUM_SPLITS equal runs of whole
+key blocks of its row range (per batch entry, so ragged lengths balance too). With one split
+it normalizes and writes ``out`` / ``lse`` itself. With more, each writes a partial
+``(o / l, log2-sum-exp)`` in fp32 to a workspace and ``_decode_combine`` merges them:
+``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``, ``lse = M + log2(sum)``.
+
+Masking (``causal`` is bottom-right: the new tokens are the last of each sequence) is the
+package's band with ``diag = len_kv - s_q``: token t keeps key j iff
+``t + diag - left <= j <= t + diag + right`` and ``j < len_kv``. Key blocks wholly inside the
+band run with no mask arithmetic (MASKED=False); only the edges are masked.
+
+Paged caches: container ``[num_pages, h_kv, PAGE_SIZE, d]`` (any strides) and a page table
+row per sequence; key j lives at page ``table[bi, j // PAGE_SIZE]``, slot ``j % PAGE_SIZE``.
+The kernel's key tile (BLOCK_N) is independent of PAGE_SIZE: each key row is gathered.
+
+Never out of bounds, validated or not: ``len_kv`` is clamped to [0, CAP], page-table columns
+to [0, MAX_PAGES), page numbers to [0, NUM_PAGES) for reads; the append kernel skips a write
+whose position or page is out of range rather than clamping it onto someone else's page.
+
+[Note] empty rows: a row with no key (len_kv < s_q under causal, a window, len_kv = 0) has
+m = -inf, l = 0: it writes output 0 and lse 0 (partials: o 0, lse -inf), never NaN.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .args import LOG2E_PY
+from .common import LN2, load_tile, scores_base2
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_b, stride_n, kv_b_off,
+             MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """int64 element offsets of key rows ``cols`` (without the head / d terms).
+
+    Contiguous: ``batch * stride_b + j * stride_n`` (kv_b_off holds batch * stride_b).
+    Paged: ``page * stride_b + (j % PAGE_SIZE) * stride_n`` with the page read from the
+    table; columns past len_kv read table slot 0 (their loads are masked anyway) and page
+    numbers are clamped into the container.
+    """
+    if PAGED:
+        slot = cols // PAGE_SIZE
+        if MASKED:
+            page = tl.load(PT_ROW + tl.where(cols < len_kv, slot, 0) * stride_pn)
+        else:
+            page = tl.load(PT_ROW + slot * stride_pn)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        return page.to(tl.int64) * stride_b + (cols % PAGE_SIZE).to(tl.int64) * stride_n
+    else:
+        return kv_b_off + cols.to(tl.int64) * stride_n
+
+
+@triton.jit
+def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
+                   slope, tok, offs_n, offs_d, offs_dv, start, end, len_kv, num_pages, diag,
+                   stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, kb_off, vb_off,
+                   D, D_V, qk_scale, softcap, win_left, win_right,
+                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of the packed rows over key blocks [start, end)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_kb, stride_kn, kb_off,
+                          MASKED, PAGED, PAGE_SIZE)
+        k = load_tile(K_HEAD + k_rows[:, None] + offs_d[None, :] * stride_kd, cols, offs_d, len_kv, D,
+                      MASKED, not EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = scores_base2(qk, 0.0, slope, tok[:, None], cols[None, :], len_kv, len_kv, diag, win_left, win_right,
+                         qk_scale, softcap, MASKED, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if PAGED:
+            v_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_vb, stride_vn, vb_off,
+                              MASKED, PAGED, PAGE_SIZE)
+        else:
+            v_rows = vb_off + cols.to(tl.int64) * stride_vn
+        v = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :] * stride_vd, cols, offs_dv, len_kv, D_V,
+                      MASKED, not EVEN_DV)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_pb, stride_pn,
+                stride_ob, stride_oh, stride_om, stride_od,
+                stride_lb, stride_lh, stride_lm,
+                B, H_KV, G, S_Q, D, D_V, CAP, NUM_PAGES, NUM_SPLITS,
+                qk_scale, softcap, win_left, win_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                HAS_SEQ_KV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    bkv = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    batch = bkv // H_KV
+    kv_head = bkv % H_KV
+    len_kv = CAP + batch * 0
+    if HAS_SEQ_KV:
+        len_kv = tl.minimum(tl.maximum(tl.load(SEQ_KV + batch), 0), CAP)
+    diag = len_kv - S_Q                                  # bottom-right: the new tokens are the last ones
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)       # packed rows: token-major, heads of the group inside
+    n_rows = G * S_Q
+    row_ok = rows < n_rows
+    tok = rows // G
+    head = kv_head * G + rows % G
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    b64 = batch.to(tl.int64)
+    q_ptrs = Q + b64 * stride_qb + head.to(tl.int64)[:, None] * stride_qh + tok[:, None] * stride_qm \
+        + offs_d[None, :] * stride_qd
+    q = load_tile(q_ptrs, rows, offs_d, n_rows, D, True, not EVEN_D)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = (tl.load(SLOPES + head, mask=row_ok, other=0.0) * 1.4426950408889634)[:, None]
+
+    # keys any row of this tile may keep, and the whole blocks every row keeps entirely
+    t_lo = (pid_m * BLOCK_M) // G
+    t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, S_Q - 1)
+    lo = len_kv * 0
+    hi = len_kv
+    full_lo = lo
+    full_hi = len_kv // BLOCK_N * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(t_lo + diag - win_left, 0)
+        full_lo = tl.cdiv(tl.maximum(t_hi + diag - win_left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(t_hi + diag + win_right + 1, len_kv)
+        full_hi = tl.minimum(full_hi, tl.maximum(t_lo + diag + win_right + 1, 0) // BLOCK_N * BLOCK_N)
+    lo = lo // BLOCK_N * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    # this split's run of whole blocks: [s_lo, s_hi)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.maximum(tl.minimum(s_lo + chunk, hi), s_lo)
+    f_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+    f_hi = tl.minimum(tl.maximum(full_hi, f_lo), s_hi)
+
+    K_HEAD = K + kv_head.to(tl.int64) * stride_kh
+    V_HEAD = V + kv_head.to(tl.int64) * stride_vh
+    kb_off = b64 * stride_kb                             # contiguous caches: the batch term (unused when paged)
+    vb_off = b64 * stride_vb
+    PT_ROW = PT + b64 * stride_pb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc, m_i, l_i = _decode_blocks(
+        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, slope, tok, offs_n, offs_d, offs_dv,
+        s_lo, f_lo, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+        kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
+        True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _decode_blocks(
+        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, slope, tok, offs_n, offs_d, offs_dv,
+        f_lo, f_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+        kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
+        False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _decode_blocks(
+        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, slope, tok, offs_n, offs_d, offs_dv,
+        f_hi, s_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
+        kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
+        True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+
+    nonempty = l_i > 0.0
+    out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
+    dv_ok = offs_dv < D_V
+    if SPLIT:
+        # partial for the combine: (o / l, log2-sum-exp), -inf for a split that saw no key
+        prow = ((split.to(tl.int64) * B + batch) * (H_KV * G) + head) * S_Q + tok
+        tl.store(O_PART + prow[:, None] * D_V + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok[None, :])
+        lse2 = tl.where(nonempty, m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_PART + prow, lse2, mask=row_ok)
+    else:
+        o_ptrs = O + b64 * stride_ob + head.to(tl.int64)[:, None] * stride_oh + tok[:, None] * stride_om \
+            + offs_dv[None, :] * stride_od
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        if WRITE_LSE:
+            lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * LN2, 0.0)
+            tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine(O_PART, LSE_PART, O, LSE,
+                    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                    ROWS, H_Q, S_Q, D_V, NUM_SPLITS,
+                    SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Merge the splits' partials of one (batch, query head, token) row; empty rows give 0 / 0."""
+    row = tl.program_id(0)
+    batch = row // (H_Q * S_Q)
+    head = (row // S_Q) % H_Q
+    tok = row % S_Q
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    prow = offs_s.to(tl.int64) * ROWS + row
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(LSE_PART + prow, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)                       # 0 for empty splits
+    den = tl.sum(w, 0)
+    o = tl.load(O_PART + prow[:, None] * D_V + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < D_V)[None, :],
+                other=0.0)
+    nonempty = den > 0.0
+    out = tl.sum(o * w[:, None], 0) * tl.where(nonempty, 1.0 / tl.where(nonempty, den, 1.0), 0.0)
+    b64 = batch.to(tl.int64)
+    tl.store(O + b64 * stride_ob + head.to(tl.int64) * stride_oh + tok * stride_om + offs_dv * stride_od,
+             out.to(O.dtype.element_ty), mask=offs_dv < D_V)
+    if WRITE_LSE:
+        lse_out = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, den, 1.0))) * LN2, 0.0)
+        tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_lm, lse_out)
+
+
+@triton.jit
+def _append_kv(KN, VN, K, V, PT, SEQ_KV,
+               stride_knb, stride_knh, stride_knm, stride_knd,
+               stride_vnb, stride_vnh, stride_vnm, stride_vnd,
+               stride_kb, stride_kh, stride_kn, stride_kd,
+               stride_vb, stride_vh, stride_vn, stride_vd,
+               stride_pb, stride_pn,
+               H_KV, S_Q, D, D_V, CAP, NUM_PAGES,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               HAS_SEQ_KV: tl.constexpr):
+    """Write token t of k_new/v_new at position len_kv - S_Q + t of its cache; skip it if out of range."""
+    bkv = tl.program_id(0)
+    tok = tl.program_id(1)
+    batch = bkv // H_KV
+    kv_head = bkv % H_KV
+    b64 = batch.to(tl.int64)
+    len_kv = CAP + batch * 0
+    if HAS_SEQ_KV:
+        len_kv = tl.load(SEQ_KV + batch)                 # raw: an invalid length writes nothing
+    pos = len_kv - S_Q + tok
+    ok = (pos >= 0) & (pos < CAP)
+    pos = tl.where(ok, pos, 0)
+    if PAGED:
+        page = tl.load(PT + b64 * stride_pb + (pos // PAGE_SIZE) * stride_pn)
+        ok = ok & (page >= 0) & (page < NUM_PAGES)
+        page = tl.where(ok, page, 0).to(tl.int64)
+        k_row = page * stride_kb + (pos % PAGE_SIZE) * stride_kn
+        v_row = page * stride_vb + (pos % PAGE_SIZE) * stride_vn
+    else:
+        k_row = b64 * stride_kb + pos.to(tl.int64) * stride_kn
+        v_row = b64 * stride_vb + pos.to(tl.int64) * stride_vn
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    h64 = kv_head.to(tl.int64)
+    kn = tl.load(KN + b64 * stride_knb + h64 * stride_knh + tok * stride_knm + offs_d * stride_knd,
+                 mask=offs_d < D)
+    tl.store(K + k_row + h64 * stride_kh + offs_d * stride_kd, kn, mask=(offs_d < D) & ok)
+    vn = tl.load(VN + b64 * stride_vnb + h64 * stride_vnh + tok * stride_vnm + offs_dv * stride_vnd,
+                 mask=offs_dv < D_V)
+    tl.store(V + v_row + h64 * stride_vh + offs_dv * stride_vd, vn, mask=(offs_dv < D_V) & ok)
+
+
+# Bits of the validation kernel's per-batch code
+BAD_NEGATIVE, BAD_OVER_CAP, BAD_NO_ROOM, BAD_PAGE = 1, 2, 4, 8
+
+
+@triton.jit
+def _validate_kv(SEQ_KV, PT, CODES, stride_pb, stride_pn, S_Q, CAP, NUM_PAGES,
+                 NEED_ROOM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Per batch entry, a bit set of what is wrong with its length and the page-table slots it uses."""
+    batch = tl.program_id(0)
+    n = tl.load(SEQ_KV + batch)
+    code = tl.where(n < 0, 1, 0) | tl.where(n > CAP, 2, 0)
+    if NEED_ROOM:
+        code = code | tl.where(n < S_Q, 4, 0)
+    if PAGED:
+        used = tl.cdiv(tl.minimum(tl.maximum(n, 0), CAP), PAGE_SIZE)
+        bad = n * 0
+        for p0 in range(0, used, BLOCK_P):
+            slots = p0 + tl.arange(0, BLOCK_P)
+            page = tl.load(PT + batch.to(tl.int64) * stride_pb + slots * stride_pn, mask=slots < used, other=0)
+            bad = bad | tl.max(((page < 0) | (page >= NUM_PAGES)).to(tl.int32), 0)
+        code = code | tl.where(bad != 0, 8, 0)
+    tl.store(CODES + batch, code)
+
+
+# ----------------------------------------------------------------------------- tiles and splits
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    block_m: int      # packed rows (g * s_q, padded) per program
+    block_n: int      # keys per tile (independent of the page size)
+    num_warps: int
+    num_stages: int
+
+
+H100_SMS = 132
+# Programs resident per SM assumed by the split heuristic: a 16 x 64 tile at d 128 with 3 stages uses
+# about 100 KB of shared memory, so two fit in the H100's 228 KB (untuned; measure with the bench).
+CTAS_PER_SM = 2
+MAX_SPLITS = 64
+
+
+def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> DecodeTiles:
+    """Tiles for ``rows = g * s_q`` packed query rows at head dim ``d`` (max of d, d_v).
+
+    Decode is memory-bound: the tile is as short in M as tl.dot allows (16) and long enough in N
+    to keep bytes in flight. Starting points for sm90, not yet measured: the comments give the
+    registers / shared memory ptxas reports for them (Triton 3.6, paged, no spills), which is
+    what ruled out the others (64-key tiles with 4 warps at BLOCK_M 64: 242 registers; fp32
+    32-key tiles: spills).
+    """
+    p2 = triton.next_power_of_2(max(rows, 1))
+    if interpret:
+        return DecodeTiles(max(16, min(p2, 32)), 16, 4, 1)
+    if rows <= 64:
+        bm = max(16, p2)
+        if dtype == torch.float32:
+            return DecodeTiles(bm, 16, 8, 2)                     # 64-210 regs, 26-54 KB
+        if d > 128:
+            return DecodeTiles(bm, 32, 8, 2)                     # 127-184 regs, 42-98 KB
+        return DecodeTiles(bm, 64, 4 if bm == 16 else 8, 3)     # 143 / 128 / 142 regs, 39-83 KB
+    # prefill against a cache: a forward-like tile
+    if dtype == torch.float32:
+        return DecodeTiles(64, 16, 8, 2)                         # 210 regs
+    if d > 128:
+        return DecodeTiles(64, 32, 8, 2)                         # 184 regs, 98 KB
+    return DecodeTiles(128, 64, 8, 3)                            # 186 regs, 98 KB
+
+
+def num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H100_SMS
+
+
+def num_splits_heuristic(programs: int, n_blocks: int, sms: int = H100_SMS,
+                         ctas_per_sm: int = CTAS_PER_SM, max_splits: int = MAX_SPLITS) -> int:
+    """FlashAttention-2's split count (``num_splits_heuristic`` in ``csrc/flash_attn/flash_api.cpp``).
+
+    ``programs`` = b * h_kv * m-tiles without splitting; ``n_blocks`` = key blocks of the
+    longest sequence. If the programs nearly fill the machine (``ctas_per_sm`` per SM) or the
+    cache has at most 4 blocks, one split. Else the fewest splits whose wave efficiency ``waves / ceil(waves)`` is within 85% of
+    the best, skipping split counts that give the same blocks per split as one fewer.
+    """
+    slots = sms * ctas_per_sm
+    if programs >= 0.8 * slots or n_blocks <= 4:      # FA3 adds: a short cache is never split
+        return 1
+    max_splits = max(1, min(max_splits, slots, n_blocks))
+    eff = []
+    for s in range(1, max_splits + 1):
+        if s > 1 and math.ceil(n_blocks / s) == math.ceil(n_blocks / (s - 1)):
+            eff.append(0.0)
+            continue
+        waves = programs * s / slots
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    for s, e in enumerate(eff, start=1):
+        if e >= 0.85 * best:
+            return s
+    return 1
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _switches(dtype, d, d_v, band, softcap, has_alibi):
+    has_left = band is not None and band.left is not None
+    has_right = band is not None and band.right is not None
+    return dict(
+        EVEN_D=triton.next_power_of_2(d) == d, EVEN_DV=triton.next_power_of_2(d_v) == d_v,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_ALIBI=has_alibi, SOFTCAP=softcap > 0.0,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    ), (band.left if has_left else 0), (band.right if has_right else 0)
+
+
+def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse, *, scale, softcap, band,
+                  tiles, num_splits, cap):
+    """Run the decode kernel (and the combine when ``num_splits > 1``). No checks: kvcache.py did them.
+
+    q [b,h_q,s_q,d]; k_cache/v_cache [b,h_kv,s_max,d|d_v] or containers [pages,h_kv,page,d|d_v];
+    page_table int32 [b, max_pages] view (any strides) or None; seq_len_kv int32 [b] or None;
+    slopes fp32 [h_q] or None (ALiBi, base e); out [b,h_q,s_q,d_v]; lse fp32 [b,h_q,s_q] or None.
+    ``band`` is a problem.Band (bottom-right) or None; ``cap`` the cache capacity in keys.
+    """
+    b, h_q, s_q, d = q.shape
+    h_kv, d_v = k_cache.shape[1], v_cache.shape[3]
+    g = h_q // h_kv
+    paged = page_table is not None
+    sw, win_left, win_right = _switches(q.dtype, d, d_v, band, softcap, slopes is not None)
+    qk_scale = scale / softcap if softcap > 0.0 else scale * LOG2E_PY
+    m_tiles = triton.cdiv(g * s_q, tiles.block_m)
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty((num_splits, b, h_q, s_q, d_v), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, b, h_q, s_q), dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = out
+    pt = page_table if paged else q
+    pt_strides = page_table.stride() if paged else (0, 0)
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    grid = (b * h_kv, num_splits, m_tiles)
+    _decode_fwd[grid](
+        q, k_cache, v_cache, pt, seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
+        out, lse_arg, o_part, lse_part,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *out.stride(), *lse_strides,
+        b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
+        qk_scale, float(softcap), win_left, win_right,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
+        PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
+        SPLIT=split, WRITE_LSE=lse is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw,
+    )
+    if split:
+        _decode_combine[(b * h_q * s_q,)](
+            o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides,
+            b * h_q * s_q, h_q, s_q, d_v, num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_DV=triton.next_power_of_2(d_v),
+            WRITE_LSE=lse is not None, num_warps=4 if d_v >= 128 else 2,
+        )
+
+
+def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap):
+    """Write k_new/v_new [b,h_kv,s_q,d|d_v] into the caches at len_kv - s_q .. len_kv - 1."""
+    b, h_kv, s_q, d = k_new.shape
+    d_v = v_new.shape[3]
+    paged = page_table is not None
+    pt = page_table if paged else k_new
+    _append_kv[(b * h_kv, s_q)](
+        k_new, v_new, k_cache, v_cache, pt, seq_len_kv if seq_len_kv is not None else pt,
+        *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
+        *(page_table.stride() if paged else (0, 0)),
+        h_kv, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0,
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
+        PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
+        num_warps=1,
+    )
+
+
+def launch_validate(seq_len_kv, page_table, num_pages, page_size, s_q, cap, need_room):
+    """One small kernel: int32 [b] codes (bits BAD_*), read back by the caller (one host sync)."""
+    b = seq_len_kv.shape[0]
+    codes = torch.empty(b, dtype=torch.int32, device=seq_len_kv.device)
+    paged = page_table is not None
+    pt = page_table if paged else seq_len_kv
+    _validate_kv[(b,)](
+        seq_len_kv, pt, codes, *(page_table.stride() if paged else (0, 0)), s_q, cap, num_pages,
+        NEED_ROOM=need_room, PAGED=paged, PAGE_SIZE=page_size if paged else 1, BLOCK_P=256, num_warps=1,
+    )
+    return codes
