@@ -207,10 +207,25 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
     b, h_q, s_q, d = q.shape
-    if paged:
-        raise NotSupportedError("page_table_k/page_table_v: paged K/V caches are not supported by this build yet")
     bk, h_kv, s_kv, dk = k.shape
     bv, h_v, s_v, d_v = v.shape
+    page_size = 0
+    tables = {}
+    if paged:
+        # k, v are containers [num_blocks, h_kv, block_size, d]; key j of sequence i lives in block
+        # table[i, j // block_size], slot j % block_size. The logical s_kv is the tables' capacity.
+        if page_table_k is None or page_table_v is None:
+            raise InvalidArgumentError("paged K/V needs both page_table_k and page_table_v (they may be the same tensor)")
+        if k.shape[0] != v.shape[0] or k.shape[2] != v.shape[2]:
+            raise InvalidArgumentError(
+                f"paged containers k {tuple(k.shape)} and v {tuple(v.shape)} must share num_blocks and block_size")
+        page_size = k.shape[2]
+        for name, t in (("page_table_k", page_table_k), ("page_table_v", page_table_v)):
+            tables[name] = _page_table(name, t, b, q.device)
+        if tables["page_table_k"].shape != tables["page_table_v"].shape:
+            raise InvalidArgumentError("page_table_k and page_table_v must have the same shape")
+        s_kv = s_v = tables["page_table_k"].shape[1] * page_size
+        bk = bv = b
     if not (k.dtype == q.dtype and v.dtype == q.dtype):
         raise InvalidTypeError(f"q, k, v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (k.device == q.device and v.device == q.device):
@@ -245,6 +260,8 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
 
     band = make_band(bool(causal), causal_alignment, window)
     extras = {
+        "page_table_k": tables.get("page_table_k"),
+        "page_table_v": tables.get("page_table_v"),
         "seq_len_q": _seq_lens("seq_len_q", seq_len_q, b, q.device),
         "seq_len_kv": _seq_lens("seq_len_kv", seq_len_kv, b, q.device),
         "bias": None,
@@ -302,8 +319,26 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
         has_seq_len_q=extras["seq_len_q"] is not None, has_seq_len_kv=extras["seq_len_kv"] is not None,
         bias=bias_kind, bias_shape=bias_shape, alibi=alibi_kind, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=int(dropout_seed), dropout_offset=int(dropout_offset),
+        paged=paged, page_size=page_size,
     )
     return problem, extras
+
+
+def _page_table(name, t, b, device):
+    """Accept int32 [b, max_blocks] or cuDNN's [b, 1, max_blocks, 1]; return the [b, max_blocks] view."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be an int32 tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise InvalidTypeError(f"{name} must be int32, got {t.dtype}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}")
+    if t.dim() == 4 and t.shape[0] == b and t.shape[1] == 1 and t.shape[3] == 1:
+        t = t[:, 0, :, 0]
+    elif not (t.dim() == 2 and t.shape[0] == b):
+        raise InvalidArgumentError(f"{name} must have shape [{b}, max_blocks] or [{b}, 1, max_blocks, 1], got {tuple(t.shape)}")
+    if t.shape[1] == 0:
+        raise InvalidArgumentError(f"{name} has no blocks: shape {tuple(t.shape)}")
+    return t
 
 
 def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:

@@ -10,6 +10,8 @@ Math runs in fp32 (fp64 for fp64 inputs, which gradcheck uses).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 CHUNK_Q = 256
@@ -62,6 +64,15 @@ def dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, seed, offset, device="cpu") 
     rows = torch.arange(s_q, device=device)
     cols = torch.arange(s_kv, device=device)
     return dropout_keep_chunk(seed, offset, h_q, s_q, s_kv, dropout_p, rows, cols, b, device)
+
+
+def gather_pages(container: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Dense [b, h_kv, max_blocks * block_size, d] from a paged container [num_blocks, h_kv, block_size, d]
+    and a page table [b, max_blocks] (entries clamped into the container, as the kernels do)."""
+    n, h, bs, d = container.shape
+    b, nb = table.shape
+    blocks = container[table.long().clamp(0, n - 1)]                 # [b, nb, h, bs, d]
+    return blocks.permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)
 
 
 class _Chunker:
@@ -154,7 +165,14 @@ def _compute_dtype(dtype):
 
 
 def forward(p, q, k, v, extras, out, lse):
-    """out [b,h_q,s_q,d_v] (written), lse fp32 [b,h_q,s_q] natural log (written when not None)."""
+    """out [b,h_q,s_q,d_v] (written), lse fp32 [b,h_q,s_q] natural log (written when not None).
+
+    Paged K/V (containers + page tables) are gathered into dense tensors first.
+    """
+    if p.paged:
+        k = gather_pages(k, extras["page_table_k"])
+        v = gather_pages(v, extras["page_table_v"])
+        p = dataclasses.replace(p, paged=False)
     cdt = _compute_dtype(q.dtype)
     ch = _Chunker(p, q, k, v, extras, cdt)
     scale_out = 1.0 / (1.0 - p.dropout_p)

@@ -21,17 +21,18 @@ import triton
 import triton.language as tl
 
 from .args import aligned, aligned_output, kernel_scalars, set_descriptor_allocator, tma_ok
-from .common import (LN2, dropout_keep, kv_block_range, load_bias, load_tile, scores_base2,
+from .common import (LN2, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile, scores_base2,
                      sequence_lengths)
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope,
+def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, page_size, num_blocks,
+                     bias_base, slope,
                      offs_m, offs_n, offs_d, offs_dv, start, end, len_kv, diag,
-                     stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+                     stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
                      S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                      dropout_seed, dropout_offset, dropout_threshold, bh,
-                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
@@ -46,7 +47,8 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base
         if USE_TMA:
             k = k_desc.load([start_n, 0])
         else:
-            k = load_tile(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+            k_rows = kv_row_offsets(cols, k_table, S_KV, page_size, num_blocks, stride_kb, stride_kn, PAGED)
+            k = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                           cols, offs_d, len_kv, D, MASKED, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias = 0.0
@@ -66,7 +68,8 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         else:
-            v = load_tile(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+            v_rows = kv_row_offsets(cols, v_table, S_KV, page_size, num_blocks, stride_vb, stride_vn, PAGED)
+            v = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -75,14 +78,14 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
+def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_lm,
-              stride_bb, stride_bh, stride_bm, stride_bn,
-              H_Q, GROUP, S_Q, S_KV, D, D_V,
+              stride_bb, stride_bh, stride_bm, stride_bn, stride_tk, stride_tv,
+              H_Q, GROUP, S_Q, S_KV, D, D_V, PAGE_SIZE, NUM_BLOCKS,
               qk_scale, softcap, win_left, win_right,
               dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -92,7 +95,8 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
               HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
               DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+              PAGED: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -115,8 +119,15 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     # int64 base offsets: batch * stride can pass 2^31 on large tensors
     b64 = batch.to(tl.int64)
     q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
-    k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if PAGED:
+        # containers [num_blocks, h_kv, block_size, d]: the batch lives in the page tables
+        k_base = K + kv_head.to(tl.int64) * stride_kh
+        v_base = V + kv_head.to(tl.int64) * stride_vh
+    else:
+        k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+        v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k_table = TABLE_K + b64 * stride_tk
+    v_table = TABLE_V + b64 * stride_tv
     bias_base = BIAS
     if BIAS_KIND != 0:
         bias_base = BIAS + b64 * stride_bb + head.to(tl.int64) * stride_bh
@@ -141,25 +152,28 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
-        lo, full_lo, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        offs_m, offs_n, offs_d, offs_dv,
+        lo, full_lo, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
-        True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        True, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, False)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
-        full_lo, full_hi, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        offs_m, offs_n, offs_d, offs_dv,
+        full_lo, full_hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
-        False, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        False, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, bias_base, slope, offs_m, offs_n, offs_d, offs_dv,
-        full_hi, hi, len_kv, diag, stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        offs_m, offs_n, offs_d, offs_dv,
+        full_hi, hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
-        True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        True, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, False)
 
     # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0
@@ -200,20 +214,23 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         bias = bias.view(torch.uint8)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     # descriptors only for power-of-two head dims (ptxas crashes on a 224-wide box over 256)
-    use_tma = tiles.tma and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
+    use_tma = tiles.tma and not p.paged and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
     if use_tma:
         set_descriptor_allocator()
     grid = (triton.cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
+    table_k, table_v = extras["page_table_k"], extras["page_table_v"]
+    tables = (table_k, table_v, table_k.stride(0), table_v.stride(0)) if p.paged else (q, q, 0, 0)
     _attn_fwd[grid](
         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides,
-        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v,
+        tables[0], tables[1],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, tables[2], tables[3],
+        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, p.page_size, k.shape[0] if p.paged else 1,
         args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
         p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=triton.next_power_of_2(p.d), BLOCK_DV=triton.next_power_of_2(p.d_v),
         WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
-        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize, PAGED=p.paged,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **args["switches"],
     )
