@@ -162,6 +162,7 @@ class AttentionProblem:
     dropout_offset: int = 0
     paged: bool = False
     page_size: int = 0
+    varlen: bool = False                # packed [total, h, d] sequences with cumulative offsets
 
     @property
     def group(self) -> int:
@@ -179,7 +180,7 @@ class AttentionProblem:
             self.dtype, self.device_type, self.d, self.d_v,
             None if band is None else (band.alignment, band.left is not None, band.right is not None),
             self.has_seq_len_q, self.has_seq_len_kv, self.bias, self.alibi is not None,
-            self.softcap > 0.0, self.has_dropout, self.paged,
+            self.softcap > 0.0, self.has_dropout, self.paged, self.varlen,
         )
 
     def flops(self, backward: bool = False) -> float:

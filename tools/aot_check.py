@@ -41,10 +41,11 @@ BASE_SWITCHES = dict(BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_SEQ
 
 def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
     ptr = f"*{dtype}"
-    ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32")
+    ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32",
+                TABLE_K="*i32", TABLE_V="*i32", CU_Q="*i32", CU_KV="*i32")
     bd = triton.next_power_of_2(d)
     c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
-             WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False)
+             WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, VARLEN=False)
     c.update(sw)
     return compile_variant(fwd._attn_fwd, ptrs, c, warps, stages)
 
@@ -55,14 +56,16 @@ def bwd_variants(d, tk, tq, dtype="bf16", **sw):
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d)
     c.update(sw)
     ptrs = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,
-                SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32")
-    a = compile_variant(bwd._attn_bwd_dkdv, ptrs, dict(c, BLOCK_M=tk[0], BLOCK_N=tk[1], WRITE_DBIAS=False), tk[2], tk[3])
-    b = compile_variant(bwd._attn_bwd_dq, ptrs, dict(c, BLOCK_M=tq[0], BLOCK_N=tq[1], REVERSE_M=True), tq[2], tq[3])
+                SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32", CU_Q="*i32", CU_KV="*i32")
+    a = compile_variant(bwd._attn_bwd_dkdv, ptrs, dict(c, BLOCK_M=tk[0], BLOCK_N=tk[1], WRITE_DBIAS=False, VARLEN=c.get("VARLEN", False)), tk[2], tk[3])
+    b = compile_variant(bwd._attn_bwd_dq, ptrs, dict(c, BLOCK_M=tq[0], BLOCK_N=tq[1], REVERSE_M=True, VARLEN=c.get("VARLEN", False)), tq[2], tq[3])
     return a, b
 
 
-if __name__ == "__main__":
+def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which == "features":
+        return main_features()
     if which in ("fwd", "all"):
         for d, t in ((64, (128, 128, 8, 3)), (128, (128, 64, 8, 3)), (224, (128, 64, 8, 2)), (40, (64, 64, 4, 2))):
             print("fwd", d, t, fwd_variant(d, *t))
@@ -92,3 +95,14 @@ def ptxas_report(kernel_obj):
     regs = re.findall(r"Used (\d+) registers", text)
     spill = re.findall(r"(\d+) bytes spill stores", text)
     return f"regs={regs} spill_stores={spill}"
+
+
+def main_features():
+    """Every switch on at once, paged and varlen: the variants the interpreter accepts but sm_90 might not."""
+    print("fwd paged", fwd_variant(128, 128, 64, 8, 3, PAGED=True, HAS_SEQ_KV=True, BOTTOM_RIGHT=True))
+    print("fwd varlen", fwd_variant(64, 128, 64, 8, 3, VARLEN=True, DROPOUT=True, HAS_ALIBI=True))
+    print("bwd varlen", bwd_variants(64, (64, 64, 4, 2), (64, 64, 4, 2), VARLEN=True, DROPOUT=True))
+
+
+if __name__ == "__main__":
+    main()

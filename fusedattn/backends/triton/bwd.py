@@ -23,30 +23,39 @@ import triton.language as tl
 
 from .args import aligned, aligned_output, kernel_scalars
 from .common import (LOG2E, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range, scores_base2,
-                     sequence_lengths, softcap_tanh)
+                     sequence_lengths, softcap_tanh, varlen_bounds)
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
+def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, stride_od,
                          stride_dob, stride_doh, stride_dom, stride_dod, H_Q, S_Q, D_V,
-                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     batch = (bh // H_Q).to(tl.int64)
     head = (bh % H_Q).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o = load_tile(O + batch * stride_ob + head * stride_oh + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                  rows, offs_dv, S_Q, D_V, True, True)
-    do = load_tile(DO + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
-                   + offs_dv[None, :] * stride_dod, rows, offs_dv, S_Q, D_V, True, True)
+    if VARLEN:
+        q0 = tl.load(CU_Q + batch).to(tl.int64)
+        row_end = tl.minimum(tl.load(CU_Q + batch + 1) - q0, S_Q)
+        o_off = q0 * stride_om
+        do_off = q0 * stride_dom
+    else:
+        row_end = S_Q
+        o_off = batch * stride_ob
+        do_off = batch * stride_dob
+    o = load_tile(O + o_off + head * stride_oh + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                  rows, offs_dv, row_end, D_V, True, True)
+    do = load_tile(DO + do_off + head * stride_doh + rows[:, None] * stride_dom
+                   + offs_dv[None, :] * stride_dod, rows, offs_dv, row_end, D_V, True, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * S_Q + rows, delta, mask=rows < S_Q)
 
 
 @triton.jit
 def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
-                          offs_n, offs_m0, offs_d, offs_dv, start, end, len_q, len_kv, diag, bh,
+                          offs_n, offs_m0, offs_d, offs_dv, start, end, len_q, len_kv, diag, bh, row_end,
                           stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
                           S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                           dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -60,7 +69,7 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         offs_m = start_m + offs_m0
         rows = offs_m[None, :]
         q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                      offs_m, offs_d, S_Q, D, MASKED, not EVEN_D)
+                      offs_m, offs_d, row_end, D, MASKED, not EVEN_D)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         bias = 0.0
         if BIAS_KIND != 0:
@@ -68,14 +77,14 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         s_t = scores_base2(qk_t, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win_right, qk_scale,
                            softcap, MASKED, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
         if MASKED:
-            lse = tl.load(lse_base + offs_m * stride_lm, mask=offs_m < S_Q, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=offs_m < S_Q, other=0.0)
+            lse = tl.load(lse_base + offs_m * stride_lm, mask=offs_m < row_end, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=offs_m < row_end, other=0.0)
         else:
             lse = tl.load(lse_base + offs_m * stride_lm)
             delta = tl.load(delta_base + offs_m)
         p_t = tl.math.exp2(s_t - (lse * LOG2E)[None, :])
         do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                       offs_m, offs_dv, S_Q, D_V, MASKED, not EVEN_DV)
+                       offs_m, offs_dv, row_end, D_V, MASKED, not EVEN_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
             keep = dropout_keep(dropout_seed, dropout_offset, bh, rows, cols, S_Q, S_KV, dropout_threshold)
@@ -95,7 +104,7 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, SLOPES,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q, CU_KV,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -112,13 +121,37 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
                    BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                    BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
-                   DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   VARLEN: tl.constexpr):
     pid_n = tl.program_id(0)
     bhkv = tl.program_id(1)
     batch = bhkv // H_KV
     kv_head = bhkv % H_KV
     start_n = pid_n * BLOCK_N
     len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    b64 = batch.to(tl.int64)
+    if VARLEN:
+        # packed [total, h, d]: the batch is a row offset; rows past len belong to the next sequence
+        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
+        q_off = q0 * stride_qm
+        do_off = q0 * stride_dom
+        l_off = q0 * stride_lm
+        k_off = kv0 * stride_kn
+        v_off = kv0 * stride_vn
+        dk_off = kv0 * stride_dkn
+        dv_off = kv0 * stride_dvn
+        row_end = len_q
+        col_end = len_kv
+    else:
+        q_off = b64 * stride_qb
+        do_off = b64 * stride_dob
+        l_off = b64 * stride_lb
+        k_off = b64 * stride_kb
+        v_off = b64 * stride_vb
+        dk_off = b64 * stride_dkb
+        dv_off = b64 * stride_dvb
+        row_end = S_Q
+        col_end = S_KV
     diag = len_q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q
@@ -127,12 +160,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    b64 = batch.to(tl.int64)
     kvh64 = kv_head.to(tl.int64)
-    k = load_tile(K + b64 * stride_kb + kvh64 * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                  offs_n, offs_d, S_KV, D, True, not EVEN_D)
-    v = load_tile(V + b64 * stride_vb + kvh64 * stride_vh + offs_n[:, None] * stride_vn
-                  + offs_dv[None, :] * stride_vd, offs_n, offs_dv, S_KV, D_V, True, not EVEN_DV)
+    k = load_tile(K + k_off + kvh64 * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                  offs_n, offs_d, col_end, D, True, not EVEN_D)
+    v = load_tile(V + v_off + kvh64 * stride_vh + offs_n[:, None] * stride_vn
+                  + offs_dv[None, :] * stride_vd, offs_n, offs_dv, col_end, D_V, True, not EVEN_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, full_lo, full_hi, hi = q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
@@ -141,9 +173,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
         head = kv_head * GROUP + g                              # query heads of this kv head's group
         h64 = head.to(tl.int64)
         bh = batch * H_Q + head
-        q_base = Q + b64 * stride_qb + h64 * stride_qh
-        do_base = DO + b64 * stride_dob + h64 * stride_doh
-        lse_base = LSE + b64 * stride_lb + h64 * stride_lh
+        q_base = Q + q_off + h64 * stride_qh
+        do_base = DO + do_off + h64 * stride_doh
+        lse_base = LSE + l_off + h64 * stride_lh
         delta_base = DELTA + bh.to(tl.int64) * S_Q
         bias_base = BIAS
         if BIAS_KIND != 0:
@@ -156,7 +188,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             slope = tl.load(SLOPES + head) * LOG2E
         dk, dv = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
-            offs_n, offs_m0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh,
+            offs_n, offs_m0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh, row_end,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -164,7 +196,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             WRITE_DBIAS, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
-            offs_n, offs_m0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh,
+            offs_n, offs_m0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh, row_end,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -172,18 +204,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             WRITE_DBIAS, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
-            offs_n, offs_m0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh,
+            offs_n, offs_m0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh, row_end,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
             WRITE_DBIAS, DOT_PRECISION)
     dk = dk * sm_scale              # d(scale * q.k) / dk; softcap's tanh' is already in dS
-    dk_ptrs = DK + b64 * stride_dkb + kvh64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + b64 * stride_dvb + kvh64 * stride_dvh + offs_n[:, None] * stride_dvn \
-        + offs_dv[None, :] * stride_dvd
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=(offs_n < S_KV)[:, None] & (offs_d < D)[None, :])
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=(offs_n < S_KV)[:, None] & (offs_dv < D_V)[None, :])
+    dk_ptrs = DK + dk_off + kvh64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + dv_off + kvh64 * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=(offs_n < col_end)[:, None] & (offs_d < D)[None, :])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=(offs_n < col_end)[:, None] & (offs_dv < D_V)[None, :])
 
 
 @triton.jit
@@ -225,7 +256,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
+def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q, CU_KV,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
@@ -241,7 +272,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
                  BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                  BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
-                 DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -251,6 +283,24 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
     len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    b64 = batch.to(tl.int64)
+    if VARLEN:
+        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
+        q_off = q0 * stride_qm
+        do_off = q0 * stride_dom
+        dq_off = q0 * stride_dqm
+        l_off = q0 * stride_lm
+        k_off = kv0 * stride_kn
+        v_off = kv0 * stride_vn
+        row_end = len_q
+    else:
+        q_off = b64 * stride_qb
+        do_off = b64 * stride_dob
+        dq_off = b64 * stride_dqb
+        l_off = b64 * stride_lb
+        k_off = b64 * stride_kb
+        v_off = b64 * stride_vb
+        row_end = S_Q
     diag = len_q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q
@@ -259,17 +309,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    b64 = batch.to(tl.int64)
     h64 = head.to(tl.int64)
     kvh64 = kv_head.to(tl.int64)
-    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                  offs_m, offs_d, S_Q, D, True, not EVEN_D)
-    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + offs_m[:, None] * stride_dom
-                   + offs_dv[None, :] * stride_dod, offs_m, offs_dv, S_Q, D_V, True, not EVEN_DV)
-    lse2 = tl.load(LSE + b64 * stride_lb + h64 * stride_lh + offs_m * stride_lm, mask=offs_m < S_Q, other=0.0) * LOG2E
-    delta = tl.load(DELTA + bh.to(tl.int64) * S_Q + offs_m, mask=offs_m < S_Q, other=0.0)
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    q = load_tile(Q + q_off + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                  offs_m, offs_d, row_end, D, True, not EVEN_D)
+    do = load_tile(DO + do_off + h64 * stride_doh + offs_m[:, None] * stride_dom
+                   + offs_dv[None, :] * stride_dod, offs_m, offs_dv, row_end, D_V, True, not EVEN_DV)
+    lse2 = tl.load(LSE + l_off + h64 * stride_lh + offs_m * stride_lm, mask=offs_m < row_end, other=0.0) * LOG2E
+    delta = tl.load(DELTA + bh.to(tl.int64) * S_Q + offs_m, mask=offs_m < row_end, other=0.0)
+    k_base = K + k_off + kvh64 * stride_kh
+    v_base = V + v_off + kvh64 * stride_vh
     bias_base = BIAS
     if BIAS_KIND != 0:
         bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
@@ -303,8 +352,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES,
                              DROPOUT, DOT_PRECISION)
     # rows past the sequence get no gradient (their unmasked full blocks computed garbage)
     dq = tl.where((offs_m < len_q)[:, None], dq * sm_scale, 0.0)
-    dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < S_Q)[:, None] & (offs_d < D)[None, :])
+    dq_ptrs = DQ + dq_off + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_d < D)[None, :])
 
 
 def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
@@ -323,9 +372,10 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
 
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     pre_m = 64
+    cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
     _attn_bwd_preprocess[(triton.cdiv(p.s_q, pre_m), p.b * p.h_q)](
-        out, grad_out, delta, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
-        BLOCK_M=pre_m, BLOCK_DV=block_dv)
+        out, grad_out, delta, cu_q, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
+        BLOCK_M=pre_m, BLOCK_DV=block_dv, VARLEN=p.varlen)
 
     dbias = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device) if need_dbias else None
     common = (p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
@@ -333,20 +383,20 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     t = plan.bwd
     _attn_bwd_dkdv[(triton.cdiv(p.s_kv, t.block_n), p.b * p.h_kv)](
         q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
-        args["seq_q"], args["seq_kv"], bias_arg, args["slopes"],
+        args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         *lse.stride(), *bias_strides,
         p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        WRITE_DBIAS=dbias is not None, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+        WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
     t = plan.bwd_dq
     _attn_bwd_dq[(triton.cdiv(p.s_q, t.block_m), p.b * p.h_q)](
-        q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"],
+        q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
         *lse.stride(), *bias_strides,
         p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        REVERSE_M=args["causal_like"], num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+        REVERSE_M=args["causal_like"], VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
     for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
         if target is not None:
             target.copy_(buf)

@@ -30,6 +30,17 @@ def sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV,
 
 
 @triton.jit
+def varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV):
+    """Packed (THD) batches: first row of this sequence in q and in k/v (int64), and its lengths
+    (clamped to the max lengths S_Q, S_KV the grid was sized for)."""
+    q0 = tl.load(CU_Q + batch)
+    kv0 = tl.load(CU_KV + batch)
+    len_q = tl.minimum(tl.maximum(tl.load(CU_Q + batch + 1) - q0, 0), S_Q)
+    len_kv = tl.minimum(tl.maximum(tl.load(CU_KV + batch + 1) - kv0, 0), S_KV)
+    return q0.to(tl.int64), kv0.to(tl.int64), len_q, len_kv
+
+
+@triton.jit
 def kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .args import aligned, aligned_output, kernel_scalars, set_descriptor_allocator, tma_ok
 from .common import (LN2, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile, scores_base2,
-                     sequence_lengths)
+                     sequence_lengths, varlen_bounds)
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V,
+def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -96,7 +96,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V,
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
               DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              PAGED: tl.constexpr):
+              PAGED: tl.constexpr, VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -107,6 +107,26 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V,
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
     len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    # int64 base offsets: batch * stride can pass 2^31 on large tensors
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    kvh64 = kv_head.to(tl.int64)
+    if VARLEN:
+        # packed [total, h, d]: the batch is a row offset; rows past len belong to the next sequence
+        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
+        q_off = q0 * stride_qm
+        o_off = q0 * stride_om
+        l_off = q0 * stride_lm
+        k_off = kv0 * stride_kn
+        v_off = kv0 * stride_vn
+        row_end = len_q
+    else:
+        q_off = b64 * stride_qb
+        o_off = b64 * stride_ob
+        l_off = b64 * stride_lb
+        k_off = b64 * stride_kb
+        v_off = b64 * stride_vb
+        row_end = S_Q
     diag = len_q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q
@@ -116,27 +136,25 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    # int64 base offsets: batch * stride can pass 2^31 on large tensors
-    b64 = batch.to(tl.int64)
-    q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
+    q_base = Q + q_off + h64 * stride_qh
     if PAGED:
         # containers [num_blocks, h_kv, block_size, d]: the batch lives in the page tables
-        k_base = K + kv_head.to(tl.int64) * stride_kh
-        v_base = V + kv_head.to(tl.int64) * stride_vh
+        k_base = K + kvh64 * stride_kh
+        v_base = V + kvh64 * stride_vh
     else:
-        k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
-        v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+        k_base = K + k_off + kvh64 * stride_kh
+        v_base = V + v_off + kvh64 * stride_vh
     k_table = TABLE_K + b64 * stride_tk
     v_table = TABLE_V + b64 * stride_tv
     bias_base = BIAS
     if BIAS_KIND != 0:
-        bias_base = BIAS + b64 * stride_bb + head.to(tl.int64) * stride_bh
+        bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + head) * 1.4426950408889634
 
     q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                  offs_m, offs_d, S_Q, D, True, not EVEN_D)
+                  offs_m, offs_d, len_q, D, True, not EVEN_D)
     k_desc = k_base
     v_desc = v_base
     if USE_TMA:
@@ -182,17 +200,16 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V,
         row_ok = row_ok & (offs_m < len_q)
     inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
-    o_ptrs = O + b64 * stride_ob + head.to(tl.int64) * stride_oh \
-        + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    o_ptrs = O + o_off + h64 * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     if EVEN_DV:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < S_Q)[:, None])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < row_end)[:, None])
     else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < S_Q)[:, None] & (offs_dv < D_V)[None, :])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_dv < D_V)[None, :])
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores (cuDNN's Stats); 0 for empty rows
         lse = tl.where(row_ok, (m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))) * LN2, 0.0)
-        l_ptrs = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm
-        tl.store(l_ptrs, lse, mask=offs_m < S_Q)
+        l_ptrs = LSE + l_off + h64 * stride_lh + offs_m * stride_lm
+        tl.store(l_ptrs, lse, mask=offs_m < row_end)
 
 
 def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
@@ -214,15 +231,16 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         bias = bias.view(torch.uint8)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     # descriptors only for power-of-two head dims (ptxas crashes on a 224-wide box over 256)
-    use_tma = tiles.tma and not p.paged and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
+    use_tma = tiles.tma and not p.paged and not p.varlen and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
     if use_tma:
         set_descriptor_allocator()
     grid = (triton.cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
     table_k, table_v = extras["page_table_k"], extras["page_table_v"]
     tables = (table_k, table_v, table_k.stride(0), table_v.stride(0)) if p.paged else (q, q, 0, 0)
+    cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
     _attn_fwd[grid](
         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
-        tables[0], tables[1],
+        tables[0], tables[1], cu_q, cu_kv,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, tables[2], tables[3],
         p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, p.page_size, k.shape[0] if p.paged else 1,
         args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
@@ -230,7 +248,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=triton.next_power_of_2(p.d), BLOCK_DV=triton.next_power_of_2(p.d_v),
         WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
-        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize, PAGED=p.paged,
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize, PAGED=p.paged, VARLEN=p.varlen,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **args["switches"],
     )

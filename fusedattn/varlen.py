@@ -1,0 +1,188 @@
+"""Packed variable-length batches (THD): ``attention_varlen``.
+
+Sequences of different lengths are stored back to back, ``q [total_q, h_q, d]``,
+``k [total_kv, h_kv, d]``, ``v [total_kv, h_kv, d_v]``, sequence ``i`` being rows
+``cu_seqlens_q[i] : cu_seqlens_q[i + 1]`` (FlashAttention's ``flash_attn_varlen_func``
+layout; cuDNN's ragged offsets are the same offsets times the row stride).
+
+The Triton kernels read the offsets (``VARLEN`` switch of the forward and backward
+kernels) so nothing is padded in memory. The result equals attention on the same
+sequences padded to ``max_seqlen_q`` / ``max_seqlen_kv`` with ``seq_len_q`` /
+``seq_len_kv`` masks, dropout mask included; the CPU path computes exactly that.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import functional
+from .plan import plan
+from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, make_problem
+
+__all__ = ["attention_varlen"]
+
+
+def _cu(name, t, device):
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.numel() < 2:
+        raise InvalidTypeError(f"{name} must be an int32 tensor [batch + 1] of cumulative offsets, got "
+                               f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}")
+    return t.to(torch.int32).contiguous()
+
+
+def _check_offsets(name, cu, total, max_len):
+    """Host check (one sync): starts at 0, non-decreasing, ends within the tensor, lengths <= max."""
+    c = cu.cpu().long()
+    lens = c[1:] - c[:-1]
+    if c[0] != 0 or (lens < 0).any():
+        raise InvalidArgumentError(f"{name} must start at 0 and be non-decreasing, got {c.tolist()[:16]}")
+    if c[-1] > total:
+        raise InvalidArgumentError(f"{name}[-1] = {int(c[-1])} exceeds the {total} rows of the packed tensor")
+    if lens.max() > max_len:
+        raise InvalidArgumentError(f"a sequence of {int(lens.max())} rows exceeds max_seqlen = {max_len} ({name})")
+
+
+def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, validate=True, **opts):
+    """Validate packed inputs; returns (problem, extras, q4, k4, v4): 4-D [1, h, total, d] views for the kernels."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise InvalidArgumentError(f"{name} must be 3-D packed [total, heads, head_dim], got "
+                                       f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    for name in ("attn_bias", "seq_len_q", "seq_len_kv"):
+        if opts.get(name) is not None:
+            raise NotSupportedError(f"{name} with packed variable-length batches is not supported")
+    cu_q = _cu("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_kv = _cu("cu_seqlens_kv", cu_seqlens_kv, q.device)
+    if cu_q.numel() != cu_kv.numel():
+        raise InvalidArgumentError(f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_kv has {cu_kv.numel()}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if not isinstance(m, int) or m < 0:
+            raise InvalidArgumentError(f"{name} must be an int >= 0, got {m!r}")
+    if validate:
+        _check_offsets("cu_seqlens_q", cu_q, q.shape[0], max_seqlen_q)
+        _check_offsets("cu_seqlens_kv", cu_kv, k.shape[0], max_seqlen_kv)
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    p, extras = make_problem(q4, k4, v4, **opts)
+    p = dataclasses.replace(p, b=cu_q.numel() - 1, s_q=max_seqlen_q, s_kv=max_seqlen_kv, varlen=True)
+    extras.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+    return p, extras, q4, k4, v4
+
+
+def _pad(x, cu, b, s):
+    """[total, h, d] -> [b, h, s, d] zero-padded, and the lengths."""
+    c = cu.cpu().tolist()
+    out = x.new_zeros((b, s) + tuple(x.shape[1:]))
+    for i in range(b):
+        out[i, : c[i + 1] - c[i]] = x[c[i]:c[i + 1]]
+    lens = torch.tensor([c[i + 1] - c[i] for i in range(b)], dtype=torch.int32, device=x.device)
+    return out.transpose(1, 2), lens
+
+
+def _unpad(x, cu, total):
+    """[b, h, s, ...] -> [total, h, ...]."""
+    c = cu.cpu().tolist()
+    out = x.new_zeros((total, x.shape[1]) + tuple(x.shape[3:]))
+    for i in range(len(c) - 1):
+        out[c[i]:c[i + 1]] = x[i, :, : c[i + 1] - c[i]].transpose(0, 1)
+    return out
+
+
+def varlen_forward(p, extras, pl, q, k, v, q4, k4, v4):
+    """out [total_q, h_q, d_v], stats fp32 [h_q, total_q]."""
+    out = q.new_empty((q.shape[0], p.h_q, p.d_v))
+    stats = torch.empty((p.h_q, q.shape[0]), dtype=torch.float32, device=q.device)
+    if pl.backend == "cpu":
+        qp, lq = _pad(q, extras["cu_seqlens_q"], p.b, p.s_q)
+        kp, lkv = _pad(k, extras["cu_seqlens_kv"], p.b, p.s_kv)
+        vp, _ = _pad(v, extras["cu_seqlens_kv"], p.b, p.s_kv)
+        o, st = functional.attention_forward(qp, kp, vp, seq_len_q=lq, seq_len_kv=lkv, return_stats=True,
+                                             backend="cpu", **_opts_of(p, extras))
+        out.copy_(_unpad(o, extras["cu_seqlens_q"], q.shape[0]))
+        stats.copy_(_unpad(st[..., 0].unsqueeze(-1), extras["cu_seqlens_q"], q.shape[0])[..., 0].T)
+    else:
+        from .backends.triton.fwd import launch_fwd
+        lse4 = stats.unsqueeze(0)                                   # [1, h, total]
+        launch_fwd(p, pl.fwd, q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse4, extras)
+    return out, stats
+
+
+def varlen_backward(p, extras, pl, q, k, v, out, grad_out, stats):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if pl.backend == "cpu":
+        cq, ckv = extras["cu_seqlens_q"], extras["cu_seqlens_kv"]
+        qp, lq = _pad(q, cq, p.b, p.s_q)
+        kp, lkv = _pad(k, ckv, p.b, p.s_kv)
+        vp, _ = _pad(v, ckv, p.b, p.s_kv)
+        op, _ = _pad(out, cq, p.b, p.s_q)
+        gp, _ = _pad(grad_out, cq, p.b, p.s_q)
+        sp, _ = _pad(stats.T.unsqueeze(-1), cq, p.b, p.s_q)      # [b, h, s, 1]
+        g = functional.attention_backward(qp, kp, vp, op, gp, sp.contiguous(), seq_len_q=lq, seq_len_kv=lkv,
+                                          backend="cpu", **_opts_of(p, extras))
+        dq.copy_(_unpad(g[0], cq, q.shape[0]))
+        dk.copy_(_unpad(g[1], ckv, k.shape[0]))
+        dv.copy_(_unpad(g[2], ckv, v.shape[0]))
+    else:
+        from .backends.triton.bwd import launch_bwd
+        v4 = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  [total, h, d] -> [1, h, total, d]
+        launch_bwd(p, pl, v4(q), v4(k), v4(v), v4(out), v4(grad_out), stats.unsqueeze(0), extras,
+                   v4(dq), v4(dk), v4(dv), False)
+    return dq, dk, dv
+
+
+def _opts_of(p, extras):
+    band = p.band
+    window = None if band is None else (-1 if band.left is None else band.left, -1 if band.right is None else band.right)
+    return dict(attn_scale=p.scale, window=window, causal_alignment=band.alignment if band else "top_left",
+                alibi=extras["slopes"] if extras["slopes"] is not None else False, softcap=p.softcap,
+                dropout_p=p.dropout_p, dropout_seed=p.dropout_seed, dropout_offset=p.dropout_offset)
+
+
+class _AttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, p, extras, pl):
+        out, stats = varlen_forward(p, extras, pl, q, k, v, *(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)))
+        ctx.save_for_backward(q, k, v, out, stats)
+        ctx.problem = (p, extras, pl)
+        ctx.mark_non_differentiable(stats)
+        return out, stats
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        q, k, v, out, stats = ctx.saved_tensors
+        p, extras, pl = ctx.problem
+        dq, dk, dv = varlen_backward(p, extras, pl, q, k, v, out, grad_out.contiguous(), stats)
+        return dq, dk, dv, None, None, None
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, *, attn_scale=None,
+                     causal=False, causal_alignment="top_left", window=None, alibi=False, softcap=0.0,
+                     dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_stats=False, validate=True,
+                     backend="auto"):
+    """Attention over packed variable-length sequences, forward and backward (autograd).
+
+    Args:
+        q: ``[total_q, h_q, d]``; k: ``[total_kv, h_kv, d]``; v: ``[total_kv, h_kv, d_v]``; any strides
+            with a row stride per token (e.g. slices of a fused QKV projection).
+        cu_seqlens_q, cu_seqlens_kv: int32 ``[b + 1]``, cumulative offsets starting at 0: sequence ``i``
+            is rows ``cu[i] : cu[i + 1]``.
+        max_seqlen_q, max_seqlen_kv: ints >= the longest sequence (size the grid, key the dropout counters).
+        causal / causal_alignment / window / alibi / softcap / dropout_*: as :func:`fusedattn.attention`,
+            applied per sequence (bottom-right alignment uses each sequence's own lengths).
+        validate: check the offsets on the host (one device sync); the kernels clamp lengths either way.
+    Returns:
+        out ``[total_q, h_q, d_v]``, and with ``return_stats`` the log-sum-exp fp32 ``[h_q, total_q]``.
+    """
+    if dropout_p and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+    p, extras, q4, k4, v4 = make_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, validate=validate,
+        attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window, alibi=alibi,
+        softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed or 0, dropout_offset=dropout_offset)
+    pl = plan(p, backend)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, stats = _AttentionVarlen.apply(q, k, v, p, extras, pl)
+    else:
+        out, stats = varlen_forward(p, extras, pl, q, k, v, q4, k4, v4)
+    return (out, stats) if return_stats else out
