@@ -61,7 +61,7 @@ _FWD_SM90 = {
 _BWD_SM90 = {
     (64, 2): Tiles(64, 64, 4, 3),
     (128, 2): Tiles(64, 64, 4, 2),
-    (256, 2): Tiles(64, 64, 8, 1),       # 122 TFLOP/s at d 224: register-bound, see bench/NOTES.md
+    (256, 2): Tiles(32, 32, 4, 2),       # 134 TFLOP/s at d 224 (64x64/8 warps: 121): spills, bench/NOTES.md
     (64, 4): Tiles(32, 64, 4, 2),
     (128, 4): Tiles(32, 64, 4, 1),
     (256, 4): Tiles(16, 32, 4, 1),
@@ -69,7 +69,7 @@ _BWD_SM90 = {
 _BWD_DQ_SM90 = {
     (64, 2): Tiles(64, 64, 4, 3),
     (128, 2): Tiles(64, 64, 4, 2),
-    (256, 2): Tiles(64, 64, 8, 1),
+    (256, 2): Tiles(32, 32, 4, 2),
     (64, 4): Tiles(64, 32, 4, 2),
     (128, 4): Tiles(64, 32, 4, 1),
     (256, 4): Tiles(32, 16, 4, 1),
