@@ -52,6 +52,11 @@ def _stats_view(stats, p, device, name="stats"):
 def _run_forward(p, extras, pl, q, k, v, out, lse):
     if pl.backend == "cpu":
         cpu_backend.forward(p, q, k, v, extras, out, lse)
+        return
+    from .backends.triton import decode
+    if decode.decode_supports(p) and p.s_q * p.group <= decode.DECODE_MAX_ROWS:
+        # few query rows per kv head (decode): the split-KV kernel packs a GQA group into one tile
+        decode.launch_decode_problem(p, extras, q, k, v, out, lse)
     else:
         from .backends.triton.fwd import launch_fwd
         launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)

@@ -98,7 +98,8 @@ def test_paged_forward_equals_dense(page_size, target):
     lens = torch.tensor([128, 1, 77], dtype=torch.int32, device=device)
     q = torch.randn(b, h, 9, d, generator=gen).to(device)
     kw = dict(seq_len_kv=lens, causal=True, causal_alignment="bottom_right")
-    out, _ = fusedattn.attention_forward(q, kc, vc, page_table_k=table, page_table_v=table.view(b, 1, -1, 1),
+    table_k = table.t().contiguous().t()            # column-major, as the seed's transposed table
+    out, _ = fusedattn.attention_forward(q, kc, vc, page_table_k=table_k, page_table_v=table.view(b, 1, -1, 1),
                                          backend=backend, **kw)
     kd, vd = gather_pages(kc, table), gather_pages(vc, table)
     gold, _ = attention_reference(q.cpu(), kd.cpu(), vd.cpu(), **{n: (t.cpu() if isinstance(t, torch.Tensor) else t)

@@ -105,7 +105,7 @@ class _Chunker:
         """(s, t): natural-unit logits [b, h_kv, g, rows, cols] with -inf where masked, and tanh of softcap."""
         p = self.p
         qc = self.q[..., i0:i1, :].to(self.cdt)
-        kc = self.k[..., j0:j1, :].to(self.cdt)
+        kc, _ = self.kv(j0, j1)
         s = torch.matmul(qc, kc.transpose(-1, -2))
         t = None
         if p.softcap > 0:
@@ -134,6 +134,17 @@ class _Chunker:
             if band.right is not None:
                 keep = keep & (c <= r + self._b5(self.diag) + band.right)
         return s.masked_fill(~keep, float("-inf")), t
+
+    def kv(self, j0, j1):
+        """K, V rows [j0, j1) in the compute dtype, zeroed past each sequence's length (padding may hold NaN)."""
+        kc = self.k[..., j0:j1, :].to(self.cdt)
+        vc = self.v[..., j0:j1, :].to(self.cdt)
+        cols = torch.arange(j0, j1, device=kc.device).view(1, 1, 1, -1, 1)
+        valid = cols < self._b5(self.len_kv)
+        if not bool(valid.all()):
+            kc = torch.where(valid, kc, 0.0)
+            vc = torch.where(valid, vc, 0.0)
+        return kc, vc
 
     def dropout(self, i0, i1, j0, j1):
         """Keep-mask of this tile, [b, h_kv, g, rows, cols], or None without dropout."""
@@ -192,7 +203,7 @@ def forward(p, q, k, v, extras, out, lse):
             keep = ch.dropout(i0, i1, j0, j1)
             if keep is not None:
                 e = e * keep
-            acc = acc * alpha[..., None] + torch.matmul(e, ch.v[..., j0:j1, :].to(cdt))
+            acc = acc * alpha[..., None] + torch.matmul(e, ch.kv(j0, j1)[1])
             m = m_new
         ok = l > 0
         o = torch.where(ok[..., None], acc * (scale_out / torch.where(ok, l, 1.0))[..., None], 0.0)
@@ -227,8 +238,7 @@ def backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias=Fals
             s, t = ch.logits(i0, i1, j0, j1)
             prob = torch.exp(s - lse5[..., i0:i1, None])           # masked entries: exp(-inf) = 0
             keep = ch.dropout(i0, i1, j0, j1)
-            kc = ch.k[..., j0:j1, :].to(cdt)
-            vc = ch.v[..., j0:j1, :].to(cdt)
+            kc, vc = ch.kv(j0, j1)
             pd = prob if keep is None else prob * keep * rescale
             dv_acc[:, :, j0:j1] += torch.matmul(pd.transpose(-1, -2), doc).sum(2)
             dp = torch.matmul(doc, vc.transpose(-1, -2))

@@ -102,14 +102,15 @@ def q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
 
 
 @triton.jit
-def kv_row_offsets(cols, table_row, S_KV, page_size, num_blocks, stride_block, stride_n, PAGED: tl.constexpr):
+def kv_row_offsets(cols, table_row, stride_table, S_KV, page_size, num_blocks, stride_block, stride_n,
+                   PAGED: tl.constexpr):
     """Element offsets of key rows ``cols`` from the (batch, kv head) base.
 
-    PAGED: key j lives in block ``table_row[j // page_size]`` (clamped into the container, so a
+    PAGED: key j lives in block ``table_row[(j // page_size) * stride_table]`` (clamped into the container, so a
     bad table never reads out of bounds) at slot ``j % page_size``; the block's offset is int64.
     """
     if PAGED:
-        page = tl.load(table_row + cols // page_size, mask=cols < S_KV, other=0)
+        page = tl.load(table_row + (cols // page_size) * stride_table, mask=cols < S_KV, other=0)
         page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
         return page.to(tl.int64) * stride_block + (cols % page_size) * stride_n
     else:

@@ -16,10 +16,12 @@ it normalizes and writes ``out`` / ``lse`` itself. With more, each writes a part
 ``(o / l, log2-sum-exp)`` in fp32 to a workspace and ``_decode_combine`` merges them:
 ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``, ``lse = M + log2(sum)``.
 
-Masking (``causal`` is bottom-right: the new tokens are the last of each sequence) is the
-package's band with ``diag = len_kv - s_q``: token t keeps key j iff
-``t + diag - left <= j <= t + diag + right`` and ``j < len_kv``. Key blocks wholly inside the
-band run with no mask arithmetic (MASKED=False); only the edges are masked.
+Masking is the package's band: token t keeps key j iff ``t + diag - left <= j <= t + diag + right``
+and ``j < len_kv``, with ``diag = len_kv - len_q`` (bottom-right: the new tokens are the last of
+each sequence; what attention_with_kvcache always asks) or 0 (top-left, for the problem door).
+``len_q`` is s_q, or seq_len_q when the problem door has padded queries (rows past it give 0).
+Key blocks wholly inside the band run with no mask arithmetic (MASKED=False); only the edges
+are masked.
 
 Paged caches: container ``[num_pages, h_kv, PAGE_SIZE, d]`` (any strides) and a page table
 row per sequence; key j lives at page ``table[bi, j // PAGE_SIZE]``, slot ``j % PAGE_SIZE``.
@@ -68,7 +70,7 @@ def _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_b, stride_n, kv_
 
 
 @triton.jit
-def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
+def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn,
                    slope, tok, offs_n, offs_d, offs_dv, start, end, len_kv, num_pages, diag,
                    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, kb_off, vb_off,
                    D, D_V, qk_scale, softcap, win_left, win_right,
@@ -91,7 +93,7 @@ def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if PAGED:
-            v_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_vb, stride_vn, vb_off,
+            v_rows = _kv_rows(PTV_ROW, stride_pvn, cols, len_kv, num_pages, stride_vb, stride_vn, vb_off,
                               MASKED, PAGED, PAGE_SIZE)
         else:
             v_rows = vb_off + cols.to(tl.int64) * stride_vn
@@ -104,18 +106,19 @@ def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
 
 
 @triton.jit
-def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
+def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
-                stride_pb, stride_pn,
+                stride_pb, stride_pn, stride_pvb, stride_pvn,
                 stride_ob, stride_oh, stride_om, stride_od,
                 stride_lb, stride_lh, stride_lm,
                 B, H_KV, G, S_Q, D, D_V, CAP, NUM_PAGES, NUM_SPLITS,
                 qk_scale, softcap, win_left, win_right,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                HAS_SEQ_KV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     bkv = tl.program_id(0)
@@ -126,7 +129,12 @@ def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
     len_kv = CAP + batch * 0
     if HAS_SEQ_KV:
         len_kv = tl.minimum(tl.maximum(tl.load(SEQ_KV + batch), 0), CAP)
-    diag = len_kv - S_Q                                  # bottom-right: the new tokens are the last ones
+    len_q = S_Q + batch * 0
+    if HAS_SEQ_Q:                                        # the problem door's padded queries (kvcache: never)
+        len_q = tl.minimum(tl.maximum(tl.load(SEQ_Q + batch), 0), S_Q)
+    diag = len_q * 0
+    if BOTTOM_RIGHT:
+        diag = len_kv - len_q                            # the new tokens are the last ones
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)       # packed rows: token-major, heads of the group inside
     n_rows = G * S_Q
@@ -147,7 +155,7 @@ def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
 
     # keys any row of this tile may keep, and the whole blocks every row keeps entirely
     t_lo = (pid_m * BLOCK_M) // G
-    t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, S_Q - 1)
+    t_hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, len_q - 1)
     lo = len_kv * 0
     hi = len_kv
     full_lo = lo
@@ -159,7 +167,7 @@ def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
         hi = tl.minimum(t_hi + diag + win_right + 1, len_kv)
         full_hi = tl.minimum(full_hi, tl.maximum(t_lo + diag + win_right + 1, 0) // BLOCK_N * BLOCK_N)
     lo = lo // BLOCK_N * BLOCK_N
-    hi = tl.maximum(hi, lo)
+    hi = tl.where(t_lo > t_hi, lo, tl.maximum(hi, lo))   # a tile of rows past len_q visits nothing
     # this split's run of whole blocks: [s_lo, s_hi)
     chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     s_lo = lo + split * chunk
@@ -172,27 +180,30 @@ def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
     kb_off = b64 * stride_kb                             # contiguous caches: the batch term (unused when paged)
     vb_off = b64 * stride_vb
     PT_ROW = PT + b64 * stride_pb
+    PTV_ROW = PT_V + b64 * stride_pvb
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc, m_i, l_i = _decode_blocks(
-        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, slope, tok, offs_n, offs_d, offs_dv,
+        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
         s_lo, f_lo, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     acc, m_i, l_i = _decode_blocks(
-        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, slope, tok, offs_n, offs_d, offs_dv,
+        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
         f_lo, f_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
         False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     acc, m_i, l_i = _decode_blocks(
-        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, slope, tok, offs_n, offs_d, offs_dv,
+        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
         f_hi, s_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     nonempty = l_i > 0.0
+    if HAS_SEQ_Q:
+        nonempty = nonempty & (tok < len_q)
     out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
     dv_ok = offs_dv < D_V
     if SPLIT:
@@ -214,31 +225,39 @@ def _decode_fwd(Q, K, V, PT, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
 def _decode_combine(O_PART, LSE_PART, O, LSE,
                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                     ROWS, H_Q, S_Q, D_V, NUM_SPLITS,
-                    SPLITS_P2: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Merge the splits' partials of one (batch, query head, token) row; empty rows give 0 / 0."""
-    row = tl.program_id(0)
-    batch = row // (H_Q * S_Q)
-    head = (row // S_Q) % H_Q
-    tok = row % S_Q
-    offs_s = tl.arange(0, SPLITS_P2)
+                    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Merge the splits' partials of BLOCK_R (batch, query head, token) rows; empty rows give 0 / 0.
+
+    Partial row ``r`` of split ``s`` sits at ``s * ROWS + r`` (r = (batch * H_Q + head) * S_Q + token).
+    Two passes over the splits: the max of their log2-sum-exps, then the weighted sum.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < ROWS
     offs_dv = tl.arange(0, BLOCK_DV)
-    prow = offs_s.to(tl.int64) * ROWS + row
-    s_ok = offs_s < NUM_SPLITS
-    lse = tl.load(LSE_PART + prow, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
+    dv_ok = offs_dv < D_V
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, NUM_SPLITS):
+        m = tl.maximum(m, tl.load(LSE_PART + s * ROWS + rows, mask=r_ok, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_safe)                       # 0 for empty splits
-    den = tl.sum(w, 0)
-    o = tl.load(O_PART + prow[:, None] * D_V + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < D_V)[None, :],
-                other=0.0)
+    den = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for s in range(0, NUM_SPLITS):
+        prow = s * ROWS + rows
+        w = tl.math.exp2(tl.load(LSE_PART + prow, mask=r_ok, other=float("-inf")) - m_safe)   # 0: empty split
+        o = tl.load(O_PART + prow.to(tl.int64)[:, None] * D_V + offs_dv[None, :],
+                    mask=r_ok[:, None] & dv_ok[None, :], other=0.0)
+        den += w
+        acc += w[:, None] * o
     nonempty = den > 0.0
-    out = tl.sum(o * w[:, None], 0) * tl.where(nonempty, 1.0 / tl.where(nonempty, den, 1.0), 0.0)
-    b64 = batch.to(tl.int64)
-    tl.store(O + b64 * stride_ob + head.to(tl.int64) * stride_oh + tok * stride_om + offs_dv * stride_od,
-             out.to(O.dtype.element_ty), mask=offs_dv < D_V)
+    out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, den, 1.0), 0.0)[:, None]
+    batch = (rows // (H_Q * S_Q)).to(tl.int64)
+    head = ((rows // S_Q) % H_Q).to(tl.int64)
+    tok = rows % S_Q
+    tl.store(O + (batch * stride_ob + head * stride_oh + tok * stride_om)[:, None] + offs_dv[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
     if WRITE_LSE:
-        lse_out = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, den, 1.0))) * LN2, 0.0)
-        tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_lm, lse_out)
+        lse = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, den, 1.0))) * LN2, 0.0)
+        tl.store(LSE + batch * stride_lb + head * stride_lh + tok * stride_lm, lse, mask=r_ok)
 
 
 @triton.jit
@@ -335,7 +354,9 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> Deco
     """
     p2 = triton.next_power_of_2(max(rows, 1))
     if interpret:
-        return DecodeTiles(max(16, min(p2, 32)), 16, 4, 1)
+        # the interpreter pays ~10 ms per tile step: 32-key tiles keep CI quick and still give
+        # short test caches several blocks (masked edges, whole blocks, splits)
+        return DecodeTiles(max(16, min(p2, 32)), 32, 4, 1)
     if rows <= 64:
         bm = max(16, p2)
         if dtype == torch.float32:
@@ -351,10 +372,13 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> Deco
     return DecodeTiles(128, 64, 8, 3)                            # 186 regs, 98 KB
 
 
+INTERPRETER_SMS = 4      # the interpreter runs programs one by one: a small "machine" means few splits
+
+
 def num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return H100_SMS
+    return INTERPRETER_SMS
 
 
 def num_splits_heuristic(programs: int, n_blocks: int, sms: int = H100_SMS,
@@ -363,8 +387,8 @@ def num_splits_heuristic(programs: int, n_blocks: int, sms: int = H100_SMS,
 
     ``programs`` = b * h_kv * m-tiles without splitting; ``n_blocks`` = key blocks of the
     longest sequence. If the programs nearly fill the machine (``ctas_per_sm`` per SM) or the
-    cache has at most 4 blocks, one split. Else the fewest splits whose wave efficiency ``waves / ceil(waves)`` is within 85% of
-    the best, skipping split counts that give the same blocks per split as one fewer.
+    cache has at most 4 blocks, one split. Else the fewest splits whose wave efficiency
+    ``waves / ceil(waves)`` is within 85% of the best, skipping split counts that give the same blocks per split as one fewer.
     """
     slots = sms * ctas_per_sm
     if programs >= 0.8 * slots or n_blocks <= 4:      # FA3 adds: a short cache is never split
@@ -396,14 +420,26 @@ def _switches(dtype, d, d_v, band, softcap, has_alibi):
     ), (band.left if has_left else 0), (band.right if has_right else 0)
 
 
-def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse, *, scale, softcap, band,
-                  tiles, num_splits, cap):
-    """Run the decode kernel (and the combine when ``num_splits > 1``). No checks: kvcache.py did them.
+def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None):
+    """(tiles, splits) of one decode launch: the tile table, then the split heuristic unless forced."""
+    tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda")
+    if num_splits is None:
+        m_tiles = triton.cdiv(g * s_q, tiles.block_m)
+        num_splits = num_splits_heuristic(b * h_kv * m_tiles, triton.cdiv(cap, tiles.block_n), num_sms(device))
+    return tiles, num_splits
 
-    q [b,h_q,s_q,d]; k_cache/v_cache [b,h_kv,s_max,d|d_v] or containers [pages,h_kv,page,d|d_v];
-    page_table int32 [b, max_pages] view (any strides) or None; seq_len_kv int32 [b] or None;
-    slopes fp32 [h_q] or None (ALiBi, base e); out [b,h_q,s_q,d_v]; lse fp32 [b,h_q,s_q] or None.
-    ``band`` is a problem.Band (bottom-right) or None; ``cap`` the cache capacity in keys.
+
+def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse, *, scale, softcap, band,
+                  tiles, num_splits, cap, page_table_v=None, seq_len_q=None):
+    """Run the decode kernel (and the combine when ``num_splits > 1``). No checks: the caller did them.
+
+    q [b,h_q,s_q,d]; k_cache/v_cache [b,h_kv,s_max,d|d_v] or containers [pages,h_kv,page,d|d_v]
+    (k and v sharing pages and page size); page_table int32 [b, max_pages] view (any strides) or
+    None; page_table_v: V's own table of the same shape (cuDNN has two), default page_table;
+    seq_len_kv / seq_len_q: int32 [b] contiguous, or None (full lengths); slopes fp32 [h_q] or
+    None (ALiBi, base e); out [b,h_q,s_q,d_v] and lse fp32 [b,h_q,s_q] (or None), any strides.
+    ``band`` is a problem.Band (either alignment) or None; ``cap`` the capacity in keys
+    (s_max, or max_pages * page size). Caller's duty: 16-byte aligned base pointers (args.aligned).
     """
     b, h_q, s_q, d = q.shape
     h_kv, d_v = k_cache.shape[1], v_cache.shape[3]
@@ -420,27 +456,67 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
         o_part = lse_part = out
     pt = page_table if paged else q
     pt_strides = page_table.stride() if paged else (0, 0)
+    pt_v = page_table_v if page_table_v is not None else pt
+    ptv_strides = page_table_v.stride() if page_table_v is not None else pt_strides
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     grid = (b * h_kv, num_splits, m_tiles)
     _decode_fwd[grid](
-        q, k_cache, v_cache, pt, seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
+        q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
+        seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
         out, lse_arg, o_part, lse_part,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *out.stride(), *lse_strides,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
         b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
         qk_scale, float(softcap), win_left, win_right,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
-        PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
+        PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
+        HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
+        BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
         SPLIT=split, WRITE_LSE=lse is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw,
     )
     if split:
-        _decode_combine[(b * h_q * s_q,)](
+        rows = b * h_q * s_q
+        block_r = 64 if q.device.type == "cpu" else 16       # the interpreter: fewer, larger programs
+        _decode_combine[(triton.cdiv(rows, block_r),)](
             o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides,
-            b * h_q * s_q, h_q, s_q, d_v, num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_DV=triton.next_power_of_2(d_v),
-            WRITE_LSE=lse is not None, num_warps=4 if d_v >= 128 else 2,
+            rows, h_q, s_q, d_v, num_splits,
+            BLOCK_R=block_r, BLOCK_DV=triton.next_power_of_2(d_v), WRITE_LSE=lse is not None, num_warps=4,
         )
+
+
+# ----------------------------------------------------------------------------- the problem door
+
+DECODE_MAX_ROWS = 64     # g * s_q up to which the planner should prefer this kernel (one 16..64-row tile)
+
+
+def decode_supports(p) -> bool:
+    """Whether an AttentionProblem's features are all ones this kernel has (shape aside).
+
+    Not here: bias tensors, dropout, packed (varlen) batches. The planner routes a problem here
+    when this holds and ``p.s_q * p.group <= DECODE_MAX_ROWS`` (or always for paged prefill, if
+    the bench says so).
+    """
+    return p.bias is None and not p.has_dropout and not getattr(p, "varlen", False)
+
+
+def launch_decode_problem(p, extras, q, k, v, out, lse, num_splits=None):
+    """Run an AttentionProblem (from problem.make_problem) on the decode kernel.
+
+    q/k/v/out as attention_forward has them (k/v containers when ``p.paged``); lse fp32
+    [b,h_q,s_q] view or None. Handles pointer alignment like launch_fwd.
+    """
+    from .args import aligned, aligned_output
+    tiles, splits = plan_decode(p.b, p.h_kv, p.group, p.s_q, p.d, p.d_v, p.dtype, p.s_kv, q.device, num_splits)
+    o_buf, o_target = aligned_output(out)
+    l_buf, l_target = aligned_output(lse) if lse is not None else (None, None)
+    launch_decode(aligned(q), aligned(k), aligned(v), aligned(extras.get("page_table_k")),
+                  aligned(extras["seq_len_kv"]), extras["slopes"], o_buf, l_buf, scale=p.scale, softcap=p.softcap,
+                  band=p.band, tiles=tiles, num_splits=splits, cap=p.s_kv,
+                  page_table_v=aligned(extras.get("page_table_v")), seq_len_q=aligned(extras["seq_len_q"]))
+    for buf, target in ((o_buf, o_target), (l_buf, l_target)):
+        if target is not None:
+            target.copy_(buf)
 
 
 def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap):

@@ -26,7 +26,8 @@ from .common import (LN2, dropout_keep, kv_block_range, kv_row_offsets, load_bia
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, page_size, num_blocks,
+def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn,
+                     page_size, num_blocks,
                      bias_base, slope,
                      offs_m, offs_n, offs_d, offs_dv, start, end, len_kv, diag,
                      stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
@@ -47,7 +48,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         if USE_TMA:
             k = k_desc.load([start_n, 0])
         else:
-            k_rows = kv_row_offsets(cols, k_table, S_KV, page_size, num_blocks, stride_kb, stride_kn, PAGED)
+            k_rows = kv_row_offsets(cols, k_table, stride_tkn, S_KV, page_size, num_blocks, stride_kb, stride_kn, PAGED)
             k = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                           cols, offs_d, len_kv, D, MASKED, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -68,7 +69,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         else:
-            v_rows = kv_row_offsets(cols, v_table, S_KV, page_size, num_blocks, stride_vb, stride_vn, PAGED)
+            v_rows = kv_row_offsets(cols, v_table, stride_tvn, S_KV, page_size, num_blocks, stride_vb, stride_vn, PAGED)
             v = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         acc = acc * alpha[:, None]
@@ -84,7 +85,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_lm,
-              stride_bb, stride_bh, stride_bm, stride_bn, stride_tk, stride_tv,
+              stride_bb, stride_bh, stride_bm, stride_bn, stride_tk, stride_tkn, stride_tv, stride_tvn,
               H_Q, GROUP, S_Q, S_KV, D, D_V, PAGE_SIZE, NUM_BLOCKS,
               qk_scale, softcap, win_left, win_right,
               dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -170,7 +171,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv,
         lo, full_lo, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
@@ -178,7 +179,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         True, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, False)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv,
         full_lo, full_hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
@@ -186,7 +187,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         False, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv,
         full_hi, hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
@@ -236,12 +237,12 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         set_descriptor_allocator()
     grid = (triton.cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
     table_k, table_v = extras["page_table_k"], extras["page_table_v"]
-    tables = (table_k, table_v, table_k.stride(0), table_v.stride(0)) if p.paged else (q, q, 0, 0)
+    tables = (table_k, table_v, *table_k.stride(), *table_v.stride()) if p.paged else (q, q, 0, 0, 0, 0)
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
     _attn_fwd[grid](
         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
         tables[0], tables[1], cu_q, cu_kv,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, tables[2], tables[3],
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
         p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, p.page_size, k.shape[0] if p.paged else 1,
         args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
         p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],

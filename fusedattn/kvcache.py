@@ -1,0 +1,447 @@
+"""The K/V-cache door: ``attention_with_kvcache`` (decode and prefill against a contiguous or paged cache).
+
+Semantics are those of :func:`fusedattn.attention` on the cache seen as a dense tensor:
+``attention_with_kvcache(q, k_cache, v_cache, page_table=t, seq_len_kv=n)`` equals
+``fusedattn.attention(q, K, V, causal=True, causal_alignment="bottom_right", seq_len_kv=n)``
+where ``K``/``V`` are the pages of ``t`` laid end to end. The Triton path runs the split-KV decode
+kernel (``backends/triton/decode.py``); the CPU path gathers the pages with torch indexing and
+calls the CPU forward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .functional import _check_out, _like_layout, attention_forward
+from .plan import choose_backend
+from .problem import (IO_DTYPES, MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError,
+                      alibi_slopes, make_band)
+
+__all__ = ["attention_with_kvcache"]
+
+CACHE_LAYOUTS = ("bhsd", "bshd")
+MAX_NUM_SPLITS = 128
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=None, k_new=None, v_new=None,
+                           attn_scale=None, causal=True, window=None, alibi=False, softcap=0.0,
+                           cache_layout="bhsd", num_splits=None, return_stats=False, validate=True,
+                           backend="auto", out=None):
+    r"""Attention of new query tokens against a K/V cache, optionally appending their keys/values first.
+
+    ``softmax(scale * q @ K^T [+ ALiBi], masked) @ V`` where ``K``/``V`` are the first
+    ``seq_len_kv[i]`` keys of sequence ``i``'s cache. Made for decode (``s_q`` = 1..16 new
+    tokens per sequence) and works for any ``s_q`` (prefill against a cache). GQA query heads
+    of one kv head are processed together, so each K/V byte is read once per step; long caches
+    are split along the keys over the GPU (flash-decoding) and the partials merged by their
+    log-sum-exps.
+
+    Args:
+        q: ``[b, h_q, s_q, d]`` fp16 / bf16 / fp32 (fp64 on the CPU path), any strides: the
+            ``s_q`` new tokens of each sequence, which are the LAST ``s_q`` tokens of it.
+        k_cache, v_cache: contiguous caches ``[b, h_kv, s_max, d]`` / ``[b, h_kv, s_max, d_v]``, or,
+            with ``page_table``, containers of pages ``[num_blocks, h_kv, block_size, d | d_v]``.
+            Any strides. With ``cache_layout="bshd"`` they are given as ``[b, s_max, h_kv, d]`` /
+            ``[num_blocks, block_size, h_kv, d]`` (FlashAttention's and vLLM's layout) instead.
+            ``h_q`` must be a multiple of ``h_kv``: query head ``i`` reads kv head ``i // (h_q // h_kv)``.
+            Any ``block_size`` (16, 32, 64, 128, 256 ...); it need not match the kernel's tile.
+        page_table: int32 ``[b, max_blocks]`` or cuDNN's ``[b, 1, max_blocks, 1]``: key ``j`` of
+            sequence ``i`` lives in block ``page_table[i, j // block_size]`` at slot
+            ``j % block_size``. Slots past a sequence's length are never read (they may hold -1).
+        seq_len_kv: int32 (or int64) ``[b]`` or ``[b, 1, 1, 1]``: keys in each cache, the new tokens
+            INCLUDED (after appending). Default: the whole cache (``s_max``, or
+            ``max_blocks * block_size``). Note: FlashAttention's ``cache_seqlens`` counts the
+            cache BEFORE appending; ``seq_len_kv = cache_seqlens + s_q``.
+        k_new, v_new: ``[b, h_kv, s_q, d]`` / ``[b, h_kv, s_q, d_v]`` (BHSD whatever ``cache_layout``
+            says) or None: written into the cache at positions ``seq_len_kv - s_q .. seq_len_kv - 1``
+            (through the page table when paged) before attending, as FlashAttention's
+            ``flash_attn_with_kvcache`` does. The caches are modified in place.
+        attn_scale: multiplies ``q @ k^T``; default ``1 / sqrt(d)``.
+        causal: bottom-right aligned (the new tokens are the last ones): token ``t`` of ``s_q``
+            keeps key ``j`` iff ``j <= t + seq_len_kv - s_q``. For s_q = 2, seq_len_kv = 5::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            A token with no key (``seq_len_kv < s_q``) gives output 0 (stats 0), never NaN.
+        window: ``(left, right)`` around the same bottom-right diagonal (FlashAttention's
+            ``window_size``): keep ``j`` iff ``t + off - left <= j <= t + off + right``,
+            ``off = seq_len_kv - s_q``; -1 or None is unbounded.
+        alibi: True (the ALiBi paper's slopes for ``h_q`` heads) or a float ``[h_q]`` tensor;
+            adds ``slope_h * (j - t)`` as :func:`fusedattn.attention` does with ``t`` the index
+            within ``q``. Only the stats see the difference from a bottom-right-aligned distance:
+            a per-row constant cancels in the softmax.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)``.
+        cache_layout: ``"bhsd"`` (default) or ``"bshd"``, the order of the caches' dims (above).
+        num_splits: key splits per (sequence, kv head) on the Triton path; None chooses
+            (FlashAttention-2's heuristic from b * h_kv, the SM count and the cache length); an
+            int from 1 to 128 forces it (1: no combine pass). Ignored by the CPU path.
+        return_stats: also return the natural-log log-sum-exp, fp32 ``[b, h_q, s_q, 1]``.
+        validate: check ``seq_len_kv`` (not negative, within the cache, >= s_q when appending)
+            and the page-table slots each sequence uses (within ``[0, num_blocks)``) on the
+            device, raising a clear error. Cost on a GPU: one small kernel and a device-to-host
+            sync per call (a few microseconds plus the wait for queued work). It is skipped
+            while a CUDA graph is being captured. With ``validate=False`` nothing is checked
+            on the device, and still nothing is read or written out of bounds: lengths are
+            clamped into the cache, page numbers into the container, and an append whose
+            position or page is out of range is dropped.
+        backend: ``"auto"`` (the Triton kernels for CUDA tensors, the CPU path for CPU tensors),
+            ``"triton"`` (on CPU tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``),
+            ``"cpu"``.
+        out: optional preallocated output ``[b, h_q, s_q, d_v]``.
+
+    Returns:
+        ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and layout, or ``(out, stats)``.
+
+    Raises:
+        ``fusedattn.problem.InvalidArgumentError`` (a ValueError) / ``InvalidTypeError`` (a TypeError)
+        naming the argument; ``fusedattn.NotSupportedError`` for a valid request this build cannot run.
+
+    Example::
+
+        >>> import torch
+        >>> from fusedattn.kvcache import attention_with_kvcache
+        >>> q = torch.randn(2, 8, 1, 64)                       # one new token, 8 query heads
+        >>> cache_k = torch.randn(10, 2, 16, 64)               # 10 pages of 16 keys, 2 kv heads
+        >>> cache_v = torch.randn(10, 2, 16, 64)
+        >>> table = torch.tensor([[3, 7, 1], [0, 9, 2]], dtype=torch.int32)
+        >>> lens = torch.tensor([40, 17], dtype=torch.int32)
+        >>> attention_with_kvcache(q, cache_k, cache_v, page_table=table, seq_len_kv=lens).shape
+        torch.Size([2, 8, 1, 64])
+    """
+    c = _Call(q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window, alibi,
+              softcap, cache_layout, num_splits, backend)
+    shape_o = (c.b, c.h_q, c.s_q, c.d_v)
+    if out is None:
+        out = _like_layout(q, shape_o, q.dtype)
+    else:
+        _check_out("out", out, shape_o, q.dtype, q.device)
+    stats = torch.empty((c.b, c.h_q, c.s_q, 1), dtype=torch.float32, device=q.device) if return_stats else None
+    lse = stats[..., 0] if stats is not None else None
+
+    if validate:
+        c.validate()
+    if c.s_q > 0:
+        if c.k_new is not None:
+            c.append()
+        if c.cap == 0:
+            out.zero_()
+            if lse is not None:
+                lse.zero_()
+        elif c.backend == "cpu":
+            c.run_cpu(out, stats)
+        else:
+            c.run_triton(out, lse)
+    return (out, stats) if return_stats else out
+
+
+class _Call:
+    """One validated call: normalized views of every input and the derived sizes."""
+
+    def __init__(self, q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window,
+                 alibi, softcap, cache_layout, num_splits, backend):
+        _tensor("q", q, "[b, h_q, s_q, d]")
+        dev = q.device
+        if q.dtype not in IO_DTYPES:
+            raise InvalidTypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32 "
+                                   f"(float64 on the CPU path)")
+        if cache_layout not in CACHE_LAYOUTS:
+            raise InvalidArgumentError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+        self.paged = page_table is not None
+        kind = ("[num_blocks, h_kv, block_size, d]" if self.paged else "[b, h_kv, s_max, d]")
+        if cache_layout == "bshd":
+            kind = ("[num_blocks, block_size, h_kv, d]" if self.paged else "[b, s_max, h_kv, d]")
+        _tensor("k_cache", k_cache, kind + (" (a paged container, since page_table is given)" if self.paged else ""))
+        _tensor("v_cache", v_cache, kind.replace(", d]", ", d_v]"))
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise InvalidTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+            if t.device != dev:
+                raise InvalidArgumentError(f"{name} is on {t.device} but q is on {dev}")
+        if cache_layout == "bshd":
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        self.q, self.k_cache, self.v_cache = q, k_cache, v_cache
+        self.b, self.h_q, self.s_q, self.d = q.shape
+        n0, self.h_kv, s1, dk = k_cache.shape
+        if tuple(v_cache.shape[:3]) != (n0, self.h_kv, s1):
+            raise InvalidArgumentError(
+                f"k_cache and v_cache must agree on all dims but the last; got k_cache {_shape(k_cache, cache_layout)}"
+                f", v_cache {_shape(v_cache, cache_layout)} (cache_layout={cache_layout!r})")
+        self.d_v = v_cache.shape[3]
+        if dk != self.d:
+            raise InvalidArgumentError(f"head dim of k_cache ({dk}) must equal that of q ({self.d})")
+        for name, dim in (("d (q/k head dim)", self.d), ("d_v (v head dim)", self.d_v)):
+            if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
+                raise InvalidArgumentError(
+                    f"{name} = {dim}; supported: a multiple of 8 from 8 to {MAX_HEAD_DIM}")
+        if self.b == 0 or self.h_q == 0:
+            raise InvalidArgumentError(f"q has an empty batch or head dim: shape {tuple(q.shape)}")
+        if self.h_kv == 0 or self.h_q % self.h_kv != 0:
+            raise InvalidArgumentError(
+                f"query heads ({self.h_q}) must be a multiple of the caches' kv heads ({self.h_kv}) for GQA/MQA")
+        self.g = self.h_q // self.h_kv
+
+        if self.paged:
+            self.page_table = _page_table(page_table, self.b, dev)
+            self.num_pages, self.page_size = n0, s1
+            if self.num_pages == 0 or self.page_size == 0:
+                raise InvalidArgumentError(
+                    f"k_cache container has no pages: shape {_shape(k_cache, cache_layout)} "
+                    f"(num_blocks or block_size 0)")
+            self.cap = self.page_table.shape[1] * self.page_size
+        else:
+            self.page_table = None
+            if n0 != self.b:
+                raise InvalidArgumentError(
+                    f"k_cache has batch {n0} but q has {self.b} (a contiguous cache is [b, h_kv, s_max, d]; "
+                    f"pass page_table= for a paged container)")
+            self.num_pages, self.page_size = 0, 0
+            self.cap = s1
+        self.seq_len_kv = _lengths(seq_len_kv, self.b, dev)
+
+        self.k_new = self.v_new = None
+        if (k_new is None) != (v_new is None):
+            raise InvalidArgumentError("k_new and v_new must be given together (or neither)")
+        if k_new is not None:
+            for name, t, dd in (("k_new", k_new, self.d), ("v_new", v_new, self.d_v)):
+                _tensor(name, t, "[b, h_kv, s_q, d]")
+                want = (self.b, self.h_kv, self.s_q, dd)
+                if tuple(t.shape) != want:
+                    last = "d" if name == "k_new" else "d_v"
+                    raise InvalidArgumentError(f"{name} must have shape [b, h_kv, s_q, {last}] = {list(want)}, "
+                                               f"got {list(t.shape)}")
+                if t.dtype != q.dtype:
+                    raise InvalidTypeError(f"{name} has dtype {t.dtype} but the cache has {q.dtype}")
+                if t.device != dev:
+                    raise InvalidArgumentError(f"{name} is on {t.device} but q is on {dev}")
+            if self.seq_len_kv is None and self.cap < self.s_q:
+                raise InvalidArgumentError(
+                    f"the cache holds {self.cap} keys, fewer than the s_q = {self.s_q} new tokens of k_new/v_new")
+            self.k_new, self.v_new = k_new, v_new
+
+        if attn_scale is None:
+            attn_scale = 1.0 / math.sqrt(self.d)
+        try:
+            attn_scale = float(attn_scale)
+            softcap = float(softcap or 0.0)
+        except (TypeError, ValueError):
+            raise InvalidTypeError(f"attn_scale and softcap must be floats, got {attn_scale!r}, {softcap!r}") from None
+        if not math.isfinite(attn_scale) or attn_scale <= 0:
+            raise InvalidArgumentError(f"attn_scale must be finite and > 0, got {attn_scale}")
+        if not math.isfinite(softcap) or softcap < 0:
+            raise InvalidArgumentError(f"softcap must be >= 0 (0 = off), got {softcap}")
+        self.scale, self.softcap = attn_scale, softcap
+        self.causal, self.window, self.alibi = bool(causal), window, alibi
+        self.band = make_band(self.causal, "bottom_right", window)
+        self.slopes = None
+        if isinstance(alibi, torch.Tensor):
+            if tuple(alibi.shape) != (self.h_q,) or not alibi.is_floating_point():
+                raise InvalidArgumentError(f"alibi slopes must be a float tensor of shape [{self.h_q}] (h_q), "
+                                           f"got {tuple(alibi.shape)} {alibi.dtype}")
+            if alibi.device != dev:
+                raise InvalidArgumentError(f"alibi slopes are on {alibi.device} but q is on {dev}")
+            self.slopes = alibi.to(torch.float32).contiguous()
+        elif alibi:
+            self.slopes = alibi_slopes(self.h_q, dev)
+
+        if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                       or not 1 <= num_splits <= MAX_NUM_SPLITS):
+            raise InvalidArgumentError(f"num_splits must be None (automatic) or an int in [1, {MAX_NUM_SPLITS}], "
+                                       f"got {num_splits!r}")
+        self.num_splits = num_splits
+        self.backend = choose_backend(backend, dev.type)
+        if self.backend == "triton" and q.dtype == torch.float64:
+            raise NotSupportedError("float64 runs on the CPU path only (backend='cpu')")
+
+    # -- device-side checks
+    def validate(self):
+        """seq_len_kv and the used page-table slots, on the device; one host sync (skipped in graph capture)."""
+        if self.seq_len_kv is None and not self.paged:
+            return
+        q = self.q
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        lens = self.seq_len_kv
+        if lens is None:
+            lens = torch.full((self.b,), self.cap, dtype=torch.int32, device=q.device)
+        need_room = self.k_new is not None
+        if self.backend == "triton":
+            from .backends.triton.decode import launch_validate
+            from .backends.triton.args import aligned
+            codes = launch_validate(aligned(lens), aligned(self.page_table) if self.paged else None,
+                                    self.num_pages, self.page_size, self.s_q, self.cap, need_room)
+        else:
+            codes = _codes_torch(lens, self.page_table, self.num_pages, self.page_size, self.s_q, self.cap,
+                                 need_room)
+        codes = codes.tolist()
+        if any(codes):
+            self._raise(codes, lens)
+
+    def _raise(self, codes, lens):
+        from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP, BAD_PAGE
+        i = next(j for j, code in enumerate(codes) if code)
+        code, n = codes[i], int(lens[i])
+        where = (f"the page table covers {self.page_table.shape[1]} blocks x block_size {self.page_size} = "
+                 f"{self.cap} keys" if self.paged else f"the cache holds s_max = {self.cap} keys")
+        if code & BAD_NEGATIVE:
+            msg = f"seq_len_kv[{i}] = {n} is negative"
+        elif code & BAD_OVER_CAP:
+            msg = f"seq_len_kv[{i}] = {n} is beyond the cache: {where}"
+        elif code & BAD_NO_ROOM:
+            msg = (f"seq_len_kv[{i}] = {n} < s_q = {self.s_q}: seq_len_kv counts the keys INCLUDING the "
+                   f"{self.s_q} new tokens of k_new/v_new (FlashAttention's cache_seqlens + s_q)")
+        else:
+            used = -(-max(0, min(n, self.cap)) // self.page_size)
+            row = self.page_table[i, :used].cpu()
+            j = int(((row < 0) | (row >= self.num_pages)).nonzero()[0, 0])
+            msg = (f"page_table[{i}, {j}] = {int(row[j])} is out of range of the containers' "
+                   f"{self.num_pages} blocks (valid: 0 .. {self.num_pages - 1}); sequence {i} of {n} keys uses "
+                   f"page-table slots 0 .. {used - 1}")
+        bad = sum(1 for code in codes if code)
+        raise InvalidArgumentError(msg + (f" ({bad} sequences have invalid lengths or pages)" if bad > 1 else "")
+                                   + ". Pass validate=False to skip these checks (then lengths and pages are "
+                                   "clamped, never read out of bounds).")
+
+    # -- append
+    def append(self):
+        """Write k_new/v_new into the caches (in place) at seq_len_kv - s_q .. seq_len_kv - 1."""
+        from .backends.triton.args import misaligned
+        if self.backend == "triton" and not any(misaligned(t) for t in (self.k_cache, self.v_cache,
+                                                                          self.page_table, self.seq_len_kv)):
+            from .backends.triton.decode import launch_append
+            launch_append(self.k_new, self.v_new, self.k_cache, self.v_cache, self.page_table, self.seq_len_kv,
+                          self.cap)
+        else:
+            _append_torch(self)
+
+    # -- the two paths
+    def run_cpu(self, out, stats):
+        """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward."""
+        k, v = self.k_cache, self.v_cache
+        lens = self.seq_len_kv
+        if self.paged:
+            n_pages = self.page_table.shape[1]
+            if lens is not None:
+                longest = int(lens.clamp(0, self.cap).max())
+                n_pages = max(1, -(-longest // self.page_size))
+            idx = self.page_table[:, :n_pages].long().clamp(0, self.num_pages - 1)       # [b, n_pages]
+            k, v = (_gather_pages(t, idx) for t in (k, v))
+        if lens is not None:
+            # keys past a sequence's length may hold anything (NaN from torch.empty, a previous
+            # sequence): the CPU forward multiplies their zero probabilities by V, so zero them
+            past = torch.arange(k.shape[2], device=k.device)[None, :] >= lens.long()[:, None]
+            k, v = (t.masked_fill(past[:, None, :, None], 0) for t in (k, v))
+        out_, _ = attention_forward(
+            self.q, k, v, attn_scale=self.scale, causal=self.causal, causal_alignment="bottom_right",
+            window=self.window, seq_len_kv=lens, alibi=self.alibi, softcap=self.softcap, backend="cpu", out=out,
+            stats_out=stats)
+        return out_
+
+    def run_triton(self, out, lse):
+        from .backends.triton import decode
+        from .backends.triton.args import aligned, aligned_output
+        tiles, splits = decode.plan_decode(self.b, self.h_kv, self.g, self.s_q, self.d, self.d_v, self.q.dtype,
+                                           self.cap, self.q.device, self.num_splits)
+        o_buf, o_target = aligned_output(out)
+        l_buf, l_target = aligned_output(lse) if lse is not None else (None, None)
+        decode.launch_decode(
+            aligned(self.q), aligned(self.k_cache), aligned(self.v_cache), aligned(self.page_table),
+            aligned(self.seq_len_kv), self.slopes, o_buf, l_buf, scale=self.scale, softcap=self.softcap,
+            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap)
+        for buf, target in ((o_buf, o_target), (l_buf, l_target)):
+            if target is not None:
+                target.copy_(buf)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _tensor(name, t, shape_doc):
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise InvalidArgumentError(f"{name} must be 4-D {shape_doc}, got shape {list(t.shape)}")
+
+
+def _shape(t, layout):
+    return list(t.transpose(1, 2).shape) if layout == "bshd" else list(t.shape)
+
+
+def _page_table(t, b, device):
+    """[b, max_blocks] or [b, 1, max_blocks, 1] int32 -> a [b, max_blocks] view (no copy)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"page_table must be an int32 tensor [b, max_blocks] or [b, 1, max_blocks, 1], "
+                               f"got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise InvalidTypeError(f"page_table must be int32 (as cuDNN's and FlashAttention's), got {t.dtype}")
+    if t.dim() == 4 and t.shape[0] == b and t.shape[1] == 1 and t.shape[3] == 1:
+        t = t[:, 0, :, 0]
+    elif not (t.dim() == 2 and t.shape[0] == b):
+        raise InvalidArgumentError(
+            f"page_table must have shape [b, max_blocks] or [b, 1, max_blocks, 1] with b = {b}, got {list(t.shape)}")
+    if t.shape[1] == 0:
+        raise InvalidArgumentError("page_table has no columns (max_blocks = 0)")
+    if t.device != device:
+        raise InvalidArgumentError(f"page_table is on {t.device} but q is on {device}")
+    return t
+
+
+def _lengths(t, b, device):
+    """seq_len_kv as int32 [b] (int64 is converted, clamped so that no value wraps into range)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"seq_len_kv must be an int32 tensor of shape [b] or [b, 1, 1, 1], "
+                               f"got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise InvalidTypeError(f"seq_len_kv must be an int32 (or int64) tensor, got dtype {t.dtype}")
+    if t.numel() != b or t.dim() not in (1, 4) or (t.dim() == 4 and tuple(t.shape) != (b, 1, 1, 1)):
+        raise InvalidArgumentError(f"seq_len_kv must have shape [{b}] or [{b}, 1, 1, 1] (batch {b}), "
+                                   f"got {list(t.shape)}")
+    if t.device != device:
+        raise InvalidArgumentError(f"seq_len_kv is on {t.device} but q is on {device}")
+    t = t.reshape(b)
+    if t.dtype == torch.int64:
+        t = t.clamp(-1, 2 ** 31 - 1).to(torch.int32)
+    return t.contiguous()                 # the kernels read seq_len_kv[i] at offset i
+
+
+def _codes_torch(lens, page_table, num_pages, page_size, s_q, cap, need_room):
+    """The validation kernel's per-batch codes, in torch (the CPU path)."""
+    from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP, BAD_PAGE
+    lens = lens.long()
+    codes = (lens < 0).int() * BAD_NEGATIVE + (lens > cap).int() * BAD_OVER_CAP
+    if need_room:
+        codes += (lens < s_q).int() * BAD_NO_ROOM
+    if page_table is not None:
+        used = (lens.clamp(0, cap) + page_size - 1) // page_size
+        slot = torch.arange(page_table.shape[1], device=lens.device)
+        bad = (slot[None, :] < used[:, None]) & ((page_table < 0) | (page_table >= num_pages))
+        codes += bad.any(1).int() * BAD_PAGE
+    return codes
+
+
+def _gather_pages(container, idx):
+    """Container [N, h, P, d] and block indices [b, n] -> dense [b, h, n * P, d]."""
+    b, n = idx.shape
+    _, h, p, d = container.shape
+    return container[idx].permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d)
+
+
+def _append_torch(c):
+    """The append with torch indexing (CPU path; misaligned caches): skips out-of-range positions/pages."""
+    dev = c.q.device
+    lens = c.seq_len_kv.long() if c.seq_len_kv is not None else torch.full((c.b,), c.cap, device=dev)
+    pos = lens[:, None] - c.s_q + torch.arange(c.s_q, device=dev)[None, :]      # [b, s_q]
+    ok = (pos >= 0) & (pos < c.cap)
+    pos = torch.where(ok, pos, 0)
+    if c.paged:
+        page = c.page_table.long().gather(1, pos // c.page_size)
+        ok = ok & (page >= 0) & (page < c.num_pages)
+        bi, ti = ok.nonzero(as_tuple=True)
+        first, second = page[bi, ti], pos[bi, ti] % c.page_size
+    else:
+        bi, ti = ok.nonzero(as_tuple=True)
+        first, second = bi, pos[bi, ti]
+    for cache, new in ((c.k_cache, c.k_new), (c.v_cache, c.v_new)):
+        cache.transpose(1, 2)[first, second] = new.transpose(1, 2)[bi, ti]
