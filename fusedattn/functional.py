@@ -65,7 +65,7 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
 def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
                       seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
                       dropout_p=0.0, dropout_seed=0, dropout_offset=0, page_table_k=None, page_table_v=None,
-                      return_stats=False, backend="auto", out=None, stats_out=None):
+                      return_stats=False, backend="auto", out=None, stats_out=None, _keep_problem=None):
     """Forward only, no autograd. Arguments as :func:`attention`.
 
     Returns ``(out, stats)``: out [b,h_q,s_q,d_v] in q.dtype (written into ``out`` when
@@ -77,6 +77,8 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
                              dropout_offset=dropout_offset, page_table_k=page_table_k, page_table_v=page_table_v)
     pl = plan(p, backend)
+    if _keep_problem is not None:
+        _keep_problem.extend((p, extras, pl))
     shape_o = (p.b, p.h_q, p.s_q, p.d_v)
     if out is None:
         out = _like_layout(q, shape_o, q.dtype)
@@ -123,14 +125,18 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     _check_out("out", out, shape_o, q.dtype, q.device)
     _check_out("grad_out", grad_out, shape_o, q.dtype, q.device)
     lse = _stats_view(stats, p, q.device)
-    grads = []
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if given is None:
-            given = _like_layout(like, like.shape, like.dtype)
-        else:
+        if given is not None:
             _check_out(name, given, like.shape, like.dtype, like.device)
-        grads.append(given)
-    dq, dk, dv = grads
+    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias)
+
+
+def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False):
+    """The backward once inputs are validated (autograd calls this directly with the forward's problem)."""
+    dq = _like_layout(q, q.shape, q.dtype) if dq is None else dq
+    dk = _like_layout(k, k.shape, k.dtype) if dk is None else dk
+    dv = _like_layout(v, v.shape, v.dtype) if dv is None else dv
+    grads = (dq, dk, dv)
     need_dbias = need_dbias and p.bias == "float"
     dbias_full = None
     if p.s_q == 0 or p.s_kv == 0:
@@ -161,19 +167,22 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, opts):
-        out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, **opts)
+        kept = []
+        out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept, **opts)
         ctx.save_for_backward(q, k, v, out, stats, attn_bias)
-        ctx.opts = opts
+        ctx.problem = tuple(kept)        # validated once: the backward skips make_problem
         ctx.mark_non_differentiable(stats)
         return out, stats
 
     @staticmethod
     def backward(ctx, grad_out, _grad_stats):
         q, k, v, out, stats, attn_bias = ctx.saved_tensors
-        opts = dict(ctx.opts)
+        p, extras, pl = ctx.problem
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = attention_backward(q, k, v, out, grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out,
-                                               stats, attn_bias=attn_bias, need_dbias=need_dbias, **opts)
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv, dbias = _run_backward(p, extras, pl, q, k, v, out, grad_out, stats[..., 0],
+                                          need_dbias=need_dbias)
         if dbias is not None:
             dbias = dbias.to(attn_bias.dtype)
         return dq, dk, dv, dbias, None
