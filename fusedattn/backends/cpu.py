@@ -31,8 +31,8 @@ def _mulhilo(a: torch.Tensor, b: int):
     return (hi_part >> 16) + (mid >> 32), mid & _M32
 
 
-def philox_randint(seed: int, counter: torch.Tensor) -> torch.Tensor:
-    """Triton's ``tl.randint(seed, counter)`` for an int64 counter tensor; uint32 values in int64."""
+def philox_randint4x(seed: int, counter: torch.Tensor):
+    """Triton's ``tl.randint4x(seed, counter)`` for an int64 counter tensor: 4 uint32 words in int64."""
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     c0, c1 = counter & _M32, (counter >> 32) & _M32
     c2 = torch.zeros_like(c0)
@@ -43,7 +43,7 @@ def philox_randint(seed: int, counter: torch.Tensor) -> torch.Tensor:
         c0, c2 = hi_b ^ c1 ^ k0, hi_a ^ c3 ^ k1
         c1, c3 = lo_b, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
 
 
 def dropout_threshold(p: float) -> int:
@@ -52,11 +52,17 @@ def dropout_threshold(p: float) -> int:
 
 
 def dropout_keep_chunk(seed, offset, h_q, s_q, s_kv, p, rows, cols, b, device):
-    """Keep-mask [b, h_q, len(rows), len(cols)] of the (rows, cols) window of the global mask."""
+    """Keep-mask [b, h_q, len(rows), len(cols)] of the (rows, cols) window of the global mask.
+
+    As the kernels: keys 4g..4g+3 take the 4 words of one Philox call at counter
+    ``offset + (bh * s_q + row) * ceil(s_kv / 4) + g``.
+    """
     bh = torch.arange(b * h_q, device=device, dtype=torch.int64).view(b, h_q, 1, 1)
-    counter = offset + (bh * s_q + rows.view(1, 1, -1, 1).to(torch.int64)) * s_kv \
-        + cols.view(1, 1, 1, -1).to(torch.int64)
-    return (philox_randint(seed, counter) >> 1) >= dropout_threshold(p)
+    cols = cols.view(1, 1, 1, -1).to(torch.int64)
+    counter = offset + (bh * s_q + rows.view(1, 1, -1, 1).to(torch.int64)) * ((s_kv + 3) // 4) + cols // 4
+    words = torch.stack(philox_randint4x(seed, counter), dim=-1)           # [..., 4]
+    r = torch.gather(words, -1, (cols % 4).expand(words.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    return (r >> 1) >= dropout_threshold(p)
 
 
 def dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, seed, offset, device="cpu") -> torch.Tensor:

@@ -65,6 +65,8 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
                           WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head."""
     cols = offs_n[:, None]                                    # key index, tiles are [keys, rows]
+    BLOCK_N_KEYS: tl.constexpr = offs_n.shape[0]
+    key_start = tl.min(offs_n, 0)                             # first key of the block (a multiple of BLOCK_N)
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + offs_m0
         rows = offs_m[None, :]
@@ -87,7 +89,8 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
                        offs_m, offs_dv, row_end, D_V, MASKED, not EVEN_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, rows, cols, S_Q, S_KV, dropout_threshold)
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, key_start, S_Q, S_KV, dropout_threshold,
+                                BLOCK_M, BLOCK_N_KEYS, False)
             dv = tl.dot(tl.where(keep, p_t * dropout_rescale, 0.0).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)
             dp_t = tl.where(keep, dp_t * dropout_rescale, 0.0)
@@ -229,6 +232,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
                         DOT_PRECISION: tl.constexpr):
     """Accumulate dQ [rows, d] of one query tile over key blocks [start, end)."""
     rows = offs_m[:, None]
+    BLOCK_M_ROWS: tl.constexpr = offs_m.shape[0]
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         cols = offs_n[None, :]
@@ -245,7 +249,8 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, rows, cols, S_Q, S_KV, dropout_threshold)
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, start_n, S_Q, S_KV, dropout_threshold,
+                                BLOCK_M_ROWS, BLOCK_N, True)
             dp = tl.where(keep, dp * dropout_rescale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:

@@ -187,13 +187,27 @@ def scores_base2(qk, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, rows, cols, S_Q, S_KV, threshold):
-    """Which probabilities survive dropout: a pure function of (seed, offset, b*h_q+head, row, col).
+def dropout_keep(seed, offset, bh, offs_m, start_n, S_Q, S_KV, threshold,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_LAST: tl.constexpr):
+    """Which probabilities of a tile survive dropout: a pure function of (seed, offset, b*h_q+head, row, col).
 
-    Philox (tl.randint) at the 64-bit counter ``offset + (bh * S_Q + row) * S_KV + col``;
-    keep iff the top 31 bits >= threshold = p * 2^31. Independent of tile sizes, so the
-    backward regenerates the forward's mask; ``backends.cpu.dropout_keep_mask`` mirrors it.
+    Keys come in groups of 4: one Philox call (tl.randint4x) at the 64-bit counter
+    ``offset + (bh * S_Q + row) * ceil(S_KV / 4) + col // 4`` gives the 4 random words of keys
+    4g .. 4g+3 (a quarter of the Philox work of one call per element). Keep iff the word's top
+    31 bits >= threshold = p * 2^31. Independent of tile sizes (BLOCK_N is a multiple of 4 and
+    start_n of BLOCK_N), so the backward regenerates the forward's mask;
+    ``backends.cpu.dropout_keep_chunk`` mirrors it. KEYS_LAST: tile [rows, keys] (forward, dQ),
+    else [keys, rows] (dK/dV).
     """
-    counter = offset + (bh.to(tl.int64) * S_Q + rows) * S_KV + cols     # rows/cols: broadcastable 2-D
-    r = tl.randint(seed, counter)
+    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    row_ctr = (bh.to(tl.int64) * S_Q + offs_m) * ((S_KV + 3) // 4)
+    if KEYS_LAST:
+        r0, r1, r2, r3 = tl.randint4x(seed, offset + row_ctr[:, None] + groups[None, :])     # [M, N/4]
+        # join appends its axis last: r[..., t, u] = (r0, r2)[t] if u == 0 else (r1, r3)[t] -> word 2t + u
+        r = tl.join(tl.join(r0, r2), tl.join(r1, r3))                                      # [M, N/4, 2, 2]
+        r = tl.reshape(r, [BLOCK_M, BLOCK_N])                                              # key 4g + 2t + u
+    else:
+        r0, r1, r2, r3 = tl.randint4x(seed, offset + groups[:, None] + row_ctr[None, :])     # [N/4, M]
+        r = tl.join(tl.join(r0, r2), tl.join(r1, r3))                                      # [N/4, M, 2, 2]
+        r = tl.reshape(tl.permute(r, (0, 2, 3, 1)), [BLOCK_N, BLOCK_M])
     return (r >> 1).to(tl.int32) >= threshold

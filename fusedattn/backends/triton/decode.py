@@ -363,7 +363,12 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> Deco
             return DecodeTiles(bm, 16, 8, 2)                     # 64-210 regs, 26-54 KB
         if d > 128:
             return DecodeTiles(bm, 32, 8, 2)                     # 127-184 regs, 42-98 KB
-        return DecodeTiles(bm, 64, 4 if bm == 16 else 8, 3)     # 143 / 128 / 142 regs, 39-83 KB
+        if bm == 16:
+            # H100 sweep (bench/decode_sweep.py): 128-key tiles, 4 warps, 2 stages read K/V at
+            # 2.80-3.02 TB/s contiguous and 2.87-2.98 TB/s paged (16/64), vs 2.33-2.34 paged with
+            # the 64-key / 3-stage tile, against a 3.00 TB/s device copy
+            return DecodeTiles(16, 128, 4, 2)
+        return DecodeTiles(bm, 64, 8, 3)                        # 128 / 142 regs, 39-83 KB (not measured)
     # prefill against a cache: a forward-like tile
     if dtype == torch.float32:
         return DecodeTiles(64, 16, 8, 2)                         # 210 regs

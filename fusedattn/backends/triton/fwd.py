@@ -43,6 +43,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
     USE_TMA loads K/V tiles through tensor descriptors (Hopper's bulk copy engine; rows
     past the tensor and head-dim padding arrive as zeros, the score mask does the rest).
     """
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
         if USE_TMA:
@@ -63,8 +64,8 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m[:, None], cols[None, :], S_Q, S_KV,
-                                dropout_threshold)
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, start_n, S_Q, S_KV, dropout_threshold,
+                                BLOCK_M, BLOCK_N, True)
             p = tl.where(keep, p, 0.0)
         if USE_TMA:
             v = v_desc.load([start_n, 0])
