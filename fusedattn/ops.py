@@ -84,6 +84,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(named["q"], named["k"], named["v"], out, stats, named["seq_len_q"],
                           named["seq_len_kv"], named["attn_bias"], named["slopes"])
     ctx.scalars = tuple(named[n] for n in _FWD_INPUTS[7:])
+    ctx.mark_non_differentiable(stats)      # as in eager: the log-sum-exp carries no gradient
     ctx.bias_float = named["attn_bias"] is not None and named["attn_bias"].is_floating_point()
 
 
