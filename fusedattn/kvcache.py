@@ -279,7 +279,7 @@ class _Call:
             self._raise(codes, lens)
 
     def _raise(self, codes, lens):
-        from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP, BAD_PAGE
+        from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP
         i = next(j for j, code in enumerate(codes) if code)
         code, n = codes[i], int(lens[i])
         where = (f"the page table covers {self.page_table.shape[1]} blocks x block_size {self.page_size} = "

@@ -22,7 +22,7 @@ so ``causal`` is ``Band(alignment, left=None, right=0)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch

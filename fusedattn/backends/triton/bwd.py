@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .args import aligned, aligned_output, kernel_scalars
-from .common import (LOG2E, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range, scores_base2,
-                     sequence_lengths, softcap_tanh, varlen_bounds)
+from .common import (LOG2E, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range,
+                     scores_base2, softcap_tanh)
 
 
 @triton.jit
@@ -32,19 +32,14 @@ def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, st
                          BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    batch = (bh // H_Q).to(tl.int64)
+    batch = bh // H_Q
     head = (bh % H_Q).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if VARLEN:
-        q0 = tl.load(CU_Q + batch).to(tl.int64)
-        row_end = tl.minimum(tl.load(CU_Q + batch + 1) - q0, S_Q)
-        o_off = q0 * stride_om
-        do_off = q0 * stride_dom
-    else:
-        row_end = S_Q
-        o_off = batch * stride_ob
-        do_off = batch * stride_dob
+    b_idx, q0, _, _, _, row_end, _, _ = batch_rows(CU_Q, CU_Q, CU_Q, CU_Q, batch, S_Q, S_Q,
+                                                   False, False, VARLEN, False)
+    o_off = b_idx * stride_ob + q0 * stride_om
+    do_off = b_idx * stride_dob + q0 * stride_dom
     o = load_tile(O + o_off + head * stride_oh + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
                   rows, offs_dv, row_end, D_V, True, True)
     do = load_tile(DO + do_off + head * stride_doh + rows[:, None] * stride_dom
@@ -131,33 +126,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
     batch = bhkv // H_KV
     kv_head = bhkv % H_KV
     start_n = pid_n * BLOCK_N
-    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    b_idx, q0, kv0, len_q, len_kv, row_end, col_end, diag = batch_rows(
+        SEQ_Q, SEQ_KV, CU_Q, CU_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV, VARLEN, BOTTOM_RIGHT)
     b64 = batch.to(tl.int64)
-    if VARLEN:
-        # packed [total, h, d]: the batch is a row offset; rows past len belong to the next sequence
-        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
-        q_off = q0 * stride_qm
-        do_off = q0 * stride_dom
-        l_off = q0 * stride_lm
-        k_off = kv0 * stride_kn
-        v_off = kv0 * stride_vn
-        dk_off = kv0 * stride_dkn
-        dv_off = kv0 * stride_dvn
-        row_end = len_q
-        col_end = len_kv
-    else:
-        q_off = b64 * stride_qb
-        do_off = b64 * stride_dob
-        l_off = b64 * stride_lb
-        k_off = b64 * stride_kb
-        v_off = b64 * stride_vb
-        dk_off = b64 * stride_dkb
-        dv_off = b64 * stride_dvb
-        row_end = S_Q
-        col_end = S_KV
-    diag = len_q * 0
-    if BOTTOM_RIGHT:
-        diag = len_kv - len_q
+    q_off = b_idx * stride_qb + q0 * stride_qm
+    do_off = b_idx * stride_dob + q0 * stride_dom
+    l_off = b_idx * stride_lb + q0 * stride_lm
+    k_off = b_idx * stride_kb + kv0 * stride_kn
+    v_off = b_idx * stride_vb + kv0 * stride_vn
+    dk_off = b_idx * stride_dkb + kv0 * stride_dkn
+    dv_off = b_idx * stride_dvb + kv0 * stride_dvn
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -287,28 +265,15 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q,
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
-    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    b_idx, q0, kv0, len_q, len_kv, row_end, _, diag = batch_rows(
+        SEQ_Q, SEQ_KV, CU_Q, CU_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV, VARLEN, BOTTOM_RIGHT)
     b64 = batch.to(tl.int64)
-    if VARLEN:
-        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
-        q_off = q0 * stride_qm
-        do_off = q0 * stride_dom
-        dq_off = q0 * stride_dqm
-        l_off = q0 * stride_lm
-        k_off = kv0 * stride_kn
-        v_off = kv0 * stride_vn
-        row_end = len_q
-    else:
-        q_off = b64 * stride_qb
-        do_off = b64 * stride_dob
-        dq_off = b64 * stride_dqb
-        l_off = b64 * stride_lb
-        k_off = b64 * stride_kb
-        v_off = b64 * stride_vb
-        row_end = S_Q
-    diag = len_q * 0
-    if BOTTOM_RIGHT:
-        diag = len_kv - len_q
+    q_off = b_idx * stride_qb + q0 * stride_qm
+    do_off = b_idx * stride_dob + q0 * stride_dom
+    dq_off = b_idx * stride_dqb + q0 * stride_dqm
+    l_off = b_idx * stride_lb + q0 * stride_lm
+    k_off = b_idx * stride_kb + kv0 * stride_kn
+    v_off = b_idx * stride_vb + kv0 * stride_vn
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)

@@ -41,6 +41,36 @@ def varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV):
 
 
 @triton.jit
+def batch_rows(SEQ_Q, SEQ_KV, CU_Q, CU_KV, batch, S_Q, S_KV, HAS_SEQ_Q: tl.constexpr,
+               HAS_SEQ_KV: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """Where batch entry ``batch`` lives, how long it is, and where its diagonal sits.
+
+    Returns (b_idx, q0, kv0, len_q, len_kv, row_end, col_end, diag). A tensor's base offset is
+    ``b_idx * stride_b + q0 * stride_m`` (keys: ``kv0 * stride_n``):
+    * dense [b, h, s, d]: b_idx = batch, q0 = kv0 = 0; memory bounds are the tensors' S_Q / S_KV
+      (rows in [len_q, S_Q) are padding, written as 0);
+    * packed (VARLEN, [total, h, d]): b_idx = 0, q0 / kv0 from the cumulative offsets; memory
+      bounds are the sequence's own lengths (the next rows belong to the next sequence).
+    diag: 0 (top-left) or len_kv - len_q (bottom-right), per sequence.
+    """
+    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    b_idx = batch.to(tl.int64)
+    q0 = b_idx * 0
+    kv0 = q0
+    row_end = S_Q
+    col_end = S_KV
+    if VARLEN:
+        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
+        b_idx = q0 * 0
+        row_end = len_q
+        col_end = len_kv
+    diag = len_q * 0
+    if BOTTOM_RIGHT:
+        diag = len_kv - len_q
+    return b_idx, q0, kv0, len_q, len_kv, row_end, col_end, diag
+
+
+@triton.jit
 def kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):

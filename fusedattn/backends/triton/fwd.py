@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from .args import aligned, aligned_output, kernel_scalars, set_descriptor_allocator, tma_ok
-from .common import (LN2, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile, scores_base2,
-                     sequence_lengths, varlen_bounds)
+from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
+                     scores_base2)
 
 
 @triton.jit
@@ -108,30 +108,17 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
-    len_q, len_kv = sequence_lengths(SEQ_Q, SEQ_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV)
+    b_idx, q0, kv0, len_q, len_kv, row_end, _, diag = batch_rows(
+        SEQ_Q, SEQ_KV, CU_Q, CU_KV, batch, S_Q, S_KV, HAS_SEQ_Q, HAS_SEQ_KV, VARLEN, BOTTOM_RIGHT)
     # int64 base offsets: batch * stride can pass 2^31 on large tensors
     b64 = batch.to(tl.int64)
     h64 = head.to(tl.int64)
     kvh64 = kv_head.to(tl.int64)
-    if VARLEN:
-        # packed [total, h, d]: the batch is a row offset; rows past len belong to the next sequence
-        q0, kv0, len_q, len_kv = varlen_bounds(CU_Q, CU_KV, batch, S_Q, S_KV)
-        q_off = q0 * stride_qm
-        o_off = q0 * stride_om
-        l_off = q0 * stride_lm
-        k_off = kv0 * stride_kn
-        v_off = kv0 * stride_vn
-        row_end = len_q
-    else:
-        q_off = b64 * stride_qb
-        o_off = b64 * stride_ob
-        l_off = b64 * stride_lb
-        k_off = b64 * stride_kb
-        v_off = b64 * stride_vb
-        row_end = S_Q
-    diag = len_q * 0
-    if BOTTOM_RIGHT:
-        diag = len_kv - len_q
+    q_off = b_idx * stride_qb + q0 * stride_qm
+    o_off = b_idx * stride_ob + q0 * stride_om
+    l_off = b_idx * stride_lb + q0 * stride_lm
+    k_off = b_idx * stride_kb + kv0 * stride_kn
+    v_off = b_idx * stride_vb + kv0 * stride_vn
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
