@@ -8,7 +8,7 @@
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
 #   bench-quick    the same with --quick (fewer repetitions)
-#   bench-anchors | bench-masked | bench-decode     one group of configs (quick reps)
+#   bench-anchors | bench-masked | bench-decode | bench-prefill   one group of configs (quick reps)
 #   bench-anchors-a | bench-anchors-b                the first / last four anchors
 #   bench-graphs   the two small d=64 anchors under --cuda-graphs (launch-bound sizes)
 #   stash          copy .whl/*.whl.part-* to /tmp/whlparts and stop (first half of a split
@@ -143,6 +143,7 @@ for part in "${PARTS[@]}"; do
                              --only b1-h32-s16384,b4-h32kv8,b2-h16-s8192,b4-h16-s4096 ;;
         bench-masked)  bench_part bench-masked --quick --configs masked ;;
         bench-decode)  bench_part bench-decode --quick --configs decode ;;
+        bench-prefill) bench_part bench-prefill --quick --configs prefill ;;
         bench-graphs)  bench_part bench-graphs --cuda-graphs --configs anchors --only b8-h12-s1024 ;;
         stash)         stash_parts ;;
         *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;

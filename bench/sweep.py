@@ -1,7 +1,10 @@
 """Tile sweep on the GPU: our forward/backward per tile choice beside torch SDPA (cudnn, flash).
 
 Used to fill the tile tables in fusedattn/plan.py (results go to bench/NOTES.md).
-    python3 bench/sweep.py [--pass fwd|bwd|both] [--configs NAME,...] [--quick]
+    python3 bench/sweep.py [--pass fwd|bwd|both] [--configs NAME,...]
+                           [--fwd-tiles MxNxWxS,...] [--bwd-tiles MxNxWxS/MxNxWxS,...]
+Tiles given on the command line replace the built-in candidates for every head dim;
+a bwd pair is dK/dV tiles / dQ tiles.
 """
 import argparse
 import sys
@@ -74,11 +77,24 @@ def sdpa_times(cfg, q, k, v, do):
     return res
 
 
+def parse_tiles(text):
+    """'128x64x8x3' -> Tiles(128, 64, 8, 3)."""
+    return Tiles(*(int(x) for x in text.split("x")))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pass", dest="which", default="both")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--fwd-tiles", default="")
+    ap.add_argument("--bwd-tiles", default="")
     args = ap.parse_args()
+    if args.fwd_tiles:
+        tiles = [parse_tiles(t) for t in args.fwd_tiles.split(",")]
+        FWD_CANDIDATES.update({b: tiles for b in FWD_CANDIDATES})
+    if args.bwd_tiles:
+        pairs = [tuple(parse_tiles(t) for t in pair.split("/")) for pair in args.bwd_tiles.split(",")]
+        BWD_CANDIDATES.update({b: pairs for b in BWD_CANDIDATES})
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         q, k, v, do = inputs(cfg)

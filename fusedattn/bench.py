@@ -69,7 +69,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 class Config:
     """One benchmark problem. ``mask`` is "" (plain), padding, alibi, window or dropout."""
 
-    table: str                  # anchors | masked | decode | cpu
+    table: str                  # anchors | masked | decode | prefill | cpu
     b: int
     h_q: int
     h_kv: int
@@ -83,7 +83,7 @@ class Config:
     lens: Tuple[int, ...] = ()  # padding: per-sequence lengths (q and kv)
     window: int = 0             # window: keys i-window .. i (FlashAttention's left)
     dropout_p: float = 0.0
-    page_block: int = 0         # decode: 0 = contiguous cache, else paged with this block size
+    page_block: int = 0         # decode/prefill: 0 = contiguous cache, else paged with this block size
 
     @property
     def dv(self) -> int:
@@ -109,6 +109,8 @@ class Config:
             return f"b {self.b}, h {self.heads}, kv {self.s_kv}, d {self.d}, {self.dtype}, {cache}"
         s = f"{self.s_q}" if self.s_q == self.s_kv else f"{self.s_q}x{self.s_kv}"
         parts = [str(self.b), self.heads, s, str(self.d), self.dtype]
+        if self.table == "prefill":
+            parts.append("contiguous" if not self.page_block else f"paged {self.page_block}")
         if self.mask:
             parts.insert(0, self.mask_label)
         if self.causal:
@@ -133,6 +135,9 @@ class Config:
             cache = "contig" if not self.page_block else f"paged{self.page_block}"
             return f"decode-b{self.b}-{heads}-kv{self.s_kv}-d{self.d}-{self.dtype}-{cache}"
         name = f"b{self.b}-{heads}-s{self.s_q}-d{self.d}-{self.dtype}" + ("-causal" if self.causal else "")
+        if self.table == "prefill":
+            cache = "contig" if not self.page_block else f"paged{self.page_block}"
+            return f"prefill-b{self.b}-{heads}-q{self.s_q}-kv{self.s_kv}-d{self.d}-{self.dtype}-{cache}"
         return f"{self.mask}-{name}" if self.mask else name
 
     def unmasked(self) -> "Config":
@@ -175,6 +180,11 @@ def decode_configs() -> List[Config]:
     return out
 
 
+def prefill_configs() -> List[Config]:
+    """Issue 6: a chunk of new tokens against a longer cache (causal, bottom-right), contiguous and paged."""
+    return [Config("prefill", 8, 32, 8, 512, 4096, 128, "bf16", causal=True, page_block=block) for block in (0, 64)]
+
+
 def cpu_configs() -> List[Config]:
     """The tiny problem timed when no GPU is present (proves the command runs, nothing more)."""
     return [Config("cpu", 1, 4, 4, 256, 256, 64, "fp32", causal=True)]
@@ -184,6 +194,8 @@ def cpu_configs() -> List[Config]:
 
 def _band_pairs(s_q: int, s_kv: int, causal: bool, window: int) -> float:
     """Unmasked (query, key) pairs of one head of one sequence (causal: the usual half)."""
+    if causal and s_q != s_kv:          # bottom-right: row i keeps keys 0 .. i + s_kv - s_q
+        return sum(max(0, min(s_kv, i + s_kv - s_q + 1)) for i in range(s_q))
     if window:
         w = min(window, s_kv - 1)       # row i keeps keys max(0, i-w) .. i (top-left, s_q == s_kv)
         return w * (w + 1) / 2 + (s_q - w) * (w + 1)
@@ -237,9 +249,9 @@ def bshd(b: int, h: int, s: int, d: int, dtype, device, fill: str = "randn") -> 
 def make_inputs(cfg: Config, device) -> Inputs:
     """Random inputs for ``cfg``; the masks/tables the alternatives need go in ``extra``."""
     dt = cfg.torch_dtype
-    q = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.d, dt, device).requires_grad_(cfg.table != "decode")
-    k = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.d, dt, device).requires_grad_(cfg.table != "decode")
-    v = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.dv, dt, device).requires_grad_(cfg.table != "decode")
+    q = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.d, dt, device).requires_grad_(cfg.table not in ("decode", "prefill"))
+    k = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.d, dt, device).requires_grad_(cfg.table not in ("decode", "prefill"))
+    v = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.dv, dt, device).requires_grad_(cfg.table not in ("decode", "prefill"))
     inp = Inputs(q, k, v)
     if cfg.lens:
         inp.extra["lens"] = torch.tensor(cfg.lens, dtype=torch.int32, device=device)
@@ -370,7 +382,7 @@ def n_input_sets(one_set_bytes: int, free_bytes: float, graphs: bool) -> int:
 def _sdpa_kwargs(cfg: Config, inp: Inputs) -> dict:
     """Keyword arguments that make F.scaled_dot_product_attention compute ``cfg``'s problem."""
     kw = {"enable_gqa": cfg.gqa}
-    if cfg.mask in ("", "dropout"):
+    if cfg.mask in ("", "dropout") and (cfg.s_q == cfg.s_kv or not cfg.causal):
         kw["is_causal"] = cfg.causal and cfg.s_q > 1
         kw["dropout_p"] = cfg.dropout_p
     else:
@@ -384,7 +396,7 @@ def _explicit_mask(cfg: Config, inp: Inputs) -> torch.Tensor:
     key = "sdpa_mask"
     if key in inp.extra:
         return inp.extra[key]
-    i = torch.arange(cfg.s_q, device=dev)[:, None]
+    i = torch.arange(cfg.s_q, device=dev)[:, None] + (cfg.s_kv - cfg.s_q)   # causal: bottom-right
     j = torch.arange(cfg.s_kv, device=dev)[None, :]
     keep = j <= i
     if cfg.mask == "padding":      # keys past each sequence's length (rows keep key 0: no NaN rows)
@@ -434,7 +446,7 @@ def prepare_ours(cfg: Config, need_bwd: bool):
             return Runner(lambda: with_cache(inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"], validate=False,
                                              seq_len_kv=x["seq_len_kv"], causal=True))
         return bind
-    if cfg.table == "decode" and with_cache is not None:
+    if cfg.table in ("decode", "prefill") and with_cache is not None:
         return lambda inp: Runner(lambda: with_cache(inp.q, inp.k, inp.v, causal=True, validate=False))
     kw = _ours_kwargs(cfg)
 
@@ -505,7 +517,8 @@ def _flex_mask_mod(cfg: Config, dev: str):
         window = cfg.window
         return (lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= window)), None
     if cfg.causal and cfg.s_q > 1:
-        return (lambda b, h, qi, ki: qi >= ki), None
+        shift = cfg.s_kv - cfg.s_q          # bottom-right, as every causal config here
+        return (lambda b, h, qi, ki: qi + shift >= ki), None
     return None, None
 
 
@@ -592,7 +605,8 @@ def _cudnn_new_graph(cfg: Config):
 def _cudnn_mask_args(cfg: Config, graph, example: Inputs, tensors: Dict[str, object]) -> dict:
     """cuDNN's own spelling of ``cfg``'s mask; graph tensors for run-time inputs go in ``tensors``."""
     dev = example.q.device
-    kw = {"use_causal_mask": cfg.causal and cfg.s_q > 1}
+    causal = cfg.causal and cfg.s_q > 1
+    kw = {"use_causal_mask_bottom_right": True} if causal and cfg.s_q != cfg.s_kv else {"use_causal_mask": causal}
     if cfg.lens or cfg.page_block:
         lens_q = torch.tensor(cfg.lens or (cfg.s_q,) * cfg.b, dtype=torch.int32, device=dev).view(cfg.b, 1, 1, 1)
         lens_kv = torch.tensor(cfg.lens or (cfg.s_kv,) * cfg.b, dtype=torch.int32, device=dev).view(cfg.b, 1, 1, 1)
@@ -795,7 +809,7 @@ class Bench:
 
     def _passes(self, cfg: Config) -> List[str]:
         """What to time; ``--pass bwd`` times the forward too, for the fwd+bwd row."""
-        if cfg.table == "decode" or self.args.pass_ == "fwd":
+        if cfg.table in ("decode", "prefill") or self.args.pass_ == "fwd":
             return ["fwd"]
         return ["fwd", "bwd"]
 
@@ -938,7 +952,7 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
         head.append("ours/copy")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     shown = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd")}.get(bench.args.pass_, ("fwd", "bwd", "fwd+bwd"))
-    if kind == "decode":
+    if kind in ("decode", "prefill"):
         shown = ("fwd",)
     for cfg in cfgs:
         for p in shown:
@@ -959,7 +973,8 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
         lines.append("\nours' forward, max abs difference from SDPA on the same inputs: " + "; ".join(checked))
     unit = "K/V bytes read per second, TB/s" if kind == "decode" else "TFLOP/s"
     title = {"anchors": "Anchor configs (ANCHORS.md)", "masked": "Masked configs (issue 5)",
-             "decode": "Decode (issue 6)", "cpu": "CPU (no GPU present)"}[kind]
+             "decode": "Decode (issue 6)", "prefill": "Prefill against a K/V cache (issue 6)",
+             "cpu": "CPU (no GPU present)"}[kind]
     return f"\n### {title}: {unit}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -972,7 +987,7 @@ def write_plot(path: str, bench: Bench, cfgs: List[Config], columns: List[str]) 
     except ImportError:
         print("--plot needs matplotlib (pip install matplotlib); no plot written", file=sys.stderr)
         return
-    rows = [(cfg, p) for cfg in cfgs if cfg.table != "decode"
+    rows = [(cfg, p) for cfg in cfgs if cfg.table not in ("decode", "prefill")
             for p in ("fwd", "bwd") if (cfg.name, p) in bench.results]
     if not rows:
         print("--plot: nothing to plot", file=sys.stderr)
@@ -1049,7 +1064,7 @@ def header(missing: Dict[str, str], timing: str) -> str:
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The bench's command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(prog="fusedattn bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", choices=("anchors", "masked", "decode", "all"), default="all")
+    p.add_argument("--configs", choices=("anchors", "masked", "decode", "prefill", "all"), default="all")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="both",
                    help="fwd; bwd (backward and fwd+bwd); both (default)")
     p.add_argument("--csv", metavar="FILE", help="write every measurement as a CSV row, as it is taken")
@@ -1065,7 +1080,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 def select_configs(args) -> List[Config]:
     """The configs named by ``--configs`` and filtered by ``--only`` (substrings of name or label)."""
-    groups = {"anchors": anchor_configs, "masked": masked_configs, "decode": decode_configs}
+    groups = {"anchors": anchor_configs, "masked": masked_configs, "decode": decode_configs,
+              "prefill": prefill_configs}
     names = list(groups) if args.configs == "all" else [args.configs]
     cfgs = [c for n in names for c in groups[n]()]
     if args.only:
@@ -1136,7 +1152,7 @@ def _main_gpu(args, bench: Bench) -> int:
         print("interrupted: the tables hold the configs finished so far", file=sys.stderr)
     columns = [c for c, _ in backends]
     print(f"\n{ceilings}")          # again beside the tables: the end of a long log is what gets read
-    for kind in ("anchors", "masked", "decode"):
+    for kind in ("anchors", "masked", "decode", "prefill"):
         group = [c for c in done if c.table == kind]
         if group:
             print(render_table(bench, group, columns, copy))

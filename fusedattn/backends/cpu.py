@@ -47,22 +47,23 @@ def philox_randint4x(seed: int, counter: torch.Tensor):
 
 
 def dropout_threshold(p: float) -> int:
-    """Keep an element iff its 31-bit random value >= p * 2^31 (as the kernels do)."""
-    return min(int(p * 2 ** 31), 2 ** 31 - 1)
+    """Keep an element iff its 16-bit random value >= p * 2^16 (as the kernels do)."""
+    return min(round(p * 2 ** 16), 2 ** 16 - 1)
 
 
 def dropout_keep_chunk(seed, offset, h_q, s_q, s_kv, p, rows, cols, b, device):
     """Keep-mask [b, h_q, len(rows), len(cols)] of the (rows, cols) window of the global mask.
 
-    As the kernels: keys 4g..4g+3 take the 4 words of one Philox call at counter
-    ``offset + (bh * s_q + row) * ceil(s_kv / 4) + g``.
+    As the kernels: keys 8g..8g+7 share one Philox call at counter
+    ``offset + (bh * s_q + row) * ceil(s_kv / 8) + g``; key 8g + 2w + h takes 16-bit half h of word w.
     """
     bh = torch.arange(b * h_q, device=device, dtype=torch.int64).view(b, h_q, 1, 1)
     cols = cols.view(1, 1, 1, -1).to(torch.int64)
-    counter = offset + (bh * s_q + rows.view(1, 1, -1, 1).to(torch.int64)) * ((s_kv + 3) // 4) + cols // 4
+    counter = offset + (bh * s_q + rows.view(1, 1, -1, 1).to(torch.int64)) * ((s_kv + 7) // 8) + cols // 8
     words = torch.stack(philox_randint4x(seed, counter), dim=-1)           # [..., 4]
-    r = torch.gather(words, -1, (cols % 4).expand(words.shape[:-1]).unsqueeze(-1)).squeeze(-1)
-    return (r >> 1) >= dropout_threshold(p)
+    r = torch.gather(words, -1, ((cols % 8) // 2).expand(words.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    r = (r >> (16 * (cols % 2))) & 0xFFFF
+    return r >= dropout_threshold(p)
 
 
 def dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, seed, offset, device="cpu") -> torch.Tensor:

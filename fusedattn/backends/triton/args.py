@@ -2,6 +2,8 @@
 import torch
 import triton
 
+from ..cpu import dropout_threshold
+
 
 LOG2E_PY = 1.4426950408889634
 
@@ -17,7 +19,7 @@ def kernel_scalars(p, extras, dummy):
         "qk_scale": qk_scale,
         "win_left": band.left if has_left else 0,
         "win_right": band.right if has_right else 0,
-        "dropout_threshold": min(int(p.dropout_p * 2 ** 31), 2 ** 31 - 1),
+        "dropout_threshold": dropout_threshold(p.dropout_p),
         "dropout_rescale": 1.0 / (1.0 - p.dropout_p),
         "seq_q": extras["seq_len_q"] if extras["seq_len_q"] is not None else dummy,
         "seq_kv": extras["seq_len_kv"] if extras["seq_len_kv"] is not None else dummy,

@@ -221,23 +221,29 @@ def dropout_keep(seed, offset, bh, offs_m, start_n, S_Q, S_KV, threshold,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_LAST: tl.constexpr):
     """Which probabilities of a tile survive dropout: a pure function of (seed, offset, b*h_q+head, row, col).
 
-    Keys come in groups of 4: one Philox call (tl.randint4x) at the 64-bit counter
-    ``offset + (bh * S_Q + row) * ceil(S_KV / 4) + col // 4`` gives the 4 random words of keys
-    4g .. 4g+3 (a quarter of the Philox work of one call per element). Keep iff the word's top
-    31 bits >= threshold = p * 2^31. Independent of tile sizes (BLOCK_N is a multiple of 4 and
-    start_n of BLOCK_N), so the backward regenerates the forward's mask;
+    Keys come in groups of 8: one Philox call (tl.randint4x) at the 64-bit counter
+    ``offset + (bh * S_Q + row) * ceil(S_KV / 8) + col // 8`` gives 4 random words, and key
+    8g + 2w + h takes 16-bit half h (0: low, 1: high) of word w: an eighth of the Philox work of
+    one call per element (16 random bits per key, as FlashAttention uses 8). Keep iff that half
+    >= threshold = p * 2^16. Independent of tile sizes (BLOCK_N is a multiple of 8 and start_n
+    of BLOCK_N), so the backward regenerates the forward's mask;
     ``backends.cpu.dropout_keep_chunk`` mirrors it. KEYS_LAST: tile [rows, keys] (forward, dQ),
     else [keys, rows] (dK/dV).
     """
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    row_ctr = (bh.to(tl.int64) * S_Q + offs_m) * ((S_KV + 3) // 4)
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
+    row_ctr = (bh.to(tl.int64) * S_Q + offs_m) * ((S_KV + 7) // 8)
     if KEYS_LAST:
-        r0, r1, r2, r3 = tl.randint4x(seed, offset + row_ctr[:, None] + groups[None, :])     # [M, N/4]
-        # join appends its axis last: r[..., t, u] = (r0, r2)[t] if u == 0 else (r1, r3)[t] -> word 2t + u
-        r = tl.join(tl.join(r0, r2), tl.join(r1, r3))                                      # [M, N/4, 2, 2]
-        r = tl.reshape(r, [BLOCK_M, BLOCK_N])                                              # key 4g + 2t + u
+        ctr = offset + row_ctr[:, None] + groups[None, :]                                   # [M, N/8]
     else:
-        r0, r1, r2, r3 = tl.randint4x(seed, offset + groups[:, None] + row_ctr[None, :])     # [N/4, M]
-        r = tl.join(tl.join(r0, r2), tl.join(r1, r3))                                      # [N/4, M, 2, 2]
-        r = tl.reshape(tl.permute(r, (0, 2, 3, 1)), [BLOCK_N, BLOCK_M])
-    return (r >> 1).to(tl.int32) >= threshold
+        ctr = offset + groups[:, None] + row_ctr[None, :]                                   # [N/8, M]
+    w0, w1, w2, w3 = tl.randint4x(seed, ctr)
+    # join appends its axis last, so joins build the key axes outermost first:
+    # r[..., i, j, k] = half k of word 2i + j, i.e. key 8g + 4i + 2j + k
+    lo0, lo1, lo2, lo3 = w0 & 0xFFFF, w1 & 0xFFFF, w2 & 0xFFFF, w3 & 0xFFFF
+    hi0, hi1, hi2, hi3 = w0 >> 16, w1 >> 16, w2 >> 16, w3 >> 16
+    r = tl.join(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)))
+    if KEYS_LAST:
+        r = tl.reshape(r, [BLOCK_M, BLOCK_N])                                              # [M, N/8, 2, 2, 2]
+    else:
+        r = tl.reshape(tl.permute(r, (0, 2, 3, 4, 1)), [BLOCK_N, BLOCK_M])                # [N/8, M, 2, 2, 2]
+    return r.to(tl.int32) >= threshold

@@ -29,7 +29,7 @@ from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offse
 def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn,
                      page_size, num_blocks,
                      bias_base, slope,
-                     offs_m, offs_n, offs_d, offs_dv, start, end, len_kv, diag,
+                     offs_m, offs_n, offs_d, offs_dv, start_m, start, end, len_kv, diag,
                      stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
                      S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                      dropout_seed, dropout_offset, dropout_threshold, bh,
@@ -53,14 +53,24 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
             k = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                           cols, offs_d, len_kv, D, MASKED, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        bias = 0.0
-        if BIAS_KIND != 0:
-            bias = load_bias(bias_base, offs_m[:, None], cols[None, :], stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
-        s = scores_base2(qk, bias, slope, offs_m[:, None], cols[None, :], len_kv, len_kv, diag, win_left, win_right,
-                         qk_scale, softcap, MASKED, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
+        if MASKED or SOFTCAP or BIAS_KIND != 0 or HAS_ALIBI:
+            bias = 0.0
+            if BIAS_KIND != 0:
+                bias = load_bias(bias_base, offs_m[:, None], cols[None, :], stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
+            s = scores_base2(qk, bias, slope, offs_m[:, None], cols[None, :], len_kv, len_kv, diag, win_left,
+                             win_right, qk_scale, softcap, MASKED, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, False)
+            if HAS_ALIBI:
+                # ALiBi's slope * (j - i) less the per-row constant slope * (start_m - i), which softmax
+                # ignores: one add of a per-key vector (the stats are corrected once at the end)
+                s += (slope * (cols - start_m).to(tl.float32))[None, :]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+        else:
+            # no mask and no score mod: the max of the raw scores (scale > 0) and one FMA per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_safe = m_new
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
@@ -160,7 +170,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
-        offs_m, offs_n, offs_d, offs_dv,
+        offs_m, offs_n, offs_d, offs_dv, start_m,
         lo, full_lo, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
@@ -168,7 +178,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         DOT_PRECISION, USE_TMA, False)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
-        offs_m, offs_n, offs_d, offs_dv,
+        offs_m, offs_n, offs_d, offs_dv, start_m,
         full_lo, full_hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
@@ -176,7 +186,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
-        offs_m, offs_n, offs_d, offs_dv,
+        offs_m, offs_n, offs_d, offs_dv, start_m,
         full_hi, hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
@@ -196,7 +206,10 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_dv < D_V)[None, :])
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores (cuDNN's Stats); 0 for empty rows
-        lse = tl.where(row_ok, (m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))) * LN2, 0.0)
+        lse2 = m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))
+        if HAS_ALIBI:
+            lse2 -= slope * (offs_m - start_m).to(tl.float32)   # undo the per-row shift of the loop
+        lse = tl.where(row_ok, lse2 * LN2, 0.0)
         l_ptrs = LSE + l_off + h64 * stride_lh + offs_m * stride_lm
         tl.store(l_ptrs, lse, mask=offs_m < row_end)
 

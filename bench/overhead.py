@@ -1,0 +1,64 @@
+"""Where eager time goes on small problems: host time per call vs GPU time, and a cProfile.
+
+    python3 bench/overhead.py [--causal]
+Prints, for b8 h12 s1024 d64 fp16: do_bench medians of our forward and backward (as the
+bench measures them), the host time to enqueue one call (no sync; a host-bound call
+shows host >= GPU), the kernels alone, and the top of a cProfile of the backward.
+"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+import triton
+
+import fusedattn
+from fusedattn.backends.triton.bwd import launch_bwd
+from fusedattn.plan import plan
+from fusedattn.problem import make_problem
+
+
+def host_ms(fn, n=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    return host
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args()
+    b, h, s, d = 8, 12, 1024, 64
+    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2).requires_grad_()  # noqa
+    q, k, v = mk(), mk(), mk()
+    out = fusedattn.attention(q, k, v, causal=args.causal)
+    do = torch.randn_like(out)
+    fwd = lambda: fusedattn.attention(q.detach(), k.detach(), v.detach(), causal=args.causal)  # noqa
+    bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa
+    p, extras = make_problem(q.detach(), k.detach(), v.detach(), causal=args.causal)
+    pl = plan(p)
+    o2, lse = fusedattn.attention_forward(q.detach(), k.detach(), v.detach(), causal=args.causal, return_stats=True)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    kern = lambda: launch_bwd(p, pl, q.detach(), k.detach(), v.detach(), o2, do, lse.squeeze(-1), extras,  # noqa
+                              dq, dk, dv, False)
+    for name, fn in (("fwd", fwd), ("bwd autograd", bwd), ("bwd kernels (launch_bwd)", kern)):
+        gpu = triton.testing.do_bench(fn, return_mode="median")
+        print(f"{name:28s} do_bench {gpu * 1e3:7.1f} us   host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        bwd()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
