@@ -45,17 +45,20 @@ def _bucket(d: int) -> int:
 
 
 # Hopper (sm90) forward tiles: (block_m, block_n, warps, stages) by (head-dim bucket, bytes per element).
-# Starting points from PyTorch's FlexAttention H100 table, then measured (bench/NOTES.md).
+# Starting points from PyTorch's FlexAttention H100 table, then measured (bench/NOTES.md, entries 1 and 8).
 _FWD_SM90 = {
-    # H100 bf16/fp16, bench/sweep.py 2026-11-22 (TFLOP/s: d64 344, d64 causal 209, d128 causal 369,
-    # 8k d128 473, GQA 425, d224 419, d256 causal 452); 128x128 and 4 stages within 3% on d128.
-    (64, 2): Tiles(128, 64, 8, 3),
-    (128, 2): Tiles(128, 64, 8, 3),
+    # H100 bench/sweep.py 2026-11-22, after the one-FMA loop (TFLOP/s): d64 64x64/4 warps/3 stages 347
+    # (128x64/8: 342), d64 causal 231 (211); d224 128x64/8 warps/2 stages 419; d256 causal 452.
+    (64, 2): Tiles(64, 64, 4, 3),
+    (128, 2): Tiles(128, 64, 8, 3),      # long sequences: 16k causal 502 (64x64: 451), GQA 4k 452 (444), 8k 505
     (256, 2): Tiles(128, 64, 8, 2),      # 3 stages exceed shared memory at d 224/256
     (64, 4): Tiles(64, 64, 4, 3),
     (128, 4): Tiles(64, 32, 4, 3),
     (256, 4): Tiles(32, 32, 4, 2),
 }
+# d128 up to 2k query rows: two 1-warpgroup CTAs per SM beat one 2-warpgroup CTA (b4 h32 s2048 causal: 400 vs 376)
+_FWD_SM90_SHORT_D128 = Tiles(64, 64, 4, 3)
+_SHORT_ROWS = 2048
 # Backward dK/dV (block_m: query rows per step, block_n: keys per program) and dQ passes.
 # H100 sweep: 64x64 with 4 warps beat 64x128 with 8 on d64 (285 vs 223) and d128 (430 vs 375 on 8k).
 _BWD_SM90 = {
@@ -66,6 +69,9 @@ _BWD_SM90 = {
     (128, 4): Tiles(32, 64, 4, 1),
     (256, 4): Tiles(16, 32, 4, 1),
 }
+# GQA/MQA at d128: the dK/dV program loops over the group's query heads; 32-row steps spill less
+# (ptxas: 80 vs 548 bytes) and measured 349 vs 310 TFLOP/s (b4 h32/8 s4096 causal); on MHA they lose (8k: 372 vs 425).
+_BWD_SM90_GQA_D128 = Tiles(32, 64, 4, 2)
 _BWD_DQ_SM90 = {
     (64, 2): Tiles(64, 64, 4, 3),
     (128, 2): Tiles(64, 64, 4, 2),
@@ -95,7 +101,8 @@ def choose_backend(backend: str, device_type: str) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype, device_type: str) -> Plan:
+def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype, device_type: str,
+                 short: bool, grouped: bool) -> Plan:
     backend = choose_backend(backend, device_type)
     if backend == "cpu":
         return Plan("cpu", None, None, None)
@@ -104,10 +111,14 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
     if interpreting() or device_type == "cpu":
         return Plan("triton", _INTERPRET, _INTERPRET, _INTERPRET)
     key = (_bucket(max(d, d_v)), 4 if dtype == torch.float32 else 2)
-    return Plan("triton", _FWD_SM90[key], _BWD_SM90[key], _BWD_DQ_SM90[key])
+    fwd, bwd = _FWD_SM90[key], _BWD_SM90[key]
+    if key == (128, 2):
+        fwd = _FWD_SM90_SHORT_D128 if short else fwd
+        bwd = _BWD_SM90_GQA_D128 if grouped else bwd
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key])
 
 
 def plan(problem, backend: str = "auto") -> Plan:
     """The plan for ``problem``; cached on its static key."""
     return _plan_cached(problem.static_key(), backend, problem.d, problem.d_v, problem.dtype,
-                        problem.device_type)
+                        problem.device_type, problem.s_q <= _SHORT_ROWS, problem.group > 1)

@@ -121,3 +121,27 @@ def test_cpu_long_sequence_is_memory_bounded():
     assert torch.isfinite(out).all()
     # the first 4096 rows only see the first 4096 keys (causal): must equal the short run
     torch.testing.assert_close(out[..., :4096, :], o, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("growth", ["jump", "ramp"])
+def test_row_max_growing_late(growth, target):
+    """The mask-free loop rescales lazily (only when a row max grows by more than 2^8): keys whose
+    scores jump far above the early ones late in the sequence, or creep up block by block, must
+    still give the reference's output and log-sum-exp. fp16: a stale max more than 16 (base 2)
+    below the scores would overflow P."""
+    device, backend = target
+    gen = torch.Generator().manual_seed(7)
+    b, h, s_q, s_kv, d = 1, 2, 100, 300, 64         # s_q * heads > 64: the forward kernel, not decode
+    q = torch.randn(b, h, s_q, d, generator=gen)
+    k = torch.randn(b, h, s_kv, d, generator=gen)
+    v = torch.randn(b, h, s_kv, d, generator=gen)
+    if growth == "jump":
+        k[:, :, 250:] *= 12.0                                  # late scores ~12x larger: exp2 gaps >> 8
+    else:
+        k *= torch.linspace(0.2, 4.0, s_kv).view(1, 1, -1, 1)  # scores grow a little every block
+    q, k, v = (t.to(device, torch.float16) for t in (q, k, v))
+    out, stats = fusedattn.attention(q, k, v, return_stats=True, backend=backend)
+    gold_o, gold_lse = attention_reference(q.cpu(), k.cpu(), v.cpu())
+    base_o, _ = attention_reference(q.cpu(), k.cpu(), v.cpu(), dtype=torch.float16)
+    assert_error_within(out.cpu(), gold_o, base_o, msg=f"growth={growth}")
+    assert (stats.cpu().double() - gold_lse.double()).abs().max().item() < 1e-3 * (1 + gold_lse.abs().max().item())

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .args import aligned, aligned_output, kernel_scalars, set_descriptor_allocator, tma_ok
-from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
+from .common import (LN2, RESCALE_LOG2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
                      scores_base2)
 
 
@@ -66,13 +66,23 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
         else:
-            # no mask and no score mod: the max of the raw scores (scale > 0) and one FMA per score
+            # no mask and no score mod: the max of the raw scores (scale > 0), one FMA per score, and
+            # a lazy rescale (FlashAttention-4's): the row max m_i is kept, stale, until some row's max
+            # grows by more than RESCALE_LOG2 (base 2), so most tiles skip the acc * alpha multiply;
+            # meanwhile p <= 2^RESCALE_LOG2, safe in the fp32 sums and the fp16/bf16 P.
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_safe = m_new
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+        l_i += tl.sum(p, 1)
         if DROPOUT:
             keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, start_n, S_Q, S_KV, dropout_threshold,
                                 BLOCK_M, BLOCK_N, True)
@@ -83,9 +93,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
             v_rows = kv_row_offsets(cols, v_table, stride_tvn, S_KV, page_size, num_blocks, stride_vb, stride_vn, PAGED)
             v = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
-        acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, m_i, l_i
 
 
