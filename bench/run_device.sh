@@ -130,7 +130,7 @@ report_env
 
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests)         run_part tests python3 -m pytest -x -q -rfEs tests -m gpu ;;
+        tests)         run_part tests python3 -m pytest -q -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
         bench-quick)   bench_part bench-quick --quick ;;
