@@ -125,10 +125,10 @@ def test_cpu_long_sequence_is_memory_bounded():
 
 @pytest.mark.parametrize("growth", ["jump", "ramp"])
 def test_row_max_growing_late(growth, target):
-    """The mask-free loop rescales lazily (only when a row max grows by more than 2^8): keys whose
-    scores jump far above the early ones late in the sequence, or creep up block by block, must
-    still give the reference's output and log-sum-exp. fp16: a stale max more than 16 (base 2)
-    below the scores would overflow P."""
+    """The mask-free loop's running max: keys whose scores jump far above the early ones late in
+    the sequence, or creep up block by block, must still give the reference's output and
+    log-sum-exp. fp16: a stale max more than 16 (base 2) below the scores would overflow P
+    (a lazy rescale with its threshold broken fails here)."""
     device, backend = target
     gen = torch.Generator().manual_seed(7)
     b, h, s_q, s_kv, d = 1, 2, 100, 300, 64         # s_q * heads > 64: the forward kernel, not decode

@@ -14,7 +14,6 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-RESCALE_LOG2 = tl.constexpr(8.0)   # forward: rescale the accumulator only when a row max grows by more (base 2)
 
 
 @triton.jit
