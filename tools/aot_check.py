@@ -48,7 +48,8 @@ def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
                 TABLE_K="*i32", TABLE_V="*i32", CU_Q="*i32", CU_KV="*i32")
     bd = triton.next_power_of_2(d)
     c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
-             WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, VARLEN=False)
+             WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1,
+             VARLEN=False)
     c.update(sw)
     return compile_variant(fwd._attn_fwd, ptrs, c, warps, stages)
 
@@ -102,7 +103,9 @@ def ptxas_report(kernel_obj):
 
 def main_features():
     """Every switch on at once, paged and varlen: the variants the interpreter accepts but sm_90 might not."""
-    print("fwd paged", fwd_variant(128, 128, 64, 8, 3, PAGED=True, HAS_SEQ_KV=True, BOTTOM_RIGHT=True))
+    for page in (16, 64):
+        print("fwd paged", page, fwd_variant(128, 128, 64, 8, 3, PAGED=True, PAGE_SIZE=page, HAS_SEQ_KV=True,
+                                             BOTTOM_RIGHT=True))
     print("fwd varlen", fwd_variant(64, 128, 64, 8, 3, VARLEN=True, DROPOUT=True, HAS_ALIBI=True))
     print("bwd varlen", bwd_variants(64, (64, 64, 4, 2), (64, 64, 4, 2), VARLEN=True, DROPOUT=True))
 

@@ -132,17 +132,24 @@ def q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
 
 
 @triton.jit
-def kv_row_offsets(cols, table_row, stride_table, S_KV, page_size, num_blocks, stride_block, stride_n,
-                   PAGED: tl.constexpr):
-    """Element offsets of key rows ``cols`` from the (batch, kv head) base.
+def kv_row_offsets(start_n, offs_n, table_row, stride_table, S_KV, num_blocks, stride_block, stride_n,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets of key rows ``start_n + offs_n`` from the (batch, kv head) base.
 
-    PAGED: key j lives in block ``table_row[(j // page_size) * stride_table]`` (clamped into the container, so a
-    bad table never reads out of bounds) at slot ``j % page_size``; the block's offset is int64.
+    PAGED: key j lives in block ``table_row[(j // PAGE_SIZE) * stride_table]`` (clamped into the container, so a
+    bad table never reads out of bounds) at slot ``j % PAGE_SIZE``; the block's offset is int64. When the
+    tile fits in one page (PAGE_SIZE a multiple of the tile, start_n a multiple of the tile) one table
+    read serves it and its rows stay contiguous, so K/V load as wide as unpaged ones.
     """
+    cols = start_n + offs_n
     if PAGED:
-        page = tl.load(table_row + (cols // page_size) * stride_table, mask=cols < S_KV, other=0)
+        BLOCK_N: tl.constexpr = offs_n.shape[0]
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = tl.load(table_row + (start_n // PAGE_SIZE) * stride_table, mask=start_n < S_KV, other=0)
+        else:
+            page = tl.load(table_row + (cols // PAGE_SIZE) * stride_table, mask=cols < S_KV, other=0)
         page = tl.minimum(tl.maximum(page, 0), num_blocks - 1)
-        return page.to(tl.int64) * stride_block + (cols % page_size) * stride_n
+        return page.to(tl.int64) * stride_block + (cols % PAGE_SIZE) * stride_n
     else:
         return cols * stride_n
 

@@ -27,13 +27,13 @@ from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offse
 
 @triton.jit
 def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn,
-                     page_size, num_blocks,
+                     num_blocks,
                      bias_base, slope,
                      offs_m, offs_n, offs_d, offs_dv, start_m, start, end, len_kv, diag,
                      stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
                      S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                      dropout_seed, dropout_offset, dropout_threshold, bh,
-                     MASKED: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
@@ -49,7 +49,8 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         if USE_TMA:
             k = k_desc.load([start_n, 0])
         else:
-            k_rows = kv_row_offsets(cols, k_table, stride_tkn, S_KV, page_size, num_blocks, stride_kb, stride_kn, PAGED)
+            k_rows = kv_row_offsets(start_n, offs_n, k_table, stride_tkn, S_KV, num_blocks, stride_kb, stride_kn,
+                                    PAGED, PAGE_SIZE)
             k = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                           cols, offs_d, len_kv, D, MASKED, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -88,7 +89,8 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         else:
-            v_rows = kv_row_offsets(cols, v_table, stride_tvn, S_KV, page_size, num_blocks, stride_vb, stride_vn, PAGED)
+            v_rows = kv_row_offsets(start_n, offs_n, v_table, stride_tvn, S_KV, num_blocks, stride_vb, stride_vn,
+                                    PAGED, PAGE_SIZE)
             v = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -103,7 +105,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_lm,
               stride_bb, stride_bh, stride_bm, stride_bn, stride_tk, stride_tkn, stride_tv, stride_tvn,
-              H_Q, GROUP, S_Q, S_KV, D, D_V, PAGE_SIZE, NUM_BLOCKS,
+              H_Q, GROUP, S_Q, S_KV, D, D_V, NUM_BLOCKS,
               qk_scale, softcap, win_left, win_right,
               dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,7 +116,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
               DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              PAGED: tl.constexpr, VARLEN: tl.constexpr):
+              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -175,28 +177,28 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
         lo, full_lo, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
-        True, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, False)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
         full_lo, full_hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
-        False, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        False, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
     acc, m_i, l_i = _attn_fwd_blocks(
-        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, PAGE_SIZE, NUM_BLOCKS, bias_base, slope,
+        acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
         full_hi, hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh,
-        True, PAGED, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
+        True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, False)
 
     # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0
@@ -250,13 +252,14 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
         tables[0], tables[1], cu_q, cu_kv,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
-        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, p.page_size, k.shape[0] if p.paged else 1,
+        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, k.shape[0] if p.paged else 1,
         args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
         p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=triton.next_power_of_2(p.d), BLOCK_DV=triton.next_power_of_2(p.d_v),
         WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
-        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize, PAGED=p.paged, VARLEN=p.varlen,
+        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
+        PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **args["switches"],
     )
