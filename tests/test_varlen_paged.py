@@ -86,7 +86,7 @@ def test_varlen_bad_offsets(bad):
         fusedattn.attention_varlen(q, k, v, cq, ck, 3 if bad == "too_long" else 6, 6)
 
 
-@pytest.mark.parametrize("page_size", [8, 16, 32, 64]   # 8: smaller than a tile (per-key page lookups); others: one lookup per tile)
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64])  # 8: below a tile (a table read per key); others: one per tile
 def test_paged_forward_equals_dense(page_size, target):
     device, backend = target
     gen = torch.Generator().manual_seed(page_size)
