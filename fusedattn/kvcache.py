@@ -341,6 +341,17 @@ class _Call:
     def run_triton(self, out, lse):
         from .backends.triton import decode
         from .backends.triton.args import aligned, aligned_output
+        if self.s_q * self.g > decode.DECODE_MAX_ROWS:
+            # prefill (many query rows per kv head): the tiled forward kernel reads the cache, paged
+            # or not, in place; split-KV decode would stream K/V once per 64 query rows
+            table = self.page_table if self.paged else None
+            attention_forward(
+                self.q, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,
+                causal_alignment="bottom_right", window=self.window, seq_len_kv=self.seq_len_kv,
+                alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap,
+                page_table_k=table, page_table_v=table, backend="triton", out=out,
+                stats_out=lse.unsqueeze(-1) if lse is not None else None)
+            return
         tiles, splits = decode.plan_decode(self.b, self.h_kv, self.g, self.s_q, self.d, self.d_v, self.q.dtype,
                                            self.cap, self.q.device, self.num_splits)
         o_buf, o_target = aligned_output(out)

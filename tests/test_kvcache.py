@@ -215,6 +215,21 @@ def test_every_block_size_and_group(page_size, group, target):
     run_kv_case(case, device, backend)
 
 
+@pytest.mark.parametrize("page_size", [0, 8, 16, 32], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("append", [False, True])
+def test_prefill_uses_the_tiled_kernel(page_size, append, target):
+    """Prefill (s_q * group > 64 query rows per kv head) runs the forward kernel on the cache in place:
+    ragged lengths (one shorter than s_q: its first rows see no key), shuffled pages, NaN past lengths."""
+    device, backend = target
+    s_q, long = 40, 150
+    lens = (long, 60, 20 if not append else s_q)
+    pages = -(-long // page_size) if page_size else 0
+    case = KVCase(seed=900 + page_size + append, b=3, h_q=4, h_kv=2, s_q=s_q, d=32, d_v=32,
+                  page_size=page_size, pages=pages, s_max=pages * page_size if page_size else long + 3,
+                  lens=lens, dtype="float16", cache_layout="view", append=append)
+    run_kv_case(case, device, backend)
+
+
 def _same_data_contiguous(built: Built, device):
     """The paged case's logical cache as a contiguous [b, h, cap, d] tensor (NaN where the paged one is)."""
     c = built.case

@@ -624,7 +624,8 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
                         x = torch.empty_strided(r.shape, r.stride, dtype=r.dtype, device=device)
                         bound[r.uid] = x
                     else:
-                        if tuple(x.shape) != r.shape and tuple(x.shape) not in r.alt_shapes:
+                        # a packed (ragged) buffer has any shape: the node checks its extent
+                        if not r.ragged and tuple(x.shape) != r.shape and tuple(x.shape) not in r.alt_shapes:
                             raise GraphError(f"{call.where}: {r.role} {r.label} in the variant pack has shape "
                                              f"{list(x.shape)}, but the graph declared {list(r.shape)}")
                         if x.dtype != r.dtype:

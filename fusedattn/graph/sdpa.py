@@ -26,6 +26,16 @@ Translation of the mask (cuDNN's names -> the functional door's band)::
     dropout=p, dropout_seed=s, dropout_offset=o  or  dropout=(p, seed_tensor, offset_tensor)
                                  -> dropout_p, dropout_seed, dropout_offset (ints; tensors read once per execute)
     attn_scale None              -> 1.0  (cuDNN applies no scale when none is given)
+
+Ragged offsets (cuDNN's packed THD layout): when q, k, v and o (and dO, dQ, dK, dV in the
+backward) carry ``set_ragged_offset(r)``, the node runs :mod:`fusedattn.varlen` instead::
+
+    r [b + 1] (elements) -> cu_seqlens = r / token stride   (the tensor's stride along s)
+    graph dims [b, h, s, d] -> max_seqlen = s; each bound buffer is viewed as [total, h, d]
+                               with the graph's token / head / dim strides (any bound shape)
+    seq_len_q / seq_len_kv  -> checked equal to diff(cu_seqlens) (derived from it when absent)
+    Stats [b, h, s, 1]      -> scattered to / gathered from the padded layout (0 past a length),
+                               or packed too when Stats has a ragged offset of its own
 """
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ FEATURE_ARGS = {
     "stats": "generate_stats",
     "dbias": "dBias",
     "deterministic": "use_deterministic_algorithm",
+    "ragged": "ragged offsets (set_ragged_offset: packed THD layout)",
 }
 # A feature that cannot be probed without another one.
 _FEATURE_DEPS = {"rng_dump": ("dropout",), "dbias": ("bias",)}
@@ -350,6 +361,8 @@ class Req:
     host_ok: bool = False     # one-element scalars may live on the CPU (pass-by-value)
     alt_shapes: Tuple[Tuple[int, ...], ...] = ()   # also accepted (seq lens as [b])
     scratch: bool = False     # a virtual output nobody asked for: allocated per execute
+    ragged: bool = False      # packed (THD): any bound shape, read through the graph strides at its
+    #                           ragged offsets (the node checks the extent at execute)
 
 
 @dataclass
@@ -367,6 +380,7 @@ class Call:
     kv_layout: str = "dense"                # "dense" | "paged" | "paged_nshd" (seed containers)
     table_layout: str = "b1n1"              # "b1n1" | "bn" (seed page tables)
     max_seq_len_kv: Optional[int] = None    # paged: fill seq_len_kv when none is given
+    ragged_roles: Tuple[str, ...] = ()      # packed roles; each has a "ragged_<role>" offsets req
     dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)   # declared dims, for the probe
     dts: Dict[str, torch.dtype] = field(default_factory=dict)
     probe_key: tuple = ()
@@ -383,7 +397,8 @@ def _torch_dt(dt: data_type, role: str, where: str, t: tensor) -> torch.dtype:
 def _req(t: tensor, role: str, where: str, *, host_ok=False, alt=(), scratch=False) -> Req:
     return Req(role=role, uid=t._uid, shape=tuple(t._dim), stride=tuple(t._stride),
                dtype=_torch_dt(t._data_type, role, where, t), label=t.label(), host_ok=host_ok,
-               alt_shapes=tuple(tuple(a) for a in alt), scratch=scratch)
+               alt_shapes=tuple(tuple(a) for a in alt), scratch=scratch,
+               ragged=t._ragged_offset is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,9 +418,11 @@ class _Node:
         self.outputs: Dict[str, tensor] = {}    # role -> tensor this node writes
         self.order: List[tensor] = []           # user tensors (read or written) in signature order
         self.unsupported: List[str] = []        # arguments fusedattn cannot run, raised at validate
+        self.ragged: Dict[str, tensor] = {}     # role -> tensor with a ragged offset (set at validate)
 
     op_name = "sdpa"
     partial_padding = False   # the seeds' paged spelling may give seq_len_kv alone
+    packed_roles: Tuple[str, ...] = ()   # roles that are packed together (THD); Stats may be too, or not
 
     def _input(self, role: str, value, arg: Optional[str] = None):
         t = check_graph_tensor(self.graph, value, arg or role, self.where)
@@ -473,13 +490,10 @@ class _Node:
             raise cudnnGraphNotSupportedError(
                 f"{w}: not supported by fusedattn: " + "; ".join(self.unsupported))
         for role, t in list(self.inputs.items()) + list(self.outputs.items()):
-            if t._ragged_offset is not None:
-                raise cudnnGraphNotSupportedError(
-                    f"{w}: {role} {t.label()} has a ragged offset (packed THD layout); packed "
-                    f"variable-length batches are not supported by the Graph door yet (issue 6)")
             if t._reordering not in (None, tensor_reordering.NONE):
                 raise cudnnGraphNotSupportedError(f"{w}: {role} {t.label()} uses reordering "
                                                   f"{t._reordering}; only NONE is supported")
+        self._check_ragged(b)
         if h_q % self.h_kv != 0:
             raise GraphError(f"{w}: query heads ({h_q}) must be a multiple of key/value heads "
                              f"({self.h_kv}) (GQA/MQA)")
@@ -525,6 +539,85 @@ class _Node:
             if t._data_type in _FP8_DTS:
                 raise cudnnGraphNotSupportedError(f"{w}: {role} {t.label()} is {t._data_type.name}; FP8 "
                                                   f"attention is not supported by fusedattn")
+
+    def _role_tensor(self, role: str) -> tensor:
+        return self.inputs[role] if role in self.inputs else self.outputs[role]
+
+    def _check_ragged(self, b: int) -> None:
+        """Which tensors are packed (THD), checked: all of ``packed_roles`` or none (the packed
+        path reads and writes one layout), offsets ``[b + 1]`` INT32/INT64 graph inputs, and no
+        feature the packed path cannot run. Sets ``self.ragged``."""
+        w = self.where
+        ragged = {role: t for role, t in list(self.inputs.items()) + list(self.outputs.items())
+                  if t._ragged_offset is not None}
+        self.ragged = {}
+        if not ragged:
+            return
+        for role, t in ragged.items():
+            if role not in self.packed_roles + ("stats",):
+                raise cudnnGraphNotSupportedError(
+                    f"{w}: {role} {t.label()} has a ragged offset; only {', '.join(self.packed_roles)} and "
+                    f"stats can be packed (THD)")
+        # A virtual output nobody reads may stay unpacked: it is then not written at all.
+        missing = [r for r in self.packed_roles if r not in ragged
+                   and not (r in self.outputs and self.outputs[r]._virtual)]
+        if missing:
+            role0, t0 = next(iter(ragged.items()))
+            names = ", ".join(f"{r} {self._role_tensor(r).label()}" for r in missing)
+            raise cudnnGraphNotSupportedError(
+                f"{w}: {role0} {t0.label()} has a ragged offset (packed THD layout) but {names} "
+                f"{'does' if len(missing) == 1 else 'do'} not; fusedattn runs packed variable-length "
+                f"batches when {', '.join(self.packed_roles)} all carry ragged offsets")
+        for feat, used in (("bias", "bias" in self.inputs), ("paged", self.paged)):
+            if used:
+                raise cudnnGraphNotSupportedError(
+                    f"{w}: {FEATURE_ARGS[feat]} with ragged offsets (packed THD layout) is not supported "
+                    f"by fusedattn; the packed path runs causal/band masks, ALiBi, dropout and GQA")
+        for role, t in ragged.items():
+            what = f"the ragged offset of {role} {t.label()}"
+            off = check_graph_tensor(self.graph, t._ragged_offset, what, w)
+            dims = need_dims(off, what, w, rank=None)
+            if dims not in ([b + 1, 1, 1, 1], [b + 1]):
+                raise GraphError(f"{w}: {what} ({off.label()}) must have dims [b + 1, 1, 1, 1] or [b + 1] "
+                                 f"with b = {b} (one offset per sequence and the end), got {dims}")
+            if off._data_type not in _INDEX_DTS:
+                raise GraphError(f"{w}: {what} ({off.label()}) must be INT32 (or INT64), got "
+                                 f"{off._data_type.name}")
+            if off._virtual:
+                raise GraphError(f"{w}: {what} ({off.label()}) is virtual; it must be a graph input the "
+                                 f"variant pack provides")
+            if t._dim and t._stride and len(t._stride) == 4 and t._stride[2] <= 0:
+                raise GraphError(f"{w}: {role} {t.label()} has a ragged offset but stride {t._stride[2]} "
+                                 f"along the sequence dim; offsets are counted in tokens of that stride")
+        self.ragged = ragged
+
+    def _check_ragged_outputs(self) -> None:
+        """A packed output must keep each token's heads x head dim inside its token stride
+        (BSHD-like strides): with any other strides the packed tokens would overlap."""
+        w = self.where
+        for role, t in self.ragged.items():
+            if role not in self.outputs:
+                continue
+            _, h, _, dd = t._dim
+            _, sh, ss, sd = t._stride
+            (s_in, n_in), (s_out, n_out) = sorted(((sd, dd), (sh, h)))
+            disjoint = n_out == 1 or s_out >= (n_in - 1) * s_in + 1
+            if not disjoint or ss < (h - 1) * sh + (dd - 1) * sd + 1:
+                raise GraphError(f"{w}: {role} {t.label()} has a ragged offset but strides {t._stride} for "
+                                 f"dims {t._dim}: packed tokens would overlap; give it token-major (BSHD) "
+                                 f"strides [s*h*d, d, h*d, 1], e.g. set_stride like q")
+
+    def _ragged_reqs(self, reqs: List[Req], feats: List[str]) -> Tuple[str, ...]:
+        """Add a ``ragged_<role>`` req (its offsets) for each packed role in ``reqs``; the roles."""
+        if not self.ragged:
+            return ()
+        roles = tuple(r.role for r in reqs if r.role in self.ragged)
+        for role in roles:
+            off = self.ragged[role]._ragged_offset
+            n = off._dim[0]
+            reqs.append(_req(off, f"ragged_{role}", self.where, alt=[[n], [n, 1, 1, 1]]))
+        feats.append("ragged")
+        return roles
 
     def _mask_static(self) -> Tuple[Dict[str, object], List[str]]:
         """Functional kwargs of the mask options (fixed at build), and the features used."""
@@ -581,6 +674,7 @@ class SdpaNode(_Node):
     """``graph.sdpa``: O [b, h_q, s_q, d_v] and Stats fp32 [b, h_q, s_q, 1] from Q, K, V."""
 
     op_name = "sdpa"
+    packed_roles = ("q", "k", "v", "o")
 
     def __init__(self, graph, name, *, q, k, v, is_inference, attn_scale, bias, block_mask, use_alibi_mask,
                  use_padding_mask, seq_len_q, seq_len_kv, use_causal_mask, use_causal_mask_bottom_right,
@@ -623,7 +717,7 @@ class SdpaNode(_Node):
             if not self.paged:
                 raise GraphError(f"{w}: paged_attention_max_seq_len_kv is set but no page table is given")
         self.max_seq_len_kv = paged_attention_max_seq_len_kv
-        # accepted for workspace sizing of ragged layouts in cuDNN; nothing to size here
+        # cuDNN sizes its ragged workspace with these; the packed path allocates its own
         self.max_total_seq_len_q, self.max_total_seq_len_kv = max_total_seq_len_q, max_total_seq_len_kv
         # arguments fusedattn does not run
         self._unsupported_arg("block_mask", block_mask, "block-sparse masks are not supported")
@@ -631,8 +725,10 @@ class SdpaNode(_Node):
         self._unsupported_arg("score_max", score_max, "separate max/sum-exp outputs are not supported; use generate_stats")
         self._unsupported_arg("score_sum_exp", score_sum_exp, "use generate_stats (log-sum-exp)")
         self._unsupported_arg("sink_token", sink_token, "attention sinks are not supported")
-        self._unsupported_arg("cu_seq_len_q", cu_seq_len_q, "packed variable lengths are issue 6")
-        self._unsupported_arg("cu_seq_len_kv", cu_seq_len_kv, "packed variable lengths are issue 6")
+        self._unsupported_arg("cu_seq_len_q", cu_seq_len_q, "give packed variable lengths as ragged offsets "
+                              "(q.set_ragged_offset(...)) with use_padding_mask")
+        self._unsupported_arg("cu_seq_len_kv", cu_seq_len_kv, "give packed variable lengths as ragged offsets "
+                              "(k/v.set_ragged_offset(...)) with use_padding_mask")
         self._unsupported_arg("stats_use_log2", stats_use_log2, "stats are natural-log log-sum-exp")
         if self.paged and self.dropout is not None:
             self.unsupported.append("dropout with paged K/V caches (the mask's key index is ambiguous)")
@@ -679,17 +775,22 @@ class SdpaNode(_Node):
         # outputs
         # O defaults to Q's type (cuDNN says io_data_type; they agree unless Q is typed otherwise,
         # and then Q's type is the one fusedattn can write)
-        infer_output(self.o, "O", w, [b, h_q, s_q, d_v], packed_strides([b, h_q, s_q, d_v]), dts["q"])
+        # a packed O defaults to Q's (token-major) layout: packed BHSD strides would overlap its tokens
+        o_dims = [b, h_q, s_q, d_v]
+        infer_output(self.o, "O", w, o_dims, dense_strides_like(o_dims, q._stride) if "o" in self.ragged
+                     else packed_strides(o_dims), dts["q"])
         if self.o._data_type != dts["q"]:
             raise cudnnGraphNotSupportedError(
                 f"{w}: O {self.o.label()} is {self.o._data_type.name} but q is {dts['q'].name}; fusedattn "
                 f"writes O in the inputs' data type")
         if self.stats is not None:
-            infer_output(self.stats, "Stats", w, [b, h_q, s_q, 1], packed_strides([b, h_q, s_q, 1]),
-                         data_type.FLOAT)
+            s_dims = [b, h_q, s_q, 1]
+            infer_output(self.stats, "Stats", w, s_dims, dense_strides_like(s_dims, q._stride)
+                         if "stats" in self.ragged else packed_strides(s_dims), data_type.FLOAT)
             if self.stats._data_type != data_type.FLOAT:
                 raise GraphError(f"{w}: Stats {self.stats.label()} must be FLOAT (fp32 log-sum-exp), got "
                                  f"{self.stats._data_type.name}")
+        self._check_ragged_outputs()
 
     def _validate_paging(self, b, kd, vd) -> int:
         w = self.where
@@ -741,11 +842,12 @@ class SdpaNode(_Node):
             feats.append("stats")
         if self.paged:
             feats.append("paged")
+        ragged_roles = self._ragged_reqs(reqs, feats)
         call = Call(kind="fwd", where=w, reqs=reqs, static=static, features=tuple(feats),
                     scale_role="attn_scale" in self.inputs, seed_role="dropout_seed" in self.inputs,
                     offset_role="dropout_offset" in self.inputs,
                     kv_layout=self.kv_layout, table_layout="bn" if self.kv_layout == "paged_nshd" else "b1n1",
-                    max_seq_len_kv=self.max_seq_len_kv if self.paged else None)
+                    max_seq_len_kv=self.max_seq_len_kv if self.paged else None, ragged_roles=ragged_roles)
         _finish_call(call, self, s_kv)
         return call
 
@@ -754,6 +856,7 @@ class SdpaBackwardNode(_Node):
     """``graph.sdpa_backward``: dQ, dK, dV (and dBias) from Q, K, V, O, dO and the forward's Stats."""
 
     op_name = "sdpa_backward"
+    packed_roles = ("q", "k", "v", "o", "dO", "dQ", "dK", "dV")
 
     def __init__(self, graph, name, *, q, k, v, o, dO, stats, attn_scale, bias, dBias, use_alibi_mask,
                  use_padding_mask, seq_len_q, seq_len_kv, max_total_seq_len_q, max_total_seq_len_kv,
@@ -779,7 +882,7 @@ class SdpaBackwardNode(_Node):
         for nm, val in (("max_total_seq_len_q", max_total_seq_len_q), ("max_total_seq_len_kv", max_total_seq_len_kv)):
             if val is not None and (not _is_int(val) or val <= 0):
                 raise GraphError(f"{w}: {nm} must be an int > 0, got {val!r}")
-        # cuDNN sizes the ragged workspace with these; ragged layouts are issue 6, so nothing to size
+        # cuDNN sizes its ragged workspace with these; the packed path allocates its own
         self.max_total_seq_len_q, self.max_total_seq_len_kv = max_total_seq_len_q, max_total_seq_len_kv
         self._unsupported_arg("score_mod", score_mod, "score-modifier callbacks are not supported")
         self._unsupported_arg("score_mod_bprop", score_mod_bprop, "score-modifier callbacks are not supported")
@@ -844,6 +947,7 @@ class SdpaBackwardNode(_Node):
                 raise cudnnGraphNotSupportedError(
                     f"{w}: {role} {out.label()} is {out._data_type.name} but q is {grad_dt.name}; fusedattn "
                     f"writes gradients in the inputs' data type")
+        self._check_ragged_outputs()
 
     def lower(self, ctx) -> Call:
         """The execute-time description of this node (uids, checks, fixed kwargs)."""
@@ -860,9 +964,10 @@ class SdpaBackwardNode(_Node):
             reqs.append(_req(self.outputs["dBias"], "dBias", w))
             static["need_dbias"] = True
             feats.append("dbias")
+        ragged_roles = self._ragged_reqs(reqs, feats)
         call = Call(kind="bwd", where=w, reqs=reqs, static=static, features=tuple(feats),
                     scale_role="attn_scale" in self.inputs, seed_role="dropout_seed" in self.inputs,
-                    offset_role="dropout_offset" in self.inputs)
+                    offset_role="dropout_offset" in self.inputs, ragged_roles=ragged_roles)
         _finish_call(call, self, s_kv)
         return call
 
@@ -924,14 +1029,9 @@ def _host_scalar(t: torch.Tensor, as_int: bool):
     return int(x) if as_int else float(x)
 
 
-def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
-    """``(function, args, kwargs, post)`` for the functional layer from role -> torch tensor.
-
-    ``feats`` restricts the features (the support probe uses it); ``None`` = all of the call's.
-    ``post`` is run after the function with its result (rng_dump, dBias copies).
-    """
-    fn_mod = _functional()
-    feats = set(call.features if feats is None else feats)
+def _options(call: Call, t: Dict[str, torch.Tensor], feats) -> Dict[str, object]:
+    """The functional keyword arguments of ``feats``: the call's fixed ones, and the scalars read
+    from their tensors (attn_scale, dropout seed / offset)."""
     kw = {}
     for key, val in call.static.items():
         if key in ("causal", "window", "causal_alignment") and "band" not in feats:
@@ -954,6 +1054,39 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
             kw["dropout_seed"] = _host_scalar(t["dropout_seed"], as_int=True)
         if call.offset_role:
             kw["dropout_offset"] = _host_scalar(t["dropout_offset"], as_int=True)
+    return kw
+
+
+def _check_params(fn, kw) -> None:
+    params = _signature_params(fn)
+    if params is not None:
+        # a keyword the functional layer does not have yet is a feature it does not support
+        missing = [key for key in kw if key not in params]
+        if missing:
+            raise NotSupportedError(f"{fn.__name__} has no argument {', '.join(missing)} yet")
+
+
+def _write_rng_dump(t: Dict[str, torch.Tensor], kw) -> None:
+    """The kept mask (1 kept, 0 dropped) of the call's dropout, padded [b, h_q, s_q, s_kv]."""
+    from ..backends.cpu import dropout_keep_mask
+    rd = t["rng_dump"]
+    b_, h_, sq_, skv_ = rd.shape
+    rd.copy_(dropout_keep_mask(b_, h_, sq_, skv_, kw["dropout_p"], kw.get("dropout_seed", 0),
+                               kw.get("dropout_offset", 0), rd.device))
+
+
+def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
+    """``(function, args, kwargs, post)`` for the functional layer from role -> torch tensor.
+
+    ``feats`` restricts the features (the support probe uses it); ``None`` = all of the call's.
+    ``post`` is run after the function with its result (rng_dump, dBias copies).
+    """
+    feats = set(call.features if feats is None else feats)
+    if "ragged" in feats:
+        # the probe keeps a packed binding apart from its dense tiny tensors
+        return _ragged_invocation(call, t.get("_ragged", t), feats)
+    fn_mod = _functional()
+    kw = _options(call, t, feats)
     if "padding" in feats:
         for role in ("seq_len_q", "seq_len_kv"):
             if role in t:
@@ -990,20 +1123,11 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
         args = (t["q"], k, v, t["o"], t["dO"], t["stats"])
         kw["dq"], kw["dk"], kw["dv"] = t["dQ"], t["dK"], t["dV"]
     kw["backend"] = backend
-    params = _signature_params(fn)
-    if params is not None:
-        # a keyword the functional layer does not have yet is a feature it does not support
-        missing = [key for key in kw if key not in params]
-        if missing:
-            raise NotSupportedError(f"{fn.__name__} has no argument {', '.join(missing)} yet")
+    _check_params(fn, kw)
 
     def post(result):
         if "rng_dump" in feats:
-            from ..backends.cpu import dropout_keep_mask
-            rd = t["rng_dump"]
-            b_, h_, sq_, skv_ = rd.shape
-            rd.copy_(dropout_keep_mask(b_, h_, sq_, skv_, kw["dropout_p"], kw.get("dropout_seed", 0),
-                                       kw.get("dropout_offset", 0), rd.device))
+            _write_rng_dump(t, kw)
         if call.kind == "bwd" and "dbias" in feats:
             dbias = result[3]
             if dbias is None:
@@ -1012,6 +1136,190 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
             if tuple(dbias.shape) != tuple(target.shape):
                 dbias = dbias.sum_to_size(target.shape)   # reduce over the dims the bias broadcasts
             target.copy_(dbias)
+
+    return fn, args, kw, post
+
+
+# ---------------------------------------------------------------------------------------------
+# packed (ragged) calls: fusedattn.varlen
+# ---------------------------------------------------------------------------------------------
+
+_Q_SIDE = ("q", "o", "dO", "dQ", "stats")   # packed by q's sequences
+_KV_SIDE = ("k", "v", "dK", "dV")           # packed by k's
+
+
+@dataclass
+class _Packed:
+    """A packed binding: ``[total, h, d]`` views of the bound buffers and the sequences."""
+
+    views: Dict[str, torch.Tensor]   # role -> [total, h, d] view (stats: [total, h_q])
+    cu_q: torch.Tensor               # int32 [b + 1] from 0, on the data's device
+    cu_kv: torch.Tensor
+    lens_q: List[int]
+    lens_kv: List[int]
+    max_q: int                       # the graph's s_q / s_kv: the padded problem it stands for
+    max_kv: int
+
+
+def _span(x: torch.Tensor) -> int:
+    """Elements from ``x``'s first element to one past its last: what a view of it may reach."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+
+
+def _token_offsets(call: Call, r: Req, off: torch.Tensor) -> List[int]:
+    """The ragged offsets of ``r`` (elements) in tokens of its sequence stride, checked."""
+    w, tok = call.where, r.stride[2]
+    vals = [int(x) for x in off.reshape(-1).tolist()]   # one host read, as cuDNN's offsets are
+    what = f"the ragged offset of {r.role} {r.label}"
+    if any(x < 0 for x in vals) or any(a > b for a, b in zip(vals, vals[1:])):
+        raise GraphError(f"{w}: {what} must be non-negative and non-decreasing (each sequence's first "
+                         f"element, then the end), got {vals[:16]}")
+    bad = [x for x in vals if x % tok]
+    if bad:
+        raise GraphError(f"{w}: {what} counts elements and must hold multiples of {r.role}'s token stride "
+                         f"{tok} (its stride along the sequence dim): {bad[0]} is not, in {vals[:16]}")
+    return [x // tok for x in vals]
+
+
+def _ragged_bind(call: Call, t: Dict[str, torch.Tensor], feats) -> _Packed:
+    """The packed views of a ragged call's buffers, from their offsets (host reads), checked
+    against each other, the graph's dims, the seq_len tensors and the bound buffers' extents."""
+    w = call.where
+    reqs = {r.role: r for r in call.reqs}
+    tokens = {role: _token_offsets(call, reqs[role], t[f"ragged_{role}"]) for role in call.ragged_roles}
+    seqs = {}
+    for side, lead in ((_Q_SIDE, "q"), (_KV_SIDE, "k")):
+        # offsets may start anywhere in a buffer; the sequences are what must agree
+        rel = [c - tokens[lead][0] for c in tokens[lead]]
+        for role in side:
+            if role in tokens and role != lead:
+                mine = [c - tokens[role][0] for c in tokens[role]]
+                if mine != rel:
+                    raise GraphError(f"{w}: the ragged offsets of {role} and {lead} describe different "
+                                     f"sequences (tokens from the first: {lead} {rel[:16]}, {role} {mine[:16]}); "
+                                     f"{role} is packed like {lead}")
+        seqs[lead] = rel
+    if len(seqs["q"]) != len(seqs["k"]):
+        raise GraphError(f"{w}: the ragged offsets of q and k hold {len(seqs['q'])} and {len(seqs['k'])} "
+                         f"entries; both are [b + 1]")
+    lens_q = [b - a for a, b in zip(seqs["q"], seqs["q"][1:])]
+    lens_kv = [b - a for a, b in zip(seqs["k"], seqs["k"][1:])]
+    max_q, max_kv = t.get("_max_seqlen") or (reqs["q"].shape[2], reqs["k"].shape[2])
+    for lens, mx, lead, dim in ((lens_q, max_q, "q", "s_q"), (lens_kv, max_kv, "k", "s_kv")):
+        i = max(range(len(lens)), key=lens.__getitem__)
+        if lens[i] > mx:
+            raise GraphError(f"{w}: sequence {i} has {lens[i]} tokens by the ragged offsets of {lead}, more "
+                             f"than {lead}'s dims allow ({dim} = {mx}, the padded maximum)")
+    if "padding" in feats:
+        for name, lens, lead in (("seq_len_q", lens_q, "q"), ("seq_len_kv", lens_kv, "k")):
+            if name not in t:
+                continue
+            given = [int(x) for x in t[name].reshape(-1).tolist()]
+            for i, (g, n) in enumerate(zip(given, lens)):
+                if g < 0 or g > n:
+                    raise GraphError(f"{w}: {name}[{i}] = {g} but the ragged offsets of {lead} leave {n} tokens "
+                                     f"for sequence {i}; with packed tensors seq_len must equal the difference "
+                                     f"of consecutive offsets (in tokens)")
+            for i, (g, n) in enumerate(zip(given, lens)):
+                if g < n:
+                    raise cudnnGraphNotSupportedError(
+                        f"{w}: {name}[{i}] = {g} is shorter than the {n} tokens between the ragged offsets of "
+                        f"{lead}: gaps between packed sequences are not supported by fusedattn; pack them back "
+                        f"to back (offset[i + 1] = offset[i] + seq_len[i] * token stride)")
+    views = {}
+    for role in call.ragged_roles:
+        r, x = reqs[role], t[role]
+        seq = seqs["q"] if role in _Q_SIDE else seqs["k"]
+        total = seq[-1]
+        _, h, _, dd = r.shape
+        _, hs, tok, ds = r.stride
+        start = tokens[role][0] * tok
+        need = start + (total - 1) * tok + (h - 1) * hs + (dd - 1) * ds + 1 if total else 0
+        if need > _span(x):
+            raise GraphError(f"{w}: {role} {r.label} is too small for its ragged offsets: {total} tokens from "
+                             f"element {start} in strides {list(r.stride)} reach {need} elements, but the bound "
+                             f"tensor (shape {list(x.shape)}, strides {list(x.stride())}) spans {_span(x)}")
+        # the bound buffer may be [total, h, d], flat, or the declared [b, h, s, d]: only its
+        # memory is used, through the graph's strides
+        v = x.as_strided((total, h, dd), (tok, hs, ds), x.storage_offset() + start)
+        views[role] = v[..., 0] if role == "stats" else v
+    dev = t["q"].device
+    return _Packed(views=views, cu_q=torch.tensor(seqs["q"], dtype=torch.int32, device=dev),
+                   cu_kv=torch.tensor(seqs["k"], dtype=torch.int32, device=dev), lens_q=lens_q,
+                   lens_kv=lens_kv, max_q=max_q, max_kv=max_kv)
+
+
+def _padded_index(lens: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of each packed token: its place in the padded [b, h, s] layout."""
+    n = torch.tensor(lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), n)
+    starts = torch.cumsum(n, 0) - n
+    return seq.to(device), (torch.arange(int(n.sum())) - starts[seq]).to(device)
+
+
+def _varlen_backward(q, k, v, out, grad_out, stats, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                     *, attn_scale=None, causal=False, causal_alignment="top_left", window=None, alibi=False,
+                     dropout_p=0.0, dropout_seed=0, dropout_offset=0, backend="auto"):
+    """Gradients ``(dq, dk, dv)`` of :func:`fusedattn.attention_varlen` from its output and stats
+    fp32 ``[h_q, total_q]``: the sdpa_backward node gives those explicitly (no autograd graph)."""
+    from ..plan import plan
+    from ..varlen import make_varlen_problem, varlen_backward
+    p, extras, *_ = make_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, validate=False,
+        attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window, alibi=alibi,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+    return varlen_backward(p, extras, plan(p, backend), q, k, v, out, grad_out, stats)
+
+
+def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
+    """``build_invocation`` of a packed call: :func:`fusedattn.attention_varlen` (forward) or
+    :func:`_varlen_backward` on views of the bound buffers; ``post`` writes the results in place."""
+    from .. import varlen
+    pk = _ragged_bind(call, t, feats)
+    views = pk.views
+    kw = _options(call, t, feats)
+    # the packed forward always returns stats; the backward is deterministic whatever is asked
+    kw.pop("return_stats", None)
+    kw.pop("deterministic", None)
+    kw["backend"] = t.get("_backend", "auto")
+    if call.kind == "fwd":
+        fn = varlen.attention_varlen
+        args = (views["q"], views["k"], views["v"], pk.cu_q, pk.cu_kv, pk.max_q, pk.max_kv)
+        kw.update(return_stats=True, validate=False)
+    else:
+        fn = _varlen_backward
+        if "stats" in views:
+            lse = views["stats"]
+        else:
+            seq, pos = _padded_index(pk.lens_q, t["stats"].device)
+            lse = t["stats"][..., 0][seq, :, pos]            # [total_q, h_q]
+        args = (views["q"], views["k"], views["v"], views["o"], views["dO"],
+                lse.t().to(torch.float32).contiguous(), pk.cu_q, pk.cu_kv, pk.max_q, pk.max_kv)
+    _check_params(fn, kw)
+
+    def post(result):
+        if call.kind == "fwd":
+            out, lse = result
+            if "o" in views:           # a virtual O nobody reads may be unpacked: not written
+                views["o"].copy_(out)
+            if "stats" in feats and "stats" in t:
+                if "stats" in views:
+                    views["stats"].copy_(lse.t())
+                else:
+                    # padded Stats [b, h, s, 1]: rows past a sequence's length get 0
+                    target = t["stats"][..., 0]
+                    target.zero_()
+                    if lse.numel():
+                        seq, pos = _padded_index(pk.lens_q, target.device)
+                        target[seq, :, pos] = lse.t()
+        else:
+            for role, g in zip(("dQ", "dK", "dV"), result):
+                if role in views:
+                    views[role].copy_(g)
+        if "rng_dump" in feats:
+            _write_rng_dump(t, kw)
 
     return fn, args, kw, post
 
@@ -1098,7 +1406,28 @@ def _tiny_tensors(call: Call, device: torch.device, backend: str) -> Dict[str, t
         if "dBias" in dts:
             shape = tuple(1 if x == 1 else f for x, f in zip(call.dims["dBias"], full))
             t["dBias"] = torch.empty(shape, dtype=dts["dBias"], device=device)
+    if call.ragged_roles:
+        t["_ragged"] = _tiny_packed(call, t, sq, skv, gen, device)
     return t
+
+
+def _tiny_packed(call: Call, t, sq: int, skv: int, gen, device) -> Dict[str, torch.Tensor]:
+    """``t`` with each packed role bound as execute binds it, at probe size: a flat buffer holding
+    one sequence (``sq`` or ``skv`` tokens) in the call's strides, and its offsets ``[0, end]``."""
+    rt = dict(t)
+    reqs = {r.role: r for r in call.reqs}
+    for role in call.ragged_roles:
+        r, off = reqs[role], reqs[f"ragged_{role}"]
+        n = sq if role in _Q_SIDE else skv
+        _, h, _, dd = r.shape
+        _, hs, tok, ds = r.stride
+        size = (n - 1) * tok + (h - 1) * hs + (dd - 1) * ds + 1
+        buf = torch.zeros(size) if role == "stats" else torch.randn(size, generator=gen)
+        rt[role] = buf.to(device=device, dtype=r.dtype)
+        rt[f"ragged_{role}"] = torch.tensor([0, n * tok], dtype=off.dtype, device=device).reshape(
+            (2,) + (1,) * (len(off.shape) - 1))
+    rt["_max_seqlen"] = (sq, skv)
+    return rt
 
 
 def _try(call: Call, t, feats) -> Optional[BaseException]:

@@ -143,8 +143,7 @@ def kv_row_offsets(start_n, offs_n, table_row, stride_table, S_KV, num_blocks, s
     """
     cols = start_n + offs_n
     if PAGED:
-        BLOCK_N: tl.constexpr = offs_n.shape[0]
-        if PAGE_SIZE % BLOCK_N == 0:
+        if tl.constexpr(PAGE_SIZE) % offs_n.shape[0] == 0:
             page = tl.load(table_row + (start_n // PAGE_SIZE) * stride_table, mask=start_n < S_KV, other=0)
         else:
             page = tl.load(table_row + (cols // PAGE_SIZE) * stride_table, mask=cols < S_KV, other=0)
