@@ -54,7 +54,7 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         cpu_backend.forward(p, q, k, v, extras, out, lse)
         return
     from .backends.triton import decode
-    if decode.decode_supports(p) and p.s_q * p.group <= decode.DECODE_MAX_ROWS:
+    if decode.decode_supports(p) and decode.decode_rows_fit(p.s_q, p.group):
         # few query rows per kv head (decode): the split-KV kernel packs a GQA group into one tile
         decode.launch_decode_problem(p, extras, q, k, v, out, lse)
     else:

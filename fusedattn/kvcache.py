@@ -4,7 +4,8 @@ Semantics are those of :func:`fusedattn.attention` on the cache seen as a dense 
 ``attention_with_kvcache(q, k_cache, v_cache, page_table=t, seq_len_kv=n)`` equals
 ``fusedattn.attention(q, K, V, causal=True, causal_alignment="bottom_right", seq_len_kv=n)``
 where ``K``/``V`` are the pages of ``t`` laid end to end. The Triton path runs the split-KV decode
-kernel (``backends/triton/decode.py``); the CPU path gathers the pages with torch indexing and
+kernel (``backends/triton/decode.py``) for a few query rows per kv head and the tiled forward kernel
+for prefill, both on the cache in place; the CPU path gathers the pages with torch indexing and
 calls the CPU forward.
 """
 from __future__ import annotations
@@ -341,9 +342,8 @@ class _Call:
     def run_triton(self, out, lse):
         from .backends.triton import decode
         from .backends.triton.args import aligned, aligned_output
-        if self.s_q * self.g > decode.DECODE_MAX_ROWS:
-            # prefill (many query rows per kv head): the tiled forward kernel reads the cache, paged
-            # or not, in place; split-KV decode would stream K/V once per 64 query rows
+        if not decode.decode_rows_fit(self.s_q, self.g):
+            # prefill: the tiled forward kernel reads the cache, paged or not, in place
             table = self.page_table if self.paged else None
             attention_forward(
                 self.q, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,

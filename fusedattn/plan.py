@@ -45,7 +45,7 @@ def _bucket(d: int) -> int:
 
 
 # Hopper (sm90) forward tiles: (block_m, block_n, warps, stages) by (head-dim bucket, bytes per element).
-# Starting points from PyTorch's FlexAttention H100 table, then measured (bench/NOTES.md, entries 1 and 8).
+# Starting points from PyTorch's FlexAttention H100 table, then measured (bench/NOTES.md, entries 1 and 10).
 _FWD_SM90 = {
     # H100 bench/sweep.py 2026-11-22, after the one-FMA loop (TFLOP/s): d64 64x64/4 warps/3 stages 347
     # (128x64/8: 342), d64 causal 231 (211); d224 128x64/8 warps/2 stages 419; d256 causal 452.
@@ -119,6 +119,6 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
 
 
 def plan(problem, backend: str = "auto") -> Plan:
-    """The plan for ``problem``; cached on its static key."""
+    """The plan for ``problem``; cached on its static key, whether s_q is short and whether K/V heads are shared."""
     return _plan_cached(problem.static_key(), backend, problem.d, problem.d_v, problem.dtype,
                         problem.device_type, problem.s_q <= _SHORT_ROWS, problem.group > 1)

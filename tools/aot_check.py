@@ -20,29 +20,37 @@ FLOATS = {"qk_scale", "softcap", "dropout_rescale", "sm_scale"}
 INT64 = {"dropout_seed", "dropout_offset"}
 
 
-def compile_variant(kernel, ptrs, constexprs, num_warps, num_stages):
-    sig = {}
-    for name in kernel.arg_names:
+def compile_kernel(kernel, ptrs, constexprs, num_warps, num_stages, jit_like=False):
+    """Compile ``kernel`` for sm_90; returns Triton's compiled kernel (asm["cubin"], metadata).
+
+    jit_like: specialize as the JIT does at a real launch (unit strides of the last dim are
+    constexpr 1, pointers and other strides divisible by 16), so loads vectorize as on the GPU.
+    """
+    constexprs = dict(constexprs)
+    if jit_like:
+        constexprs.update({n: 1 for n in kernel.arg_names if n.startswith("stride_") and n.endswith("d")})
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name] = ptrs[name]
-        elif name in FLOATS:
-            sig[name] = "fp32"
-        elif name in INT64:
-            sig[name] = "i64"
-        else:
-            sig[name] = "i32"
-    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    k = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
-    return f"smem={k.metadata.shared}"
+            continue
+        sig[name] = ptrs.get(name) or ("fp32" if name in FLOATS else "i64" if name in INT64 else "i32")
+        if jit_like and (name in ptrs or name.startswith("stride_") or name in ("D", "D_V", "S_Q", "S_KV")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs or None)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_variant(kernel, ptrs, constexprs, num_warps, num_stages):
+    return f"smem={compile_kernel(kernel, ptrs, constexprs, num_warps, num_stages).metadata.shared}"
 
 
 BASE_SWITCHES = dict(BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_SEQ_Q=False, HAS_SEQ_KV=False,
                      BIAS_KIND=0, HAS_ALIBI=False, SOFTCAP=False, DROPOUT=False, DOT_PRECISION="tf32")
 
 
-def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
+def fwd_spec(d, bm, bn, dtype="bf16", **sw):
+    """(pointer types, constexprs) of one forward variant; ``sw`` overrides switches."""
     ptr = f"*{dtype}"
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32",
                 TABLE_K="*i32", TABLE_V="*i32", CU_Q="*i32", CU_KV="*i32")
@@ -51,7 +59,11 @@ def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
              WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1,
              VARLEN=False)
     c.update(sw)
-    return compile_variant(fwd._attn_fwd, ptrs, c, warps, stages)
+    return ptrs, c
+
+
+def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
+    return compile_variant(fwd._attn_fwd, *fwd_spec(d, bm, bn, dtype, **sw), warps, stages)
 
 
 def bwd_variants(d, tk, tq, dtype="bf16", **sw):

@@ -499,10 +499,15 @@ def decode_supports(p) -> bool:
     """Whether an AttentionProblem's features are all ones this kernel has (shape aside).
 
     Not here: bias tensors, dropout, packed (varlen) batches. The planner routes a problem here
-    when this holds and ``p.s_q * p.group <= DECODE_MAX_ROWS`` (or always for paged prefill, if
-    the bench says so).
+    when this holds and ``decode_rows_fit``.
     """
     return p.bias is None and not p.has_dropout and not getattr(p, "varlen", False)
+
+
+def decode_rows_fit(s_q: int, group: int) -> bool:
+    """Few query rows per kv head (decode): the split-KV kernel beats the tiled forward.
+    Beyond, prefill reads K/V once per 64 rows here and belongs to the forward kernel."""
+    return s_q * group <= DECODE_MAX_ROWS
 
 
 def launch_decode_problem(p, extras, q, k, v, out, lse, num_splits=None):

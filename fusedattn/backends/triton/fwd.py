@@ -67,21 +67,17 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
         else:
-            # no mask and no score mod: the max of the raw scores (scale > 0) and one FMA per score.
-            # (A lazy rescale, FlashAttention-4's skip of acc * alpha while no row max grows by 2^8,
-            # measured 10-20% slower here: the CTA-wide test and branch cost more than the multiplies.)
+            # no mask and no score mod: the max of the raw scores (scale > 0) and one FMA per score;
+            # no row can be empty, so the max is finite. (A lazy rescale, FlashAttention-4's skip of
+            # acc * alpha while no row max grows by 2^8, measured 10-20% slower: bench/NOTES.md 9.)
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_safe = m_new
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        l_i += tl.sum(p, 1)
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
         if DROPOUT:
             keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, start_n, S_Q, S_KV, dropout_threshold,
                                 BLOCK_M, BLOCK_N, True)
