@@ -31,6 +31,33 @@ def host_ms(fn, n=200):
     return host
 
 
+def launch_cost(q, k, v, causal):
+    """Host time of one forward launch through JITFunction (binder, cache key, launcher) vs
+    calling the cached compiled kernel's launcher directly with the same arguments."""
+    from fusedattn.backends.triton import fwd as fwd_mod
+    seen = {}
+    jit = fwd_mod._attn_fwd
+    orig = jit.run
+
+    def spy(*a, grid, warmup, **kw):
+        seen.update(args=a, grid=grid, kw=kw)
+        seen["kernel"] = orig(*a, grid=grid, warmup=warmup, **kw)
+        return seen["kernel"]
+    jit.run = spy
+    fusedattn.attention(q, k, v, causal=causal)
+    jit.run = orig
+    kern, grid, kw = seen["kernel"], seen["grid"], seen["kw"]
+    values = list(seen["args"]) + [kw[n] for n in jit.arg_names[len(seen["args"]):]]
+    stream = torch.cuda.current_stream().cuda_stream
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    via_jit = lambda: jit[grid](*seen["args"], **kw)  # noqa: E731
+    direct = lambda: kern.run(g[0], g[1], g[2], stream, kern.function, kern.packed_metadata, None, None, None,  # noqa
+                              *values)
+    full = lambda: fusedattn.attention(q, k, v, causal=causal)  # noqa: E731
+    for name, fn in (("fusedattn.attention", full), ("JIT launch only", via_jit), ("compiled launcher only", direct)):
+        print(f"{name:28s} host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--causal", action="store_true")
@@ -51,6 +78,7 @@ def main():
     for name, fn in (("fwd", fwd), ("bwd autograd", bwd), ("bwd kernels (launch_bwd)", kern)):
         gpu = triton.testing.do_bench(fn, return_mode="median")
         print(f"{name:28s} do_bench {gpu * 1e3:7.1f} us   host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
+    launch_cost(q.detach(), k.detach(), v.detach(), args.causal)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):

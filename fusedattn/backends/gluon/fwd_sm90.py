@@ -1,0 +1,405 @@
+"""Attention forward for Hopper (sm_90) in Gluon: FlashAttention-3 style, warp specialized.
+
+One program (CTA) owns query rows [start_m, start_m + 128) of one (batch, query head); its
+key/value head is ``head // GROUP``. The CTA is split into three warp-specialized partitions
+(``gl.warp_specialize``), which talk only through mbarriers, never through a CTA-wide barrier:
+
+* producer (1 warp, few registers): issues every TMA load. Q arrives once, as two 64-row
+  halves (one per consumer warpgroup); K and V tiles stream through a ring of STAGES
+  shared-memory slots each. K and V have separate ready/empty barriers, so a K slot is handed
+  back as soon as its QK^T is done, before the V of the same tile has been used.
+* two consumer warpgroups (4 warps each, most of the registers): warpgroup ``WG`` owns the 64
+  query rows [start_m + 64 * WG, +64). Each runs the whole online softmax for its rows on its
+  own, so the two drift freely and the tensor cores are shared between them (one's softmax
+  overlaps the other's MMAs) with no explicit scheduling.
+
+Inside a consumer warpgroup (FlashAttention-3's intra-warpgroup pipelining), tile j's loop body:
+
+    wait K_j ready;      S = Q K_j^T            (async wgmma, Q and K from shared memory)
+    wait V_{j-1} ready;  O += P_{j-1} V_{j-1}   (async wgmma, P from registers)
+    wait until one wgmma is in flight (S is done); release K_j
+    softmax of S in registers  -> P_j, row max m, row sum l, rescale alpha
+                                  (overlaps the PV wgmma still running)
+    wait for PV; release V_{j-1};  O *= alpha
+
+so the exp2 work of tile j hides under the PV product of tile j-1. Scores stay in base 2 with
+the scale folded in: p = exp2(s * (scale * log2 e) - m), one FMA per score on mask-free tiles.
+P goes from the wgmma accumulator layout to the register A-operand layout without a shuffle
+(the two layouts agree thread for thread for 16-bit P).
+
+Masking: tile 0 (the prologue) and the tiles from ``n_full`` on are masked (keys >= s_kv,
+and for causal keys > row + diag); tiles in [1, n_full) are whole for every row of the CTA
+and skip the mask arithmetic. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows
+>= s_kv) and clips the output store at s_q; LSE rows >= s_q are masked out.
+
+[Note] empty rows (causal bottom-right with s_q > s_kv: rows with no key): m = -inf and l = 0;
+exponents use m_safe (0 where m is -inf), so no inf - inf arises; such rows write output 0 and
+LSE 0 (the package's convention). A CTA whose rows see no key at all still runs one fully
+masked tile, so every path is the same.
+
+Tensors are logical [b, h, s, d] with any strides whose last is 1 (TMA: 16-byte aligned base
+and strides): each is seen through one 4-D TMA descriptor with box [1, 1, rows, d], so
+batch/head/sequence strides are the tensor's own and out-of-bounds rows are per (b, h).
+"""
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+WG_M = 64          # query rows per consumer warpgroup (one wgmma M)
+BLOCK_M = 2 * WG_M  # query rows per CTA (two consumer warpgroups)
+
+# (d) -> (BLOCK_N, STAGES). Shared memory: Q 2*64*d*2 bytes + STAGES * 2 (K and V) * BLOCK_N*d*2.
+# d=128: 32 KB + 2 * 64 KB = 160 KB (3 stages would need 224 KB, the limit is 227 KB with no room
+# left for the compiler's own scratch). d=64: 16 KB + 3 * 32 KB = 112 KB.
+TILES = {64: (128, 3), 128: (128, 2)}
+CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
+PRODUCER_REGS = 24    # the load warp
+
+
+@gluon.jit
+def _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(n_full, n_tiles): the CTA visits key tiles [0, n_tiles); tiles [0, n_full) need no mask.
+
+    Row i keeps key j iff j < S_KV and (not CAUSAL or j <= i + diag). A tile is mask-free when
+    all its keys are < S_KV and its last key is visible to the CTA's first row, start_m.
+    At least one tile is always visited (a fully masked one when no row sees any key).
+    """
+    n_tiles = (S_KV + BLOCK_N - 1) // BLOCK_N
+    n_full = S_KV // BLOCK_N
+    if CAUSAL:
+        last_row = gl.minimum(start_m + BLOCK_M, S_Q) - 1
+        # keys [0, hi) are visible to some row of the CTA (the last real row sees the most)
+        hi = gl.minimum(last_row + diag + 1, S_KV)
+        n_tiles = (gl.maximum(hi, 0) + BLOCK_N - 1) // BLOCK_N
+        # the first row sees keys [0, start_m + diag]: that many whole tiles are mask-free
+        # (clamped at 0 before dividing: integer division truncates toward zero)
+        n_full = gl.minimum(n_full, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
+    n_tiles = gl.maximum(n_tiles, 1)
+    n_full = gl.minimum(n_full, n_tiles)
+    return n_full, n_tiles
+
+
+@gluon.jit
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                  v_empty, batch, head, kv_head, start_m, n_tiles,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Load warp: Q once, then K_j and V_j into slot j % STAGES once the consumers freed it."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    # coordinates are [batch, head, row, column] of the 4-D views
+    mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+    mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        # the slot's empty barrier completes once per reuse; its first use waits on the parity
+        # of the phase before the barrier's first one, which counts as complete (no wait)
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax update for one score tile s (raw q.k, fp32, wgmma accumulator layout).
+
+    Returns (p, m_new, l_new, alpha): p = exp2(s * qk_scale - m_new) (0 where masked), and
+    alpha = exp2(m_old - m_new), the factor that moves O and l onto the new running max.
+    """
+    if MASKED:
+        BLOCK_N: gl.constexpr = s.shape[1]
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        keep = cols[None, :] < S_KV
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + diag)
+        s2 = gl.where(keep, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s2, 1))
+        # a row with no key yet keeps m = -inf; exponents then use 0 so no inf - inf arises
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s2 - m_safe[:, None])
+    else:
+        # every key valid: the max of the raw scores times the (positive) scale, and one FMA
+        # per score for the exponent
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_safe = m_new
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
+    """One K or V slot of a ring [STAGES, 1, 1, BLOCK_N, HEAD_D] as a 2-D [BLOCK_N, HEAD_D] tile."""
+    return ring.index(slot).reshape([BLOCK_N, HEAD_D])
+
+
+@gluon.jit
+def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p, alpha, m_i, l_i, zero_s,
+              qk_scale, rows, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Tile j (j >= 1): QK^T of tile j, then PV of tile j-1 overlapped with the softmax of tile j.
+
+    alpha is tile j-1's rescale, applied to O just before O += P_{j-1} V_{j-1}. The new P is
+    packed into the PV operand registers only after the PV wgmma retired: writing them earlier
+    makes ptxas wait for that wgmma before the softmax, which serializes everything.
+    """
+    BLOCK_N: gl.constexpr = zero_s.shape[1]
+    HEAD_D: gl.constexpr = q_view.shape[1]
+    o_layout: gl.constexpr = o.type.layout
+    slot = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
+                          use_acc=False, is_async=True)
+    # O (relative to the max before tile j-1) onto tile j-1's max, while QK^T runs
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    o_tok = warpgroup_mma(p, _kv_view(v_smem, prev, BLOCK_N, HEAD_D), o, is_async=True)
+    # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(slot))
+    p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+    o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+    mbarrier.arrive(v_empty.index(prev))
+    # 16-bit P in the register A-operand layout of the PV wgmma (no data movement)
+    p = gl.convert_layout(p_new.to(q_view.dtype), p.type.layout)
+    return o, p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc,
+                  LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag,
+                  qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Consumer warpgroup WG: the online softmax of query rows [start_m + 64 * WG, +64)."""
+    WG_M: gl.constexpr = q_smem.shape[2]
+    HEAD_D: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = q_smem.dtype
+    # wgmma layouts of one warpgroup: scores [64, BLOCK_N] and output [64, HEAD_D] accumulators
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    row0 = start_m + WG * WG_M
+    rows = row0 + gl.arange(0, WG_M, layout=row_s)   # global query row of each accumulator row
+    zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([WG_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([WG_M], gl.float32, row_s)
+
+    mbarrier.wait(q_bar, 0)
+    q_view = q_smem.reshape([WG_M, HEAD_D])
+
+    # prologue: tile 0 (always through the masked path; it may be partial or empty)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0))
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, S_KV, diag, True, CAUSAL)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    o = gl.zeros([WG_M, HEAD_D], gl.float32, o_layout)
+
+    for j in range(1, n_full):
+        o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, False, CAUSAL,
+                                          STAGES)
+    for j in range(gl.maximum(n_full, 1), n_tiles):
+        o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, True, CAUSAL,
+                                          STAGES)
+
+    # last PV product
+    last = n_tiles - 1
+    slot = last % STAGES
+    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    o_tok = warpgroup_mma(p, _kv_view(v_smem, slot, BLOCK_N, HEAD_D), o, is_async=True)
+    o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+    mbarrier.arrive(v_empty.index(slot))
+
+    # epilogue: normalize (empty rows give 0), store through the (now free) Q buffer with TMA,
+    # which clips rows >= S_Q
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    ok = l_o > 0.0
+    inv_l = gl.where(ok, 1.0 / gl.where(ok, l_o, 1.0), 0.0)
+    out = (o * inv_l[:, None]).to(dtype)
+    q_view.store(out)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], q_smem)
+    if WRITE_LSE:
+        # natural-log log-sum-exp of the scaled scores; 0 for empty rows
+        ok_s = l_i > 0.0
+        lse = gl.where(ok_s, (m_i + gl.log2(gl.where(ok_s, l_i, 1.0))) * LN2, 0.0)
+        base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+        gl.store(base + rows.to(gl.int64) * stride_lm, lse, mask=rows < S_Q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb, stride_lh,
+               stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL: gl.constexpr,
+               WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb,
+                  stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL,
+                  WRITE_LSE, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb, stride_lh,
+               stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL: gl.constexpr,
+               WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb,
+                  stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL,
+                  WRITE_LSE, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
+                   H_Q, GROUP, S_Q, S_KV, qk_scale,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                   WRITE_LSE: gl.constexpr, REVERSE_M: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = 2 * WG_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if REVERSE_M:
+        # causal: the longest rows (last tiles) start first, so the tail of the grid is short
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    batch = bh // H_Q
+    head = bh % H_Q
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK_M
+    diag = S_Q * 0
+    if BOTTOM_RIGHT:
+        diag = S_KV - S_Q
+    n_full, n_tiles = _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
+
+    q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    mbarrier.init(q_bar.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # one arrival from each consumer warpgroup frees a slot
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer0, (q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, o_desc, LSE,
+                      stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag,
+                      qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES)),
+        (_consumer1, (q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, o_desc, LSE,
+                      stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag,
+                      qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES)),
+        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                         v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def _tma_strides(t):
+    """Element strides for a 4-D TMA view of t. A dimension of size 1 is never stepped, so its
+    stride (which PyTorch may report as anything) is replaced by a valid one (16-byte multiple)."""
+    return [s if n > 1 else t.shape[-1] for n, s in zip(t.shape[:-1], t.stride()[:-1])] + [1]
+
+
+def _tma_ready(t) -> bool:
+    """TMA's rules for a 2-byte tensor: 16-byte aligned base, unit last stride, other strides
+    (of dims that are stepped) positive multiples of 8 elements below 2^40 bytes."""
+    if t is None or not t.is_cuda or t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+        return False
+    for n, s in zip(t.shape[:-1], t.stride()[:-1]):
+        if n > 1 and (s <= 0 or s % 8 != 0 or s * t.element_size() >= 2 ** 40):
+            return False
+    return True
+
+
+def supports(p, q, k, v, out) -> bool:
+    """True when this kernel computes exactly what ``p`` asks for on these tensors."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+        return False
+    if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in TILES:
+        return False
+    if (p.paged or p.varlen or p.bias is not None or p.alibi is not None or p.has_dropout or p.softcap
+            or p.has_seq_len_q or p.has_seq_len_kv):
+        return False
+    if not (p.scale > 0.0) or p.s_q < 1 or p.s_kv < 1 or p.b < 1 or p.h_q < 1:
+        return False
+    band = p.band
+    if band is not None and not (band.left is None and band.right == 0):
+        return False     # only no mask or causal (either alignment)
+    if any(t.dtype != p.dtype for t in (q, k, v, out)):
+        return False
+    if max(p.s_q, p.s_kv) >= 2 ** 31 or p.b * p.h_q >= 2 ** 31:
+        return False
+    return all(_tma_ready(t) for t in (q, k, v, out))
+
+
+_LAYOUTS = {}
+
+
+def _smem_layout(rows, d, dtype):
+    key = (rows, d, dtype)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], _GL_DTYPES[dtype])
+    return _LAYOUTS[key]
+
+
+def _desc(t, rows):
+    d = t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
+
+
+def launch_fwd_sm90(p, q, k, v, out, lse):
+    """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
+    any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
+    (any strides) or None. Writes out and lse in place."""
+    block_n, stages = TILES[p.d]
+    causal = p.band is not None
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
+    _attn_fwd_sm90[grid](
+        _desc(q, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(out, WG_M), lse_arg, *lse_strides,
+        p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E,
+        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+        BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
+        WRITE_LSE=lse is not None, REVERSE_M=causal,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+    )
+    return out, lse

@@ -1,0 +1,101 @@
+"""Compile the Gluon sm_90 forward kernel with no GPU, and show what matters in its SASS.
+
+    python tools/gluon_check.py [D] [CAUSAL] [dtype]      e.g. python tools/gluon_check.py 128 1 bf16
+
+Prints registers/spills (ptxas -v on the PTX), shared memory, and for each loop of the SASS
+its instruction count and the order of its wgmma-related instructions (HGMMA issue,
+WARPGROUP.DEPBAR waits, barriers), so one can check that the QK^T wgmma of tile j and the PV
+wgmma of tile j-1 are both in flight while the softmax runs.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False):
+    import torch
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    block_n, stages = fwd_sm90.TILES[d]
+    ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
+    kl = fwd_sm90._smem_layout(block_n, d, tdt)
+    sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
+           "k_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
+           "v_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
+           "o_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
+           "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
+           "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32"}
+    const = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, WRITE_LSE=write_lse,
+                 REVERSE_M=causal, CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS)
+    for k in const:
+        sig[k] = "constexpr"
+    src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+def ptxas_report(kernel):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                       capture_output=True, text=True)
+    return r.stderr
+
+
+def sass(kernel):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    return subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                          check=True).stdout
+
+
+KEY = re.compile(r"HGMMA|WARPGROUP|DEPBAR|BAR\.|SYNCS|MUFU\.EX2|UTMALDG|UTMASTG|USETMAXREG")
+
+
+def loops(text):
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = lines[labels[m.group(1)]:i + 1]
+            n = sum(1 for b in body if re.match(r"\s*/\*[0-9a-f]+\*/", b))
+            yield m.group(1), n, body
+
+
+def main():
+    d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
+    k = compile_fwd(d, causal, dtype)
+    print(f"shared {k.metadata.shared} bytes")
+    print(ptxas_report(k).strip())
+    text = sass(k)
+    with open(f"/tmp/gluon_fwd_d{d}_c{int(causal)}.sass", "w") as f:
+        f.write(text)
+    for label, n, body in loops(text):
+        if n < 60:
+            continue
+        ex2 = sum("MUFU.EX2" in b for b in body)
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2")
+        seq = []
+        for b in body:
+            m = KEY.search(b)
+            if m and "MUFU" not in b:
+                seq.append(re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()))
+        for s in seq:
+            print("   ", s)
+
+
+if __name__ == "__main__":
+    main()
