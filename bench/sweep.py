@@ -3,11 +3,8 @@
 Used to fill the tile tables in fusedattn/plan.py (results go to bench/NOTES.md).
     python3 bench/sweep.py [--pass fwd|bwd|both] [--configs NAME,...]
                            [--fwd-tiles MxNxWxS,...] [--bwd-tiles MxNxWxS/MxNxWxS,...]
-                           [--atomic-tiles MxNxWxS,...]
 Tiles given on the command line replace the built-in candidates for every head dim;
-a bwd pair is dK/dV tiles / dQ tiles. --atomic-tiles times the deterministic=False backward
-(dQ added by the dK/dV pass with atomics) per dK/dV tile, after checking its dQ against the
-deterministic one.
+a bwd pair is dK/dV tiles / dQ tiles.
 """
 import argparse
 import sys
@@ -91,7 +88,6 @@ def main():
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--fwd-tiles", default="")
     ap.add_argument("--bwd-tiles", default="")
-    ap.add_argument("--atomic-tiles", default="")
     args = ap.parse_args()
     if args.fwd_tiles:
         tiles = [parse_tiles(t) for t in args.fwd_tiles.split(",")]
@@ -127,22 +123,6 @@ def main():
                     line.append(f"  bwd {tk} / {tq}: {tflops(cfg, ms, True):.0f} TFLOP/s")
                 except Exception as e:  # noqa: BLE001
                     line.append(f"  bwd {tk}/{tq}: failed {type(e).__name__}: {str(e)[:100]}")
-        if args.atomic_tiles:
-            launch_fwd(p, plan(p).fwd, q, k, v, out, lse, extras)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            launch_bwd(p, plan(p), q, k, v, out, do, lse, extras, dq, dk, dv, False)
-            ref = dq.float()
-            for t in (parse_tiles(x) for x in args.atomic_tiles.split(",")):
-                pl = Plan("triton", None, t, t, t)
-                try:
-                    launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False, deterministic=False)
-                    err = (dq.float() - ref).abs().max().item() / ref.abs().max().item()
-                    ms = triton.testing.do_bench(
-                        lambda: launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False,
-                                           deterministic=False), return_mode="median")
-                    line.append(f"  bwd atomic {t}: {tflops(cfg, ms, True):.0f} TFLOP/s (dq rel err {err:.1e})")
-                except Exception as e:  # noqa: BLE001
-                    line.append(f"  bwd atomic {t}: failed {type(e).__name__}: {str(e)[:100]}")
         print("\n".join(line), flush=True)
         print(f"[sweep] {name} done", file=sys.stderr, flush=True)
 

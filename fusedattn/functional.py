@@ -113,9 +113,8 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     [b,h_q,s_q,1] (the forward's). Returns ``(dq, dk, dv, dbias)``: dq/dk/dv in
     the layout of q/k/v (written into dq/dk/dv when given); dbias fp32 in the
     shape of ``attn_bias`` (summed over its broadcast dims) when ``need_dbias``,
-    else None. ``deterministic=True`` (default) gives bitwise-reproducible gradients (a
-    separate dQ pass, no atomics); False lets the Triton backend add dQ with fp32 atomics
-    inside the dK/dV pass (faster; the summation order varies run to run).
+    else None. The result is deterministic whatever ``deterministic`` says: the
+    kernels use no atomics.
     """
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
@@ -129,11 +128,10 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if given is not None:
             _check_out(name, given, like.shape, like.dtype, like.device)
-    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic)
+    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias)
 
 
-def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False,
-                  deterministic=True):
+def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False):
     """The backward once inputs are validated (autograd calls this directly with the forward's problem)."""
     dq = _like_layout(q, q.shape, q.dtype) if dq is None else dq
     dk = _like_layout(k, k.shape, k.dtype) if dk is None else dk
@@ -150,7 +148,7 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
         dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     else:
         from .backends.triton.bwd import launch_bwd
-        dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, deterministic)
+        dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None
     return dq, dk, dv, dbias
 
@@ -168,8 +166,7 @@ class _Attention(torch.autograd.Function):
     """Eager autograd: saves out and stats, never recomputes the forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, opts, deterministic):
-        ctx.deterministic = deterministic
+    def forward(ctx, q, k, v, attn_bias, opts):
         kept = []
         out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept, **opts)
         ctx.save_for_backward(q, k, v, out, stats, attn_bias)
@@ -185,10 +182,10 @@ class _Attention(torch.autograd.Function):
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         dq, dk, dv, dbias = _run_backward(p, extras, pl, q, k, v, out, grad_out, stats[..., 0],
-                                          need_dbias=need_dbias, deterministic=ctx.deterministic)
+                                          need_dbias=need_dbias)
         if dbias is not None:
             dbias = dbias.to(attn_bias.dtype)
-        return dq, dk, dv, dbias, None, None
+        return dq, dk, dv, dbias, None
 
 
 def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
@@ -234,9 +231,8 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             head, row, col): reproducible and independent of tile sizes.
         dropout_seed: int; None draws one from torch's default generator per call.
         dropout_offset: int added to the Philox counter.
-        deterministic: True (default): bitwise-reproducible gradients (no atomics). False:
-            on the GPU, dQ is added up with fp32 atomics inside the dK/dV pass (5 matmuls per
-            tile pair instead of 7: faster; the summation order varies run to run).
+        deterministic: accepted for FlashAttention compatibility; the backward is always
+            bitwise reproducible (no atomics).
         return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``.
         backend: ``"auto"`` (Triton on CUDA, the CPU path on CPU tensors), ``"triton"`` (on CPU
             tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``), ``"cpu"``.
@@ -269,14 +265,14 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias))
     if torch.compiler.is_compiling():
         from .ops import attention_op
-        out_t, stats = attention_op(q, k, v, attn_bias, opts, deterministic)
+        out_t, stats = attention_op(q, k, v, attn_bias, opts)
         if out is not None:
             out.copy_(out_t)
             out_t = out
     elif needs_grad:
         if out is not None:
             raise InvalidArgumentError("out= cannot be used with autograd (inputs require grad)")
-        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts, bool(deterministic))
+        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts)
     else:
         out_t, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=return_stats, out=out, **opts)
     return (out_t, stats) if return_stats else out_t

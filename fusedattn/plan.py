@@ -33,7 +33,6 @@ class Plan:
     fwd: Tiles | None
     bwd: Tiles | None     # dK/dV pass (block_m: query rows per step, block_n: keys per program)
     bwd_dq: Tiles | None  # dQ pass
-    bwd_atomic: Tiles | None = None   # dK/dV pass that also adds dQ with atomics (deterministic=False)
 
 
 def interpreting() -> bool:
@@ -81,14 +80,6 @@ _BWD_DQ_SM90 = {
     (128, 4): Tiles(64, 32, 4, 1),
     (256, 4): Tiles(32, 16, 4, 1),
 }
-# deterministic=False backward: the dK/dV pass also adds dQ (fp32 atomics), no dQ pass.
-# The dQ tile [block_m, d] joins dK, dV [block_n, d] in registers, hence 8 warps at d128.
-_BWD_ATOMIC_SM90 = {
-    (64, 2): Tiles(64, 64, 4, 3),
-    (128, 2): Tiles(64, 64, 8, 2),
-    (64, 4): Tiles(32, 64, 4, 2),
-    (128, 4): Tiles(32, 64, 8, 1),
-}
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)
 
@@ -118,13 +109,13 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
     if dtype == torch.float64:
         raise NotSupportedError("float64 runs on the CPU path only (backend='cpu')")
     if interpreting() or device_type == "cpu":
-        return Plan("triton", _INTERPRET, _INTERPRET, _INTERPRET, _INTERPRET)
+        return Plan("triton", _INTERPRET, _INTERPRET, _INTERPRET)
     key = (_bucket(max(d, d_v)), 4 if dtype == torch.float32 else 2)
     fwd, bwd = _FWD_SM90[key], _BWD_SM90[key]
     if key == (128, 2):
         fwd = _FWD_SM90_SHORT_D128 if short else fwd
         bwd = _BWD_SM90_GQA_D128 if grouped else bwd
-    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], _BWD_ATOMIC_SM90.get(key))
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key])
 
 
 def plan(problem, backend: str = "auto") -> Plan:

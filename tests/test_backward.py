@@ -17,7 +17,7 @@ def reference_grads(q, k, v, do, dtype, **kw):
     return qs.grad, ks.grad, vs.grad
 
 
-def run_backward_case(case, device, backend, deterministic=True):
+def run_backward_case(case, device, backend):
     gen = torch.Generator().manual_seed(case.seed + 77)
     dt = case.torch_dtype
     shapes = {"q": (case.b, case.h_q, case.s_q, case.d), "k": (case.b, case.h_kv, case.s_kv, case.d),
@@ -28,8 +28,7 @@ def run_backward_case(case, device, backend, deterministic=True):
     out, stats = fusedattn.attention_forward(q.view, k.view, v.view, return_stats=True, backend=backend, **kw)
     grads = [guarded(shapes[n], dt, device, case.layout, fill=None, margin=case.margin) for n in "qkv"]
     fusedattn.attention_backward(q.view, k.view, v.view, out, do.view, stats, backend=backend,
-                                 dq=grads[0].view, dk=grads[1].view, dv=grads[2].view,
-                                 deterministic=deterministic, **kw)
+                                 dq=grads[0].view, dk=grads[1].view, dv=grads[2].view, **kw)
     gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **kw)
     base = reference_grads(q.view, k.view, v.view, do.view, dt, **kw)
     for name, g, gd, gb in zip("qkv", grads, gold, base):
@@ -45,20 +44,6 @@ def test_backward_random(seed, target):
                        head_dims=(40, 64, 96, 128, 224, 256) if device == "cuda" else (40, 64, 96, 224))
     case.seed = seed
     run_backward_case(case, device, backend)
-
-
-@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"case{s}")
-def test_backward_random_atomic_dq(seed, target, monkeypatch):
-    """deterministic=False: dQ added up with fp32 atomics by the dK/dV programs (GPU and interpreter)."""
-    device, backend = target
-    if backend != "cpu":          # the separate dQ pass must not run: the atomics are what is tested
-        from fusedattn.backends.triton import bwd
-        monkeypatch.setattr(bwd, "_attn_bwd_dq", None)
-    case = random_case(seed + 900, dtypes=("float32", "float16", "bfloat16") if device == "cuda" else ("float32",),
-                       max_s=700 if device == "cuda" else 150,
-                       head_dims=(40, 64, 96, 128, 224) if device == "cuda" else (40, 64, 96))
-    case.seed = seed
-    run_backward_case(case, device, backend, deterministic=False)
 
 
 GRID = [

@@ -56,20 +56,7 @@ FEATURES = ["padding", "padding+causal_br", "padding+causal_tl", "bias", "bias_b
 
 @pytest.mark.parametrize("feature", FEATURES)
 def test_feature_forward_backward(feature, target):
-    check_feature(feature, *target)
-
-
-# deterministic=False: dQ added with atomics inside the dK/dV pass, every mask kind through it
-ATOMIC_FEATURES = ["padding+causal_br", "bias+causal", "boolmask", "alibi+causal", "window+padding",
-                   "softcap+causal", "dropout+causal"]
-
-
-@pytest.mark.parametrize("feature", ATOMIC_FEATURES)
-def test_feature_backward_atomic_dq(feature, target):
-    check_feature(feature, *target, deterministic=False)
-
-
-def check_feature(feature, device, backend, deterministic=True):
+    device, backend = target
     dtype = torch.float16 if device == "cuda" else torch.float32
     q, k, v, do = make_inputs(device, dtype)
     kw = feature_kwargs(feature, device)
@@ -77,7 +64,7 @@ def check_feature(feature, device, backend, deterministic=True):
     if bias is not None and bias.is_floating_point():
         kw["attn_bias"] = bias = bias.clone().requires_grad_()
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fusedattn.attention(qs, ks, vs, backend=backend, deterministic=deterministic, **kw)
+    out = fusedattn.attention(qs, ks, vs, backend=backend, **kw)
     plain = fusedattn.attention(q, k, v, backend=backend)
     assert (out.float() - plain.float()).abs().max() > 1e-3, f"{feature} had no effect"
     out.backward(do)

@@ -49,20 +49,16 @@ def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, st
 
 
 @triton.jit
-def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base, slope,
+def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
                           offs_n, offs_m0, offs_d, offs_dv, start, end, len_q, len_kv, diag, bh, row_end,
-                          stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn, stride_aqm,
+                          stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
                           S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                           dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                           MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                           BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                          WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head.
-
-    DQ_ATOMIC: also add this block's dQ contribution dS K (unscaled, fp32) into ``dq_base``
-    [rows, d] with atomics (order of the adds varies run to run: deterministic=False only).
-    """
+                          WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head."""
     cols = offs_n[:, None]                                    # key index, tiles are [keys, rows]
     BLOCK_N_KEYS: tl.constexpr = offs_n.shape[0]
     key_start = tl.min(offs_n, 0)                             # first key of the block (a multiple of BLOCK_N)
@@ -102,15 +98,11 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
             t = softcap_tanh(qk_t, qk_scale)
             ds_t = ds_t * (1.0 - t * t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)      # [rows, d]
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_aqm + offs_d[None, :], dq,
-                          mask=(offs_m < len_q)[:, None] & (offs_d < D)[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, DQ_ACC, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q, CU_KV,
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q, CU_KV,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
@@ -119,7 +111,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, DQ_ACC, SEQ_Q, SEQ_KV
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    stride_lb, stride_lh, stride_lm,
                    stride_bb, stride_bh, stride_bm, stride_bn,
-                   stride_aqb, stride_aqh, stride_aqm,
                    H_Q, H_KV, GROUP, S_Q, S_KV, D, D_V,
                    sm_scale, qk_scale, softcap, win_left, win_right,
                    dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -129,7 +120,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, DQ_ACC, SEQ_Q, SEQ_KV
                    HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                    BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
                    DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                   VARLEN: tl.constexpr):
     pid_n = tl.program_id(0)
     bhkv = tl.program_id(1)
     batch = bhkv // H_KV
@@ -170,7 +161,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, DQ_ACC, SEQ_Q, SEQ_KV
         bias_base = BIAS
         if BIAS_KIND != 0:
             bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
-        dq_base = DQ_ACC + b_idx * stride_aqb + q0 * stride_aqm + h64 * stride_aqh
         dbias_base = DBIAS
         if WRITE_DBIAS:
             dbias_base = DBIAS + bh.to(tl.int64) * S_Q * S_KV
@@ -178,29 +168,29 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, DQ_ACC, SEQ_Q, SEQ_KV
         if HAS_ALIBI:
             slope = tl.load(SLOPES + head) * LOG2E
         dk, dv = _attn_bwd_dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base, slope,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh, row_end,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn, stride_aqm,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION, DQ_ATOMIC)
+            WRITE_DBIAS, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base, slope,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh, row_end,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn, stride_aqm,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             False, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION, DQ_ATOMIC)
+            WRITE_DBIAS, DOT_PRECISION)
         dk, dv = _attn_bwd_dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, dq_base, slope,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh, row_end,
-            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn, stride_aqm,
+            stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION, DQ_ATOMIC)
+            WRITE_DBIAS, DOT_PRECISION)
     dk = dk * sm_scale              # d(scale * q.k) / dk; softcap's tanh' is already in dS
     dk_ptrs = DK + dk_off + kvh64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + dv_off + kvh64 * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
@@ -336,29 +326,8 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q,
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_d < D)[None, :])
 
 
-@triton.jit
-def _attn_bwd_dq_convert(ACC, DQ, stride_ab, stride_ah, stride_am, stride_qb, stride_qh, stride_qm, stride_qd,
-                         H, S, D, sm_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dQ = sm_scale * the fp32 sum the dK/dV programs added up (DQ_ATOMIC), cast to dQ's dtype."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
-    b64 = (bh // H).to(tl.int64)
-    h64 = (bh % H).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    inside = (rows < S)[:, None] & (offs_d < D)[None, :]
-    acc = tl.load(ACC + b64 * stride_ab + h64 * stride_ah + rows[:, None] * stride_am + offs_d[None, :],
-                  mask=inside, other=0.0)
-    tl.store(DQ + b64 * stride_qb + h64 * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-             (acc * sm_scale).to(DQ.dtype.element_ty), mask=inside)
-
-
-def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, deterministic=True):
-    """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None.
-
-    deterministic=False: the dK/dV programs also add dQ into an fp32 buffer with atomics (5
-    matmuls per tile pair instead of 7, summation order varies run to run); else a separate
-    dQ pass recomputes the scores (bitwise reproducible).
-    """
+def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
+    """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None."""
     p = problem
     q, k, v, out, grad_out, lse = (aligned(t) for t in (q, k, v, out, grad_out, lse))
     (dq, dq_target), (dk, dk_target), (dv, dv_target) = (aligned_output(t) for t in (dq, dk, dv))
@@ -381,27 +350,15 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     dbias = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device) if need_dbias else None
     common = (p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
               p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
-    atomic = not deterministic and plan.bwd_atomic is not None
-    dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=q.device) if atomic else delta
-    acc_strides = dq_acc.stride()[:3] if atomic else (0, 0, 0)
-    t = plan.bwd_atomic if atomic else plan.bwd
+    t = plan.bwd
     _attn_bwd_dkdv[(triton.cdiv(p.s_kv, t.block_n), p.b * p.h_kv)](
-        q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta, dq_acc,
+        q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
         args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-        *lse.stride(), *bias_strides, *acc_strides,
+        *lse.stride(), *bias_strides,
         p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, DQ_ATOMIC=atomic,
-        num_warps=t.num_warps, num_stages=t.num_stages, **sw)
-    if atomic:
-        _attn_bwd_dq_convert[(triton.cdiv(dq.shape[2], 64), dq.shape[0] * dq.shape[1])](
-            dq_acc, dq, *dq_acc.stride()[:3], *dq.stride(), dq.shape[1], dq.shape[2], p.d, p.scale,
-            BLOCK_M=64, BLOCK_D=block_d)
-        for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
-            if target is not None:
-                target.copy_(buf)
-        return dbias
+        WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
     t = plan.bwd_dq
     _attn_bwd_dq[(triton.cdiv(p.s_q, t.block_m), p.b * p.h_q)](
         q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
