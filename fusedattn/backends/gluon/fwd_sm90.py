@@ -151,7 +151,7 @@ def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
 
 @gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+              qk_scale, rows, S_KV, diag, pin, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """Tile j (j >= 1): QK^T of tile j, then PV of tile j-1 overlapped with the softmax of tile j.
 
     alpha is tile j-1's rescale, applied to O just before O += P_{j-1} V_{j-1}. The new P is
@@ -174,6 +174,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+    pin.store(l_i)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     mbarrier.arrive(v_empty.index(prev))
     # 16-bit P in the register A-operand layout of the PV wgmma (no data movement)
@@ -204,6 +205,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     m_i = gl.full([WG_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([WG_M], gl.float32, row_s)
 
+    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mbarrier.wait(q_bar, 0)
     q_view = q_smem.reshape([WG_M, HEAD_D])
 
@@ -219,11 +221,11 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
 
     for j in range(1, n_full):
         o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, False, CAUSAL,
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, False, CAUSAL,
                                           STAGES)
     for j in range(gl.maximum(n_full, 1), n_tiles):
         o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, True, CAUSAL,
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, True, CAUSAL,
                                           STAGES)
 
     # last PV product
@@ -365,7 +367,7 @@ def supports(p, q, k, v, out) -> bool:
         return False     # only no mask or causal (either alignment)
     if any(t.dtype != p.dtype for t in (q, k, v, out)):
         return False
-    if max(p.s_q, p.s_kv) >= 2 ** 31 or p.b * p.h_q >= 2 ** 31:
+    if max(p.s_q, p.s_kv) >= 2 ** 31 or p.b * p.h_q > 65535:     # grid y = b * h_q
         return False
     return all(_tma_ready(t) for t in (q, k, v, out))
 

@@ -1,0 +1,93 @@
+"""The Gluon sm_90 forward kernel beside our Triton forward and cuDNN (torch SDPA) on the GPU.
+
+    python3 bench/gluon_sweep.py [--configs NAME,...] [--rep MS]
+
+Physically-BSHD inputs (``torch.randn(b, s, h, d).transpose(1, 2)``). For each config: first
+the max |difference| between the Gluon and the Triton outputs (and LSE), then the median time
+of each (triton.testing.do_bench) as TFLOP/s, forward FLOPs 4*b*h*s*s*d, halved when causal.
+"""
+import argparse
+
+import torch
+import triton
+
+from fusedattn.backends.gluon.fwd_sm90 import launch_fwd_sm90, supports
+from fusedattn.backends.triton.fwd import launch_fwd
+from fusedattn.plan import plan
+from fusedattn.problem import make_problem
+
+CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal)
+    "b4-s2k-d128-c": (4, 32, 32, 2048, 128, True),
+    "b1-s16k-d128-c": (1, 32, 32, 16384, 128, True),
+    "b2-s8k-d128": (2, 16, 16, 8192, 128, False),
+    "b4-gqa-s4k-d128-c": (4, 32, 8, 4096, 128, True),
+    "b8-s1k-d64": (8, 12, 12, 1024, 64, False),
+    "b8-s1k-d64-c": (8, 12, 12, 1024, 64, True),
+}
+
+
+def tflops(cfg, ms):
+    b, hq, _, s, d, causal = cfg
+    return 4.0 * b * hq * s * s * d / (2 if causal else 1) / ms / 1e9
+
+
+def cudnn_ms(cfg, q, k, v, rep):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    causal = cfg[5]
+    gqa = q.shape[1] != k.shape[1]
+    f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            f()
+            return triton.testing.do_bench(f, rep=rep, return_mode="median"), ""
+    except Exception as e:  # noqa: BLE001 - cuDNN refusing GQA: time it on expanded K/V
+        if not gqa:
+            return None, f"({type(e).__name__})"
+    g = q.shape[1] // k.shape[1]
+    ke, ve = (t.repeat_interleave(g, dim=1) for t in (k, v))
+    f = lambda: torch.nn.functional.scaled_dot_product_attention(q, ke, ve, is_causal=causal)  # noqa
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return triton.testing.do_bench(f, rep=rep, return_mode="median"), "(K/V expanded)"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    args = ap.parse_args()
+    rows = []
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        b, hq, hkv, s, d, causal = cfg
+        torch.manual_seed(0)
+        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+        q, k, v = mk(hq), mk(hkv), mk(hkv)
+        p, extras = make_problem(q, k, v, causal=causal)
+        out_g, out_t = torch.empty_like(q), torch.empty_like(q)
+        lse_g = torch.empty((b, hq, s), device="cuda", dtype=torch.float32)
+        lse_t = torch.empty_like(lse_g)
+        assert supports(p, q, k, v, out_g), name
+        tiles = plan(p).fwd
+        launch_fwd_sm90(p, q, k, v, out_g, lse_g)
+        launch_fwd(p, tiles, q, k, v, out_t, lse_t, extras)
+        torch.cuda.synchronize()
+        err_o = (out_g.float() - out_t.float()).abs().max().item()
+        err_l = (lse_g - lse_t).abs().max().item()
+        ms_g = triton.testing.do_bench(lambda: launch_fwd_sm90(p, q, k, v, out_g, lse_g), rep=args.rep,
+                                       return_mode="median")
+        ms_t = triton.testing.do_bench(lambda: launch_fwd(p, tiles, q, k, v, out_t, lse_t, extras), rep=args.rep,
+                                       return_mode="median")
+        ms_c, note = cudnn_ms(cfg, q, k, v, args.rep)
+        row = (name, tflops(cfg, ms_g), tflops(cfg, ms_t), tflops(cfg, ms_c) if ms_c else float("nan"), note,
+               err_o, err_l)
+        rows.append(row)
+        print(f"{name}: gluon {row[1]:.0f}  triton {row[2]:.0f}  cudnn {row[3]:.0f} {note}  TFLOP/s; "
+              f"max|gluon - triton| out {err_o:.2e} lse {err_l:.2e}", flush=True)
+    print(f"\n{torch.cuda.get_device_name()}, bf16, BSHD memory, TFLOP/s (median of do_bench)")
+    print(f"{'config':22s} {'gluon':>7s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  max|dO|  max|dLSE|")
+    for name, g, t, c, note, eo, el in rows:
+        print(f"{name:22s} {g:7.0f} {t:7.0f} {c:7.0f}  {g / t:11.2f}x  {eo:.1e}  {el:.1e} {note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The Gluon sm_90 forward kernel (fusedattn/backends/gluon/fwd_sm90.py) on an H100/H200.
+
+Against a float64 reference by FlashAttention's rule (error at most 2x PyTorch's same-precision
+error plus a small floor) and against our Triton kernel, on seeded cases: head dims 64/128,
+fp16/bf16, causal top-left / bottom-right / none, lengths in {1, 17, 128, 200, 1000} with
+s_q != s_kv both ways, GQA, BSHD and other strided layouts. Outputs and LSE live in NaN-guarded
+buffers: an unwritten element stays NaN, a stray write outside the tensor is caught.
+Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
+"""
+import random
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.problem import make_problem
+from fusedattn.reference import attention_reference
+from fusedattn.testing import FLOOR, assert_error_within, guarded, max_err
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped"),
+              pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90,
+                                 reason="the Gluon forward kernel is Hopper-only (compute capability 9.x)")]
+
+LENGTHS = (1, 17, 128, 200, 1000)
+MODES = ("none", "top_left", "bottom_right")
+
+
+@dataclass
+class GCase:
+    seed: int
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d: int
+    dtype: str
+    mode: str
+    layout: str
+
+    def kwargs(self):
+        return dict(causal=self.mode != "none",
+                    causal_alignment="top_left" if self.mode == "none" else self.mode)
+
+    def repro(self, nodeid):
+        return f"repro: pytest '{nodeid}' ; {asdict(self)}"
+
+
+def random_gcase(seed):
+    rng = random.Random(seed)
+    h_q, h_kv = rng.choice([(2, 2), (8, 2), (4, 1), (3, 3)])
+    return GCase(seed=seed, b=rng.choice([1, 2]), h_q=h_q, h_kv=h_kv, s_q=rng.choice(LENGTHS),
+                 s_kv=rng.choice(LENGTHS), d=rng.choice([64, 128]), dtype=rng.choice(["float16", "bfloat16"]),
+                 mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))
+
+
+def run_case(case, nodeid, write_lse=True):
+    from fusedattn.backends.gluon.fwd_sm90 import launch_fwd_sm90, supports
+    msg = case.repro(nodeid)
+    gen = torch.Generator().manual_seed(case.seed)
+    dt = getattr(torch, case.dtype)
+    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
+    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
+    v = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
+    out = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, fill=None)   # NaN-filled
+    stats = guarded((case.b, case.h_q, case.s_q, 1), torch.float32, "cuda", "bhsd", fill=None)
+    kw = case.kwargs()
+    p, _ = make_problem(q.view, k.view, v.view, **kw)
+    assert supports(p, q.view, k.view, v.view, out.view), f"supports() refused a case it should run. {msg}"
+    lse = stats.view[..., 0] if write_lse else None
+    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse)
+    torch.cuda.synchronize()
+
+    gold_o, gold_lse = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), **kw)
+    base_o, _ = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), dtype=dt, **kw)
+    got = out.view.cpu()
+    assert_error_within(got, gold_o, base_o, msg=msg)
+    # against our Triton kernel: both within the rule of the same reference, so they differ
+    # by at most the sum of the two errors
+    tri_o, tri_stats = fusedattn.attention_forward(q.view, k.view, v.view, backend="triton", return_stats=True, **kw)
+    e_tri = max_err(got, tri_o.cpu())
+    bound = 2 * (2 * max_err(base_o, gold_o) + FLOOR[dt])
+    assert e_tri <= bound, f"differs from the Triton kernel by {e_tri:.3e} > {bound:.3e}. {msg}"
+    if write_lse:
+        got_lse = stats.view.cpu().double()
+        assert torch.isfinite(got_lse).all(), f"non-finite (unwritten?) LSE. {msg}"
+        tol = 1e-3 * (1 + gold_lse.abs().max().item())
+        e_lse = (got_lse - gold_lse.double()).abs().max().item()
+        assert e_lse < tol, f"LSE differs from the reference's log-sum-exp by {e_lse:.3e}. {msg}"
+        e_lse_tri = (got_lse - tri_stats.cpu().double()).abs().max().item()
+        assert e_lse_tri < tol, f"LSE differs from the Triton kernel's by {e_lse_tri:.3e}. {msg}"
+    for g, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (stats, "stats")):
+        g.check_untouched(f"{name}. {msg}")
+
+
+@pytest.mark.parametrize("s_kv", LENGTHS)
+@pytest.mark.parametrize("s_q", LENGTHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_lengths(mode, s_q, s_kv, request):
+    """Every (s_q, s_kv) pair and mask, d=128 bf16, GQA 4/2, BSHD memory."""
+    seed = 100 * MODES.index(mode) + 10 * LENGTHS.index(s_q) + LENGTHS.index(s_kv)
+    case = GCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                 layout="bshd")
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", range(32), ids=lambda s: f"case{s}")
+def test_gluon_fwd_random(seed, request):
+    """Seeded random geometries: head dim, dtype, mask, lengths, GQA/MQA, layout."""
+    run_case(random_gcase(seed), request.node.nodeid)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gluon_fwd_gqa8(d, dtype, request):
+    """GQA 8/2 over several tiles, causal bottom-right, no LSE requested."""
+    case = GCase(seed=7, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
+                 layout="bshd")
+    run_case(case, request.node.nodeid, write_lse=False)
+
+
+def test_gluon_fwd_supports():
+    """What the kernel refuses: windows, other head dims, fp32, misaligned bases, d != d_v."""
+    from fusedattn.backends.gluon.fwd_sm90 import supports
+
+    def check(expect, what, q, k, v, out=None, **kw):
+        p, _ = make_problem(q, k, v, **kw)
+        o = out if out is not None else torch.empty_like(q)
+        assert supports(p, q, k, v, o) == expect, what
+
+    mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
+    check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
+    check(True, "BSHD view", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)))
+    check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
+    check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
+    check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
+    base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)
+    odd = base[3:].view(1, 2, 64, 128)            # base pointer 6 bytes off 16-byte alignment
+    check(False, "misaligned base", odd, mk(1, 2, 64, 128), mk(1, 2, 64, 128))
