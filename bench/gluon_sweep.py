@@ -5,13 +5,15 @@
 Physically-BSHD inputs (``torch.randn(b, s, h, d).transpose(1, 2)``). For each config: first
 the max |difference| between the Gluon and the Triton outputs (and LSE), then the median time
 of each (triton.testing.do_bench) as TFLOP/s, forward FLOPs 4*b*h*s*s*d, halved when causal.
+Gluon variants: "gluon" (the defaults of fwd_sm90), "pp" (ping-pong toggled from the default),
+and for d=64 "n64" (BLOCK_N=64, 4 stages).
 """
 import argparse
 
 import torch
 import triton
 
-from fusedattn.backends.gluon.fwd_sm90 import launch_fwd_sm90, supports
+from fusedattn.backends.gluon.fwd_sm90 import PINGPONG, launch_fwd_sm90, supports
 from fusedattn.backends.triton.fwd import launch_fwd
 from fusedattn.plan import plan
 from fusedattn.problem import make_problem
@@ -75,18 +77,33 @@ def main():
         err_l = (lse_g - lse_t).abs().max().item()
         ms_g = triton.testing.do_bench(lambda: launch_fwd_sm90(p, q, k, v, out_g, lse_g), rep=args.rep,
                                        return_mode="median")
+        variants = {"pp": dict(pingpong=not PINGPONG[d])}
+        if d == 64:
+            variants["n64"] = dict(block_n=64, stages=4)
+        var = {}
+        for vname, kw in variants.items():
+            out_v = torch.empty_like(q)
+            launch_fwd_sm90(p, q, k, v, out_v, lse_g, **kw)
+            e = (out_v.float() - out_t.float()).abs().max().item()
+            ms = triton.testing.do_bench(lambda: launch_fwd_sm90(p, q, k, v, out_v, lse_g, **kw), rep=args.rep,
+                                         return_mode="median")
+            var[vname] = (tflops(cfg, ms), e)
         ms_t = triton.testing.do_bench(lambda: launch_fwd(p, tiles, q, k, v, out_t, lse_t, extras), rep=args.rep,
                                        return_mode="median")
         ms_c, note = cudnn_ms(cfg, q, k, v, args.rep)
         row = (name, tflops(cfg, ms_g), tflops(cfg, ms_t), tflops(cfg, ms_c) if ms_c else float("nan"), note,
-               err_o, err_l)
+               err_o, err_l, var)
         rows.append(row)
-        print(f"{name}: gluon {row[1]:.0f}  triton {row[2]:.0f}  cudnn {row[3]:.0f} {note}  TFLOP/s; "
+        extra = "  ".join(f"{k} {t:.0f} (err {e:.1e})" for k, (t, e) in var.items())
+        print(f"{name}: gluon {row[1]:.0f}  {extra}  triton {row[2]:.0f}  cudnn {row[3]:.0f} {note}  TFLOP/s; "
               f"max|gluon - triton| out {err_o:.2e} lse {err_l:.2e}", flush=True)
     print(f"\n{torch.cuda.get_device_name()}, bf16, BSHD memory, TFLOP/s (median of do_bench)")
-    print(f"{'config':22s} {'gluon':>7s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  max|dO|  max|dLSE|")
-    for name, g, t, c, note, eo, el in rows:
-        print(f"{name:22s} {g:7.0f} {t:7.0f} {c:7.0f}  {g / t:11.2f}x  {eo:.1e}  {el:.1e} {note}")
+    print(f"{'config':22s} {'gluon':>7s} {'pp':>5s} {'n64':>5s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  "
+          f"max|dO|  max|dLSE|")
+    for name, g, t, c, note, eo, el, var in rows:
+        pp = f"{var['pp'][0]:5.0f}" if "pp" in var else "    -"
+        n64 = f"{var['n64'][0]:5.0f}" if "n64" in var else "    -"
+        print(f"{name:22s} {g:7.0f} {pp} {n64} {t:7.0f} {c:7.0f}  {g / t:11.2f}x  {eo:.1e}  {el:.1e} {note}")
 
 
 if __name__ == "__main__":

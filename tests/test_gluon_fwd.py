@@ -3,7 +3,8 @@
 Against a float64 reference by FlashAttention's rule (error at most 2x PyTorch's same-precision
 error plus a small floor) and against our Triton kernel, on seeded cases: head dims 64/128,
 fp16/bf16, causal top-left / bottom-right / none, lengths in {1, 17, 128, 200, 1000} with
-s_q != s_kv both ways, GQA, BSHD and other strided layouts. Outputs and LSE live in NaN-guarded
+s_q != s_kv both ways, GQA, BSHD and other strided layouts; with and without the consumer
+warpgroups' ping-pong. Outputs and LSE live in NaN-guarded
 buffers: an unwritten element stays NaN, a stray write outside the tensor is caught.
 Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
@@ -57,7 +58,7 @@ def random_gcase(seed):
                  mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))
 
 
-def run_case(case, nodeid, write_lse=True):
+def run_case(case, nodeid, write_lse=True, pingpong=None):
     from fusedattn.backends.gluon.fwd_sm90 import launch_fwd_sm90, supports
     msg = case.repro(nodeid)
     gen = torch.Generator().manual_seed(case.seed)
@@ -71,7 +72,7 @@ def run_case(case, nodeid, write_lse=True):
     p, _ = make_problem(q.view, k.view, v.view, **kw)
     assert supports(p, q.view, k.view, v.view, out.view), f"supports() refused a case it should run. {msg}"
     lse = stats.view[..., 0] if write_lse else None
-    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse)
+    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, pingpong=pingpong)
     torch.cuda.synchronize()
 
     gold_o, gold_lse = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), **kw)
@@ -96,30 +97,33 @@ def run_case(case, nodeid, write_lse=True):
         g.check_untouched(f"{name}. {msg}")
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
 @pytest.mark.parametrize("s_kv", LENGTHS)
 @pytest.mark.parametrize("s_q", LENGTHS)
 @pytest.mark.parametrize("mode", MODES)
-def test_gluon_fwd_lengths(mode, s_q, s_kv, request):
+def test_gluon_fwd_lengths(mode, s_q, s_kv, pingpong, request):
     """Every (s_q, s_kv) pair and mask, d=128 bf16, GQA 4/2, BSHD memory."""
     seed = 100 * MODES.index(mode) + 10 * LENGTHS.index(s_q) + LENGTHS.index(s_kv)
     case = GCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                  layout="bshd")
-    run_case(case, request.node.nodeid)
+    run_case(case, request.node.nodeid, pingpong=pingpong)
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
 @pytest.mark.parametrize("seed", range(32), ids=lambda s: f"case{s}")
-def test_gluon_fwd_random(seed, request):
+def test_gluon_fwd_random(seed, pingpong, request):
     """Seeded random geometries: head dim, dtype, mask, lengths, GQA/MQA, layout."""
-    run_case(random_gcase(seed), request.node.nodeid)
+    run_case(random_gcase(seed), request.node.nodeid, pingpong=pingpong)
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gluon_fwd_gqa8(d, dtype, request):
+def test_gluon_fwd_gqa8(d, dtype, pingpong, request):
     """GQA 8/2 over several tiles, causal bottom-right, no LSE requested."""
     case = GCase(seed=7, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
                  layout="bshd")
-    run_case(case, request.node.nodeid, write_lse=False)
+    run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
 
 
 def test_gluon_fwd_supports():

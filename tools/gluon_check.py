@@ -1,6 +1,6 @@
 """Compile the Gluon sm_90 forward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_check.py [D] [CAUSAL] [dtype]      e.g. python tools/gluon_check.py 128 1 bf16
+    python tools/gluon_check.py [D] [CAUSAL] [dtype] [pingpong]   e.g. python tools/gluon_check.py 128 1 bf16
 
 Prints registers/spills (ptxas -v on the PTX), shared memory, and for each loop of the SASS
 its instruction count and the order of its wgmma-related instructions (HGMMA issue,
@@ -24,10 +24,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False):
+def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
+                block_n=None, stages=None):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    block_n, stages = fwd_sm90.TILES[d]
+    block_n = block_n or fwd_sm90.TILES[d][0]
+    stages = stages or fwd_sm90.TILES[d][1]
     ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
     kl = fwd_sm90._smem_layout(block_n, d, tdt)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
@@ -37,7 +39,8 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, WRITE_LSE=write_lse,
-                 REVERSE_M=causal, CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS)
+                 REVERSE_M=causal, CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS,
+                 PINGPONG=pingpong)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
@@ -77,7 +80,8 @@ def main():
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
-    k = compile_fwd(d, causal, dtype)
+    pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
+    k = compile_fwd(d, causal, dtype, pingpong=pingpong)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

@@ -16,16 +16,32 @@ key/value head is ``head // GROUP``. The CTA is split into three warp-specialize
 Inside a consumer warpgroup (FlashAttention-3's intra-warpgroup pipelining), tile j's loop body:
 
     wait K_j ready;      S = Q K_j^T            (async wgmma, Q and K from shared memory)
+    O *= alpha_{j-1}                            (onto tile j-1's running max, while QK^T runs)
     wait V_{j-1} ready;  O += P_{j-1} V_{j-1}   (async wgmma, P from registers)
     wait until one wgmma is in flight (S is done); release K_j
-    softmax of S in registers  -> P_j, row max m, row sum l, rescale alpha
+    softmax of S in registers  -> P_j, row max m, row sum l, rescale alpha_j
                                   (overlaps the PV wgmma still running)
-    wait for PV; release V_{j-1};  O *= alpha
+    wait for PV; release V_{j-1}
 
 so the exp2 work of tile j hides under the PV product of tile j-1. Scores stay in base 2 with
 the scale folded in: p = exp2(s * (scale * log2 e) - m), one FMA per score on mask-free tiles.
 P goes from the wgmma accumulator layout to the register A-operand layout without a shuffle
 (the two layouts agree thread for thread for 16-bit P).
+
+[Note] keeping the softmax under the PV wgmma. ptxas, not the program order, places the wgmma
+waits: left alone it hoists the final wait above the exponentials (they have no data
+dependence on it) and the softmax then runs after PV, serialized. The step stores the new row
+sum l (which depends on every exponential of the tile) to a small shared-memory slot just
+before that wait; ptxas (Triton 3.6's) keeps shared-memory stores and wgmma waits in order,
+so all 64 exponentials per thread stay between the two waits (tools/gluon_check.py counts them in the
+SASS: 66 MUFU.EX2 = 64 + 2 for alpha). Two things that looked natural and failed: keeping a PV
+wgmma in flight across the loop back edge (ptxas then serializes every wgmma, warning C7514,
+because the rescale reads its accumulator registers), and unrolling by two so that the two
+P register sets alternate (spills, and ptxas still hoisted the wait in one warpgroup's copy).
+
+Optional ping-pong (``PINGPONG``, FA3's inter-warpgroup scheduling): the two consumer
+warpgroups take turns issuing their wgmmas through a pair of mbarriers, so one warpgroup's
+softmax runs while the other's products occupy the tensor cores.
 
 Masking: tile 0 (the prologue) and the tiles from ``n_full`` on are masked (keys >= s_kv,
 and for causal keys > row + diag); tiles in [1, n_full) are whole for every row of the CTA
@@ -41,8 +57,6 @@ Tensors are logical [b, h, s, d] with any strides whose last is 1 (TMA: 16-byte 
 and strides): each is seen through one 4-D TMA descriptor with box [1, 1, rows, d], so
 batch/head/sequence strides are the tensor's own and out-of-bounds rows are per (b, h).
 """
-import math
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -61,6 +75,7 @@ BLOCK_M = 2 * WG_M  # query rows per CTA (two consumer warpgroups)
 # d=128: 32 KB + 2 * 64 KB = 160 KB (3 stages would need 224 KB, the limit is 227 KB with no room
 # left for the compiler's own scratch). d=64: 16 KB + 3 * 32 KB = 112 KB.
 TILES = {64: (128, 3), 128: (128, 2)}
+PINGPONG = {64: False, 128: False}   # (d) -> consumer warpgroups take turns issuing wgmmas (see _fwd_step)
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24    # the load warp
 
@@ -151,18 +166,26 @@ def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
 
 @gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, S_KV, diag, pin, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+              qk_scale, rows, S_KV, diag, pin, turn, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Tile j (j >= 1): QK^T of tile j, then PV of tile j-1 overlapped with the softmax of tile j.
 
-    alpha is tile j-1's rescale, applied to O just before O += P_{j-1} V_{j-1}. The new P is
-    packed into the PV operand registers only after the PV wgmma retired: writing them earlier
-    makes ptxas wait for that wgmma before the softmax, which serializes everything.
+    alpha is tile j-1's rescale, applied to O just before O += P_{j-1} V_{j-1}; the returned
+    alpha is tile j's. ``pin`` is the shared-memory slot that keeps the softmax ahead of the PV
+    wait (module docstring, [Note] keeping the softmax under the PV wgmma).
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
     o_layout: gl.constexpr = o.type.layout
     slot = j % STAGES
     prev = (j - 1) % STAGES
+    if PINGPONG:
+        # FA3's ping-pong: the two consumer warpgroups take turns issuing their two wgmmas, so
+        # one's softmax runs while the other's products keep the tensor cores busy. Step j of
+        # warpgroup 0 waits for step j-1 of warpgroup 1 (its first passes: the parity of the
+        # phase before a fresh barrier's first counts as complete); step j of warpgroup 1 waits
+        # for step j of warpgroup 0.
+        mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 - WG))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
@@ -170,10 +193,13 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
     o_tok = warpgroup_mma(p, _kv_view(v_smem, prev, BLOCK_N, HEAD_D), o, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG))
     # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+    # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     mbarrier.arrive(v_empty.index(prev))
@@ -183,10 +209,10 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
 
 
 @gluon.jit
-def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc,
-                  LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag,
-                  qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
+def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV,
+                  diag, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup WG: the online softmax of query rows [start_m + 64 * WG, +64)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
@@ -221,12 +247,12 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
 
     for j in range(1, n_full):
         o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, False, CAUSAL,
-                                          STAGES)
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, turn, WG, False,
+                                          CAUSAL, STAGES, PINGPONG)
     for j in range(gl.maximum(n_full, 1), n_tiles):
         o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, True, CAUSAL,
-                                          STAGES)
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, turn, WG, True,
+                                          CAUSAL, STAGES, PINGPONG)
 
     # last PV product
     last = n_tiles - 1
@@ -256,29 +282,11 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
 
 
 @gluon.jit
-def _consumer0(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb, stride_lh,
-               stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL: gl.constexpr,
-               WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    _fwd_consumer(0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb,
-                  stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL,
-                  WRITE_LSE, BLOCK_N, STAGES)
-
-
-@gluon.jit
-def _consumer1(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb, stride_lh,
-               stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL: gl.constexpr,
-               WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    _fwd_consumer(1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, stride_lb,
-                  stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, CAUSAL,
-                  WRITE_LSE, BLOCK_N, STAGES)
-
-
-@gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
                    H_Q, GROUP, S_Q, S_KV, qk_scale,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                    WRITE_LSE: gl.constexpr, REVERSE_M: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -307,8 +315,11 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar.index(0), count=1)
     mbarrier.init(q_bar.index(1), count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -317,12 +328,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         mbarrier.init(v_empty.index(i), count=2)
 
     gl.warp_specialize([
-        (_consumer0, (q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, o_desc, LSE,
-                      stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag,
-                      qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES)),
-        (_consumer1, (q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, o_desc, LSE,
-                      stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag,
-                      qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES)),
+        # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
+        (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q,
+                         S_KV, diag, qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
+        (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
+                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q,
+                         S_KV, diag, qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
+        # the load warp (warp 8)
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                          v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -387,11 +400,16 @@ def _desc(t, rows):
     return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
 
 
-def launch_fwd_sm90(p, q, k, v, out, lse):
+def launch_fwd_sm90(p, q, k, v, out, lse, *, block_n=None, stages=None, pingpong=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
-    (any strides) or None. Writes out and lse in place."""
-    block_n, stages = TILES[p.d]
+    (any strides) or None. Writes out and lse in place.
+
+    block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); for tuning.
+    """
+    block_n = block_n or TILES[p.d][0]
+    stages = stages or TILES[p.d][1]
+    pingpong = PINGPONG[p.d] if pingpong is None else pingpong
     causal = p.band is not None
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
@@ -401,7 +419,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse):
         BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
         BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
         WRITE_LSE=lse is not None, REVERSE_M=causal,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         num_warps=4,
     )
     return out, lse
