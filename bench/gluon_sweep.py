@@ -7,8 +7,15 @@ the max |difference| between the Gluon and the Triton outputs (and LSE), then th
 of each (triton.testing.do_bench) as TFLOP/s, forward FLOPs 4*b*h*s*s*d, halved when causal.
 Gluon variants: "gluon" (the defaults of fwd_sm90), "pp" (ping-pong toggled from the default),
 and for d=64 "n64" (BLOCK_N=64, 4 stages).
+
+--graph adds GPU-only times (triton.testing.do_bench_cudagraph: launches replayed from a CUDA
+graph, so host launch cost is out) and each path's host cost per call (median wall time of one
+call with the GPU idle, i.e. Python, descriptor and launch work), so launch-bound small
+configs show what the kernels themselves do.
 """
 import argparse
+import statistics
+import time
 
 import torch
 import triton
@@ -52,12 +59,49 @@ def cudnn_ms(cfg, q, k, v, rep):
         return triton.testing.do_bench(f, rep=rep, return_mode="median"), "(K/V expanded)"
 
 
+def host_us(fn, n=30):
+    """Median wall time of one call while the GPU keeps up (the host side of a launch), in us."""
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def graph_times(cfg, fns, rep):
+    """{name: (TFLOP/s from CUDA-graph replay, host us per call)}; None where capture fails."""
+    res = {}
+    for name, fn in fns.items():
+        try:
+            ms = triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+            res[name] = (tflops(cfg, ms), host_us(fn))
+        except Exception as e:  # noqa: BLE001 - a path refusing capture is a result
+            res[name] = (float("nan"), float("nan"))
+            print(f"  graph {name}: {type(e).__name__}: {str(e)[:120]}")
+    return res
+
+
+def sdpa_fn(cfg, q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    gqa = q.shape[1] != k.shape[1]
+
+    def f():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cfg[5], enable_gqa=gqa)
+    return f
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    ap.add_argument("--graph", action="store_true", help="also CUDA-graph (GPU-only) times and host cost")
     args = ap.parse_args()
     rows = []
+    graph_rows = []
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
         b, hq, hkv, s, d, causal = cfg
@@ -91,6 +135,13 @@ def main():
         ms_t = triton.testing.do_bench(lambda: launch_fwd(p, tiles, q, k, v, out_t, lse_t, extras), rep=args.rep,
                                        return_mode="median")
         ms_c, note = cudnn_ms(cfg, q, k, v, args.rep)
+        if args.graph:
+            g = graph_times(cfg, {"gluon": lambda: launch_fwd_sm90(p, q, k, v, out_g, lse_g),
+                                  "triton": lambda: launch_fwd(p, tiles, q, k, v, out_t, lse_t, extras),
+                                  "cudnn": sdpa_fn(cfg, q, k, v)}, args.rep)
+            graph_rows.append((name, g))
+            print(f"{name} (CUDA graph): " + "  ".join(f"{k} {t:.0f} TFLOP/s, host {h:.0f} us/call"
+                                                          for k, (t, h) in g.items()), flush=True)
         row = (name, tflops(cfg, ms_g), tflops(cfg, ms_t), tflops(cfg, ms_c) if ms_c else float("nan"), note,
                err_o, err_l, var)
         rows.append(row)
@@ -104,6 +155,13 @@ def main():
         pp = f"{var['pp'][0]:5.0f}" if "pp" in var else "    -"
         n64 = f"{var['n64'][0]:5.0f}" if "n64" in var else "    -"
         print(f"{name:22s} {g:7.0f} {pp} {n64} {t:7.0f} {c:7.0f}  {g / t:11.2f}x  {eo:.1e}  {el:.1e} {note}")
+    if graph_rows:
+        print("\nCUDA-graph replay (GPU time only), TFLOP/s; host cost of one call, us")
+        print(f"{'config':22s} {'gluon':>7s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  "
+              f"{'host us: gluon':>15s} {'triton':>7s} {'cudnn':>7s}")
+        for name, g in graph_rows:
+            (tg, hg), (tt, ht), (tc, hc) = g["gluon"], g["triton"], g["cudnn"]
+            print(f"{name:22s} {tg:7.0f} {tt:7.0f} {tc:7.0f}  {tg / tt:11.2f}x  {hg:15.0f} {ht:7.0f} {hc:7.0f}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,10 @@ BLOCK_M = 2 * WG_M  # query rows per CTA (two consumer warpgroups)
 # d=128: 32 KB + 2 * 64 KB = 160 KB (3 stages would need 224 KB, the limit is 227 KB with no room
 # left for the compiler's own scratch). d=64: 16 KB + 3 * 32 KB = 112 KB.
 TILES = {64: (128, 3), 128: (128, 2)}
-PINGPONG = {64: False, 128: False}   # (d) -> consumer warpgroups take turns issuing wgmmas (see _fwd_step)
+# (d) -> consumer warpgroups take turns issuing wgmmas (see _fwd_step). Off: on the H100 it moved
+# the d128 configs of bench/gluon_sweep.py by -4%..+4% (within the run-to-run spread) and d64
+# inconsistently (bench/GLUON_NOTES.md).
+PINGPONG = {64: False, 128: False}
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24    # the load warp
 
