@@ -191,6 +191,11 @@ class AttentionProblem:
         return f * (2.5 if backward else 1.0)
 
 
+_PLAIN = {}                 # validated plain calls (no optional tensors): metadata key -> (problem, extras)
+_PLAIN_MAX = 1024
+_SCALARS = (type(None), bool, int, float, str)
+
+
 def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left",
                  window=None, seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False,
                  softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
@@ -202,7 +207,40 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
     ``[b, h_q, s_q, s_kv]`` expanded view (strides 0 where broadcast),
     ``slopes`` as fp32 ``[h_q]``.
     Raises InvalidArgumentError / InvalidTypeError naming the argument.
+
+    Calls with no optional tensor and no dropout are remembered by their metadata (shapes,
+    dtypes, devices, scalar options): validation depends on nothing else, and a repeat
+    call (every training step) then costs a dict lookup instead of ~20 us.
     """
+    key = None
+    if (seq_len_q is None and seq_len_kv is None and attn_bias is None and alibi is False
+            and page_table_k is None and page_table_v is None and not dropout_p
+            and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and type(attn_scale) in _SCALARS and type(softcap) in _SCALARS and type(causal) in _SCALARS
+            and type(dropout_seed) in _SCALARS and type(dropout_offset) in _SCALARS
+            and (window is None or type(window) is tuple)):
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               attn_scale, causal, causal_alignment, window, softcap, dropout_p, dropout_seed, dropout_offset)
+        try:
+            hit = _PLAIN.get(key)
+        except TypeError:           # an unhashable window entry: validate (and reject) below
+            hit = key = None
+        if hit is not None:
+            return hit[0], dict(hit[1])
+    problem, extras = _make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
+                                    window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
+                                    alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                    dropout_offset=dropout_offset, page_table_k=page_table_k,
+                                    page_table_v=page_table_v)
+    if key is not None:
+        if len(_PLAIN) >= _PLAIN_MAX:
+            _PLAIN.clear()
+        _PLAIN[key] = (problem, dict(extras))
+    return problem, extras
+
+
+def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_len_q, seq_len_kv, attn_bias,
+                  alibi, softcap, dropout_p, dropout_seed, dropout_offset, page_table_k, page_table_v):
     paged = page_table_k is not None or page_table_v is not None
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)

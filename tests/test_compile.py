@@ -17,6 +17,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import fusedattn
+import fusedattn.ops  # noqa: F401  (registers torch.ops.fusedattn.attn_fwd / attn_bwd)
 from fusedattn.nn import MultiheadSelfAttention
 
 HAS_CUDA = torch.cuda.is_available()

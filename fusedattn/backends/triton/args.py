@@ -1,8 +1,11 @@
 """Host side: the run-time scalars and compile-time switches every launch derives from a problem."""
+import functools
+
 import torch
 import triton
 
 from ..cpu import dropout_threshold
+from .launch import pow2
 
 
 LOG2E_PY = 1.4426950408889634
@@ -10,6 +13,16 @@ LOG2E_PY = 1.4426950408889634
 
 def kernel_scalars(p, extras, dummy):
     """Run-time scalars and compile-time switches shared by the forward and backward launches."""
+    args = dict(_static_scalars(p))
+    args["seq_q"] = extras["seq_len_q"] if extras["seq_len_q"] is not None else dummy
+    args["seq_kv"] = extras["seq_len_kv"] if extras["seq_len_kv"] is not None else dummy
+    args["slopes"] = extras["slopes"] if extras["slopes"] is not None else dummy
+    return args
+
+
+@functools.lru_cache(maxsize=256)
+def _static_scalars(p):
+    """The part of kernel_scalars that depends on the problem alone (cached: ~15 us of host time)."""
     band = p.band
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
@@ -21,9 +34,6 @@ def kernel_scalars(p, extras, dummy):
         "win_right": band.right if has_right else 0,
         "dropout_threshold": dropout_threshold(p.dropout_p),
         "dropout_rescale": 1.0 / (1.0 - p.dropout_p),
-        "seq_q": extras["seq_len_q"] if extras["seq_len_q"] is not None else dummy,
-        "seq_kv": extras["seq_len_kv"] if extras["seq_len_kv"] is not None else dummy,
-        "slopes": extras["slopes"] if extras["slopes"] is not None else dummy,
         "causal_like": has_right and not has_left,
         "switches": dict(
             BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
@@ -33,10 +43,21 @@ def kernel_scalars(p, extras, dummy):
             HAS_ALIBI=p.alibi is not None, SOFTCAP=softcap, DROPOUT=p.has_dropout,
             DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
             # head dims that are not powers of two (40, 96, 224) pad the tile and mask loads
-            EVEN_D=triton.next_power_of_2(p.d) == p.d, EVEN_DV=triton.next_power_of_2(p.d_v) == p.d_v,
+            EVEN_D=pow2(p.d) == p.d, EVEN_DV=pow2(p.d_v) == p.d_v,
         ),
     }
 
+
+# the optional tensors a problem may carry (the kernels get dummies, already aligned, for absent ones)
+_EXTRA_TENSORS = ("seq_len_q", "seq_len_kv", "bias", "slopes", "page_table_k", "page_table_v",
+                  "cu_seqlens_q", "cu_seqlens_kv")
+
+
+def extras_key(extras):
+    """dtype and 16-byte alignment of each optional tensor (the JIT specializes on both): part of
+    a launch.Launcher key."""
+    return tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+                 for t in (extras.get(n) for n in _EXTRA_TENSORS))
 
 
 def misaligned(t) -> bool:

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, kernel_scalars
+from .args import aligned, aligned_output, extras_key, kernel_scalars
+from .launch import Launcher, cdiv, pow2
 from .common import (LOG2E, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range,
                      scores_base2, softcap_tanh)
 
@@ -326,6 +327,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q,
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_d < D)[None, :])
 
 
+_PREPROCESS, _DKDV, _DQ = Launcher(_attn_bwd_preprocess), Launcher(_attn_bwd_dkdv), Launcher(_attn_bwd_dq)
+
+
 def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
     """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None."""
     p = problem
@@ -338,29 +342,35 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
     bias_arg = bias if bias is not None else q
-    block_d, block_dv = triton.next_power_of_2(p.d), triton.next_power_of_2(p.d_v)
+    block_d, block_dv = pow2(p.d), pow2(p.d_v)
 
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     pre_m = 64
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
-    _attn_bwd_preprocess[(triton.cdiv(p.s_q, pre_m), p.b * p.h_q)](
-        out, grad_out, delta, cu_q, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
-        BLOCK_M=pre_m, BLOCK_DV=block_dv, VARLEN=p.varlen)
+    # what every non-tensor argument and tensor dtype/alignment depends on (launch.py); no key with
+    # dropout (per-call seeds)
+    key = None if p.has_dropout else (
+        p, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(), lse.stride(), dq.stride(),
+        dk.stride(), dv.stride(), bias_strides, need_dbias,
+        extras_key(extras))
+    _PREPROCESS(key, (cdiv(p.s_q, pre_m), p.b * p.h_q),
+                out, grad_out, delta, cu_q, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
+                BLOCK_M=pre_m, BLOCK_DV=block_dv, VARLEN=p.varlen)
 
     dbias = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device) if need_dbias else None
     common = (p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
               p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
     t = plan.bwd
-    _attn_bwd_dkdv[(triton.cdiv(p.s_kv, t.block_n), p.b * p.h_kv)](
-        q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
-        args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-        *lse.stride(), *bias_strides,
-        p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+    _DKDV(key and (key, t), (cdiv(p.s_kv, t.block_n), p.b * p.h_kv),
+          q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
+          args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
+          *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+          *lse.stride(), *bias_strides,
+          p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
+          BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+          WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
     t = plan.bwd_dq
-    _attn_bwd_dq[(triton.cdiv(p.s_q, t.block_m), p.b * p.h_q)](
+    _DQ(key and (key, t), (cdiv(p.s_q, t.block_m), p.b * p.h_q),
         q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
         *lse.stride(), *bias_strides,

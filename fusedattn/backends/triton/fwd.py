@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, kernel_scalars, set_descriptor_allocator, tma_ok
+from .args import aligned, aligned_output, extras_key, kernel_scalars, set_descriptor_allocator, tma_ok
+from .launch import Launcher, cdiv, pow2
 from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
                      scores_base2)
 
@@ -218,6 +219,9 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         tl.store(l_ptrs, lse, mask=offs_m < row_end)
 
 
+_FWD = Launcher(_attn_fwd)
+
+
 def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     """Launch the forward kernel. Decisions were made upstream (problem, tiles).
 
@@ -240,25 +244,29 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     use_tma = tiles.tma and not p.paged and not p.varlen and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
     if use_tma:
         set_descriptor_allocator()
-    grid = (triton.cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
+    grid = (cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
     table_k, table_v = extras["page_table_k"], extras["page_table_v"]
     tables = (table_k, table_v, *table_k.stride(), *table_v.stride()) if p.paged else (q, q, 0, 0, 0, 0)
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
-    _attn_fwd[grid](
-        q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
-        tables[0], tables[1], cu_q, cu_kv,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
-        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, k.shape[0] if p.paged else 1,
-        args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
-        p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=triton.next_power_of_2(p.d), BLOCK_DV=triton.next_power_of_2(p.d_v),
-        WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
-        USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
-        PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **args["switches"],
-    )
+    num_blocks = k.shape[0] if p.paged else 1
+    # everything the non-tensor arguments and the tensors' dtypes/alignment depend on (launch.py);
+    # dropout seeds change every call and the JIT specializes on their width: no key
+    key = None if p.has_dropout else (
+        p, tiles, use_tma, q.stride(), k.stride(), v.stride(), out.stride(), lse_strides, bias_strides,
+        tables[2:], num_blocks, extras_key(extras))
+    _FWD(key, grid,
+         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
+         tables[0], tables[1], cu_q, cu_kv,
+         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
+         p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, num_blocks,
+         args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
+         p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],
+         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=pow2(p.d), BLOCK_DV=pow2(p.d_v),
+         WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
+         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
+         PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
+         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+         **args["switches"])
     for buf, target in ((out, out_target), (lse, lse_target)):
         if target is not None:
             target.copy_(buf)

@@ -1,0 +1,68 @@
+"""Kernel launches with less host time: a repeat call skips Triton's JIT dispatcher.
+
+``JITFunction.__getitem__(grid)(*args)`` binds ~80 arguments, specializes each one
+(alignment, == 1, integer width), hashes the specialization and looks the kernel up on
+every call: about 35 us of host time per launch on the H100 machine, against 9 us for
+the compiled kernel's own launcher (bench/overhead.py, bench/NOTES.md 16). At d=64 a
+whole forward kernel runs in 74 us, so eager calls were host-bound.
+
+:class:`Launcher` keeps, per caller-given *key*, the compiled kernel the JIT chose the
+first time and afterwards calls its launcher directly. The contract: equal keys must
+mean equal values for every argument that is not a tensor and equal dtypes and 16-byte
+alignment for every tensor argument; then the JIT would pick the same compiled kernel.
+Callers build keys from the problem (shapes, strides, scalars), so this holds by
+construction; a key of None always goes through the JIT (used for per-call values such
+as dropout seeds, whose integer width the JIT specializes on).
+
+Under the interpreter, or when a launch hook is installed (profilers), every call goes
+through the JIT.
+"""
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+from ...plan import interpreting
+
+_MAX_ENTRIES = 512     # per kernel; a full cache is cleared (keys are cheap to rebuild)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (host code: triton.next_power_of_2 costs ~2 us a call)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Launcher:
+    """A @triton.jit kernel with a per-key cache of its compiled form (see the module docstring)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.names = kernel.arg_names
+        self.cache: dict = {}
+
+    def __call__(self, key, grid, *args, **kwargs):
+        """Launch ``kernel[grid](*args, **kwargs)``; ``kwargs`` holds the trailing parameters
+        (constexprs) by name plus launch options (num_warps, num_stages)."""
+        entry = self.cache.get(key) if key is not None else None
+        if entry is not None and knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None:
+            compiled, tail, device = entry
+            if torch.cuda.current_device() == device:
+                g = grid + (1,) * (3 - len(grid))
+                compiled.run(g[0], g[1], g[2], torch.cuda.current_stream(device).cuda_stream, compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *tail)
+                return
+        compiled = self.kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):       # an asynchronous compile's future
+            compiled = compiled.result()
+        if key is None or interpreting() or compiled is None or not hasattr(compiled, "packed_metadata"):
+            return
+        # parameters after the positional ones, in signature order (launch options are not parameters)
+        tail = tuple(kwargs[name] if name in kwargs else self.kernel.params[i].default
+                     for i, name in enumerate(self.names) if i >= len(args))
+        if len(self.cache) >= _MAX_ENTRIES:
+            self.cache.clear()
+        self.cache[key] = (compiled, tail, torch.cuda.current_device())

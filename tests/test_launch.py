@@ -1,0 +1,73 @@
+"""Host-overhead shortcuts: the remembered validation of plain calls (problem.make_problem) and
+the direct launch of cached compiled kernels (backends/triton/launch.py)."""
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.backends.triton import bwd, fwd
+from fusedattn.backends.triton.launch import cdiv, pow2
+from fusedattn.problem import make_problem
+from fusedattn.reference import attention_reference
+from fusedattn.testing import assert_error_within
+
+from conftest import HAS_CUDA
+
+
+def test_pow2_and_cdiv_match_triton():
+    import triton
+    for n in list(range(1, 300)) + [1023, 1024, 1025]:
+        assert pow2(n) == triton.next_power_of_2(n), n
+        assert cdiv(n, 64) == triton.cdiv(n, 64), n
+
+
+def test_make_problem_memo_returns_fresh_extras_and_still_validates():
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    p1, e1 = make_problem(q, k, v, causal=True)
+    e1["cu_seqlens_q"] = "mutated by a caller"
+    p2, e2 = make_problem(q.clone(), k, v, causal=True)
+    assert p2 == p1 and "cu_seqlens_q" not in e2           # same description, an unshared extras dict
+    assert make_problem(q, k, v, causal=False)[0].band is None   # options are part of the key
+    with pytest.raises(TypeError, match="dtype"):           # a new dtype is validated, not served
+        make_problem(q, k.half(), v)
+    with pytest.raises(ValueError, match="dropout_seed"):   # so is every scalar
+        make_problem(q, k, v, dropout_seed=-1)
+    with pytest.raises(ValueError, match="window"):         # an unhashable window still gets its error
+        make_problem(q, k, v, window=(3, [1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: direct-launch test skipped")
+@pytest.mark.parametrize("causal", [False, True])
+def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal):
+    """The second call with the same metadata takes the direct path (a cache entry exists before
+    it); new data, a new layout and a misaligned view must all still give the right answer."""
+    torch.manual_seed(0)
+    b, h, s, d = 2, 4, 200, 64
+
+    def check(q, k, v):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fusedattn.attention(qs, ks, vs, causal=causal)
+        do = torch.randn_like(out)
+        out.backward(do)
+        refs = {}
+        for dt in (torch.float64, torch.float16):
+            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+            ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=causal)
+            ro.backward(do.cpu().to(dt))
+            refs[dt] = (ro, rq.grad, rk.grad, rv.grad)
+        for name, got, gold, base in zip(("out", "dq", "dk", "dv"), (out, qs.grad, ks.grad, vs.grad),
+                                         refs[torch.float64], refs[torch.float16]):
+            assert_error_within(got.detach().cpu(), gold, base, msg=f"{name} causal={causal}")
+
+    bshd = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2)  # noqa: E731
+    check(bshd(), bshd(), bshd())
+    entries = len(fwd._FWD.cache), len(bwd._DKDV.cache), len(bwd._DQ.cache)
+    assert min(entries) >= 1
+    check(bshd(), bshd(), bshd())                       # direct launches, new data
+    assert (len(fwd._FWD.cache), len(bwd._DKDV.cache), len(bwd._DQ.cache)) == entries
+    bhsd = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)  # noqa: E731
+    check(bhsd(), bhsd(), bhsd())                       # new strides: a new key
+    assert len(fwd._FWD.cache) == entries[0] + 1
+    base = torch.randn(b * h * s * d + 8, device="cuda", dtype=torch.float16)
+    odd = base[3:3 + b * h * s * d].view(b, h, s, d)     # 6-byte offset: copied to an aligned buffer
+    check(odd, bhsd(), bhsd())
