@@ -57,9 +57,15 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
     if decode.decode_supports(p) and decode.decode_rows_fit(p.s_q, p.group):
         # few query rows per kv head (decode): the split-KV kernel packs a GQA group into one tile
         decode.launch_decode_problem(p, extras, q, k, v, out, lse)
-    else:
-        from .backends.triton.fwd import launch_fwd
-        launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)
+        return
+    if pl.fwd_gluon:
+        # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
+        from .backends.gluon import fwd_sm90
+        if fwd_sm90.supports(p, q, k, v, out):
+            fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse)
+            return
+    from .backends.triton.fwd import launch_fwd
+    launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)
 
 
 def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,

@@ -33,6 +33,7 @@ class Plan:
     fwd: Tiles | None
     bwd: Tiles | None     # dK/dV pass (block_m: query rows per step, block_n: keys per program)
     bwd_dq: Tiles | None  # dQ pass
+    fwd_gluon: bool = False   # forward on the Gluon sm_90 kernel when its run-time checks pass
 
 
 def interpreting() -> bool:
@@ -80,6 +81,11 @@ _BWD_DQ_SM90 = {
     (128, 4): Tiles(64, 32, 4, 1),
     (256, 4): Tiles(32, 16, 4, 1),
 }
+# The Gluon sm_90 forward (backends/gluon/fwd_sm90.py: TMA producer warp, two consumer warpgroups,
+# QK^T and PV in flight under the softmax) at d = d_v = 128, fp16/bf16, no mask or causal. H100
+# (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128; at d64 0.67-0.99x, so d64 stays.
+_GLUON_FWD_DIMS = (128,)
+_GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns it off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)
 
@@ -115,7 +121,18 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
     if key == (128, 2):
         fwd = _FWD_SM90_SHORT_D128 if short else fwd
         bwd = _BWD_SM90_GQA_D128 if grouped else bwd
-    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key])
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon_fwd_eligible(static_key))
+
+
+def gluon_fwd_eligible(static_key) -> bool:
+    """Whether the Gluon forward computes this kind of problem (its shapes/strides/GPU are checked
+    at launch by ``backends.gluon.fwd_sm90.supports``)."""
+    (dtype, device_type, d, d_v, band, has_seq_q, has_seq_kv, bias, alibi, softcap, dropout, paged,
+     varlen) = static_key
+    plain = not (has_seq_q or has_seq_kv or bias or alibi or softcap or dropout or paged or varlen)
+    band_ok = band is None or band[1:] == (False, True)          # no mask, or causal (either alignment)
+    return (os.environ.get(_GLUON_ENV, "1") != "0" and device_type == "cuda" and d == d_v
+            and d in _GLUON_FWD_DIMS and dtype in (torch.float16, torch.bfloat16) and plain and band_ok)
 
 
 def plan(problem, backend: str = "auto") -> Plan:

@@ -57,6 +57,8 @@ Tensors are logical [b, h, s, d] with any strides whose last is 1 (TMA: 16-byte 
 and strides): each is seen through one 4-D TMA descriptor with box [1, 1, rows, d], so
 batch/head/sequence strides are the tensor's own and out-of-bounds rows are per (b, h).
 """
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -367,9 +369,14 @@ def _tma_ready(t) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device_index) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def supports(p, q, k, v, out) -> bool:
     """True when this kernel computes exactly what ``p`` asks for on these tensors."""
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in TILES:
         return False
