@@ -61,10 +61,13 @@ def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal):
 
     bshd = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2)  # noqa: E731
     check(bshd(), bshd(), bshd())
-    entries = len(fwd._FWD.cache), len(bwd._DKDV.cache), len(bwd._DQ.cache)
+    launchers = (fwd._FWD, bwd._PREPROCESS, bwd._DKDV, bwd._DQ)
+    entries = [len(x.cache) for x in launchers]
+    direct = [x.direct_launches for x in launchers]
     assert min(entries) >= 1
     check(bshd(), bshd(), bshd())                       # direct launches, new data
-    assert (len(fwd._FWD.cache), len(bwd._DKDV.cache), len(bwd._DQ.cache)) == entries
+    assert [len(x.cache) for x in launchers] == entries
+    assert all(x.direct_launches > n for x, n in zip(launchers, direct)), "the repeat call went through the JIT"
     bhsd = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)  # noqa: E731
     check(bhsd(), bhsd(), bhsd())                       # new strides: a new key
     assert len(fwd._FWD.cache) == entries[0] + 1
