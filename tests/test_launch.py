@@ -74,3 +74,28 @@ def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal):
     base = torch.randn(b * h * s * d + 8, device="cuda", dtype=torch.float16)
     odd = base[3:3 + b * h * s * d].view(b, h, s, d)     # 6-byte offset: copied to an aligned buffer
     check(odd, bhsd(), bhsd())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_forward_args_remembered_interpreter_or_gpu(causal):
+    """The remembered argument list of plain forwards (fwd._PLAIN_ARGS): a repeat call with new
+    data (and one without stats) must match the reference; runs the real kernel (interpreter on CPU)."""
+    from conftest import INTERPRET
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("needs the GPU or Triton's interpreter")
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch.manual_seed(1)
+    shape = (1, 2, 37, 32)
+    mk = lambda: torch.randn(shape, device=device, dtype=torch.float32)  # noqa: E731
+    for stats in (True, True, False):
+        q, k, v = mk(), mk(), mk()
+        out, lse = fusedattn.attention_forward(q, k, v, causal=causal, return_stats=stats, backend="triton")
+        gold, gold_lse = attention_reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), causal=causal,
+                                             dtype=torch.float64)
+        base, _ = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=causal, dtype=torch.float32)
+        assert_error_within(out.cpu(), gold, base, msg=f"causal={causal} stats={stats}")
+        if stats:
+            assert torch.allclose(lse.cpu().double().squeeze(-1), gold_lse.double().squeeze(-1), atol=1e-4)
+    remembered = [key for key in fwd._PLAIN_ARGS if key[0].s_q == 37 and key[0].d == 32 and
+                  (key[0].band is not None) == causal]
+    assert len(remembered) == 2, remembered                  # with and without stats

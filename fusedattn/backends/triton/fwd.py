@@ -220,6 +220,13 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
 
 
 _FWD = Launcher(_attn_fwd)
+_PLAIN_ARGS = {}        # plain problems: (problem, tiles, strides) -> (grid, non-tensor args, constexprs)
+_TENSOR_SLOTS = 13      # Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV
+
+
+def _is_plain(p) -> bool:
+    """No optional tensor and no per-call scalar: the kernel's dummies are q (and out for BIAS)."""
+    return not (p.paged or p.varlen or p.bias or p.alibi or p.has_dropout or p.has_seq_len_q or p.has_seq_len_kv)
 
 
 def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
@@ -229,6 +236,17 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     lse: fp32 [b,h_q,s_q] view (or None). extras: from ``problem.make_problem``.
     """
     p = problem
+    plain_key = None
+    if _is_plain(p) and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)) and (
+            lse is None or lse.data_ptr() % 16 == 0):
+        # the common call (no optional tensor): every argument but the tensors is remembered
+        plain_key = (p, tiles, q.stride(), k.stride(), v.stride(), out.stride(), lse is None or lse.stride())
+        hit = _PLAIN_ARGS.get(plain_key)
+        if hit is not None:
+            grid, rest, kwargs = hit
+            _FWD(plain_key, grid, q, k, v, out, out if lse is None else lse, q, q, out, q, q, q, q, q, *rest,
+                 **kwargs)
+            return
     q, k, v = aligned(q), aligned(k), aligned(v)
     out, out_target = aligned_output(out)
     lse_target = None
@@ -254,19 +272,23 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     key = None if p.has_dropout else (
         p, tiles, use_tma, q.stride(), k.stride(), v.stride(), out.stride(), lse_strides, bias_strides,
         tables[2:], num_blocks, extras_key(extras))
-    _FWD(key, grid,
-         q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
-         tables[0], tables[1], cu_q, cu_kv,
-         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
-         p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, num_blocks,
-         args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
-         p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"],
-         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=pow2(p.d), BLOCK_DV=pow2(p.d_v),
-         WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
-         USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
-         PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
-         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-         **args["switches"])
+    pos = (q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
+           tables[0], tables[1], cu_q, cu_kv,
+           *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
+           p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, num_blocks,
+           args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
+           p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=pow2(p.d), BLOCK_DV=pow2(p.d_v),
+                  WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
+                  USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
+                  PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args["switches"])
+    if plain_key is not None:
+        key = plain_key
+        if len(_PLAIN_ARGS) >= 512:
+            _PLAIN_ARGS.clear()
+        _PLAIN_ARGS[plain_key] = (grid, pos[_TENSOR_SLOTS:], kwargs)
+    _FWD(key, grid, *pos, **kwargs)
     for buf, target in ((out, out_target), (lse, lse_target)):
         if target is not None:
             target.copy_(buf)
