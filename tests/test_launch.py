@@ -99,3 +99,29 @@ def test_plain_forward_args_remembered_interpreter_or_gpu(causal):
     remembered = [key for key in fwd._PLAIN_ARGS if key[0].s_q == 100 and key[0].d == 32 and
                   (key[0].band is not None) == causal]
     assert len(remembered) == 2, remembered                  # with and without stats
+
+
+def test_plain_backward_args_remembered_interpreter_or_gpu():
+    """bwd._PLAIN_ARGS: the second backward with the same metadata reuses the remembered argument
+    lists (three kernels) and must still match float64 autograd of the reference."""
+    from conftest import INTERPRET
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("needs the GPU or Triton's interpreter")
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch.manual_seed(2)
+    shape_q, shape_kv = (1, 4, 70, 32), (1, 2, 45, 32)
+    for _ in range(2):
+        q = torch.randn(shape_q, device=device)
+        k, v = torch.randn(shape_kv, device=device), torch.randn(shape_kv, device=device)
+        do = torch.randn(shape_q, device=device)
+        out, stats = fusedattn.attention_forward(q, k, v, causal=True, return_stats=True, backend="triton")
+        got = fusedattn.attention_backward(q, k, v, out, do, stats, causal=True, backend="triton")[:3]
+        refs = {}
+        for dt in (torch.float64, torch.float32):
+            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+            ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=True)
+            ro.backward(do.cpu().to(dt))
+            refs[dt] = (rq.grad, rk.grad, rv.grad)
+        for name, g, gold, base in zip(("dq", "dk", "dv"), got, refs[torch.float64], refs[torch.float32]):
+            assert_error_within(g.cpu(), gold, base, msg=name)
+    assert any(key[0].s_q == 70 and key[0].s_kv == 45 for key in bwd._PLAIN_ARGS)

@@ -53,6 +53,12 @@ _EXTRA_TENSORS = ("seq_len_q", "seq_len_kv", "bias", "slopes", "page_table_k", "
                   "cu_seqlens_q", "cu_seqlens_kv")
 
 
+def is_plain(p) -> bool:
+    """No optional tensor and no per-call scalar: the kernels get dummies (q, out) for every
+    optional tensor, so a launch's whole argument list can be remembered (fwd/bwd _PLAIN_ARGS)."""
+    return not (p.paged or p.varlen or p.bias or p.alibi or p.has_dropout or p.has_seq_len_q or p.has_seq_len_kv)
+
+
 def extras_key(extras):
     """dtype and 16-byte alignment of each optional tensor (the JIT specializes on both): part of
     a launch.Launcher key."""

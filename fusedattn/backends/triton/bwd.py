@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, extras_key, kernel_scalars
+from .args import aligned, aligned_output, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
 from .common import (LOG2E, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range,
                      scores_base2, softcap_tanh)
@@ -328,11 +328,26 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q,
 
 
 _PREPROCESS, _DKDV, _DQ = Launcher(_attn_bwd_preprocess), Launcher(_attn_bwd_dkdv), Launcher(_attn_bwd_dq)
+_PLAIN_ARGS = {}   # plain problems: (problem, tiles, strides) -> per kernel (grid, non-tensor args, constexprs)
 
 
 def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
     """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None."""
     p = problem
+    plain_key = None
+    if _is_plain(p) and not need_dbias and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out, lse, dq, dk, dv)):
+        # the common call: every argument but the tensors is remembered (as fwd._PLAIN_ARGS)
+        plain_key = (p, plan.bwd, plan.bwd_dq, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
+                     lse.stride(), dq.stride(), dk.stride(), dv.stride())
+        hit = _PLAIN_ARGS.get(plain_key)
+        if hit is not None:
+            pre, dkdv, dq_pass = hit
+            delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+            _PREPROCESS(plain_key, pre[0], out, grad_out, delta, q, *pre[1], **pre[2])
+            _DKDV(plain_key, dkdv[0], q, k, v, grad_out, lse, delta, dk, dv, delta, q, q, q, q, q, q,
+                  *dkdv[1], **dkdv[2])
+            _DQ(plain_key, dq_pass[0], q, k, v, grad_out, lse, delta, dq, q, q, q, q, q, q, *dq_pass[1], **dq_pass[2])
+            return None
     q, k, v, out, grad_out, lse = (aligned(t) for t in (q, k, v, out, grad_out, lse))
     (dq, dq_target), (dk, dk_target), (dv, dv_target) = (aligned_output(t) for t in (dq, dk, dv))
     args = kernel_scalars(p, extras, q)
@@ -349,34 +364,42 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
     # what every non-tensor argument and tensor dtype/alignment depends on (launch.py); no key with
     # dropout (per-call seeds)
-    key = None if p.has_dropout else (
+    key = plain_key or (None if p.has_dropout else (
         p, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(), lse.stride(), dq.stride(),
-        dk.stride(), dv.stride(), bias_strides, need_dbias,
-        extras_key(extras))
-    _PREPROCESS(key, (cdiv(p.s_q, pre_m), p.b * p.h_q),
-                out, grad_out, delta, cu_q, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
-                BLOCK_M=pre_m, BLOCK_DV=block_dv, VARLEN=p.varlen)
+        dk.stride(), dv.stride(), bias_strides, need_dbias, extras_key(extras)))
+    pre = ((cdiv(p.s_q, pre_m), p.b * p.h_q),
+           (out, grad_out, delta, cu_q, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v),
+           dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, VARLEN=p.varlen))
 
     dbias = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device) if need_dbias else None
     common = (p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
               p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
     t = plan.bwd
-    _DKDV(key and (key, t), (cdiv(p.s_kv, t.block_n), p.b * p.h_kv),
-          q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
-          args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
-          *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-          *lse.stride(), *bias_strides,
-          p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
-          BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-          WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+    dkdv = ((cdiv(p.s_kv, t.block_n), p.b * p.h_kv),
+            (q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
+             args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
+             *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+             *lse.stride(), *bias_strides,
+             p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common),
+            dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                 WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages,
+                 **sw))
     t = plan.bwd_dq
-    _DQ(key and (key, t), (cdiv(p.s_q, t.block_m), p.b * p.h_q),
-        q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
-        *lse.stride(), *bias_strides,
-        p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        REVERSE_M=args["causal_like"], VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages, **sw)
+    dq_pass = ((cdiv(p.s_q, t.block_m), p.b * p.h_q),
+               (q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+                *lse.stride(), *bias_strides,
+                p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common),
+               dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                    REVERSE_M=args["causal_like"], VARLEN=p.varlen, num_warps=t.num_warps,
+                    num_stages=t.num_stages, **sw))
+    if plain_key is not None:
+        if len(_PLAIN_ARGS) >= 512:
+            _PLAIN_ARGS.clear()
+        _PLAIN_ARGS[plain_key] = tuple((grid, pos[n:], kw) for (grid, pos, kw), n in
+                                       ((pre, 4), (dkdv, 15), (dq_pass, 13)))
+    for launcher, (grid, pos, kw) in ((_PREPROCESS, pre), (_DKDV, dkdv), (_DQ, dq_pass)):
+        launcher(key, grid, *pos, **kw)
     for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
         if target is not None:
             target.copy_(buf)

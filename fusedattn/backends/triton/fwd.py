@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, extras_key, kernel_scalars, set_descriptor_allocator, tma_ok
+from .args import aligned, aligned_output, extras_key, is_plain as _is_plain, kernel_scalars, set_descriptor_allocator, tma_ok
 from .launch import Launcher, cdiv, pow2
 from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
                      scores_base2)
@@ -222,11 +222,6 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
 _FWD = Launcher(_attn_fwd)
 _PLAIN_ARGS = {}        # plain problems: (problem, tiles, strides) -> (grid, non-tensor args, constexprs)
 _TENSOR_SLOTS = 13      # Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV
-
-
-def _is_plain(p) -> bool:
-    """No optional tensor and no per-call scalar: the kernel's dummies are q (and out for BIAS)."""
-    return not (p.paged or p.varlen or p.bias or p.alibi or p.has_dropout or p.has_seq_len_q or p.has_seq_len_kv)
 
 
 def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
