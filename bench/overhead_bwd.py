@@ -6,8 +6,6 @@ launchers called directly, and a cProfile of autograd.grad (bench/NOTES.md 16-17
 import argparse
 import cProfile
 import pstats
-import time
-
 import torch
 import triton
 
@@ -16,18 +14,7 @@ from fusedattn.functional import _run_backward
 from fusedattn.backends.triton.bwd import launch_bwd
 from fusedattn.plan import plan
 from fusedattn.problem import make_problem
-
-
-def host_us(fn, n=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return host
+from overhead import host_ms     # bench/overhead.py, beside this file
 
 
 def main():
@@ -52,7 +39,7 @@ def main():
     }
     for name, fn in runs.items():
         gpu = triton.testing.do_bench(fn, return_mode="median") * 1e3
-        print(f"{name:20s} do_bench {gpu:7.1f} us   host enqueue {host_us(fn):7.1f} us", flush=True)
+        print(f"{name:20s} do_bench {gpu:7.1f} us   host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
     for name in ("autograd.grad", "launch_bwd"):
         prof = cProfile.Profile()
         prof.enable()
