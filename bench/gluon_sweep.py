@@ -6,7 +6,9 @@ Physically-BSHD inputs (``torch.randn(b, s, h, d).transpose(1, 2)``). For each c
 the max |difference| between the Gluon and the Triton outputs (and LSE), then the median time
 of each (triton.testing.do_bench) as TFLOP/s, forward FLOPs 4*b*h*s*s*d, halved when causal.
 Gluon variants: "gluon" (the defaults of fwd_sm90), "pp" (ping-pong toggled from the default),
-and for d=64 "n64" (BLOCK_N=64, 4 stages).
+and in the "alt" column for d=64 "n64" (BLOCK_N=64, 4 stages), for d=224/256 "n32" (BLOCK_N=32,
+4 stages: the same shared memory). d=224 runs the 256-wide kernel (fwd_sm90.TILE_D). Inputs are
+bf16 unless the config names fp16.
 
 --graph adds GPU-only times (triton.testing.do_bench_cudagraph: launches replayed from a CUDA
 graph, so host launch cost is out) and each path's host cost per call (median wall time of one
@@ -20,23 +22,26 @@ import time
 import torch
 import triton
 
-from fusedattn.backends.gluon.fwd_sm90 import PINGPONG, launch_fwd_sm90, supports
+from fusedattn.backends.gluon.fwd_sm90 import PINGPONG, TILE_D, launch_fwd_sm90, supports
 from fusedattn.backends.triton.fwd import launch_fwd
 from fusedattn.plan import plan
 from fusedattn.problem import make_problem
 
-CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal)
+CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal[, dtype]); dtype bf16 unless given
     "b4-s2k-d128-c": (4, 32, 32, 2048, 128, True),
     "b1-s16k-d128-c": (1, 32, 32, 16384, 128, True),
     "b2-s8k-d128": (2, 16, 16, 8192, 128, False),
     "b4-gqa-s4k-d128-c": (4, 32, 8, 4096, 128, True),
     "b8-s1k-d64": (8, 12, 12, 1024, 64, False),
     "b8-s1k-d64-c": (8, 12, 12, 1024, 64, True),
+    "b4-s4k-d256-c": (4, 16, 16, 4096, 256, True),
+    "b4-s4k-d256": (4, 16, 16, 4096, 256, False),
+    "b32-s2k-d224-fp16": (32, 32, 32, 2048, 224, False, torch.float16),
 }
 
 
 def tflops(cfg, ms):
-    b, hq, _, s, d, causal = cfg
+    b, hq, _, s, d, causal = cfg[:6]
     return 4.0 * b * hq * s * s * d / (2 if causal else 1) / ms / 1e9
 
 
@@ -104,15 +109,16 @@ def main():
     graph_rows = []
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
-        b, hq, hkv, s, d, causal = cfg
+        b, hq, hkv, s, d, causal = cfg[:6]
+        dt = cfg[6] if len(cfg) > 6 else torch.bfloat16
         torch.manual_seed(0)
-        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=dt).transpose(1, 2)  # noqa: E731
         q, k, v = mk(hq), mk(hkv), mk(hkv)
         p, extras = make_problem(q, k, v, causal=causal)
         out_g, out_t = torch.empty_like(q), torch.empty_like(q)
         lse_g = torch.empty((b, hq, s), device="cuda", dtype=torch.float32)
         lse_t = torch.empty_like(lse_g)
-        assert supports(p, q, k, v, out_g), name
+        assert supports(p, q, k, v, out_g, head_dims=tuple(TILE_D)), name
         tiles = plan(p).fwd
         launch_fwd_sm90(p, q, k, v, out_g, lse_g)
         launch_fwd(p, tiles, q, k, v, out_t, lse_t, extras)
@@ -121,9 +127,11 @@ def main():
         err_l = (lse_g - lse_t).abs().max().item()
         ms_g = triton.testing.do_bench(lambda: launch_fwd_sm90(p, q, k, v, out_g, lse_g), rep=args.rep,
                                        return_mode="median")
-        variants = {"pp": dict(pingpong=not PINGPONG[d])}
+        variants = {"pp": dict(pingpong=not PINGPONG[TILE_D[d]])}
         if d == 64:
             variants["n64"] = dict(block_n=64, stages=4)
+        if TILE_D[d] == 256:
+            variants["n32"] = dict(block_n=32, stages=4)
         var = {}
         for vname, kw in variants.items():
             out_v = torch.empty_like(q)
@@ -148,13 +156,14 @@ def main():
         extra = "  ".join(f"{k} {t:.0f} (err {e:.1e})" for k, (t, e) in var.items())
         print(f"{name}: gluon {row[1]:.0f}  {extra}  triton {row[2]:.0f}  cudnn {row[3]:.0f} {note}  TFLOP/s; "
               f"max|gluon - triton| out {err_o:.2e} lse {err_l:.2e}", flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, bf16, BSHD memory, TFLOP/s (median of do_bench)")
-    print(f"{'config':22s} {'gluon':>7s} {'pp':>5s} {'n64':>5s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  "
+    print(f"\n{torch.cuda.get_device_name()}, BSHD memory, TFLOP/s (median of do_bench); alt: n64 (d64), "
+          f"n32 (d224/256)")
+    print(f"{'config':22s} {'gluon':>7s} {'pp':>5s} {'alt':>5s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  "
           f"max|dO|  max|dLSE|")
     for name, g, t, c, note, eo, el, var in rows:
         pp = f"{var['pp'][0]:5.0f}" if "pp" in var else "    -"
-        n64 = f"{var['n64'][0]:5.0f}" if "n64" in var else "    -"
-        print(f"{name:22s} {g:7.0f} {pp} {n64} {t:7.0f} {c:7.0f}  {g / t:11.2f}x  {eo:.1e}  {el:.1e} {note}")
+        alt = next((f"{var[k][0]:5.0f}" for k in ("n64", "n32") if k in var), "    -")
+        print(f"{name:22s} {g:7.0f} {pp} {alt} {t:7.0f} {c:7.0f}  {g / t:11.2f}x  {eo:.1e}  {el:.1e} {note}")
     if graph_rows:
         print("\nCUDA-graph replay (GPU time only), TFLOP/s; host cost of one call, us")
         print(f"{'config':22s} {'gluon':>7s} {'triton':>7s} {'cudnn':>7s}  gluon/triton  "

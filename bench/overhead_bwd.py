@@ -6,6 +6,7 @@ launchers called directly, and a cProfile of autograd.grad (bench/NOTES.md 16-17
 import argparse
 import cProfile
 import pstats
+
 import torch
 import triton
 

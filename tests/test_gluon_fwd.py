@@ -1,13 +1,15 @@
 """The Gluon sm_90 forward kernel (fusedattn/backends/gluon/fwd_sm90.py) on an H100/H200.
 
 Against a float64 reference by FlashAttention's rule (error at most 2x PyTorch's same-precision
-error plus a small floor) and against our Triton kernel, on seeded cases: head dims 64/128,
+error plus a small floor) and against our Triton kernel, on seeded cases: head dims 64/128 (and
+224/256, which ``supports`` accepts only when asked: ``head_dims``),
 fp16/bf16, causal top-left / bottom-right / none, lengths in {1, 17, 128, 200, 1000} with
 s_q != s_kv both ways, GQA, BSHD and other strided layouts; with and without the consumer
 warpgroups' ping-pong. Outputs and LSE live in NaN-guarded
 buffers: an unwritten element stays NaN, a stray write outside the tensor is caught.
 Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
+import dataclasses
 import random
 from dataclasses import asdict, dataclass
 
@@ -27,6 +29,7 @@ pytestmark = [pytest.mark.gpu,
 
 LENGTHS = (1, 17, 128, 200, 1000)
 MODES = ("none", "top_left", "bottom_right")
+WIDE_D = (224, 256)     # 256-wide tiles (224: TMA zero-fills/clips columns 224..255)
 
 
 @dataclass
@@ -59,7 +62,7 @@ def random_gcase(seed):
 
 
 def run_case(case, nodeid, write_lse=True, pingpong=None):
-    from fusedattn.backends.gluon.fwd_sm90 import launch_fwd_sm90, supports
+    from fusedattn.backends.gluon.fwd_sm90 import TILE_D, launch_fwd_sm90, supports
     msg = case.repro(nodeid)
     gen = torch.Generator().manual_seed(case.seed)
     dt = getattr(torch, case.dtype)
@@ -70,7 +73,8 @@ def run_case(case, nodeid, write_lse=True, pingpong=None):
     stats = guarded((case.b, case.h_q, case.s_q, 1), torch.float32, "cuda", "bhsd", fill=None)
     kw = case.kwargs()
     p, _ = make_problem(q.view, k.view, v.view, **kw)
-    assert supports(p, q.view, k.view, v.view, out.view), f"supports() refused a case it should run. {msg}"
+    assert supports(p, q.view, k.view, v.view, out.view, head_dims=tuple(TILE_D)), \
+        f"supports() refused a case it should run. {msg}"
     lse = stats.view[..., 0] if write_lse else None
     launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, pingpong=pingpong)
     torch.cuda.synchronize()
@@ -126,20 +130,55 @@ def test_gluon_fwd_gqa8(d, dtype, pingpong, request):
     run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
 
 
+@pytest.mark.parametrize("d", WIDE_D)
+@pytest.mark.parametrize("s_kv", LENGTHS)
+@pytest.mark.parametrize("s_q", LENGTHS)
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_wide_lengths(mode, s_q, s_kv, d, request):
+    """d=224/256: every (s_q, s_kv) pair and mask, bf16, GQA 4/2, BSHD memory."""
+    seed = 1000 + 100 * MODES.index(mode) + 10 * LENGTHS.index(s_q) + LENGTHS.index(s_kv)
+    case = GCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
+                 layout="bshd")
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", range(24), ids=lambda s: f"case{s}")
+def test_gluon_fwd_wide_random(seed, request):
+    """Seeded random geometries at d=224/256: dtype, mask, lengths, GQA/MQA, strided layouts
+    (the gapped ones catch a 256-wide box reading or writing past column 224)."""
+    case = random_gcase(2000 + seed)
+    run_case(dataclasses.replace(case, d=WIDE_D[seed % 2]), request.node.nodeid)
+
+
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
+@pytest.mark.parametrize("d", WIDE_D)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gluon_fwd_wide_gqa8(d, dtype, pingpong, request):
+    """d=224/256, GQA 8/2 over several tiles, causal bottom-right, no LSE requested."""
+    case = GCase(seed=8, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
+                 layout="bshd")
+    run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
+
+
 def test_gluon_fwd_supports():
     """What the kernel refuses: windows, other head dims, fp32, misaligned bases, d != d_v."""
-    from fusedattn.backends.gluon.fwd_sm90 import supports
+    from fusedattn.backends.gluon.fwd_sm90 import SUPPORTED_DIMS, TILE_D, supports
 
-    def check(expect, what, q, k, v, out=None, **kw):
+    def check(expect, what, q, k, v, out=None, head_dims=None, **kw):
         p, _ = make_problem(q, k, v, **kw)
         o = out if out is not None else torch.empty_like(q)
-        assert supports(p, q, k, v, o) == expect, what
+        assert supports(p, q, k, v, o, head_dims=head_dims) == expect, what
 
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
     check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
     check(True, "BSHD view", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)))
     check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
+    check(False, "d=96, all tile dims", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96), head_dims=tuple(TILE_D))
+    for d in WIDE_D:
+        check(d in SUPPORTED_DIMS, f"d={d} by default", *(mk(1, 2, 64, d) for _ in range(3)))
+        check(True, f"d={d} when asked", *(mk(1, 64, 2, d).transpose(1, 2) for _ in range(3)),
+              head_dims=tuple(TILE_D))
     check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
     check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)

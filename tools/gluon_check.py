@@ -1,6 +1,9 @@
 """Compile the Gluon sm_90 forward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_check.py [D] [CAUSAL] [dtype] [pingpong]   e.g. python tools/gluon_check.py 128 1 bf16
+    python tools/gluon_check.py [D] [CAUSAL] [dtype] [pingpong|plain] [BLOCK_N]   e.g. ... 256 1 bf16 plain 32
+
+D is the head dim (64, 128, 224, 256); 224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the
+same one as 256. BLOCK_N overrides fwd_sm90.TILES (stages then keep the same shared memory).
 
 Prints registers/spills (ptxas -v on the PTX), shared memory, and for each loop of the SASS
 its instruction count and the order of its wgmma-related instructions (HGMMA issue,
@@ -28,8 +31,10 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
                 block_n=None, stages=None):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    block_n = block_n or fwd_sm90.TILES[d][0]
-    stages = stages or fwd_sm90.TILES[d][1]
+    d = fwd_sm90.TILE_D[d]
+    default_n, default_stages = fwd_sm90.TILES[d]
+    block_n = block_n or default_n
+    stages = stages or max(1, default_stages * default_n // block_n)
     ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
     kl = fwd_sm90._smem_layout(block_n, d, tdt)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
@@ -81,7 +86,8 @@ def main():
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
-    k = compile_fwd(d, causal, dtype, pingpong=pingpong)
+    block_n = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)
@@ -91,7 +97,17 @@ def main():
         if n < 60:
             continue
         ex2 = sum("MUFU.EX2" in b for b in body)
-        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2")
+        # exponentials between the wait for QK^T (one wgmma left) and the wait for PV: these
+        # run under the PV wgmma (module docstring of fwd_sm90, [Note] keeping the softmax ...)
+        under, inside = 0, False
+        for b in body:
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in b:
+                inside = True
+            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in b:
+                inside = False
+            elif inside and "MUFU.EX2" in b:
+                under += 1
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2, {under} of them between the two wgmma waits")
         seq = []
         for b in body:
             m = KEY.search(b)

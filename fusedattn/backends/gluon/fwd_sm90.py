@@ -73,14 +73,25 @@ LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 WG_M = 64          # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = 2 * WG_M  # query rows per CTA (two consumer warpgroups)
 
-# (d) -> (BLOCK_N, STAGES). Shared memory: Q 2*64*d*2 bytes + STAGES * 2 (K and V) * BLOCK_N*d*2.
+# head dim -> width of the shared-memory tiles (HEAD_D inside the kernel). d=224 runs on 256-wide
+# tiles: TMA zero-fills columns 224..255 of Q, K and V on loads (bounds are per dimension, so a
+# row never reads the next head's data) and clips them on the output store; the zero columns add
+# nothing to Q K^T and give output columns that are never written. The compiled kernel is the
+# d=256 one; only the host descriptors differ.
+TILE_D = {64: 64, 128: 128, 224: 256, 256: 256}
+# (tile width) -> (BLOCK_N, STAGES). Shared memory: Q 2*64*D*2 bytes + STAGES * 2 (K and V) * BLOCK_N*D*2.
 # d=128: 32 KB + 2 * 64 KB = 160 KB (3 stages would need 224 KB, the limit is 227 KB with no room
-# left for the compiler's own scratch). d=64: 16 KB + 3 * 32 KB = 112 KB.
-TILES = {64: (128, 3), 128: (128, 2)}
-# (d) -> consumer warpgroups take turns issuing wgmmas (see _fwd_step). Off: on the H100 it moved
+# left for the compiler's own scratch). d=64: 16 KB + 3 * 32 KB = 112 KB. d=256: 64 KB + 2 * 64 KB
+# (BLOCK_N=64) = 192 KB; per consumer thread O [64, 256] fp32 is 128 registers, S [64, 64] 32 and
+# P 16 (ptxas: no spills under CONSUMER_REGS=240, bench/GLUON_NOTES.md).
+TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# (tile width) -> consumer warpgroups take turns issuing wgmmas (see _fwd_step). Off: on the H100 it moved
 # the d128 configs of bench/gluon_sweep.py by -4%..+4% (within the run-to-run spread) and d64
 # inconsistently (bench/GLUON_NOTES.md).
-PINGPONG = {64: False, 128: False}
+PINGPONG = {64: False, 128: False, 256: False}
+# head dims that ``supports`` accepts by default (what callers may route here). The kernel also
+# runs d=224/256 (TILE_D); callers that want them (tests, bench) pass head_dims=tuple(TILE_D).
+SUPPORTED_DIMS = (64, 128)
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24    # the load warp
 
@@ -374,11 +385,14 @@ def _is_sm90(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-def supports(p, q, k, v, out) -> bool:
-    """True when this kernel computes exactly what ``p`` asks for on these tensors."""
+def supports(p, q, k, v, out, *, head_dims=None) -> bool:
+    """True when this kernel computes exactly what ``p`` asks for on these tensors.
+
+    head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``)."""
     if not (isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
-    if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in TILES:
+    dims = SUPPORTED_DIMS if head_dims is None else head_dims
+    if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in dims or p.d not in TILE_D:
         return False
     if (p.paged or p.varlen or p.bias is not None or p.alibi is not None or p.has_dropout or p.softcap
             or p.has_seq_len_q or p.has_seq_len_kv):
@@ -406,7 +420,9 @@ def _smem_layout(rows, d, dtype):
 
 
 def _desc(t, rows):
-    d = t.shape[-1]
+    """4-D TMA descriptor of t with box [1, 1, rows, tile width]; the box may be wider than t's
+    last dim (d=224 on 256-wide tiles): TMA zero-fills the columns past it and clips stores."""
+    d = TILE_D[t.shape[-1]]
     return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
 
 
@@ -417,9 +433,10 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, block_n=None, stages=None, pingpong
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); for tuning.
     """
-    block_n = block_n or TILES[p.d][0]
-    stages = stages or TILES[p.d][1]
-    pingpong = PINGPONG[p.d] if pingpong is None else pingpong
+    td = TILE_D[p.d]
+    block_n = block_n or TILES[td][0]
+    stages = stages or TILES[td][1]
+    pingpong = PINGPONG[td] if pingpong is None else pingpong
     causal = p.band is not None
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
