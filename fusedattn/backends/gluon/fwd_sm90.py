@@ -53,8 +53,13 @@ exponents use m_safe (0 where m is -inf), so no inf - inf arises; such rows writ
 LSE 0 (the package's convention). A CTA whose rows see no key at all still runs one fully
 masked tile, so every path is the same.
 
+Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
+stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
+d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
+clips them on the output store; ``TILE_D``).
+
 Tensors are logical [b, h, s, d] with any strides whose last is 1 (TMA: 16-byte aligned base
-and strides): each is seen through one 4-D TMA descriptor with box [1, 1, rows, d], so
+and strides): each is seen through one 4-D TMA descriptor with box [1, 1, rows, TILE_D[d]], so
 batch/head/sequence strides are the tensor's own and out-of-bounds rows are per (b, h).
 """
 import functools
@@ -86,12 +91,13 @@ TILE_D = {64: 64, 128: 128, 224: 256, 256: 256}
 # P 16 (ptxas: no spills under CONSUMER_REGS=240, bench/GLUON_NOTES.md).
 TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
 # (tile width) -> consumer warpgroups take turns issuing wgmmas (see _fwd_step). Off: on the H100 it moved
-# the d128 configs of bench/gluon_sweep.py by -4%..+4% (within the run-to-run spread) and d64
-# inconsistently (bench/GLUON_NOTES.md).
+# the d128 configs of bench/gluon_sweep.py by -4%..+4% (within the run-to-run spread), d64
+# inconsistently, d256 -7% causal / +2% not (bench/GLUON_NOTES.md).
 PINGPONG = {64: False, 128: False, 256: False}
-# head dims that ``supports`` accepts by default (what callers may route here). The kernel also
-# runs d=224/256 (TILE_D); callers that want them (tests, bench) pass head_dims=tuple(TILE_D).
-SUPPORTED_DIMS = (64, 128)
+# head dims that ``supports`` accepts by default (callers may pass head_dims to narrow or widen,
+# within TILE_D). d=224/256: H100, bench/gluon_sweep.py, 1.33-1.41x our Triton forward
+# (bench/GLUON_NOTES.md); which dims are routed here is plan.py's choice (_GLUON_FWD_DIMS).
+SUPPORTED_DIMS = (64, 128, 224, 256)
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24    # the load warp
 
