@@ -82,9 +82,10 @@ _BWD_DQ_SM90 = {
     (256, 4): Tiles(32, 16, 4, 1),
 }
 # The Gluon sm_90 forward (backends/gluon/fwd_sm90.py: TMA producer warp, two consumer warpgroups,
-# QK^T and PV in flight under the softmax) at d = d_v = 128, fp16/bf16, no mask or causal. H100
-# (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128; at d64 0.67-0.99x, so d64 stays.
-_GLUON_FWD_DIMS = (128,)
+# QK^T and PV in flight under the softmax) at d = d_v in 128, 224, 256, fp16/bf16, no mask or causal.
+# H100 (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128, 1.31-1.41x at d224/256; at d64
+# 0.67-0.99x, so d64 stays on Triton.
+_GLUON_FWD_DIMS = (128, 224, 256)
 _GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns it off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)
