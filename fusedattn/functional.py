@@ -13,6 +13,9 @@ compiles with ``fullgraph=True``.
 """
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from .backends import cpu as cpu_backend
@@ -49,6 +52,19 @@ def _stats_view(stats, p, device, name="stats"):
     return stats
 
 
+@functools.lru_cache(maxsize=1)
+def _gluon_fwd():
+    """The Gluon sm_90 forward module, or None where this Triton has no (compatible) Gluon: the
+    portable kernel then runs everything, with one warning."""
+    try:
+        from .backends.gluon import fwd_sm90
+    except Exception as exc:  # noqa: BLE001 - an experimental dialect may be missing or changed
+        warnings.warn(f"fusedattn: Gluon forward unavailable ({type(exc).__name__}: {exc}); using the "
+                      "portable Triton kernel", RuntimeWarning, stacklevel=3)
+        return None
+    return fwd_sm90
+
+
 def _run_forward(p, extras, pl, q, k, v, out, lse):
     if pl.backend == "cpu":
         cpu_backend.forward(p, q, k, v, extras, out, lse)
@@ -60,8 +76,8 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         return
     if pl.fwd_gluon:
         # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
-        from .backends.gluon import fwd_sm90
-        if fwd_sm90.supports(p, q, k, v, out):
+        fwd_sm90 = _gluon_fwd()
+        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out):
             fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse)
             return
     from .backends.triton.fwd import launch_fwd
