@@ -125,3 +125,16 @@ def test_plain_backward_args_remembered_interpreter_or_gpu():
         for name, g, gold, base in zip(("dq", "dk", "dv"), got, refs[torch.float64], refs[torch.float32]):
             assert_error_within(g.cpu(), gold, base, msg=name)
     assert any(key[0].s_q == 70 and key[0].s_kv == 45 for key in bwd._PLAIN_ARGS)
+
+
+def test_gluon_import_failure_falls_back_with_a_warning(monkeypatch):
+    import sys
+
+    from fusedattn import functional
+    functional._gluon_fwd.cache_clear()
+    monkeypatch.setitem(sys.modules, "fusedattn.backends.gluon.fwd_sm90", None)   # import raises ImportError
+    try:
+        with pytest.warns(RuntimeWarning, match="Gluon forward unavailable"):
+            assert functional._gluon_fwd() is None
+    finally:
+        functional._gluon_fwd.cache_clear()
