@@ -131,7 +131,9 @@ def test_gluon_import_failure_falls_back_with_a_warning(monkeypatch):
     import sys
 
     from fusedattn import functional
+    from fusedattn.backends import gluon
     functional._gluon_fwd.cache_clear()
+    monkeypatch.delattr(gluon, "fwd_sm90", raising=False)                          # as if never imported
     monkeypatch.setitem(sys.modules, "fusedattn.backends.gluon.fwd_sm90", None)   # import raises ImportError
     try:
         with pytest.warns(RuntimeWarning, match="Gluon forward unavailable"):
