@@ -3,7 +3,9 @@
     python3 bench/overhead.py [--causal]
 Prints, for b8 h12 s1024 d64 fp16: do_bench medians of our forward and backward (as the
 bench measures them), the host time to enqueue one call (no sync; a host-bound call
-shows host >= GPU), the kernels alone, and the top of a cProfile of the backward.
+shows host >= GPU) through each layer of the backward (autograd, attention_backward,
+_run_backward, the launchers), one launch through the JIT vs the compiled kernel's
+launcher, and the top of a cProfile of the autograd backward (bench/NOTES.md 13, 16, 17).
 """
 import argparse
 import cProfile
@@ -15,6 +17,7 @@ import triton
 
 import fusedattn
 from fusedattn.backends.triton.bwd import launch_bwd
+from fusedattn.functional import _run_backward
 from fusedattn.plan import plan
 from fusedattn.problem import make_problem
 
@@ -73,9 +76,12 @@ def main():
     pl = plan(p)
     o2, lse = fusedattn.attention_forward(q.detach(), k.detach(), v.detach(), causal=args.causal, return_stats=True)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    kern = lambda: launch_bwd(p, pl, q.detach(), k.detach(), v.detach(), o2, do, lse.squeeze(-1), extras,  # noqa
-                              dq, dk, dv, False)
-    for name, fn in (("fwd", fwd), ("bwd autograd", bwd), ("bwd kernels (launch_bwd)", kern)):
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    kern = lambda: launch_bwd(p, pl, qd, kd, vd, o2, do, lse.squeeze(-1), extras, dq, dk, dv, False)  # noqa
+    run_bwd = lambda: _run_backward(p, extras, pl, qd, kd, vd, o2, do, lse[..., 0])  # noqa: E731
+    api_bwd = lambda: fusedattn.attention_backward(qd, kd, vd, o2, do, lse, causal=args.causal)  # noqa: E731
+    for name, fn in (("fwd", fwd), ("bwd autograd", bwd), ("bwd attention_backward", api_bwd),
+                     ("bwd _run_backward", run_bwd), ("bwd kernels (launch_bwd)", kern)):
         gpu = triton.testing.do_bench(fn, return_mode="median")
         print(f"{name:28s} do_bench {gpu * 1e3:7.1f} us   host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
     launch_cost(q.detach(), k.detach(), v.detach(), args.causal)
