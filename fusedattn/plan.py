@@ -33,7 +33,7 @@ class Plan:
     fwd: Tiles | None
     bwd: Tiles | None     # dK/dV pass (block_m: query rows per step, block_n: keys per program)
     bwd_dq: Tiles | None  # dQ pass
-    fwd_gluon: bool = False   # forward on the Gluon sm_90 kernel when its run-time checks pass
+    fwd_gluon: bool = False   # forward on the Gluon sm_90 kernel when its supports() accepts the call
 
 
 def interpreting() -> bool:
@@ -122,18 +122,9 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
     if key == (128, 2):
         fwd = _FWD_SM90_SHORT_D128 if short else fwd
         bwd = _BWD_SM90_GQA_D128 if grouped else bwd
-    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon_fwd_eligible(static_key))
-
-
-def gluon_fwd_eligible(static_key) -> bool:
-    """Whether the Gluon forward computes this kind of problem (its shapes/strides/GPU are checked
-    at launch by ``backends.gluon.fwd_sm90.supports``)."""
-    (dtype, device_type, d, d_v, band, has_seq_q, has_seq_kv, bias, alibi, softcap, dropout, paged,
-     varlen) = static_key
-    plain = not (has_seq_q or has_seq_kv or bias or alibi or softcap or dropout or paged or varlen)
-    band_ok = band is None or band[1:] == (False, True)          # no mask, or causal (either alignment)
-    return (os.environ.get(_GLUON_ENV, "1") != "0" and device_type == "cuda" and d == d_v
-            and d in _GLUON_FWD_DIMS and dtype in (torch.float16, torch.bfloat16) and plain and band_ok)
+    # where the Gluon forward is the faster choice; what it can compute is its own supports() at launch
+    gluon = os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v and d in _GLUON_FWD_DIMS
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon)
 
 
 def plan(problem, backend: str = "auto") -> Plan:

@@ -339,26 +339,28 @@ def test_ragged_offset_errors():
         graph.execute(bad)
 
 
-def test_ragged_graph_errors():
-    # a feature the packed path does not run, named
-    b, h, s, d = 2, 2, 4, 16
+def _ragged_qkv_graph(b, h, s, d):
+    """A pygraph with packed (ragged) q, k, v sharing one offsets tensor: (graph, q, k, v, offsets)."""
     graph = cudnn.pygraph(io_data_type=F32)
     q, k, v = (graph.tensor(dim=[b, h, s, d], stride=bshd(b, h, s, d)) for _ in range(3))
-    bias = graph.tensor(dim=[1, h, s, s], stride=[h * s * s, s * s, s, 1])
     r = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=I32)
     for t in (q, k, v):
         t.set_ragged_offset(r)
+    return graph, q, k, v, r
+
+
+def test_ragged_graph_errors():
+    # a feature the packed path does not run, named
+    b, h, s, d = 2, 2, 4, 16
+    graph, q, k, v, r = _ragged_qkv_graph(b, h, s, d)
+    bias = graph.tensor(dim=[1, h, s, s], stride=[h * s * s, s * s, s, 1])
     o, _ = graph.sdpa(q, k, v, is_inference=True, bias=bias)
     o.set_output(True).set_ragged_offset(r)
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"bias \(attn_bias\) with ragged offsets"):
         graph.validate()
 
     # O without a ragged offset while q/k/v have one: named
-    graph = cudnn.pygraph(io_data_type=F32)
-    q, k, v = (graph.tensor(dim=[b, h, s, d], stride=bshd(b, h, s, d)) for _ in range(3))
-    r = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=I32)
-    for t in (q, k, v):
-        t.set_ragged_offset(r)
+    graph, q, k, v, r = _ragged_qkv_graph(b, h, s, d)
     o, _ = graph.sdpa(q, k, v, is_inference=True)
     o.set_output(True)
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"but o 'sdpa_0::O'.* does not"):
@@ -372,11 +374,7 @@ def test_ragged_graph_errors():
              cudnn.GraphError, r"dims \[b \+ 1, 1, 1, 1\]"),
             (lambda o, r: (o.set_ragged_offset(r), r.set_data_type(cudnn.data_type.FLOAT)),
              cudnn.GraphError, "INT32")):
-        graph = cudnn.pygraph(io_data_type=F32)
-        q, k, v = (graph.tensor(dim=[b, h, s, d], stride=bshd(b, h, s, d)) for _ in range(3))
-        r = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=I32)
-        for t in (q, k, v):
-            t.set_ragged_offset(r)
+        graph, q, k, v, r = _ragged_qkv_graph(b, h, s, d)
         o, _ = graph.sdpa(q, k, v, is_inference=True)
         o.set_output(True)
         setup(o, r)

@@ -394,10 +394,18 @@ def _is_sm90(device_index) -> bool:
 def supports(p, q, k, v, out, *, head_dims=None) -> bool:
     """True when this kernel computes exactly what ``p`` asks for on these tensors.
 
-    head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``)."""
-    if not (isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+    head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``).
+    The problem half is cached per problem (the planner's callers ask on every forward); the
+    tensor half (GPU, dtypes, TMA's stride rules) is checked each call."""
+    dims = SUPPORTED_DIMS if head_dims is None else tuple(head_dims)
+    if not (_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
-    dims = SUPPORTED_DIMS if head_dims is None else head_dims
+    return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, out))
+
+
+@functools.lru_cache(maxsize=256)
+def _problem_ok(p, dims) -> bool:
+    """The problem's features and sizes are ones this kernel has (no mask or causal, plain inputs)."""
     if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in dims or p.d not in TILE_D:
         return False
     if (p.paged or p.varlen or p.bias is not None or p.alibi is not None or p.has_dropout or p.softcap
@@ -408,11 +416,7 @@ def supports(p, q, k, v, out, *, head_dims=None) -> bool:
     band = p.band
     if band is not None and not (band.left is None and band.right == 0):
         return False     # only no mask or causal (either alignment)
-    if any(t.dtype != p.dtype for t in (q, k, v, out)):
-        return False
-    if max(p.s_q, p.s_kv) >= 2 ** 31 or p.b * p.h_q > 65535:     # grid y = b * h_q
-        return False
-    return all(_tma_ready(t) for t in (q, k, v, out))
+    return max(p.s_q, p.s_kv) < 2 ** 31 and p.b * p.h_q <= 65535     # grid y = b * h_q
 
 
 _LAYOUTS = {}
