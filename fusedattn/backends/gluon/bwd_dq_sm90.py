@@ -1,0 +1,287 @@
+"""Attention backward, dQ pass, for Hopper (sm_90) in Gluon: warp specialized, deterministic.
+
+dQ_i = scale * sum_j dS_ij K_j with dS = P * (dP - delta), P = exp2(S * qk_scale - lse * log2 e),
+S = Q K^T, dP = dO V^T (notation of fusedattn/backends/triton/bwd.py). Like the forward
+(fwd_sm90.py), query rows stay put and K/V stream, so the structure is the forward's:
+
+* one program (CTA) owns query rows [start_m, start_m + 128) of one (batch, query head), key/value
+  head ``head // GROUP``; every dQ element has exactly one writer (no atomics: bitwise
+  reproducible).
+* producer (1 warp, 24 registers): TMA loads Q and dO once (two 64-row halves each, one per
+  consumer warpgroup, one mbarrier per half), then K_j and V_j through rings of STAGES slots with
+  separate ready/empty mbarriers.
+* two consumer warpgroups (4 warps, 240 registers each via setmaxnreg): warpgroup WG owns rows
+  [start_m + 64 WG, +64); it loads its lse (natural log, as the forward writes it) and delta
+  rows once into registers, runs the whole key loop on its own and stores its dQ half.
+
+Inside a consumer warpgroup, tile j's loop body (j >= 1):
+
+    wait K_j, V_j ready;  S_j = Q K_j^T,  dP_j = dO V_j^T   (async wgmmas, operands in shared memory)
+                          dQ += dS_{j-1} K_{j-1}           (async wgmma, dS from registers)
+    wait until one wgmma is in flight (S_j and dP_j done); release V_j
+    P_j = exp2(S_j * qk_scale - lse2), dS_j = P_j * (dP_j - delta)   (under the dQ wgmma)
+    store rowsum(dS_j) to a small shared slot (pins the elementwise work before the wait below)
+    wait for the dQ wgmma; release K_{j-1}
+    dS_j -> 16-bit A-operand registers (no data movement, as P in the forward)
+
+so the exponentials and the dS arithmetic of tile j hide under the dQ product of tile j-1, and
+the two warpgroups drift freely so one's elementwise work overlaps the other's S/dP products.
+A K slot is held across two iterations (QK^T of tile j, dQ product in iteration j+1), a V slot
+for one: the K ring decides how far ahead the producer runs.
+
+[Note] pinning (same lesson as the forward, module docstring of fwd_sm90): ptxas places the
+wgmma waits, not the program order, and hoists a wait above ALU work that does not depend on
+it. A shared-memory store of a value that depends on every dS of the tile keeps the
+exponentials and the dS arithmetic between the two waits (tools/gluon_dq_check.py counts the
+MUFU.EX2 between ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``0x0`` in each loop of the SASS).
+
+Masking: tile 0 (the prologue) and tiles from ``n_full`` on (``fwd_sm90._kv_tiles``: keys past
+s_kv, causal diagonal) set P = 0 where row i must not see key j; other tiles skip the mask. Rows
+past s_q: TMA zero-fills Q and dO, lse and delta load as 0, so dS = 1 * (0 - 0) = 0; their dQ
+rows are clipped by the TMA store. Rows with no visible key (causal bottom-right, s_q > s_kv):
+lse 0, every key masked, so dQ = 0 (the package's convention). Causal: the longest rows start
+first (REVERSE_M, as the forward).
+
+Shared memory (d=128, BLOCK_N=64, STAGES=3): Q 32 KB + dO 32 KB + K 3 x 16 KB + V 3 x 16 KB =
+160 KB. Registers per consumer thread: dQ [64, 128] fp32 64, S and dP [64, 64] fp32 32 each, dS
+16-bit 16 (two sets while the dQ product runs). The dQ epilogue goes through the warpgroup's own
+Q half (free once its last QK^T is done) and a TMA store that clips rows >= s_q.
+
+Inputs are logical [b, h, s, d] views with any strides whose last is 1 (TMA rules: 16-byte aligned
+base and strides, ``fwd_sm90._tma_ready``); lse fp32 [b, h_q, s_q] with any strides; delta fp32
+contiguous [b * h_q, s_q].
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _kv_tiles, _kv_view, _problem_ok, _tma_ready
+
+WG_M = 64           # query rows per consumer warpgroup
+BLOCK_M = 2 * WG_M  # query rows per CTA
+# tile width -> (BLOCK_N, STAGES). d=128: Q+dO 64 KB + STAGES * (K+V) 32 KB; d=64: 32 KB + STAGES * 16 KB.
+TILES = {64: (64, 4), 128: (64, 3)}
+SUPPORTED_DIMS = (64, 128)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
+
+@gluon.jit
+def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
+                 k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Load warp: Q and dO halves once, then K_j and V_j into slot j % STAGES once freed."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    mbarrier.expect(q_bar.index(0), nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+    tma.async_copy_global_to_shared(do_desc, [batch, head, start_m, 0], q_bar.index(0), do_smem0)
+    mbarrier.expect(q_bar.index(1), nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+    tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), do_smem1)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        # first use of a slot waits on the parity before the barrier's first phase: no wait
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+@gluon.jit
+def _ds_tile(s, dp, qk_scale, lse2, delta, rows, n0, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """dS = P * (dP - delta) with P = exp2(S * qk_scale - lse2), 0 where row i must not see key j."""
+    x = s * qk_scale - lse2[:, None]
+    if MASKED:
+        BLOCK_N: gl.constexpr = s.shape[1]
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        keep = cols[None, :] < S_KV
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + diag)
+        x = gl.where(keep, x, float("-inf"))
+    p = gl.exp2(x)
+    return p * (dp - delta[:, None])
+
+@gluon.jit
+def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale, lse2,
+             delta, rows, S_KV, diag, pin, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Tile j (j >= 1): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped with dS_j."""
+    BLOCK_N: gl.constexpr = zero_s.shape[1]
+    HEAD_D: gl.constexpr = q_view.shape[1]
+    slot = j % STAGES
+    prev = (j - 1) % STAGES
+    phase = (j // STAGES) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    mbarrier.wait(v_ready.index(slot), phase)
+    dp_tok = warpgroup_mma(do_view, _kv_view(v_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+    dq_tok = warpgroup_mma(ds, _kv_view(k_smem, prev, BLOCK_N, HEAD_D), dq, is_async=True)
+    # wgmma groups retire in order: one left in flight means S_j and dP_j are done
+    s, dp = warpgroup_mma_wait(1, deps=(s_tok, dp_tok))
+    mbarrier.arrive(v_empty.index(slot))
+    ds_new = _ds_tile(s, dp, qk_scale, lse2, delta, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+    # depends on every dS of the tile: keeps the elementwise work ahead of the wait (docstring)
+    pin.store(gl.sum(ds_new, 1))
+    dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+    mbarrier.arrive(k_empty.index(prev))
+    ds = gl.convert_layout(ds_new.to(q_view.dtype), ds.type.layout)
+    return dq, ds
+
+@gluon.jit
+def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                 dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, head, start_m, n_full, n_tiles, S_Q,
+                 S_KV, diag, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64)."""
+    WG_M: gl.constexpr = q_smem.shape[2]
+    HEAD_D: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    row0 = start_m + WG * WG_M
+    rows = row0 + gl.arange(0, WG_M, layout=row_s)
+    in_q = rows < S_Q
+    lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=in_q, other=0.0) * LOG2E_C
+    delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
+    zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    mbarrier.wait(q_bar, 0)
+    q_view = q_smem.reshape([WG_M, HEAD_D])
+    do_view = do_smem.reshape([WG_M, HEAD_D])
+
+    # prologue: tile 0 (masked path: it may be partial or empty)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    mbarrier.wait(v_ready.index(0), 0)
+    dp_tok = warpgroup_mma(do_view, _kv_view(v_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
+                           is_async=True)
+    s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+    mbarrier.arrive(v_empty.index(0))
+    ds = _ds_tile(s, dp, qk_scale, lse2, delta, rows, 0, S_KV, diag, True, CAUSAL)
+    ds = gl.convert_layout(ds.to(dtype), ds_layout)
+    dq = gl.zeros([WG_M, HEAD_D], gl.float32, dq_layout)
+
+    for j in range(1, n_full):
+        dq, ds = _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
+                          qk_scale, lse2, delta, rows, S_KV, diag, pin, False, CAUSAL, STAGES)
+    for j in range(gl.maximum(n_full, 1), n_tiles):
+        dq, ds = _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
+                          qk_scale, lse2, delta, rows, S_KV, diag, pin, True, CAUSAL, STAGES)
+
+    # last dQ product
+    last = (n_tiles - 1) % STAGES
+    dq_tok = warpgroup_mma(ds, _kv_view(k_smem, last, BLOCK_N, HEAD_D), dq, is_async=True)
+    dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+    mbarrier.arrive(k_empty.index(last))
+
+    # epilogue: dQ * scale through this warpgroup's Q half (its QK^T products are all done);
+    # the TMA store clips rows >= S_Q
+    q_view.store((dq * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [batch, head, row0, 0], q_smem)
+    tma.store_wait(0)
+
+@gluon.jit
+def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
+                      H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                      REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = 2 * WG_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if REVERSE_M:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    batch = bh // H_Q
+    head = bh % H_Q
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK_M
+    diag = S_Q * 0
+    if BOTTOM_RIGHT:
+        diag = S_KV - S_Q
+    n_full, n_tiles = _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    delta_base = DELTA + bh.to(gl.int64) * S_Q
+
+    q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+    do_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], do_desc.layout)
+    do_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar.index(0), count=1)
+    mbarrier.init(q_bar.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # one arrival from each consumer warpgroup frees a slot
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
+                        dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, batch, head, start_m, n_full,
+                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES)),
+        (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
+                        dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, batch, head, start_m, n_full,
+                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES)),
+        (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
+                        k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N,
+                        STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+def supports(p, q, k, v, grad_out, dq, *, head_dims=None) -> bool:
+    """True when this kernel computes the dQ of ``p`` on these tensors (sm_90, fp16/bf16, d = d_v
+    in ``SUPPORTED_DIMS``, no mask or causal, TMA-ready strides). The problem half is cached."""
+    dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
+    if not (_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+        return False
+    return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dq))
+
+def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages=None):
+    """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
+
+    q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
+    stride. lse: fp32 [b,h_q,s_q] view (any strides; the forward's natural-log stats). delta: fp32
+    contiguous [b*h_q, s_q] (rowsum(dO * O)). block_n / stages override ``TILES`` (tuning).
+    """
+    td = TILE_D[p.d]
+    block_n = block_n or TILES[td][0]
+    stages = stages or TILES[td][1]
+    causal = p.band is not None
+    grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
+    _attn_bwd_dq_sm90[grid](
+        _desc(q, WG_M), _desc(grad_out, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(dq, WG_M),
+        lse, *lse.stride(), delta,
+        p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
+        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
+        REVERSE_M=causal, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+    )
+    return dq

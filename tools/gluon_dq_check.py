@@ -1,0 +1,82 @@
+"""Compile the Gluon sm_90 dQ kernel (fusedattn/backends/gluon/bwd_dq_sm90.py) with no GPU and
+show what matters in its SASS.
+
+    python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES]    e.g. ... 128 1 bf16
+
+Prints shared memory, registers/spills (ptxas -v on the PTX), and for each loop of the SASS its
+instruction count, its MUFU.EX2 count and how many of them sit between the wait that leaves one
+wgmma in flight (S and dP done) and the wait for the dQ wgmma, then the order of the
+wgmma-related instructions (HGMMA issue, WARPGROUP.DEPBAR waits, barriers).
+Same approach as tools/gluon_check.py (the forward's).
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from gluon_check import TARGET, loops, ptxas_report, sass, KEY  # noqa: E402
+
+import re  # noqa: E402
+
+import triton  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
+
+
+def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None):
+    import torch
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    d = fwd_sm90.TILE_D[d]
+    block_n = block_n or bwd_dq_sm90.TILES[d][0]
+    stages = stages or bwd_dq_sm90.TILES[d][1]
+    ql = fwd_sm90._smem_layout(bwd_dq_sm90.WG_M, d, tdt)
+    kl = fwd_sm90._smem_layout(block_n, d, tdt)
+    qd = f"tensordesc<{dtype}[1, 1, {bwd_dq_sm90.WG_M}, {d}],{ql!r}>"
+    kd = f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>"
+    sig = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "dq_desc": qd,
+           "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
+           "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    const = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, REVERSE_M=causal,
+                 CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS)
+    for k in const:
+        sig[k] = "constexpr"
+    src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+def main():
+    d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
+    block_n = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    stages = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages)
+    print(f"shared {k.metadata.shared} bytes")
+    print(ptxas_report(k).strip())
+    text = sass(k)
+    path = f"/tmp/gluon_dq_d{d}_c{int(causal)}.sass"
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"SASS: {path}")
+    for label, n, body in loops(text):
+        # real key loops only (the others are the spin loops of barrier waits, which span code)
+        if n < 60 or n > 1000 or not any("HGMMA" in b for b in body):
+            continue
+        ex2 = sum("MUFU.EX2" in b for b in body)
+        under, inside = 0, False
+        for b in body:
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in b:
+                inside = True
+            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in b:
+                inside = False
+            elif inside and "MUFU.EX2" in b:
+                under += 1
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2, {under} of them between the two wgmma waits")
+        for b in body:
+            if KEY.search(b) and "MUFU" not in b:
+                print("   ", re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()))
+
+
+if __name__ == "__main__":
+    main()
