@@ -1,7 +1,7 @@
 """Compile the Gluon sm_90 dQ kernel (fusedattn/backends/gluon/bwd_dq_sm90.py) with no GPU and
 show what matters in its SASS.
 
-    python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES]    e.g. ... 128 1 bf16
+    python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES] [split]   e.g. ... 128 1 bf16 64 0 split
 
 Prints shared memory, registers/spills (ptxas -v on the PTX), and for each loop of the SASS its
 instruction count, its MUFU.EX2 count and how many of them sit between the wait that leaves one
@@ -24,7 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 
-def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None):
+def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -38,7 +38,8 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, REVERSE_M=causal,
-                 CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS)
+                 CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
+                 SPLIT=split)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)
@@ -50,8 +51,9 @@ def main():
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     block_n = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    stages = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages)
+    stages = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "0" else None
+    split = len(sys.argv) > 6 and sys.argv[6] == "split"
+    k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages, split=split)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)
@@ -64,15 +66,16 @@ def main():
         if n < 60 or n > 1000 or not any("HGMMA" in b for b in body):
             continue
         ex2 = sum("MUFU.EX2" in b for b in body)
-        under, inside = 0, False
+        # MUFU.EX2 after each wgmma wait (the last wait, 0x0, is the dQ product's)
+        after, cur = {}, None
         for b in body:
-            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in b:
-                inside = True
-            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in b:
-                inside = False
-            elif inside and "MUFU.EX2" in b:
-                under += 1
-        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2, {under} of them between the two wgmma waits")
+            m = re.search(r"WARPGROUP.DEPBAR.LE gsb0, (0x\d)", b)
+            if m:
+                cur = m.group(1)
+            elif "MUFU.EX2" in b:
+                after[cur] = after.get(cur, 0) + 1
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2; after each wait: {after} "
+              f"(want none after 0x0)")
         for b in body:
             if KEY.search(b) and "MUFU" not in b:
                 print("   ", re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()))

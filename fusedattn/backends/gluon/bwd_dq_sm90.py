@@ -66,6 +66,8 @@ BLOCK_M = 2 * WG_M  # query rows per CTA
 # tile width -> (BLOCK_N, STAGES). d=128: Q+dO 64 KB + STAGES * (K+V) 32 KB; d=64: 32 KB + STAGES * 16 KB.
 TILES = {64: (64, 4), 128: (64, 3)}
 SUPPORTED_DIMS = (64, 128)
+# tile width -> wait for S and dP separately (``_dq_step``)
+SPLIT = {64: False, 128: False}
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
@@ -97,8 +99,8 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do
                                         v_smem.index(slot))
 
 @gluon.jit
-def _ds_tile(s, dp, qk_scale, lse2, delta, rows, n0, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """dS = P * (dP - delta) with P = exp2(S * qk_scale - lse2), 0 where row i must not see key j."""
+def _p_tile(s, qk_scale, lse2, rows, n0, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """P = exp2(S * qk_scale - lse2), 0 where row i must not see key j."""
     x = s * qk_scale - lse2[:, None]
     if MASKED:
         BLOCK_N: gl.constexpr = s.shape[1]
@@ -107,13 +109,18 @@ def _ds_tile(s, dp, qk_scale, lse2, delta, rows, n0, S_KV, diag, MASKED: gl.cons
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + diag)
         x = gl.where(keep, x, float("-inf"))
-    p = gl.exp2(x)
-    return p * (dp - delta[:, None])
+    return gl.exp2(x)
+
 
 @gluon.jit
 def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale, lse2,
-             delta, rows, S_KV, diag, pin, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """Tile j (j >= 1): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped with dS_j."""
+             delta, rows, S_KV, diag, pin, pin_p, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+             SPLIT: gl.constexpr):
+    """Tile j (j >= 1): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped with dS_j.
+
+    SPLIT: wait for S_j alone first and compute P_j under dP_j (and the dQ product), then wait
+    for dP_j; otherwise wait for both, then P_j and dS_j under the dQ product alone.
+    """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
     slot = j % STAGES
@@ -126,10 +133,18 @@ def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     dp_tok = warpgroup_mma(do_view, _kv_view(v_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
     dq_tok = warpgroup_mma(ds, _kv_view(k_smem, prev, BLOCK_N, HEAD_D), dq, is_async=True)
-    # wgmma groups retire in order: one left in flight means S_j and dP_j are done
-    s, dp = warpgroup_mma_wait(1, deps=(s_tok, dp_tok))
+    if SPLIT:
+        # groups retire in order: two left in flight means S_j is done
+        s = warpgroup_mma_wait(2, deps=(s_tok, ))
+        p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+        pin_p.store(gl.sum(p, 1))
+        dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    else:
+        # one left in flight means S_j and dP_j are done
+        s, dp = warpgroup_mma_wait(1, deps=(s_tok, dp_tok))
+        p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
     mbarrier.arrive(v_empty.index(slot))
-    ds_new = _ds_tile(s, dp, qk_scale, lse2, delta, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+    ds_new = p * (dp - delta[:, None])
     # depends on every dS of the tile: keeps the elementwise work ahead of the wait (docstring)
     pin.store(gl.sum(ds_new, 1))
     dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
@@ -137,10 +152,12 @@ def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     ds = gl.convert_layout(ds_new.to(q_view.dtype), ds.type.layout)
     return dq, ds
 
+
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, head, start_m, n_full, n_tiles, S_Q,
-                 S_KV, diag, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 S_KV, diag, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 SPLIT: gl.constexpr):
     """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
@@ -160,6 +177,7 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    pin_p = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     mbarrier.wait(q_bar, 0)
     q_view = q_smem.reshape([WG_M, HEAD_D])
     do_view = do_smem.reshape([WG_M, HEAD_D])
@@ -173,16 +191,16 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
                            is_async=True)
     s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
     mbarrier.arrive(v_empty.index(0))
-    ds = _ds_tile(s, dp, qk_scale, lse2, delta, rows, 0, S_KV, diag, True, CAUSAL)
+    ds = _p_tile(s, qk_scale, lse2, rows, 0, S_KV, diag, True, CAUSAL) * (dp - delta[:, None])
     ds = gl.convert_layout(ds.to(dtype), ds_layout)
     dq = gl.zeros([WG_M, HEAD_D], gl.float32, dq_layout)
 
     for j in range(1, n_full):
         dq, ds = _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, S_KV, diag, pin, False, CAUSAL, STAGES)
+                          qk_scale, lse2, delta, rows, S_KV, diag, pin, pin_p, False, CAUSAL, STAGES, SPLIT)
     for j in range(gl.maximum(n_full, 1), n_tiles):
         dq, ds = _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, S_KV, diag, pin, True, CAUSAL, STAGES)
+                          qk_scale, lse2, delta, rows, S_KV, diag, pin, pin_p, True, CAUSAL, STAGES, SPLIT)
 
     # last dQ product
     last = (n_tiles - 1) % STAGES
@@ -201,7 +219,8 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-                      REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                      REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                      SPLIT: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -244,10 +263,10 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, batch, head, start_m, n_full,
-                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES)),
+                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES, SPLIT)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, batch, head, start_m, n_full,
-                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES)),
+                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES, SPLIT)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
                         k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N,
                         STAGES)),
@@ -264,7 +283,7 @@ def supports(p, q, k, v, grad_out, dq, *, head_dims=None) -> bool:
         return False
     return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dq))
 
-def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages=None):
+def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages=None, split=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
@@ -274,6 +293,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
+    split = SPLIT[td] if split is None else split
     causal = p.band is not None
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     _attn_bwd_dq_sm90[grid](
@@ -281,7 +301,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages
         lse, *lse.stride(), delta,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
-        REVERSE_M=causal, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        REVERSE_M=causal, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
         num_warps=4,
     )
     return dq
