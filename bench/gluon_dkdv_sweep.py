@@ -1,0 +1,94 @@
+"""Time the Gluon sm_90 dK/dV backward pass against our Triton dK/dV pass alone (same inputs).
+
+    python3 bench/gluon_dkdv_sweep.py [--quick]
+
+TFLOP/s of the dK/dV pass: 4 matmuls (S^T, dP^T, dV, dK) of 2*b*h_q*s_q*s_kv*d flops each,
+halved when causal. "triton" is ``bwd._attn_bwd_dkdv`` launched exactly as ``launch_bwd`` does
+(plan(p).bwd tiles), "gluon" is ``launch_dkdv_sm90`` (and its variants: ring stages). Medians of
+triton.testing.do_bench. Inputs physically BSHD (``torch.randn(b, s, h, d).transpose(1, 2)``).
+Also prints max |gluon - triton| on dK and dV.
+"""
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fusedattn  # noqa: E402
+from fusedattn.backends.gluon import bwd_dkdv_sm90 as G  # noqa: E402
+from fusedattn.backends.triton import bwd  # noqa: E402
+from fusedattn.backends.triton.args import kernel_scalars  # noqa: E402
+from fusedattn.backends.triton.launch import pow2  # noqa: E402
+from fusedattn.plan import plan  # noqa: E402
+from fusedattn.problem import make_problem  # noqa: E402
+
+CONFIGS = [  # (b, h_q, h_kv, s, d, dtype, causal)
+    (4, 32, 32, 2048, 128, torch.bfloat16, True),
+    (1, 32, 32, 16384, 128, torch.bfloat16, True),
+    (4, 32, 8, 4096, 128, torch.bfloat16, True),
+    (2, 16, 16, 8192, 128, torch.bfloat16, False),
+    (8, 12, 12, 1024, 64, torch.float16, False),
+    (8, 12, 12, 1024, 64, torch.float16, True),
+]
+
+
+def triton_dkdv(p, extras, q, k, v, do, lse, delta, dk, dv):
+    """A closure launching the Triton dK/dV kernel with launch_bwd's arguments (plain problem)."""
+    args = kernel_scalars(p, extras, q)
+    t = plan(p).bwd
+    grid = (triton.cdiv(p.s_kv, t.block_n), p.b * p.h_kv)
+    pos = (q, k, v, do, lse, delta, dk, dv, delta, args["seq_q"], args["seq_kv"], q, args["slopes"], q, q,
+           *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *lse.stride(),
+           0, 0, 0, 0, p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v,
+           p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
+           p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
+    kw = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=pow2(p.d), BLOCK_DV=pow2(p.d_v), WRITE_DBIAS=False,
+              VARLEN=False, num_warps=t.num_warps, num_stages=t.num_stages, **args["switches"])
+    return lambda: bwd._attn_bwd_dkdv[grid](*pos, **kw)
+
+
+def main():
+    quick = "--quick" in sys.argv
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__)
+    print(f"{'config':42s} {'triton':>8s} {'gluon':>8s} {'g/t':>6s} {'gluon s3':>9s}  max|dk| max|dv| (g - t)")
+    for b, h_q, h_kv, s, d, dt, causal in CONFIGS[:2] if quick else CONFIGS:
+        torch.manual_seed(0)
+        q = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
+        k = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
+        v = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
+        do = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
+        out, stats = fusedattn.attention_forward(q, k, v, causal=causal, return_stats=True)
+        lse = stats[..., 0]
+        delta = (out.float() * do.float()).sum(-1).reshape(b * h_q, s).contiguous()
+        p, extras = make_problem(q, k, v, causal=causal)
+        assert G.supports(p, q, k, v, do, k, v)
+        dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
+        dk_g, dv_g = torch.empty_like(k), torch.empty_like(v)
+        run_t = triton_dkdv(p, extras, q, k, v, do, lse, delta, dk_t, dv_t)
+        flops = 8.0 * b * h_q * s * s * d * (0.5 if causal else 1.0)
+        tf = lambda ms: flops / ms / 1e9  # noqa: E731
+        res = {}
+        for name, fn in (("triton", run_t),
+                         ("gluon", lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g)),
+                         ("gluon_s3", lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g, stages=3))):
+            try:
+                fn()
+                torch.cuda.synchronize()
+                res[name] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
+                print(f"   {name}: {type(e).__name__}: {str(e)[:200]}")
+                res[name] = float("nan")
+        G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g)
+        run_t()
+        torch.cuda.synchronize()
+        e_dk = (dk_g.float() - dk_t.float()).abs().max().item()
+        e_dv = (dv_g.float() - dv_t.float()).abs().max().item()
+        cfg = f"b{b} h{h_q}/{h_kv} s{s} d{d} {str(dt)[6:]} {'causal' if causal else 'full'}"
+        print(f"{cfg:42s} {tf(res['triton']):8.1f} {tf(res['gluon']):8.1f} {res['triton'] / res['gluon']:5.2f}x "
+              f"{tf(res['gluon_s3']):9.1f}  {e_dk:.2e} {e_dv:.2e}   "
+              f"(ms: {res['triton']:.3f} / {res['gluon']:.3f} / {res['gluon_s3']:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

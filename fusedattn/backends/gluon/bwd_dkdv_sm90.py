@@ -1,0 +1,309 @@
+"""Attention backward, dK/dV pass, for Hopper (sm_90) in Gluon: FlashAttention-3 style.
+
+One program (CTA) owns keys [n0, n0 + 128) of one (batch, kv head) and accumulates their dK and
+dV over every query row of every query head of the kv head's GQA group (so each dK/dV element
+has exactly one writer: bitwise deterministic, no atomics). dQ is a separate pass
+(``bwd_dq_sm90``); delta = rowsum(dO * O) comes from the Triton preprocess.
+
+Partitions (``gl.warp_specialize``), talking only through mbarriers:
+
+* producer (1 warp): K and V once (two 64-key halves each, one per consumer warpgroup), then Q
+  and dO tiles of 64 query rows through a ring of STAGES slots (separate ready barriers for Q
+  and dO, one empty barrier per slot released by both consumer warpgroups), across all query
+  tiles of all heads of the group.
+* two consumer warpgroups (4 warps each): warpgroup WG owns keys [n0 + 64 WG, +64) and keeps
+  its dK and dV [64, d] fp32 accumulators in registers for the whole program.
+
+Per query tile (64 rows, Q_i and dO_i in shared memory), in each consumer warpgroup, on
+transposed tiles [keys, rows] (as the Triton pass):
+
+    S^T  = K Q_i^T           async wgmma (K and Q from shared memory)
+    dP^T = V dO_i^T          async wgmma, in flight while
+    P^T  = exp2(S^T * qk_scale - lse2)      (lse2 = lse * log2 e; masked on causal diagonal tiles only)
+    dV  += P^T dO_i          async wgmma, P^T from registers (A operand), in flight while
+    dS^T = P^T * (dP^T - delta)
+    dK  += dS^T Q_i          async wgmma, dS^T from registers; wait for dV and dK, release the slot
+
+and at the end dK *= scale; dK and dV go to global memory through the (free) K/V shared tiles
+with TMA stores (which clip keys >= s_kv).
+
+Tails need no mask: TMA zero-fills Q and dO rows >= s_q and K/V rows >= s_kv. A zero Q/dO row
+with lse = delta = 0 (loaded masked) gives P = 1, dP = 0, dS = 0 and adds dO = 0 to dV, so it
+contributes nothing; keys >= s_kv only produce dK/dV rows that the TMA store clips. Causal
+(either alignment, diag = 0 or s_kv - s_q): query tiles whose rows see none of the CTA's keys
+are skipped; tiles whose first row already sees the CTA's last real key run mask-free; only the
+(at most three) tiles in between apply ``key <= row + diag``. Rows that see no key at all
+(bottom-right, s_q > s_kv) have every key masked there, so they add nothing. Key block 0 has
+the most query tiles under a causal mask, and the grid runs it first (longest work first).
+
+Tensors are logical [b, h, s, d] with any strides of unit last stride (TMA rules: 16-byte
+aligned base and strides; ``fwd_sm90._tma_ready``), each seen through a 4-D TMA descriptor
+(box [1, 1, 64, d]) so out-of-bounds rows are per (b, h).
+"""
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .fwd_sm90 import LOG2E, _desc, _GL_DTYPES, _is_sm90, _tma_ready
+
+WG_N = 64            # keys per consumer warpgroup (one wgmma M)
+BLOCK_N = 2 * WG_N   # keys per CTA
+BLOCK_M = 64         # query rows per tile of the Q/dO ring
+# head dim -> ring stages. Shared memory: K, V 2 * BLOCK_N * d * 2 bytes + STAGES * (Q + dO) 2 * 64 * d * 2.
+# d=128: 64 KB + 2 * 32 KB = 128 KB (3 stages: 160 KB); d=64: 32 KB + 4 * 16 KB.
+STAGES = {64: 4, 128: 2}
+SUPPORTED_DIMS = (64, 128)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+
+
+@gluon.jit
+def _q_tiles(n0, S_Q, S_KV, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(t_lo, t_full, t_hi): the CTA visits query tiles [t_lo, t_hi); tiles [t_lo, t_full) are masked.
+
+    Row i keeps key j iff j < S_KV and (not CAUSAL or j <= i + diag). Tiles before t_lo have no
+    row that sees any of keys [n0, n0 + BLOCK_N); from t_full on, every row sees every real key
+    of the block."""
+    t_hi = (S_Q + BLOCK_M - 1) // BLOCK_M
+    t_lo = S_Q * 0
+    t_full = t_lo
+    if CAUSAL:
+        last = gl.minimum(n0 + BLOCK_N, S_KV) - 1
+        t_lo = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, t_hi)
+        t_full = (gl.maximum(last - diag, 0) + BLOCK_M - 1) // BLOCK_M
+        t_full = gl.minimum(gl.maximum(t_full, t_lo), t_hi)
+    return t_lo, t_full, t_hi
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
+                   q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, kv_head,
+                   n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr):
+    """Load warp: K and V once, then Q_i and dO_i (TMA) and the tile's lse2 = lse * log2 e and delta
+    rows (plain loads, zero for rows >= S_Q) of every (head of the group, query tile)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    WG_N: gl.constexpr = k_desc.block_type.shape[2]
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0, 0], kv_bar, k_smem.index(0))
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0 + WG_N, 0], kv_bar, k_smem.index(1))
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0, 0], kv_bar, v_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0 + WG_N, 0], kv_bar, v_smem.index(1))
+    it = 0
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+        delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
+        for t in range(t_lo, t_hi):
+            slot = it % STAGES
+            rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+            # issued before the slot wait: their latency hides under it
+            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < S_Q, other=0.0)
+            delta = gl.load(delta_base + rows, mask=rows < S_Q, other=0.0)
+            # first use of a slot: the phase before a fresh barrier's first counts as complete
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot),
+                                            q_smem.index(slot))
+            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
+                                            do_smem.index(slot))
+            lse_smem.index(slot).store(lse2 * 1.4426950408889634)
+            delta_smem.index(slot).store(delta)
+            mbarrier.arrive(l_ready.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready, empty,
+               dk, dv, zero_s, keys_diag, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr):
+    """One query tile (rows [t * 64, +64) of one head): dV += P^T dO, dK += dS^T Q.
+
+    keys_diag: this warpgroup's key indices minus diag (row i keeps key j iff j - diag <= i)."""
+    BLOCK_M: gl.constexpr = zero_s.shape[1]
+    HEAD_D: gl.constexpr = k_view.shape[1]
+    s_layout: gl.constexpr = zero_s.type.layout
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    dtype: gl.constexpr = k_view.dtype
+    slot = it % STAGES
+    phase = (it // STAGES) & 1
+    q_view = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+    do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+
+    mbarrier.wait(q_ready.index(slot), phase)
+    s_tok = warpgroup_mma(k_view, q_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dp_tok = warpgroup_mma(v_view, do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(l_ready.index(slot), phase)
+    lse2 = lse_smem.index(slot).load(col_layout)
+    # groups retire in order: one left in flight means S^T is done (dP^T runs on)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    x = s * qk_scale - lse2[None, :]
+    if MASKED:
+        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
+        x = gl.where(keys_diag[:, None] <= rows[None, :], x, float("-inf"))
+    p = gl.exp2(x)
+    p16 = gl.convert_layout(p.to(dtype), a_layout)
+    dv_tok = warpgroup_mma(p16, do_view, dv, is_async=True)
+    delta = delta_smem.index(slot).load(col_layout)
+    # dP^T done, dV += P^T dO runs on under the dS arithmetic
+    dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
+    ds = p * (dp - delta[None, :])
+    ds16 = gl.convert_layout(ds.to(dtype), a_layout)
+    dk_tok = warpgroup_mma(ds16, q_view, dk, is_async=True)
+    dv, dk, p16, ds16 = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p16, ds16))
+    mbarrier.arrive(empty.index(slot))
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready,
+                   do_ready, l_ready, empty, dk_desc, dv_desc, batch, kv_head, n0, GROUP, diag, t_lo, t_full, t_hi,
+                   qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64)."""
+    WG_N: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)
+    keys_diag = n0 + WG * WG_N - diag + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
+    k_view = k_smem.index(WG).reshape([WG_N, HEAD_D])
+    v_view = v_smem.index(WG).reshape([WG_N, HEAD_D])
+    mbarrier.wait(kv_bar, 0)
+
+    it = 0
+    for g in range(GROUP):
+        if CAUSAL:
+            for t in range(t_lo, t_full):
+                dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                                    l_ready, empty, dk, dv, zero_s, keys_diag, qk_scale, True, STAGES)
+                it += 1
+        for t in range(t_full, t_hi):
+            dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                                l_ready, empty, dk, dv, zero_s, keys_diag, qk_scale, False, STAGES)
+            it += 1
+
+    # epilogue: through this warpgroup's own (now unused) K and V tiles; TMA clips keys >= S_KV
+    v_view.store(dv.to(dtype))
+    k_view.store((dk * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
+    tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
+                        DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    WG_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = 2 * WG_N
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_n = gl.program_id(0)     # key block 0 has the most query tiles under a causal mask: it runs first
+    bh = gl.program_id(1)
+    batch = bh // H_KV
+    kv_head = bh % H_KV
+    n0 = pid_n * BLOCK_N
+    diag = S_Q * 0
+    if BOTTOM_RIGHT:
+        diag = S_KV - S_Q
+    t_lo, t_full, t_hi = _q_tiles(n0, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
+
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_N, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)
+    row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(l_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)     # one arrival from each consumer warpgroup
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
+                          do_ready, l_ready, empty, dk_desc, dv_desc, batch, kv_head, n0, GROUP, diag, t_lo, t_full,
+                          t_hi, qk_scale, sm_scale, CAUSAL, STAGES)),
+        (_dkdv_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
+                          do_ready, l_ready, empty, dk_desc, dv_desc, batch, kv_head, n0, GROUP, diag, t_lo, t_full,
+                          t_hi, qk_scale, sm_scale, CAUSAL, STAGES)),
+        (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                          kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
+                          DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+
+def supports(p, q, k, v, grad_out, dk, dv) -> bool:
+    """True when this kernel computes exactly the dK/dV that ``p`` asks for on these tensors.
+
+    The problem half is cached per problem; the tensor half (sm_90 GPU, dtypes, TMA's stride
+    rules on q, k, v, grad_out, dk, dv) is checked each call."""
+    if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+        return False
+    return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dk, dv))
+
+
+@functools.lru_cache(maxsize=256)
+def _problem_ok(p) -> bool:
+    """No mask or causal (either alignment), plain inputs, d = d_v in SUPPORTED_DIMS."""
+    if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in SUPPORTED_DIMS:
+        return False
+    if (p.paged or p.varlen or p.bias is not None or p.alibi is not None or p.has_dropout or p.softcap
+            or p.has_seq_len_q or p.has_seq_len_kv):
+        return False
+    if not (p.scale > 0.0) or p.s_q < 1 or p.s_kv < 1 or p.b < 1 or p.h_q < 1 or p.h_kv < 1:
+        return False
+    band = p.band
+    if band is not None and not (band.left is None and band.right == 0):
+        return False
+    return max(p.s_q, p.s_kv) < 2 ** 31 and p.b * p.h_kv <= 65535 and p.b * p.h_q * p.s_q < 2 ** 31
+
+
+def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, stages=None):
+    """dK, dV of attention on Hopper, written in place.
+
+    q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
+    unit last stride (``supports`` checks them); lse fp32 [b,h_q,s_q] view (any strides,
+    natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)).
+    stages overrides ``STAGES`` (tuning)."""
+    stages = stages or STAGES[p.d]
+    causal = p.band is not None
+    assert delta.is_contiguous() and delta.dtype == torch.float32
+    grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
+    _attn_bwd_dkdv_sm90[grid](
+        _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
+        _desc(dv, WG_N), lse, *lse.stride(), delta,
+        p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
+        STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4,
+    )
+    return dk, dv

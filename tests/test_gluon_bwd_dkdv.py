@@ -1,0 +1,171 @@
+"""The Gluon sm_90 dK/dV backward pass (fusedattn/backends/gluon/bwd_dkdv_sm90.py) on an H100/H200.
+
+dK and dV, written into NaN-filled guarded buffers, against float64 autograd of the reference by
+FlashAttention's rule (error at most 2x PyTorch's same-precision error plus a small floor) and
+against our Triton backward, over: head dims 64/128, fp16/bf16, causal none / top-left /
+bottom-right, GQA 1 / 4 / MQA, odd lengths with s_q != s_kv both ways, BSHD and other strided
+layouts; plus bitwise determinism and what ``supports`` refuses. Every failure message carries
+a one-line repro. GPU-only: skipped (visibly) elsewhere.
+"""
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.problem import make_problem
+from fusedattn.reference import attention_reference
+from fusedattn.testing import FLOOR, assert_error_within, guarded, max_err
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped"),
+              pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90,
+                                 reason="the Gluon dK/dV kernel is Hopper-only (compute capability 9.x)")]
+
+MODES = ("none", "top_left", "bottom_right")
+# (s_q, s_kv): single rows, odd lengths, partial key blocks (129 = one 128-key block + 1),
+# s_q != s_kv both ways (bottom-right with s_q > s_kv has rows that see no key)
+LENGTH_PAIRS = ((1, 1), (1, 300), (17, 129), (129, 17), (300, 1000), (1000, 300), (256, 256))
+
+
+@dataclass
+class BCase:
+    seed: int
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d: int
+    dtype: str
+    mode: str
+    layout: str
+
+    def kwargs(self):
+        return dict(causal=self.mode != "none",
+                    causal_alignment="top_left" if self.mode == "none" else self.mode)
+
+    def repro(self, nodeid):
+        return f"repro: pytest '{nodeid}' ; {asdict(self)}"
+
+
+def reference_grads(q, k, v, do, dtype, **kw):
+    qs, ks, vs = (t.detach().cpu().to(dtype).requires_grad_() for t in (q, k, v))
+    o, _ = attention_reference(qs, ks, vs, dtype=dtype, **kw)
+    o.backward(do.cpu().to(dtype))
+    return ks.grad, vs.grad
+
+
+def make_inputs(case):
+    gen = torch.Generator().manual_seed(case.seed)
+    dt = getattr(torch, case.dtype)
+    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
+    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
+    v = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
+    do = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
+    kw = case.kwargs()
+    out, stats = fusedattn.attention_forward(q.view, k.view, v.view, backend="triton", return_stats=True, **kw)
+    # delta = rowsum(dO * O), fp32 contiguous [b * h_q, s_q] (what the Triton preprocess writes)
+    delta = (out.float() * do.view.float()).sum(-1).reshape(case.b * case.h_q, case.s_q).contiguous()
+    return q, k, v, do, out, stats, delta
+
+
+def run_gluon(case, q, k, v, do, stats, delta):
+    """dK, dV from the Gluon kernel, in NaN-filled guarded buffers of the case's layout."""
+    from fusedattn.backends.gluon.bwd_dkdv_sm90 import launch_dkdv_sm90, supports
+    dt = getattr(torch, case.dtype)
+    dk = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
+    dv = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
+    p, _ = make_problem(q.view, k.view, v.view, **case.kwargs())
+    assert supports(p, q.view, k.view, v.view, do.view, dk.view, dv.view), "supports() refused a case it should run"
+    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, stats[..., 0], delta, dk.view, dv.view)
+    torch.cuda.synchronize()
+    return dk, dv
+
+
+def run_case(case, nodeid):
+    msg = case.repro(nodeid)
+    q, k, v, do, out, stats, delta = make_inputs(case)
+    dk, dv = run_gluon(case, q, k, v, do, stats, delta)
+    kw = case.kwargs()
+    gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **kw)
+    base = reference_grads(q.view, k.view, v.view, do.view, getattr(torch, case.dtype), **kw)
+    # our Triton backward (the portable kernels)
+    _, tri_dk, tri_dv, _ = fusedattn.attention_backward(q.view, k.view, v.view, out, do.view, stats, backend="triton",
+                                                         **kw)
+    dt = getattr(torch, case.dtype)
+    for name, g, gd, gb, tri in (("dk", dk, gold[0], base[0], tri_dk), ("dv", dv, gold[1], base[1], tri_dv)):
+        got = g.view.cpu()
+        assert_error_within(got, gd, gb, msg=f"{name}. {msg}")
+        # both within the rule of the same reference, so they differ by at most the sum of the two errors
+        e_tri = max_err(got, tri.cpu())
+        bound = 2 * (2 * max_err(gb, gd) + FLOOR[dt])
+        assert e_tri <= bound, f"{name} differs from the Triton backward by {e_tri:.3e} > {bound:.3e}. {msg}"
+        g.check_untouched(f"{name}. {msg}")
+    for g, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")):
+        g.check_untouched(f"{name}. {msg}")
+
+
+@pytest.mark.parametrize("s_q,s_kv", LENGTH_PAIRS, ids=lambda x: str(x))
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_dkdv_lengths(mode, s_q, s_kv, request):
+    """Length pairs x masks, d=128 bf16, GQA 4/2 (two query heads per kv head), BSHD memory."""
+    seed = 100 * MODES.index(mode) + 10 * LENGTH_PAIRS.index((s_q, s_kv))
+    case = BCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                 layout="bshd")
+    run_case(case, request.node.nodeid)
+
+
+GEOMS = [  # (h_q, h_kv, s_q, s_kv, mode, layout)
+    (3, 3, 300, 519, "bottom_right", "bshd"),     # GQA 1
+    (8, 2, 700, 1000, "top_left", "gap"),         # GQA 4, row gaps in memory
+    (4, 1, 1000, 300, "bottom_right", "sbhd"),    # MQA, s_q > s_kv
+    (6, 2, 257, 257, "none", "bhsd"),             # GQA 3, contiguous
+]
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: f"h{g[0]}-{g[1]}-s{g[2]}x{g[3]}-{g[4]}-{g[5]}")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gluon_dkdv_geometries(geom, d, dtype, request):
+    """Head dims, dtypes, GQA/MQA group sizes, masks and strided layouts."""
+    h_q, h_kv, s_q, s_kv, mode, layout = geom
+    case = BCase(seed=1000 + 10 * GEOMS.index(geom) + d + (dtype == "float16"), b=2, h_q=h_q, h_kv=h_kv, s_q=s_q,
+                 s_kv=s_kv, d=d, dtype=dtype, mode=mode, layout=layout)
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("mode", ["none", "bottom_right"])
+def test_gluon_dkdv_deterministic(mode):
+    """Two launches give bitwise equal dK and dV (one writer per element, no atomics)."""
+    case = BCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=128, dtype="bfloat16", mode=mode, layout="bshd")
+    q, k, v, do, out, stats, delta = make_inputs(case)
+    first = run_gluon(case, q, k, v, do, stats, delta)
+    again = run_gluon(case, q, k, v, do, stats, delta)
+    for a, b in zip(first, again):
+        assert torch.equal(a.view, b.view), "dK/dV not bitwise reproducible"
+
+
+def test_gluon_dkdv_supports():
+    """What the kernel refuses: windows, other head dims, fp32, d != d_v, misaligned bases."""
+    from fusedattn.backends.gluon.bwd_dkdv_sm90 import supports
+
+    def check(expect, what, q, k, v, **kw):
+        p, _ = make_problem(q, k, v, **kw)
+        do = torch.empty(q.shape[:-1] + (v.shape[-1],), device=q.device, dtype=q.dtype)
+        assert supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v)) == expect, what
+
+    mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
+    check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
+    check(True, "BSHD view, causal", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)), causal=True)
+    check(True, "d64 fp16 MQA", mk(1, 4, 64, 64, dt=torch.float16), mk(1, 1, 64, 64, dt=torch.float16),
+          mk(1, 1, 64, 64, dt=torch.float16))
+    check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
+    check(False, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
+    check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
+    check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
+    base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)
+    odd = base[3:].view(1, 2, 64, 128)            # base pointer 6 bytes off 16-byte alignment
+    check(False, "misaligned base", odd, mk(1, 2, 64, 128), mk(1, 2, 64, 128))

@@ -1,0 +1,85 @@
+"""Compile the Gluon sm_90 dK/dV backward kernel with no GPU, and show what matters in its SASS.
+
+    python tools/gluon_bwd_check.py [D] [CAUSAL] [dtype] [STAGES]     e.g. ... 128 1 bf16
+
+Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514
+wgmma serialization), and for each loop of the SASS its instruction count, its MUFU.EX2 count
+and where they sit relative to the wgmma waits, and the order of the wgmma-related
+instructions (HGMMA issue, WARPGROUP.DEPBAR waits, barriers), so one can check which products
+are in flight under the exponentials and the dS arithmetic.
+"""
+import os
+import re
+import sys
+
+import triton
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gluon_check import KEY, TARGET, loops, ptxas_report, sass  # noqa: E402
+from fusedattn.backends.gluon import bwd_dkdv_sm90 as m  # noqa: E402
+from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
+
+
+def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, **over):
+    import torch
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    stages = stages or m.STAGES[d]
+    ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
+    kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
+    sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
+           "k_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "v_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "do_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
+           "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
+           "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
+           "qk_scale": "fp32", "sm_scale": "fp32"}
+    const = dict(STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, CONSUMER_REGS=m.CONSUMER_REGS,
+                 PRODUCER_REGS=m.PRODUCER_REGS)
+    const.update(over)
+    for k in const:
+        sig[k] = "constexpr"
+    src = GluonASTSource(fn=m._attn_bwd_dkdv_sm90, signature=sig, constexprs=const)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+def main():
+    d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
+    dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
+    stages = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    k = compile_dkdv(d, causal, dtype, stages=stages)
+    print(f"shared {k.metadata.shared} bytes")
+    print(ptxas_report(k).strip())
+    text = sass(k)
+    path = f"/tmp/gluon_dkdv_d{d}_c{int(causal)}.sass"
+    with open(path, "w") as f:
+        f.write(text)
+    print("SASS in", path)
+    for label, n, body in loops(text):
+        if n < 60:
+            continue
+        ex2 = sum("MUFU.EX2" in b for b in body)
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2")
+        seq, n_ex2 = [], 0
+        for b in body:
+            if "MUFU.EX2" in b:
+                n_ex2 += 1
+                continue
+            mm = KEY.search(b)
+            if mm or "HMUL" in b or "STS" in b or "LDG" in b:
+                if n_ex2:
+                    seq.append(f"[{n_ex2} MUFU.EX2]")
+                    n_ex2 = 0
+                seq.append(re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()))
+        if n_ex2:
+            seq.append(f"[{n_ex2} MUFU.EX2]")
+        for s in seq:
+            print("   ", s)
+
+
+if __name__ == "__main__":
+    main()
