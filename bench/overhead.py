@@ -61,6 +61,20 @@ def launch_cost(q, k, v, causal):
         print(f"{name:28s} host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
 
 
+class _NoOp(torch.autograd.Function):
+    """The autograd engine's own cost for a Python Function: a backward that launches nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.set_materialize_grads(False)
+        ctx.grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        return q.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.grads
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--causal", action="store_true")
@@ -80,6 +94,9 @@ def main():
     kern = lambda: launch_bwd(p, pl, qd, kd, vd, o2, do, lse.squeeze(-1), extras, dq, dk, dv, False)  # noqa
     run_bwd = lambda: _run_backward(p, extras, pl, qd, kd, vd, o2, do, lse[..., 0])  # noqa: E731
     api_bwd = lambda: fusedattn.attention_backward(qd, kd, vd, o2, do, lse, causal=args.causal)  # noqa: E731
+    noop_out = _NoOp.apply(q, k, v)
+    engine = lambda: torch.autograd.grad(noop_out, (q, k, v), do, retain_graph=True)  # noqa: E731
+    print(f"{'autograd engine, no-op bwd':28s} host enqueue {host_ms(engine) * 1e3:7.1f} us", flush=True)
     for name, fn in (("fwd", fwd), ("bwd autograd", bwd), ("bwd attention_backward", api_bwd),
                      ("bwd _run_backward", run_bwd), ("bwd kernels (launch_bwd)", kern)):
         gpu = triton.testing.do_bench(fn, return_mode="median")

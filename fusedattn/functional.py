@@ -194,11 +194,16 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, stats, attn_bias)
         ctx.problem = tuple(kept)        # validated once: the backward skips make_problem
         ctx.mark_non_differentiable(stats)
+        # no zero-filled gradient for the stats output on every backward (a kernel launch and an
+        # allocation per step); an unused output then arrives as None
+        ctx.set_materialize_grads(False)
         return out, stats
 
     @staticmethod
     def backward(ctx, grad_out, _grad_stats):
         q, k, v, out, stats, attn_bias = ctx.saved_tensors
+        if grad_out is None:         # the output took no part in the loss
+            return None, None, None, None, None
         p, extras, pl = ctx.problem
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         if grad_out.stride(-1) != 1:

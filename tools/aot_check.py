@@ -71,10 +71,10 @@ def bwd_variants(d, tk, tq, dtype="bf16", **sw):
     bd = triton.next_power_of_2(d)
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d)
     c.update(sw)
-    ptrs = dict(Q=ptr, K=ptr, V=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,
+    ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,
                 SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32", CU_Q="*i32", CU_KV="*i32")
     a = compile_variant(bwd._attn_bwd_dkdv, ptrs, dict(c, BLOCK_M=tk[0], BLOCK_N=tk[1], WRITE_DBIAS=False, VARLEN=c.get("VARLEN", False)), tk[2], tk[3])
-    b = compile_variant(bwd._attn_bwd_dq, ptrs, dict(c, BLOCK_M=tq[0], BLOCK_N=tq[1], REVERSE_M=True, VARLEN=c.get("VARLEN", False)), tq[2], tq[3])
+    b = compile_variant(bwd._attn_bwd_dq, ptrs, dict(c, BLOCK_M=tq[0], BLOCK_N=tq[1], REVERSE_M=True, WRITE_DELTA=True, VARLEN=c.get("VARLEN", False)), tq[2], tq[3])
     return a, b
 
 

@@ -3,11 +3,16 @@
 Notation as in fwd.py. Given q, k, v, o, dO and the forward's natural-log
 stats ``lse``, with P = exp(S - lse) recomputed tile by tile (never stored):
 
-    delta = rowsum(dO * O)                          _attn_bwd_preprocess, [b*h_q, s_q] fp32
-    dV_j  = sum_i P_ij^T dO_i        (dropout: P masked and scaled by 1/(1-p))
+    delta = rowsum(dO * O)                          [b*h_q, s_q] fp32, written by the dQ pass
     dS_ij = P_ij * (dP_ij - delta_i),  dP = dO V^T   (dropout: dP masked and scaled)
-    dK_j  = scale * sum_i dS_ij^T Q_i                _attn_bwd_dkdv, program = (key block, b, kv head)
     dQ_i  = scale * sum_j dS_ij K_j                  _attn_bwd_dq,   program = (query block, b, q head)
+    dV_j  = sum_i P_ij^T dO_i        (dropout: P masked and scaled by 1/(1-p))
+    dK_j  = scale * sum_i dS_ij^T Q_i                _attn_bwd_dkdv, program = (key block, b, kv head)
+
+The dQ pass runs first: each program computes delta for its own rows (it holds dO
+already) before its loop, so no separate preprocess launch is needed; the dK/dV pass
+then reads delta. (``_attn_bwd_preprocess`` is the standalone delta kernel, for passes
+that cannot write it themselves.)
 
 The dK/dV program owns one key block of one kv head and loops over the query
 heads of its GQA group and the query blocks that see it (the band transposed,
@@ -240,10 +245,11 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q, CU_KV,
+def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q, CU_KV,
                  stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd,
                  stride_vb, stride_vh, stride_vn, stride_vd,
+                 stride_ob, stride_oh, stride_om, stride_od,
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  stride_lb, stride_lh, stride_lm,
@@ -257,7 +263,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q,
                  HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                  BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
                  DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 VARLEN: tl.constexpr):
+                 VARLEN: tl.constexpr, WRITE_DELTA: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -287,7 +293,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU_Q,
     do = load_tile(DO + do_off + h64 * stride_doh + offs_m[:, None] * stride_dom
                    + offs_dv[None, :] * stride_dod, offs_m, offs_dv, row_end, D_V, True, not EVEN_DV)
     lse2 = tl.load(LSE + l_off + h64 * stride_lh + offs_m * stride_lm, mask=offs_m < row_end, other=0.0) * LOG2E
-    delta = tl.load(DELTA + bh.to(tl.int64) * S_Q + offs_m, mask=offs_m < row_end, other=0.0)
+    delta_ptrs = DELTA + bh.to(tl.int64) * S_Q + offs_m
+    if WRITE_DELTA:
+        # this pass runs first and computes delta = rowsum(dO * O) for its rows (the dK/dV pass reads
+        # it): one launch and one read of dO fewer than a separate preprocess kernel
+        o = load_tile(O + b_idx * stride_ob + q0 * stride_om + h64 * stride_oh + offs_m[:, None] * stride_om
+                      + offs_dv[None, :] * stride_od, offs_m, offs_dv, row_end, D_V, True, not EVEN_DV)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(delta_ptrs, delta, mask=offs_m < S_Q)
+    else:
+        delta = tl.load(delta_ptrs, mask=offs_m < row_end, other=0.0)
     k_base = K + k_off + kvh64 * stride_kh
     v_base = V + v_off + kvh64 * stride_vh
     bias_base = BIAS
@@ -332,7 +347,8 @@ _PLAIN_ARGS = {}   # plain problems: (problem, tiles, strides) -> per kernel (gr
 
 
 def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
-    """Launch preprocess, dK/dV and dQ. Returns the full fp32 dBias [b,h_q,s_q,s_kv] or None."""
+    """Launch the dQ pass (which also writes delta) and then the dK/dV pass. Returns the full fp32
+    dBias [b,h_q,s_q,s_kv] or None."""
     p = problem
     plain_key = None
     if _is_plain(p) and not need_dbias and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out, lse, dq, dk, dv)):
@@ -341,12 +357,12 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
                      lse.stride(), dq.stride(), dk.stride(), dv.stride())
         hit = _PLAIN_ARGS.get(plain_key)
         if hit is not None:
-            pre, dkdv, dq_pass = hit
+            dq_pass, dkdv = hit
             delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-            _PREPROCESS(plain_key, pre[0], out, grad_out, delta, q, *pre[1], **pre[2])
+            _DQ(plain_key, dq_pass[0], q, k, v, out, grad_out, lse, delta, dq, q, q, q, q, q, q,
+                *dq_pass[1], **dq_pass[2])
             _DKDV(plain_key, dkdv[0], q, k, v, grad_out, lse, delta, dk, dv, delta, q, q, q, q, q, q,
                   *dkdv[1], **dkdv[2])
-            _DQ(plain_key, dq_pass[0], q, k, v, grad_out, lse, delta, dq, q, q, q, q, q, q, *dq_pass[1], **dq_pass[2])
             return None
     q, k, v, out, grad_out, lse = (aligned(t) for t in (q, k, v, out, grad_out, lse))
     (dq, dq_target), (dk, dk_target), (dv, dv_target) = (aligned_output(t) for t in (dq, dk, dv))
@@ -360,16 +376,12 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     block_d, block_dv = pow2(p.d), pow2(p.d_v)
 
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-    pre_m = 64
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
     # what every non-tensor argument and tensor dtype/alignment depends on (launch.py); no key with
     # dropout (per-call seeds)
     key = plain_key or (None if p.has_dropout else (
         p, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(), lse.stride(), dq.stride(),
         dk.stride(), dv.stride(), bias_strides, need_dbias, extras_key(extras)))
-    pre = ((cdiv(p.s_q, pre_m), p.b * p.h_q),
-           (out, grad_out, delta, cu_q, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v),
-           dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, VARLEN=p.varlen))
 
     dbias = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device) if need_dbias else None
     common = (p.scale, args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
@@ -386,19 +398,19 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
                  **sw))
     t = plan.bwd_dq
     dq_pass = ((cdiv(p.s_q, t.block_m), p.b * p.h_q),
-               (q, k, v, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+               (q, k, v, out, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q,
+                cu_kv, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *dq.stride(),
                 *lse.stride(), *bias_strides,
                 p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common),
                dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                    REVERSE_M=args["causal_like"], VARLEN=p.varlen, num_warps=t.num_warps,
+                    REVERSE_M=args["causal_like"], VARLEN=p.varlen, WRITE_DELTA=True, num_warps=t.num_warps,
                     num_stages=t.num_stages, **sw))
     if plain_key is not None:
         if len(_PLAIN_ARGS) >= 512:
             _PLAIN_ARGS.clear()
-        _PLAIN_ARGS[plain_key] = tuple((grid, pos[n:], kw) for (grid, pos, kw), n in
-                                       ((pre, 4), (dkdv, 15), (dq_pass, 13)))
-    for launcher, (grid, pos, kw) in ((_PREPROCESS, pre), (_DKDV, dkdv), (_DQ, dq_pass)):
+        _PLAIN_ARGS[plain_key] = tuple((grid, pos[n:], kw) for (grid, pos, kw), n in ((dq_pass, 14), (dkdv, 15)))
+    # the dQ pass first: it writes delta, which the dK/dV pass reads
+    for launcher, (grid, pos, kw) in ((_DQ, dq_pass), (_DKDV, dkdv)):
         launcher(key, grid, *pos, **kw)
     for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
         if target is not None:
