@@ -24,7 +24,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 
-def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False):
+def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False, write_delta=True):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -36,10 +36,11 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
     kd = f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>"
     sig = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "dq_desc": qd,
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
+           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, REVERSE_M=causal,
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
-                 SPLIT=split)
+                 SPLIT=split, WRITE_DELTA=write_delta)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)

@@ -155,9 +155,9 @@ def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
 
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                 dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, head, start_m, n_full, n_tiles, S_Q,
-                 S_KV, diag, qk_scale, sm_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 SPLIT: gl.constexpr):
+                 dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, O, stride_ob, stride_oh, stride_om, batch,
+                 head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr):
     """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
@@ -174,11 +174,25 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     in_q = rows < S_Q
     lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=in_q, other=0.0) * LOG2E_C
-    delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     pin_p = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    mbarrier.wait(q_bar, 0)
+    if WRITE_DELTA:
+        # delta = rowsum(dO * O) for this warpgroup's rows, written for the dK/dV pass: O read once
+        # from global memory (16-byte vectors), dO from the shared-memory tile of this pass
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, ld))
+        c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld))
+        o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+        o = gl.load(o_base + r.to(gl.int64)[:, None] * stride_om + c[None, :], mask=(r < S_Q)[:, None], other=0.0)
+        mbarrier.wait(q_bar, 0)
+        do_t = do_smem.reshape([WG_M, HEAD_D]).load(ld)
+        d_rows = gl.sum(o.to(gl.float32) * do_t.to(gl.float32), 1)
+        gl.store(DELTA + r, d_rows, mask=r < S_Q)
+        delta = gl.convert_layout(d_rows, row_s)
+    else:
+        delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
+        mbarrier.wait(q_bar, 0)
     q_view = q_smem.reshape([WG_M, HEAD_D])
     do_view = do_smem.reshape([WG_M, HEAD_D])
 
@@ -217,10 +231,11 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 
 @gluon.jit
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
+                      O, stride_ob, stride_oh, stride_om,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      SPLIT: gl.constexpr):
+                      SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -262,11 +277,13 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
-                        dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, batch, head, start_m, n_full,
-                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES, SPLIT)),
+                        dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
+                        stride_om, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale,
+                        CAUSAL, BLOCK_N, STAGES, SPLIT, WRITE_DELTA)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
-                        dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, batch, head, start_m, n_full,
-                        n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL, BLOCK_N, STAGES, SPLIT)),
+                        dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
+                        stride_om, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale,
+                        CAUSAL, BLOCK_N, STAGES, SPLIT, WRITE_DELTA)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
                         k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N,
                         STAGES)),
@@ -275,20 +292,27 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 # ----------------------------------------------------------------------------------------------
 # host side
 
-def supports(p, q, k, v, grad_out, dq, *, head_dims=None) -> bool:
+def supports(p, q, k, v, grad_out, dq, *, out=None, head_dims=None) -> bool:
     """True when this kernel computes the dQ of ``p`` on these tensors (sm_90, fp16/bf16, d = d_v
-    in ``SUPPORTED_DIMS``, no mask or causal, TMA-ready strides). The problem half is cached."""
+    in ``SUPPORTED_DIMS``, no mask or causal, TMA-ready strides). The problem half is cached.
+    out: the forward's output, when the caller wants delta computed by this pass (unit last stride)."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
     if not (_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
+    if out is not None and not (isinstance(out, torch.Tensor) and out.dtype == p.dtype and out.is_cuda
+                                and out.stride(-1) == 1 and out.shape == grad_out.shape):
+        return False
     return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dq))
 
-def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages=None, split=None):
+def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, block_n=None, stages=None, split=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
     stride. lse: fp32 [b,h_q,s_q] view (any strides; the forward's natural-log stats). delta: fp32
-    contiguous [b*h_q, s_q] (rowsum(dO * O)). block_n / stages override ``TILES`` (tuning).
+    contiguous [b*h_q, s_q]: read as rowsum(dO * O), or, when ``out`` (the forward's output, same
+    shape as grad_out, unit last stride) is given, computed here and written into it (for the
+    dK/dV pass; no separate preprocess launch). block_n / stages / split override ``TILES`` /
+    ``SPLIT`` (tuning).
     """
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
@@ -296,12 +320,13 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, block_n=None, stages
     split = SPLIT[td] if split is None else split
     causal = p.band is not None
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
+    o_arg, o_strides = (out, out.stride()[:3]) if out is not None else (lse, (0, 0, 0))
     _attn_bwd_dq_sm90[grid](
         _desc(q, WG_M), _desc(grad_out, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(dq, WG_M),
-        lse, *lse.stride(), delta,
+        lse, *lse.stride(), delta, o_arg, *o_strides,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
         REVERSE_M=causal, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
-        num_warps=4,
+        WRITE_DELTA=out is not None, num_warps=4,
     )
     return dq
