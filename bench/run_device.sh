@@ -4,7 +4,8 @@
 #   bash bench/run_device.sh [PART ...] [-- EXTRA BENCH ARGS]
 #
 # PARTS, run in the order given (default: tests demo bench-quick):
-#   tests          python3 -m pytest -x -q tests -m gpu        (the GPU tests)
+#   tests          python3 -m pytest -q tests -m gpu           (the GPU tests; TEST_PATHS narrows them)
+#   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
 #   bench-quick    the same with --quick (fewer repetitions)
@@ -130,7 +131,8 @@ report_env
 
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests)         run_part tests python3 -m pytest -q -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ;;
+        tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" ;;
+        overhead)      run_part overhead python3 bench/overhead.py ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
         bench-quick)   bench_part bench-quick --quick ;;

@@ -77,8 +77,9 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
     if pl.fwd_gluon:
         # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
         fwd_sm90 = _gluon_fwd()
-        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out):
-            fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse)
+        slopes = extras["slopes"]
+        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, slopes=slopes):
+            fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, slopes=slopes)
             return
     from .backends.triton.fwd import launch_fwd
     launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)

@@ -4,14 +4,15 @@ Against a float64 reference by FlashAttention's rule (error at most 2x PyTorch's
 error plus a small floor) and against our Triton kernel, on seeded cases: head dims 64/128 (and
 224/256, which ``supports`` accepts only when asked: ``head_dims``),
 fp16/bf16, causal top-left / bottom-right / none, lengths in {1, 17, 128, 200, 1000} with
-s_q != s_kv both ways, GQA, BSHD and other strided layouts; with and without the consumer
-warpgroups' ping-pong. Outputs and LSE live in NaN-guarded
+s_q != s_kv both ways, GQA, BSHD and other strided layouts, sliding windows and ALiBi; with and
+without the consumer warpgroups' ping-pong. Outputs and LSE live in NaN-guarded
 buffers: an unwritten element stays NaN, a stray write outside the tensor is caught.
 Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
 import dataclasses
 import random
 from dataclasses import asdict, dataclass
+from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -44,10 +45,17 @@ class GCase:
     dtype: str
     mode: str
     layout: str
+    window: Optional[Tuple[int, int]] = None     # (left, right), -1 unbounded
+    alibi: bool = False
 
     def kwargs(self):
-        return dict(causal=self.mode != "none",
-                    causal_alignment="top_left" if self.mode == "none" else self.mode)
+        kw = dict(causal=self.mode != "none", causal_alignment="top_left" if self.mode == "none" else self.mode)
+        if self.window is not None:
+            kw["window"] = self.window
+            kw["causal_alignment"] = "top_left" if self.mode == "none" else self.mode
+        if self.alibi:
+            kw["alibi"] = True
+        return kw
 
     def repro(self, nodeid):
         return f"repro: pytest '{nodeid}' ; {asdict(self)}"
@@ -72,11 +80,12 @@ def run_case(case, nodeid, write_lse=True, pingpong=None):
     out = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, fill=None)   # NaN-filled
     stats = guarded((case.b, case.h_q, case.s_q, 1), torch.float32, "cuda", "bhsd", fill=None)
     kw = case.kwargs()
-    p, _ = make_problem(q.view, k.view, v.view, **kw)
-    assert supports(p, q.view, k.view, v.view, out.view, head_dims=tuple(TILE_D)), \
+    p, extras = make_problem(q.view, k.view, v.view, **kw)
+    slopes = extras["slopes"]
+    assert supports(p, q.view, k.view, v.view, out.view, head_dims=tuple(TILE_D), slopes=slopes), \
         f"supports() refused a case it should run. {msg}"
     lse = stats.view[..., 0] if write_lse else None
-    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, pingpong=pingpong)
+    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, slopes=slopes, pingpong=pingpong)
     torch.cuda.synchronize()
 
     gold_o, gold_lse = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), **kw)
@@ -160,6 +169,33 @@ def test_gluon_fwd_wide_gqa8(d, dtype, pingpong, request):
     run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
 
 
+WINDOWS = ((0, 0), (37, 0), (200, 0), (64, 64), (130, -1), (-1, 90), (5, 300))
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["band", "alibi"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_window_alibi(mode, window, alibi, request):
+    """Sliding windows (masked left edges, mask-free middles, masked right edges), each alignment,
+    with and without ALiBi; lengths that leave partial tiles and s_q != s_kv."""
+    seed = 3000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
+    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
+    case = GCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                 layout="bshd", window=window, alibi=alibi)
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", range(16), ids=lambda s: f"case{s}")
+def test_gluon_fwd_alibi_random(seed, request):
+    """ALiBi (the paper's slopes for odd head counts too) with or without a mask, random geometry,
+    every routed head dim."""
+    case = random_gcase(4000 + seed)
+    rng = random.Random(seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(case, d=(64, 128, 224, 256)[seed % 4], alibi=seed % 4 != 3, window=window)
+    run_case(case, request.node.nodeid)
+
+
 def test_gluon_fwd_supports():
     """What the kernel refuses: windows, other head dims, fp32, misaligned bases, d != d_v."""
     from fusedattn.backends.gluon.fwd_sm90 import SUPPORTED_DIMS, TILE_D, supports
@@ -172,7 +208,12 @@ def test_gluon_fwd_supports():
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
     check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
     check(True, "BSHD view", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)))
-    check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(True, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(False, "ALiBi without slopes", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), alibi=True)
+    check(False, "padding mask", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          seq_len_kv=torch.tensor([30], device="cuda", dtype=torch.int32))
+    check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          attn_bias=mk(1, 1, 64, 64))
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
     check(False, "d=96, all tile dims", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96), head_dims=tuple(TILE_D))
     for d in WIDE_D:

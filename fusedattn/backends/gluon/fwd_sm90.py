@@ -43,9 +43,14 @@ Optional ping-pong (``PINGPONG``, FA3's inter-warpgroup scheduling): the two con
 warpgroups take turns issuing their wgmmas through a pair of mbarriers, so one warpgroup's
 softmax runs while the other's products occupy the tensor cores.
 
-Masking: tile 0 (the prologue) and the tiles from ``n_full`` on are masked (keys >= s_kv,
-and for causal keys > row + diag); tiles in [1, n_full) are whole for every row of the CTA
-and skip the mask arithmetic. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows
+Masking (``_kv_range``): a CTA visits key tiles [t_lo, t_hi) of the band (causal, or a sliding
+window: row i keeps key j iff j < s_kv and i + diag - left <= j <= i + diag + right, either
+bound optional). Tile t_lo (the prologue), the band's left edge [t_lo + 1, t_a) and its right
+edge and tail [t_b, t_hi) are masked; tiles in [t_a, t_b) are whole for every row of the CTA
+and skip the mask arithmetic. Tiles outside the band are never loaded, so a window costs
+O(s * window). ALiBi (slope * (j - i), slopes from a [h_q] tensor) adds the column half
+slope * (j - row0) (row0: the warpgroup's first row) in the same FMA that scales the scores;
+the row half is constant per row, cancels in the softmax and is taken out of the LSE. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows
 >= s_kv) and clips the output store at s_q; LSE rows >= s_q are masked out.
 
 [Note] empty rows (causal bottom-right with s_q > s_kv: rows with no key): m = -inf and l = 0;
@@ -62,6 +67,7 @@ Tensors are logical [b, h, s, d] with any strides whose last is 1 (TMA: 16-byte 
 and strides): each is seen through one 4-D TMA descriptor with box [1, 1, rows, TILE_D[d]], so
 batch/head/sequence strides are the tensor's own and out-of-bounds rows are per (b, h).
 """
+import dataclasses
 import functools
 
 import torch
@@ -126,10 +132,42 @@ def _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.conste
 
 
 @gluon.jit
+def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles of a CTA under a band (causal, sliding window): (t_lo, t_a, t_b, t_hi).
+
+    Row i keeps key j iff j < S_KV, j >= i + diag - win_left (HAS_LEFT) and j <= i + diag +
+    win_right (HAS_RIGHT). The CTA visits tiles [t_lo, t_hi): tile t_lo first (the prologue,
+    masked), then [t_lo + 1, t_a) masked (the band's left edge), [t_a, t_b) mask-free and
+    [t_b, t_hi) masked (the right edge and the tail past S_KV). At least one tile is visited
+    (a fully masked one when no row sees a key). With no left bound this is ``_kv_tiles``.
+    """
+    last_row = gl.minimum(start_m + BLOCK_M, S_Q) - 1
+    hi = S_KV
+    full_hi = S_KV // BLOCK_N
+    if HAS_RIGHT:
+        # keys [.., last_row + diag + win_right] are visible to the last (widest-reaching) row;
+        # a whole tile is mask-free up to what the first row sees
+        hi = gl.minimum(last_row + diag + win_right + 1, S_KV)
+        full_hi = gl.minimum(full_hi, gl.maximum(start_m + diag + win_right + 1, 0) // BLOCK_N)
+    t_lo = 0
+    full_lo = 0
+    if HAS_LEFT:
+        # the first row reaches furthest left; a tile is mask-free from where the last row starts
+        t_lo = gl.maximum(start_m + diag - win_left, 0) // BLOCK_N
+        full_lo = (gl.maximum(last_row + diag - win_left, 0) + BLOCK_N - 1) // BLOCK_N
+    t_hi = gl.maximum((gl.maximum(hi, 0) + BLOCK_N - 1) // BLOCK_N, t_lo + 1)
+    t_a = gl.minimum(gl.maximum(full_lo, t_lo + 1), t_hi)
+    t_b = gl.minimum(gl.maximum(full_hi, t_a), t_hi)
+    return t_lo, t_a, t_b, t_hi
+
+
+@gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, batch, head, kv_head, start_m, n_tiles,
+                  v_empty, batch, head, kv_head, start_m, t_lo, n_tiles,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Load warp: Q once, then K_j and V_j into slot j % STAGES once the consumers freed it."""
+    """Load warp: Q once, then K and V of key tile t_lo + j into slot j % STAGES once the consumers
+    freed it."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     # coordinates are [batch, head, row, column] of the 4-D views
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
@@ -143,32 +181,47 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
         phase = ((j // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(slot),
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
                                         k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(slot),
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
                                         v_smem.index(slot))
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col,
+                  MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Online-softmax update for one score tile s (raw q.k, fp32, wgmma accumulator layout).
 
-    Returns (p, m_new, l_new, alpha): p = exp2(s * qk_scale - m_new) (0 where masked), and
-    alpha = exp2(m_old - m_new), the factor that moves O and l onto the new running max.
+    Returns (p, m_new, l_new, alpha): p = exp2(t - m_new) (0 where masked) with t the base-2
+    logit, and alpha = exp2(m_old - m_new), the factor that moves O and l onto the new running
+    max. ALiBi: t = s * qk_scale + alibi_col[j], the column half of slope * (j - i) measured
+    from the warpgroup's first row (the row half is constant per row, so it cancels in the
+    softmax; the consumer takes it out of the LSE at the end).
     """
+    BLOCK_N: gl.constexpr = s.shape[1]
     if MASKED:
-        BLOCK_N: gl.constexpr = s.shape[1]
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         keep = cols[None, :] < S_KV
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + diag)
-        s2 = gl.where(keep, s * qk_scale, float("-inf"))
+        if HAS_LEFT:
+            keep = keep & (cols[None, :] >= rows[:, None] + (diag - win_left))
+        if HAS_RIGHT:
+            keep = keep & (cols[None, :] <= rows[:, None] + (diag + win_right))
+        if HAS_ALIBI:
+            s2 = gl.where(keep, s * qk_scale + alibi_col[None, :], float("-inf"))
+        else:
+            s2 = gl.where(keep, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s2, 1))
         # a row with no key yet keeps m = -inf; exponents then use 0 so no inf - inf arises
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s2 - m_safe[:, None])
+    elif HAS_ALIBI:
+        # one FMA per score for the logit, one subtract for the exponent
+        s2 = s * qk_scale + alibi_col[None, :]
+        m_new = gl.maximum(m_i, gl.max(s2, 1))
+        m_safe = m_new
+        p = gl.exp2(s2 - m_new[:, None])
     else:
         # every key valid: the max of the raw scores times the (positive) scale, and one FMA
         # per score for the exponent
@@ -181,6 +234,15 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, MASKED: gl.conste
 
 
 @gluon.jit
+def _alibi_cols(slope2, n0, row0, like):
+    """slope * (j - row0) in base 2 for the keys j of the tile at n0 (ALiBi's column half), in
+    the column layout of the score tile ``like``."""
+    BLOCK_N: gl.constexpr = like.shape[1]
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, like.type.layout))
+    return slope2 * (cols - row0).to(gl.float32)
+
+
+@gluon.jit
 def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
     """One K or V slot of a ring [STAGES, 1, 1, BLOCK_N, HEAD_D] as a 2-D [BLOCK_N, HEAD_D] tile."""
     return ring.index(slot).reshape([BLOCK_N, HEAD_D])
@@ -188,9 +250,11 @@ def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
 
 @gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, S_KV, diag, pin, turn, WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, pin, turn, WG: gl.constexpr,
+              MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
               STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Tile j (j >= 1): QK^T of tile j, then PV of tile j-1 overlapped with the softmax of tile j.
+    """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
+    overlapped with this tile's softmax.
 
     alpha is tile j-1's rescale, applied to O just before O += P_{j-1} V_{j-1}; the returned
     alpha is tile j's. ``pin`` is the shared-memory slot that keeps the softmax ahead of the PV
@@ -218,9 +282,14 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG))
     # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
+    n0 = kv0 + j * BLOCK_N
+    alibi_col = 0.0
+    if HAS_ALIBI:
+        alibi_col = _alibi_cols(slope2, n0, row0, zero_s)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
-    p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+    p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right,
+                                           alibi_col, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
@@ -232,10 +301,12 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
 
 @gluon.jit
 def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q, S_KV,
-                  diag, qk_scale, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup WG: the online softmax of query rows [start_m + 64 * WG, +64)."""
+                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi, S_Q,
+                  S_KV, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup WG: the online softmax of query rows [start_m + 64 * WG, +64) over key
+    tiles [t_lo, t_hi) (``_kv_range``); step j works on tile t_lo + j."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
@@ -257,27 +328,40 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     mbarrier.wait(q_bar, 0)
     q_view = q_smem.reshape([WG_M, HEAD_D])
 
-    # prologue: tile 0 (always through the masked path; it may be partial or empty)
+    # prologue: tile t_lo (always through the masked path; it may be partial or empty)
+    kv0 = t_lo * BLOCK_N
+    alibi_col = 0.0
+    if HAS_ALIBI:
+        alibi_col = _alibi_cols(slope2, kv0, row0, zero_s)
     mbarrier.wait(k_ready.index(0), 0)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(0))
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, 0, S_KV, diag, True, CAUSAL)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, S_KV, diag, win_left, win_right, alibi_col,
+                                       True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     p = gl.convert_layout(p.to(dtype), p_layout)
     o = gl.zeros([WG_M, HEAD_D], gl.float32, o_layout)
 
-    for j in range(1, n_full):
+    # steps (tile - t_lo): the band's masked left edge, the mask-free middle, the masked right edge
+    for j in range(1, t_a - t_lo):
         o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, turn, WG, False,
-                                          CAUSAL, STAGES, PINGPONG)
-    for j in range(gl.maximum(n_full, 1), n_tiles):
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, S_KV, diag, win_left,
+                                          win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                                          STAGES, PINGPONG)
+    for j in range(t_a - t_lo, t_b - t_lo):
         o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, S_KV, diag, pin, turn, WG, True,
-                                          CAUSAL, STAGES, PINGPONG)
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, S_KV, diag, win_left,
+                                          win_right, slope2, pin, turn, WG, False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                                          STAGES, PINGPONG)
+    for j in range(t_b - t_lo, t_hi - t_lo):
+        o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+                                          alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, S_KV, diag, win_left,
+                                          win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                                          STAGES, PINGPONG)
 
     # last PV product
-    last = n_tiles - 1
+    last = t_hi - t_lo - 1
     slot = last % STAGES
     mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -297,17 +381,21 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores; 0 for empty rows
         ok_s = l_i > 0.0
-        lse = gl.where(ok_s, (m_i + gl.log2(gl.where(ok_s, l_i, 1.0))) * LN2, 0.0)
+        lse2 = m_i + gl.log2(gl.where(ok_s, l_i, 1.0))
+        if HAS_ALIBI:
+            lse2 = lse2 - slope2 * (rows - row0).to(gl.float32)     # the row half of ALiBi (_softmax_tile)
+        lse = gl.where(ok_s, lse2 * LN2, 0.0)
         base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         gl.store(base + rows.to(gl.int64) * stride_lm, lse, mask=rows < S_Q)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
-                   H_Q, GROUP, S_Q, S_KV, qk_scale,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, REVERSE_M: gl.constexpr,
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                   H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   REVERSE_M: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -326,7 +414,11 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     diag = S_Q * 0
     if BOTTOM_RIGHT:
         diag = S_KV - S_Q
-    n_full, n_tiles = _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    t_lo, t_a, t_b, t_hi = _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+                                     BLOCK_M, BLOCK_N)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
 
     q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
     q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
@@ -352,14 +444,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     gl.warp_specialize([
         # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
         (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q,
-                         S_KV, diag, qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
+                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
+                         S_Q, S_KV, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                         WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
         (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, n_full, n_tiles, S_Q,
-                         S_KV, diag, qk_scale, CAUSAL, WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
+                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
+                         S_Q, S_KV, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                         WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
         # the load warp (warp 8)
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N, STAGES)),
+                         v_empty, batch, head, kv_head, start_m, t_lo, t_hi - t_lo, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -391,14 +485,17 @@ def _is_sm90(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-def supports(p, q, k, v, out, *, head_dims=None) -> bool:
+def supports(p, q, k, v, out, *, head_dims=None, slopes=None) -> bool:
     """True when this kernel computes exactly what ``p`` asks for on these tensors.
 
     head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``).
     The problem half is cached per problem (the planner's callers ask on every forward); the
     tensor half (GPU, dtypes, TMA's stride rules) is checked each call."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(head_dims)
-    if not (_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+    if not (_fwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+        return False
+    if p.alibi is not None and not (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32
+                                    and slopes.is_cuda and slopes.numel() == p.h_q and slopes.stride(-1) == 1):
         return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, out))
 
@@ -419,6 +516,15 @@ def _problem_ok(p, dims) -> bool:
     return max(p.s_q, p.s_kv) < 2 ** 31 and p.b * p.h_q <= 65535     # grid y = b * h_q
 
 
+@functools.lru_cache(maxsize=256)
+def _fwd_problem_ok(p, dims) -> bool:
+    """The forward also takes sliding windows (any band) and ALiBi (slopes in the kernel)."""
+    if p.alibi is None and (p.band is None or (p.band.left is None and p.band.right == 0)):
+        return _problem_ok(p, dims)
+    plain = dataclasses.replace(p, alibi=None, band=None)
+    return _problem_ok(plain, dims)
+
+
 _LAYOUTS = {}
 
 
@@ -436,10 +542,11 @@ def _desc(t, rows):
     return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
 
 
-def launch_fwd_sm90(p, q, k, v, out, lse, *, block_n=None, stages=None, pingpong=None):
+def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, block_n=None, stages=None, pingpong=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
-    (any strides) or None. Writes out and lse in place.
+    (any strides) or None; slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi.
+    Writes out and lse in place.
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); for tuning.
     """
@@ -447,15 +554,19 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, block_n=None, stages=None, pingpong
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
     pingpong = PINGPONG[td] if pingpong is None else pingpong
-    causal = p.band is not None
+    band = p.band
+    has_left = band is not None and band.left is not None
+    has_right = band is not None and band.right is not None
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     _attn_fwd_sm90[grid](
         _desc(q, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(out, WG_M), lse_arg, *lse_strides,
-        p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E,
-        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-        BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
-        WRITE_LSE=lse is not None, REVERSE_M=causal,
+        slopes if p.alibi is not None else lse_arg,
+        p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
+        BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
+        # a causal-like band: the longest rows (last query tiles) start first
+        WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         num_warps=4,
     )
