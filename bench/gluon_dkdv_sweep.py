@@ -4,8 +4,8 @@
 
 TFLOP/s of the dK/dV pass: 4 matmuls (S^T, dP^T, dV, dK) of 2*b*h_q*s_q*s_kv*d flops each,
 halved when causal. "triton" is ``bwd._attn_bwd_dkdv`` launched exactly as ``launch_bwd`` does
-(plan(p).bwd tiles), "gluon" is ``launch_dkdv_sm90`` (and its variants: ring stages). Medians of
-triton.testing.do_bench. Inputs physically BSHD (``torch.randn(b, s, h, d).transpose(1, 2)``).
+(plan(p).bwd tiles), "gluon" is ``launch_dkdv_sm90`` ("alt": the other ring depth, 2 or 3 stages). Medians of
+triton.testing.do_bench (host launch cost included) and of do_bench_cudagraph (GPU time only). Inputs physically BSHD (``torch.randn(b, s, h, d).transpose(1, 2)``).
 Also prints max |gluon - triton| on dK and dV.
 """
 import os
@@ -51,7 +51,9 @@ def triton_dkdv(p, extras, q, k, v, do, lse, delta, dk, dv):
 def main():
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__)
-    print(f"{'config':42s} {'triton':>8s} {'gluon':>8s} {'g/t':>6s} {'gluon s3':>9s}  max|dk| max|dv| (g - t)")
+    print("TFLOP/s; plain = do_bench median (host launch cost included), graph = do_bench_cudagraph median (GPU only)")
+    print(f"{'config':40s} {'triton':>7s} {'gluon':>7s} {'g/t':>6s} {'alt':>9s} | {'graph t':>7s} {'graph g':>7s} "
+          f"{'g/t':>6s} | max|dk| max|dv| (g - t)")
     for b, h_q, h_kv, s, d, dt, causal in CONFIGS[:2] if quick else CONFIGS:
         torch.manual_seed(0)
         q = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
@@ -66,28 +68,33 @@ def main():
         dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
         dk_g, dv_g = torch.empty_like(k), torch.empty_like(v)
         run_t = triton_dkdv(p, extras, q, k, v, do, lse, delta, dk_t, dv_t)
+        alt_stages = 2 if G.STAGES[d] != 2 else 3
         flops = 8.0 * b * h_q * s * s * d * (0.5 if causal else 1.0)
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
-        res = {}
-        for name, fn in (("triton", run_t),
-                         ("gluon", lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g)),
-                         ("gluon_s3", lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g, stages=3))):
+        fns = {"triton": run_t,
+               "gluon": lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g),
+               "alt": lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g, stages=alt_stages)}
+        res, graph = {}, {}
+        for name, fn in fns.items():
             try:
                 fn()
                 torch.cuda.synchronize()
                 res[name] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+                if name != "alt":
+                    graph[name] = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
             except Exception as e:  # a variant that does not compile (shared memory) is reported, not fatal
                 print(f"   {name}: {type(e).__name__}: {str(e)[:200]}")
-                res[name] = float("nan")
+                res[name] = graph[name] = float("nan")
         G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g)
         run_t()
         torch.cuda.synchronize()
         e_dk = (dk_g.float() - dk_t.float()).abs().max().item()
         e_dv = (dv_g.float() - dv_t.float()).abs().max().item()
         cfg = f"b{b} h{h_q}/{h_kv} s{s} d{d} {str(dt)[6:]} {'causal' if causal else 'full'}"
-        print(f"{cfg:42s} {tf(res['triton']):8.1f} {tf(res['gluon']):8.1f} {res['triton'] / res['gluon']:5.2f}x "
-              f"{tf(res['gluon_s3']):9.1f}  {e_dk:.2e} {e_dv:.2e}   "
-              f"(ms: {res['triton']:.3f} / {res['gluon']:.3f} / {res['gluon_s3']:.3f})", flush=True)
+        print(f"{cfg:40s} {tf(res['triton']):7.1f} {tf(res['gluon']):7.1f} {res['triton'] / res['gluon']:5.2f}x "
+              f"{tf(res['alt']):6.1f} s{alt_stages} | {tf(graph['triton']):7.1f} {tf(graph['gluon']):7.1f} "
+              f"{graph['triton'] / graph['gluon']:5.2f}x | {e_dk:.2e} {e_dv:.2e}   "
+              f"(ms plain: {res['triton']:.3f} / {res['gluon']:.3f} / {res['alt']:.3f})", flush=True)
 
 
 if __name__ == "__main__":
