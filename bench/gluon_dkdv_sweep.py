@@ -68,7 +68,7 @@ def main():
         dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
         dk_g, dv_g = torch.empty_like(k), torch.empty_like(v)
         run_t = triton_dkdv(p, extras, q, k, v, do, lse, delta, dk_t, dv_t)
-        alt_stages = 2 if G.STAGES[d] != 2 else 3
+        alt_stages = 2 if G.STAGES[d, causal] != 2 else 3
         flops = 8.0 * b * h_q * s * s * d * (0.5 if causal else 1.0)
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
         fns = {"triton": run_t,

@@ -71,7 +71,7 @@ def make_inputs(case):
     return q, k, v, do, out, stats, delta
 
 
-def run_gluon(case, q, k, v, do, stats, delta):
+def run_gluon(case, q, k, v, do, stats, delta, stages=None):
     """dK, dV from the Gluon kernel, in NaN-filled guarded buffers of the case's layout."""
     from fusedattn.backends.gluon.bwd_dkdv_sm90 import launch_dkdv_sm90, supports
     dt = getattr(torch, case.dtype)
@@ -79,15 +79,15 @@ def run_gluon(case, q, k, v, do, stats, delta):
     dv = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
     p, _ = make_problem(q.view, k.view, v.view, **case.kwargs())
     assert supports(p, q.view, k.view, v.view, do.view, dk.view, dv.view), "supports() refused a case it should run"
-    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, stats[..., 0], delta, dk.view, dv.view)
+    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, stats[..., 0], delta, dk.view, dv.view, stages=stages)
     torch.cuda.synchronize()
     return dk, dv
 
 
-def run_case(case, nodeid):
-    msg = case.repro(nodeid)
+def run_case(case, nodeid, stages=None):
+    msg = case.repro(nodeid) + (f" stages={stages}" if stages else "")
     q, k, v, do, out, stats, delta = make_inputs(case)
-    dk, dv = run_gluon(case, q, k, v, do, stats, delta)
+    dk, dv = run_gluon(case, q, k, v, do, stats, delta, stages)
     kw = case.kwargs()
     gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **kw)
     base = reference_grads(q.view, k.view, v.view, do.view, getattr(torch, case.dtype), **kw)
@@ -134,6 +134,15 @@ def test_gluon_dkdv_geometries(geom, d, dtype, request):
     case = BCase(seed=1000 + 10 * GEOMS.index(geom) + d + (dtype == "float16"), b=2, h_q=h_q, h_kv=h_kv, s_q=s_q,
                  s_kv=s_kv, d=d, dtype=dtype, mode=mode, layout=layout)
     run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode", ["none", "top_left"])
+def test_gluon_dkdv_stages(mode, stages, request):
+    """Both ring depths at d=128 (the default depends on the mask), GQA 4, many rounds of the ring."""
+    case = BCase(seed=77 + stages, b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16", mode=mode,
+                 layout="bshd")
+    run_case(case, request.node.nodeid, stages=stages)
 
 
 @pytest.mark.parametrize("mode", ["none", "bottom_right"])

@@ -25,7 +25,7 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    stages = stages or m.STAGES[d]
+    stages = stages or m.STAGES[d, causal]
     ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",

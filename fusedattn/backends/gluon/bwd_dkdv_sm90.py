@@ -55,10 +55,11 @@ from .fwd_sm90 import LOG2E, _desc, _GL_DTYPES, _is_sm90, _tma_ready
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA
 BLOCK_M = 64         # query rows per tile of the Q/dO ring
-# head dim -> ring stages. Shared memory: K, V 2 * BLOCK_N * d * 2 bytes + STAGES * (Q + dO) 2 * 64 * d * 2.
-# d=128: 64 KB + 3 * 32 KB = 160 KB; d=64: 32 KB + 4 * 16 KB = 96 KB. H100 (bench/gluon_dkdv_sweep.py):
-# d=128 3 stages vs 2: 518/517 vs 514/629 TFLOP/s causal 2k/16k, 572 vs 562 GQA, 689 vs 647 non-causal.
-STAGES = {64: 4, 128: 3}
+# (head dim, causal) -> ring stages. Shared memory: K, V 2 * BLOCK_N * d * 2 bytes + STAGES * (Q + dO)
+# 2 * 64 * d * 2: d=128 64 KB + 2-3 * 32 KB = 128-160 KB; d=64 32 KB + 4 * 16 KB = 96 KB. H100, two runs of
+# bench/gluon_dkdv_sweep.py (TFLOP/s, 2 stages vs 3): non-causal 8k 647/656 vs 689/690; causal 16k 629/639
+# vs 617/613, 2k 514/533 vs 518/531, GQA 4k 562/573 vs 572/567.
+STAGES = {(64, False): 4, (64, True): 4, (128, False): 3, (128, True): 2}
 SUPPORTED_DIMS = (64, 128)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -308,8 +309,8 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, stages=None):
     unit last stride (``supports`` checks them); lse fp32 [b,h_q,s_q] view (any strides,
     natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)).
     stages overrides ``STAGES`` (tuning)."""
-    stages = stages or STAGES[p.d]
     causal = p.band is not None
+    stages = stages or STAGES[p.d, causal]
     assert delta.is_contiguous() and delta.dtype == torch.float32
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     _attn_bwd_dkdv_sm90[grid](
