@@ -3,14 +3,17 @@
 One program (CTA) owns keys [n0, n0 + 128) of one (batch, kv head) and accumulates their dK and
 dV over every query row of every query head of the kv head's GQA group (so each dK/dV element
 has exactly one writer: bitwise deterministic, no atomics). dQ is a separate pass
-(``bwd_dq_sm90``); delta = rowsum(dO * O) comes from the Triton preprocess.
+(``bwd_dq_sm90``); delta = rowsum(dO * O) is an input (fp32 [b*h_q, s_q], written by whichever
+pass or preprocess computes it).
 
 Partitions (``gl.warp_specialize``), talking only through mbarriers:
 
 * producer (1 warp): K and V once (two 64-key halves each, one per consumer warpgroup), then Q
   and dO tiles of 64 query rows through a ring of STAGES slots (separate ready barriers for Q
   and dO, one empty barrier per slot released by both consumer warpgroups), across all query
-  tiles of all heads of the group.
+  tiles of all heads of the group; with each tile, its 64 lse2 and delta values (plain loads
+  issued before the slot wait, stored to a small shared ring, a third ready barrier). Kept in
+  registers by the consumers instead, they spilled inside the loop (bench/GLUON_NOTES.md).
 * two consumer warpgroups (4 warps each): warpgroup WG owns keys [n0 + 64 WG, +64) and keeps
   its dK and dV [64, d] fp32 accumulators in registers for the whole program.
 
