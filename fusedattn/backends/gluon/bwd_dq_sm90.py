@@ -50,6 +50,31 @@ Q half (free once its last QK^T is done) and a TMA store that clips rows >= s_q.
 Inputs are logical [b, h, s, d] views with any strides whose last is 1 (TMA rules: 16-byte aligned
 base and strides, ``fwd_sm90._tma_ready``); lse fp32 [b, h_q, s_q] with any strides; delta fp32
 contiguous [b * h_q, s_q].
+
+delta: read from the caller's buffer, or (``launch_dq_sm90(..., out=O)``, ``WRITE_DELTA``) computed
+here as rowsum(dO * O) and written into it, like the Triton dQ pass since it runs first and feeds
+the dK/dV pass (one launch fewer). Each warpgroup reads its 64 O rows once with plain 16-byte
+loads (issued before the Q/dO barrier wait) and its dO rows from the shared-memory tile.
+
+Variants (constexpr / keyword, for tuning): ``SPLIT`` waits for S_j alone first and computes P_j
+under dP_j and the dQ product (a second pin keeps the exponentials there), then waits for dP_j;
+``stages``; ``block_n`` (d=64 compiles at BLOCK_N=128 with no spills: S, dP 64 registers each, dQ
+32; d=128 at BLOCK_N=128 spills 488 bytes: dQ 64 + S 64 + dP 64 + two dS sets 64 > 240).
+
+[Note] status and measurements (keep current). No-GPU compile (tools/gluon_dq_check.py, Triton 3.6,
+sm_90a): 0 spills at d 64/128, fp16/bf16, causal or not, SPLIT on or off; each consumer loop holds
+its 32 MUFU.EX2 before the dQ wait (plain: all after the S/dP wait ``0x1``; SPLIT: all after the S
+wait ``0x2``); mask-free loop body 295 SASS instructions at d128 bf16 (62 FFMA, 36 FADD, 32 FMUL,
+32 EX2, 16 F2FP, 4 SHFL for the pin's row sum, 2 STS), masked 434; shared memory 165 KB (d128,
+3 stages) / 99 KB (d64, 4 stages). H100 (device run 1, read-delta path): a smoke case and the first
+51 tests of tests/test_gluon_bwd_dq.py (d128 bf16 GQA 4/2 BSHD, every length pair in {1, 17, 129,
+300, 1000}, no mask and one causal alignment) passed against float64 autograd and the Triton dQ
+before the run's time limit (CPU references, since moved to the GPU). Not yet run on a GPU: the
+in-kernel delta (WRITE_DELTA), d64, fp16, the random/MQA/strided-layout cases, determinism, and
+the speed sweep (bench/gluon_dq_sweep.py broke on that run against the Triton dQ pass's new
+signature, fixed since); the session's device budget ran out before a second run. So there is
+no measured speed yet: run ``python -m pytest tests/test_gluon_bwd_dq.py -q`` and
+``python bench/gluon_dq_sweep.py --variants`` on the H100 before routing to this kernel.
 """
 
 import torch
