@@ -65,6 +65,33 @@ def _gluon_fwd():
     return fwd_sm90
 
 
+@functools.lru_cache(maxsize=1)
+def _gluon_bwd():
+    """(dQ module, dK/dV module) of the Gluon sm_90 backward, or None (as ``_gluon_fwd``)."""
+    try:
+        from .backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90
+    except Exception as exc:  # noqa: BLE001 - an experimental dialect may be missing or changed
+        warnings.warn(f"fusedattn: Gluon backward unavailable ({type(exc).__name__}: {exc}); using the "
+                      "portable Triton kernels", RuntimeWarning, stacklevel=3)
+        return None
+    return bwd_dq_sm90, bwd_dkdv_sm90
+
+
+def _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
+    """The Hopper backward when both Gluon passes accept the call: dQ (which also writes delta =
+    rowsum(dO * O)), then dK/dV. False (nothing launched) otherwise."""
+    mods = _gluon_bwd()
+    if mods is None:
+        return False
+    dq_pass, dkdv_pass = mods
+    if not (dq_pass.supports(p, q, k, v, grad_out, dq, out=out) and dkdv_pass.supports(p, q, k, v, grad_out, dk, dv)):
+        return False
+    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out)
+    dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv)
+    return True
+
+
 def _run_forward(p, extras, pl, q, k, v, out, lse):
     if pl.backend == "cpu":
         cpu_backend.forward(p, q, k, v, extras, out, lse)
@@ -156,9 +183,11 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
 
 def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False):
     """The backward once inputs are validated (autograd calls this directly with the forward's problem)."""
-    dq = _like_layout(q, q.shape, q.dtype) if dq is None else dq
-    dk = _like_layout(k, k.shape, k.dtype) if dk is None else dk
-    dv = _like_layout(v, v.shape, v.dtype) if dv is None else dv
+    # gradients in the layout of their inputs (empty_like keeps the strides of a dense tensor, e.g.
+    # BSHD memory, in one call: eager backward at d=64 is host-bound)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
     grads = (dq, dk, dv)
     need_dbias = need_dbias and p.bias == "float"
     dbias_full = None
@@ -169,7 +198,7 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
             dbias_full = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device)
     elif pl.backend == "cpu":
         dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
-    else:
+    elif not (pl.bwd_gluon and not need_dbias and _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv)):
         from .backends.triton.bwd import launch_bwd
         dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None

@@ -69,8 +69,7 @@ def _(q, k, v, out, grad_out, stats, seq_len_q, seq_len_kv, attn_bias, slopes, a
       causal_alignment, win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, need_dbias):
     dbias = (attn_bias.new_empty(attn_bias.shape, dtype=torch.float32) if need_dbias and attn_bias is not None
              else q.new_empty((0,), dtype=torch.float32))
-    return (_like_layout(q, q.shape, q.dtype), _like_layout(k, k.shape, k.dtype),
-            _like_layout(v, v.shape, v.dtype), dbias)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias     # as _run_backward
 
 
 _FWD_INPUTS = ("q", "k", "v", "seq_len_q", "seq_len_kv", "attn_bias", "slopes", "attn_scale", "causal",

@@ -34,6 +34,7 @@ class Plan:
     bwd: Tiles | None     # dK/dV pass (block_m: query rows per step, block_n: keys per program)
     bwd_dq: Tiles | None  # dQ pass
     fwd_gluon: bool = False   # forward on the Gluon sm_90 kernel when its supports() accepts the call
+    bwd_gluon: bool = False   # backward on the Gluon sm_90 dQ and dK/dV kernels when both accept the call
 
 
 def interpreting() -> bool:
@@ -86,7 +87,9 @@ _BWD_DQ_SM90 = {
 # H100 (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128, 1.31-1.41x at d224/256; at d64
 # 0.67-0.99x, so d64 stays on Triton.
 _GLUON_FWD_DIMS = (128, 224, 256)
-_GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns it off (A/B runs, debugging)
+# Gluon backward (dQ and dK/dV passes, bench/GLUON_NOTES.md "Backward"): d = d_v = 128.
+_GLUON_BWD_DIMS = (128,)
+_GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns the Gluon kernels off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)
 
@@ -123,8 +126,8 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
         fwd = _FWD_SM90_SHORT_D128 if short else fwd
         bwd = _BWD_SM90_GQA_D128 if grouped else bwd
     # where the Gluon forward is the faster choice; what it can compute is its own supports() at launch
-    gluon = os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v and d in _GLUON_FWD_DIMS
-    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon)
+    gluon = os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon and d in _GLUON_FWD_DIMS, gluon and d in _GLUON_BWD_DIMS)
 
 
 def plan(problem, backend: str = "auto") -> Plan:

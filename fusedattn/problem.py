@@ -21,6 +21,7 @@ so ``causal`` is ``Band(alignment, left=None, right=0)``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -337,7 +338,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         extras["slopes"] = alibi.to(torch.float32).contiguous()
     elif alibi:
         alibi_kind = "default"
-        extras["slopes"] = alibi_slopes(h_q, q.device)
+        extras["slopes"] = _default_slopes(h_q, q.device)
 
     try:
         softcap = float(softcap or 0.0)
@@ -389,3 +390,11 @@ def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:
         extra_base = base ** 0.5
         slopes += [extra_base ** p for p in range(1, 2 * (n_heads - closest) + 1, 2)]
     return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _default_slopes(n_heads: int, device) -> torch.Tensor:
+    """alibi_slopes, made once per (head count, device): building it is a host-to-device copy that
+    waits for the GPU (measured on the H100: an ALiBi forward at 0.69 ms instead of ~0.3).
+    Kernels only read it."""
+    return alibi_slopes(n_heads, device)

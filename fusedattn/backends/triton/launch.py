@@ -26,6 +26,12 @@ from ...plan import interpreting
 
 _MAX_ENTRIES = 512     # per kernel; a full cache is cleared (keys are cheap to rebuild)
 
+# the raw current device and stream, as Triton's own launcher gets them (torch.cuda.current_stream
+# builds a Python Stream object: ~8 us per launch on the H100 machine's host, bench/overhead.py)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
 
 def _no_launch_hooks() -> bool:
     """True when no launch hook (profilers) is installed. Triton 3.6 keeps hooks in a HookChain
@@ -60,10 +66,10 @@ class Launcher:
         entry = self.cache.get(key) if key is not None else None
         if entry is not None and _no_launch_hooks():
             compiled, tail, device = entry
-            if torch.cuda.current_device() == device:
+            if _current_device() == device:
                 self.direct_launches += 1
                 g = grid + (1,) * (3 - len(grid))
-                compiled.run(g[0], g[1], g[2], torch.cuda.current_stream(device).cuda_stream, compiled.function,
+                compiled.run(g[0], g[1], g[2], _current_raw_stream(device), compiled.function,
                              compiled.packed_metadata, None, None, None, *args, *tail)
                 return
         compiled = self.kernel[grid](*args, **kwargs)
@@ -76,4 +82,4 @@ class Launcher:
                      for i, name in enumerate(self.names) if i >= len(args))
         if len(self.cache) >= _MAX_ENTRIES:
             self.cache.clear()
-        self.cache[key] = (compiled, tail, torch.cuda.current_device())
+        self.cache[key] = (compiled, tail, _current_device())
