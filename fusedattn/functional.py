@@ -87,7 +87,15 @@ def _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
     if not (dq_pass.supports(p, q, k, v, grad_out, dq, out=out) and dkdv_pass.supports(p, q, k, v, grad_out, dk, dv)):
         return False
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-    dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out)
+    if p.band is None:
+        # no mask: every dQ program has the same long loop, and computing delta in its prologue cost
+        # 3-9% of the pass (H100, bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading
+        # it); a separate bandwidth-bound kernel is cheaper
+        from .backends.triton.bwd import launch_delta
+        launch_delta(p, out, grad_out, delta)
+        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq)
+    else:
+        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out)
     dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv)
     return True
 

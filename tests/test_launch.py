@@ -186,3 +186,21 @@ def test_gluon_backward_is_routed_and_matches_the_reference(causal, monkeypatch)
     for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],
                                      refs[torch.bfloat16]):
         assert_error_within(got.cpu(), gold, base, msg=f"{name} causal={causal}")
+
+
+def test_launch_delta_interpreter_or_gpu():
+    """bwd.launch_delta (the Gluon backward's separate delta pass when there is no mask) writes
+    rowsum(dO * O) for every row, odd lengths and BSHD strides included, into a NaN-filled buffer."""
+    from conftest import INTERPRET
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("needs the GPU or Triton's interpreter")
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch.manual_seed(4)
+    b, h, s, d = 2, 3, 77, 40
+    out = torch.randn(b, s, h, d, device=device).transpose(1, 2)
+    do = torch.randn(b, s, h, d, device=device).transpose(1, 2)
+    p, _ = make_problem(out, out, out)
+    delta = torch.full((b * h, s), float("nan"), device=device)
+    bwd.launch_delta(p, out, do, delta)
+    gold = (out.double() * do.double()).sum(-1).reshape(b * h, s)
+    assert torch.allclose(delta.double().cpu(), gold.cpu(), atol=1e-4, rtol=1e-5)

@@ -343,6 +343,16 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
 
 
 _PREPROCESS, _DKDV, _DQ = Launcher(_attn_bwd_preprocess), Launcher(_attn_bwd_dkdv), Launcher(_attn_bwd_dq)
+
+
+def launch_delta(p, out, grad_out, delta):
+    """delta = rowsum(dO * O) into fp32 contiguous [b*h_q, s_q] (plain problems: no varlen)."""
+    block_m = 64
+    # the launch key: everything the JIT specializes on (launch.py's contract); delta is fresh (aligned)
+    key = (p, out.stride(), grad_out.stride(), out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0)
+    _PREPROCESS(key, (cdiv(p.s_q, block_m), p.b * p.h_q),
+                out, grad_out, delta, out, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
+                BLOCK_M=block_m, BLOCK_DV=pow2(p.d_v), VARLEN=False)
 _PLAIN_ARGS = {}   # plain problems: (problem, tiles, strides) -> per kernel (grid, non-tensor args, constexprs)
 
 
