@@ -128,3 +128,50 @@ def random_case(seed: int, dtypes=("float32", "float16"), max_s=300, head_dims=(
                 dtype=rng.choice(dtypes), layout=rng.choice(["bhsd", "bshd", "gap", "sbhd"]), causal=causal,
                 causal_alignment=rng.choice(["top_left", "bottom_right"]), window=window,
                 margin=rng.choice([8, 8, 8, 3]))
+
+
+# ------------------------------------------------------------------------------------------------
+# cases for the Hopper (Gluon) kernels' GPU tests: d = d_v, a mask named by its alignment
+
+MODES = ("none", "top_left", "bottom_right")
+
+
+@dataclass
+class HopperCase:
+    """One configuration for a Gluon sm_90 kernel test; ``repro(nodeid)`` rebuilds it.
+
+    mode: "none" or the causal alignment; window: (left, right) with -1 unbounded (aligned by
+    ``mode``, top-left when "none"); alibi: the paper's slopes for h_q heads."""
+
+    seed: int
+    b: int
+    h_q: int
+    h_kv: int
+    s_q: int
+    s_kv: int
+    d: int
+    dtype: str
+    mode: str
+    layout: str
+    window: Optional[Tuple[int, int]] = None
+    alibi: bool = False
+
+    def kwargs(self):
+        kw = dict(causal=self.mode != "none", causal_alignment="top_left" if self.mode == "none" else self.mode)
+        if self.window is not None:
+            kw["window"] = self.window
+        if self.alibi:
+            kw["alibi"] = True
+        return kw
+
+    def repro(self, nodeid):
+        return f"repro: pytest '{nodeid}' ; {asdict(self)}"
+
+
+def random_hopper_case(seed: int, lengths) -> HopperCase:
+    """Seeded geometry: GQA/MQA, lengths from ``lengths``, d 64/128, fp16/bf16, any mask mode, strided layouts."""
+    rng = random.Random(seed)
+    h_q, h_kv = rng.choice([(2, 2), (8, 2), (4, 1), (3, 3)])
+    return HopperCase(seed=seed, b=rng.choice([1, 2]), h_q=h_q, h_kv=h_kv, s_q=rng.choice(lengths),
+                      s_kv=rng.choice(lengths), d=rng.choice([64, 128]), dtype=rng.choice(["float16", "bfloat16"]),
+                      mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))

@@ -7,7 +7,6 @@ bottom-right, GQA 1 / 4 / MQA, odd lengths with s_q != s_kv both ways, BSHD and 
 layouts; plus bitwise determinism and what ``supports`` refuses. Every failure message carries
 a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
-from dataclasses import asdict, dataclass
 
 import pytest
 import torch
@@ -15,7 +14,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import FLOOR, assert_error_within, guarded, max_err
+from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded,
+                               max_err)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -23,31 +23,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90,
                                  reason="the Gluon dK/dV kernel is Hopper-only (compute capability 9.x)")]
 
-MODES = ("none", "top_left", "bottom_right")
 # (s_q, s_kv): single rows, odd lengths, partial key blocks (129 = one 128-key block + 1),
 # s_q != s_kv both ways (bottom-right with s_q > s_kv has rows that see no key)
 LENGTH_PAIRS = ((1, 1), (1, 300), (17, 129), (129, 17), (300, 1000), (1000, 300), (256, 256))
-
-
-@dataclass
-class BCase:
-    seed: int
-    b: int
-    h_q: int
-    h_kv: int
-    s_q: int
-    s_kv: int
-    d: int
-    dtype: str
-    mode: str
-    layout: str
-
-    def kwargs(self):
-        return dict(causal=self.mode != "none",
-                    causal_alignment="top_left" if self.mode == "none" else self.mode)
-
-    def repro(self, nodeid):
-        return f"repro: pytest '{nodeid}' ; {asdict(self)}"
 
 
 def reference_grads(q, k, v, do, dtype, **kw):
@@ -124,7 +102,7 @@ def run_case(case, nodeid, stages=None):
 def test_gluon_dkdv_lengths(mode, s_q, s_kv, request):
     """Length pairs x masks, d=128 bf16, GQA 4/2 (two query heads per kv head), BSHD memory."""
     seed = 100 * MODES.index(mode) + 10 * LENGTH_PAIRS.index((s_q, s_kv))
-    case = BCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                  layout="bshd")
     run_case(case, request.node.nodeid)
 
@@ -143,7 +121,7 @@ GEOMS = [  # (h_q, h_kv, s_q, s_kv, mode, layout)
 def test_gluon_dkdv_geometries(geom, d, dtype, request):
     """Head dims, dtypes, GQA/MQA group sizes, masks and strided layouts."""
     h_q, h_kv, s_q, s_kv, mode, layout = geom
-    case = BCase(seed=1000 + 10 * GEOMS.index(geom) + d + (dtype == "float16"), b=2, h_q=h_q, h_kv=h_kv, s_q=s_q,
+    case = HopperCase(seed=1000 + 10 * GEOMS.index(geom) + d + (dtype == "float16"), b=2, h_q=h_q, h_kv=h_kv, s_q=s_q,
                  s_kv=s_kv, d=d, dtype=dtype, mode=mode, layout=layout)
     run_case(case, request.node.nodeid)
 
@@ -152,7 +130,7 @@ def test_gluon_dkdv_geometries(geom, d, dtype, request):
 @pytest.mark.parametrize("mode", ["none", "top_left"])
 def test_gluon_dkdv_stages(mode, stages, request):
     """Both ring depths at d=128 (the default depends on the mask), GQA 4, many rounds of the ring."""
-    case = BCase(seed=77 + stages, b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16", mode=mode,
+    case = HopperCase(seed=77 + stages, b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16", mode=mode,
                  layout="bshd")
     run_case(case, request.node.nodeid, stages=stages)
 
@@ -160,7 +138,7 @@ def test_gluon_dkdv_stages(mode, stages, request):
 @pytest.mark.parametrize("mode", ["none", "bottom_right"])
 def test_gluon_dkdv_deterministic(mode):
     """Two launches give bitwise equal dK and dV (one writer per element, no atomics)."""
-    case = BCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=128, dtype="bfloat16", mode=mode, layout="bshd")
+    case = HopperCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=128, dtype="bfloat16", mode=mode, layout="bshd")
     q, k, v, do, out, stats, delta = make_inputs(case)
     first = run_gluon(case, q, k, v, do, stats, delta)
     again = run_gluon(case, q, k, v, do, stats, delta)

@@ -8,8 +8,6 @@ dQ lives in a NaN-guarded buffer: an unwritten element stays NaN, a stray write 
 is caught. Plus bitwise determinism and what ``supports`` refuses. Every failure message carries a
 one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
-import random
-from dataclasses import asdict, dataclass
 
 import pytest
 import torch
@@ -17,7 +15,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import FLOOR, assert_error_within, guarded, max_err
+from fusedattn.testing import (FLOOR, MODES, HopperCase, random_hopper_case, assert_error_within, guarded,
+                               max_err)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -26,36 +25,10 @@ pytestmark = [pytest.mark.gpu,
                                  reason="the Gluon dQ kernel is Hopper-only (compute capability 9.x)")]
 
 LENGTHS = (1, 17, 129, 300, 1000)
-MODES = ("none", "top_left", "bottom_right")
-
-
-@dataclass
-class DQCase:
-    seed: int
-    b: int
-    h_q: int
-    h_kv: int
-    s_q: int
-    s_kv: int
-    d: int
-    dtype: str
-    mode: str
-    layout: str
-
-    def kwargs(self):
-        return dict(causal=self.mode != "none",
-                    causal_alignment="top_left" if self.mode == "none" else self.mode)
-
-    def repro(self, nodeid):
-        return f"repro: pytest '{nodeid}' ; {asdict(self)}"
 
 
 def random_case(seed):
-    rng = random.Random(seed)
-    h_q, h_kv = rng.choice([(2, 2), (8, 2), (4, 1), (3, 3)])
-    return DQCase(seed=seed, b=rng.choice([1, 2]), h_q=h_q, h_kv=h_kv, s_q=rng.choice(LENGTHS),
-                  s_kv=rng.choice(LENGTHS), d=rng.choice([64, 128]), dtype=rng.choice(["float16", "bfloat16"]),
-                  mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))
+    return random_hopper_case(seed, LENGTHS)
 
 
 def reference_dq(q, k, v, do, dtype, **kw):
@@ -137,7 +110,7 @@ def run_case(case, nodeid, write_delta=True):
 def test_gluon_dq_lengths(mode, s_q, s_kv, request):
     """Every (s_q, s_kv) pair and mask, d=128 bf16, GQA 4/2, BSHD memory."""
     seed = 100 * MODES.index(mode) + 10 * LENGTHS.index(s_q) + LENGTHS.index(s_kv)
-    case = DQCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                   layout="bshd")
     run_case(case, request.node.nodeid)
 
@@ -154,7 +127,7 @@ def test_gluon_dq_random(seed, request):
 def test_gluon_dq_gqa8(d, dtype, request):
     """GQA 8/2 and MQA 8/1 over several tiles, causal bottom-right (s_q < s_kv) and top-left."""
     for i, (h_kv, mode, s_q, s_kv) in enumerate(((2, "bottom_right", 700, 1000), (1, "top_left", 1000, 700))):
-        case = DQCase(seed=7 + i, b=1, h_q=8, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, dtype=dtype, mode=mode,
+        case = HopperCase(seed=7 + i, b=1, h_q=8, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, dtype=dtype, mode=mode,
                       layout="bshd")
         run_case(case, request.node.nodeid, write_delta=i == 0)
 
@@ -162,7 +135,7 @@ def test_gluon_dq_gqa8(d, dtype, request):
 @pytest.mark.parametrize("mode", ["none", "top_left"])
 def test_gluon_dq_deterministic(mode, request):
     """Two launches on the same inputs give bitwise equal dQ (one writer per element, no atomics)."""
-    case = DQCase(seed=3, b=2, h_q=8, h_kv=2, s_q=1000, s_kv=1000, d=128, dtype="bfloat16", mode=mode, layout="bshd")
+    case = HopperCase(seed=3, b=2, h_q=8, h_kv=2, s_q=1000, s_kv=1000, d=128, dtype="bfloat16", mode=mode, layout="bshd")
     msg = case.repro(request.node.nodeid)
     p, extras, q, k, v, do, out, lse, delta = setup(case)
     first = run_gluon(case, p, q, k, v, do, lse, delta, msg).view.clone()

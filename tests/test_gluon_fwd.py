@@ -11,8 +11,6 @@ Every failure message carries a one-line repro. GPU-only: skipped (visibly) else
 """
 import dataclasses
 import random
-from dataclasses import asdict, dataclass
-from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -20,7 +18,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import FLOOR, assert_error_within, guarded, max_err
+from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded, max_err,
+                               random_hopper_case)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -29,44 +28,11 @@ pytestmark = [pytest.mark.gpu,
                                  reason="the Gluon forward kernel is Hopper-only (compute capability 9.x)")]
 
 LENGTHS = (1, 17, 128, 200, 1000)
-MODES = ("none", "top_left", "bottom_right")
 WIDE_D = (224, 256)     # 256-wide tiles (224: TMA zero-fills/clips columns 224..255)
 
 
-@dataclass
-class GCase:
-    seed: int
-    b: int
-    h_q: int
-    h_kv: int
-    s_q: int
-    s_kv: int
-    d: int
-    dtype: str
-    mode: str
-    layout: str
-    window: Optional[Tuple[int, int]] = None     # (left, right), -1 unbounded
-    alibi: bool = False
-
-    def kwargs(self):
-        kw = dict(causal=self.mode != "none", causal_alignment="top_left" if self.mode == "none" else self.mode)
-        if self.window is not None:
-            kw["window"] = self.window
-            kw["causal_alignment"] = "top_left" if self.mode == "none" else self.mode
-        if self.alibi:
-            kw["alibi"] = True
-        return kw
-
-    def repro(self, nodeid):
-        return f"repro: pytest '{nodeid}' ; {asdict(self)}"
-
-
-def random_gcase(seed):
-    rng = random.Random(seed)
-    h_q, h_kv = rng.choice([(2, 2), (8, 2), (4, 1), (3, 3)])
-    return GCase(seed=seed, b=rng.choice([1, 2]), h_q=h_q, h_kv=h_kv, s_q=rng.choice(LENGTHS),
-                 s_kv=rng.choice(LENGTHS), d=rng.choice([64, 128]), dtype=rng.choice(["float16", "bfloat16"]),
-                 mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))
+def _random_case(seed):
+    return random_hopper_case(seed, LENGTHS)
 
 
 def run_case(case, nodeid, write_lse=True, pingpong=None):
@@ -117,7 +83,7 @@ def run_case(case, nodeid, write_lse=True, pingpong=None):
 def test_gluon_fwd_lengths(mode, s_q, s_kv, pingpong, request):
     """Every (s_q, s_kv) pair and mask, d=128 bf16, GQA 4/2, BSHD memory."""
     seed = 100 * MODES.index(mode) + 10 * LENGTHS.index(s_q) + LENGTHS.index(s_kv)
-    case = GCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                  layout="bshd")
     run_case(case, request.node.nodeid, pingpong=pingpong)
 
@@ -126,7 +92,7 @@ def test_gluon_fwd_lengths(mode, s_q, s_kv, pingpong, request):
 @pytest.mark.parametrize("seed", range(32), ids=lambda s: f"case{s}")
 def test_gluon_fwd_random(seed, pingpong, request):
     """Seeded random geometries: head dim, dtype, mask, lengths, GQA/MQA, layout."""
-    run_case(random_gcase(seed), request.node.nodeid, pingpong=pingpong)
+    run_case(_random_case(seed), request.node.nodeid, pingpong=pingpong)
 
 
 @pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
@@ -134,7 +100,7 @@ def test_gluon_fwd_random(seed, pingpong, request):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gluon_fwd_gqa8(d, dtype, pingpong, request):
     """GQA 8/2 over several tiles, causal bottom-right, no LSE requested."""
-    case = GCase(seed=7, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
+    case = HopperCase(seed=7, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
                  layout="bshd")
     run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
 
@@ -146,7 +112,7 @@ def test_gluon_fwd_gqa8(d, dtype, pingpong, request):
 def test_gluon_fwd_wide_lengths(mode, s_q, s_kv, d, request):
     """d=224/256: every (s_q, s_kv) pair and mask, bf16, GQA 4/2, BSHD memory."""
     seed = 1000 + 100 * MODES.index(mode) + 10 * LENGTHS.index(s_q) + LENGTHS.index(s_kv)
-    case = GCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
                  layout="bshd")
     run_case(case, request.node.nodeid)
 
@@ -155,7 +121,7 @@ def test_gluon_fwd_wide_lengths(mode, s_q, s_kv, d, request):
 def test_gluon_fwd_wide_random(seed, request):
     """Seeded random geometries at d=224/256: dtype, mask, lengths, GQA/MQA, strided layouts
     (the gapped ones catch a 256-wide box reading or writing past column 224)."""
-    case = random_gcase(2000 + seed)
+    case = _random_case(2000 + seed)
     run_case(dataclasses.replace(case, d=WIDE_D[seed % 2]), request.node.nodeid)
 
 
@@ -164,7 +130,7 @@ def test_gluon_fwd_wide_random(seed, request):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gluon_fwd_wide_gqa8(d, dtype, pingpong, request):
     """d=224/256, GQA 8/2 over several tiles, causal bottom-right, no LSE requested."""
-    case = GCase(seed=8, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
+    case = HopperCase(seed=8, b=1, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=d, dtype=dtype, mode="bottom_right",
                  layout="bshd")
     run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
 
@@ -180,7 +146,7 @@ def test_gluon_fwd_window_alibi(mode, window, alibi, request):
     with and without ALiBi; lengths that leave partial tiles and s_q != s_kv."""
     seed = 3000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
     s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
-    case = GCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+    case = HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                  layout="bshd", window=window, alibi=alibi)
     run_case(case, request.node.nodeid)
 
@@ -189,7 +155,7 @@ def test_gluon_fwd_window_alibi(mode, window, alibi, request):
 def test_gluon_fwd_alibi_random(seed, request):
     """ALiBi (the paper's slopes for odd head counts too) with or without a mask, random geometry,
     every routed head dim."""
-    case = random_gcase(4000 + seed)
+    case = _random_case(4000 + seed)
     rng = random.Random(seed)
     window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
     case = dataclasses.replace(case, d=(64, 128, 224, 256)[seed % 4], alibi=seed % 4 != 3, window=window)
