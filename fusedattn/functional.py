@@ -86,6 +86,9 @@ def _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
     dq_pass, dkdv_pass = mods
     if not (dq_pass.supports(p, q, k, v, grad_out, dq, out=out) and dkdv_pass.supports(p, q, k, v, grad_out, dk, dv)):
         return False
+    # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
+    from .backends.triton.args import aligned
+    out = aligned(out)
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     if p.band is None:
         # no mask: every dQ program has the same long loop, and computing delta in its prologue cost
