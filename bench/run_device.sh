@@ -5,6 +5,7 @@
 #
 # PARTS, run in the order given (default: tests demo bench-quick):
 #   tests          python3 -m pytest -q tests -m gpu           (the GPU tests; TEST_PATHS narrows them)
+#   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~550 s together)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
@@ -132,6 +133,12 @@ report_env
 for part in "${PARTS[@]}"; do
     case "$part" in
         tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" ;;
+        # the full GPU suite takes ~550 s with 16 workers (session 4): these two halves fit two calls
+        tests-gluon)   run_part tests-gluon python3 -m pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py \
+                           tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-14}" ;;
+        tests-rest)    run_part tests-rest python3 -m pytest -q -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" \
+                           --ignore=tests/test_gluon_fwd.py --ignore=tests/test_gluon_bwd_dq.py \
+                           --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
