@@ -14,6 +14,7 @@ compiles with ``fullgraph=True``.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 
 import torch
@@ -52,35 +53,23 @@ def _stats_view(stats, p, device, name="stats"):
     return stats
 
 
-@functools.lru_cache(maxsize=1)
-def _gluon_fwd():
-    """The Gluon sm_90 forward module, or None where this Triton has no (compatible) Gluon: the
-    portable kernel then runs everything, with one warning."""
+@functools.lru_cache(maxsize=None)
+def _gluon_kernels(what: str, *names: str):
+    """The Gluon sm_90 modules ``backends.gluon.<name>`` (a tuple), or None where this Triton has no
+    (compatible) Gluon: the portable Triton kernels then run ``what`` ("forward", "backward"), with
+    one warning."""
     try:
-        from .backends.gluon import fwd_sm90
+        return tuple(importlib.import_module(f"{__package__}.backends.gluon.{name}") for name in names)
     except Exception as exc:  # noqa: BLE001 - an experimental dialect may be missing or changed
-        warnings.warn(f"fusedattn: Gluon forward unavailable ({type(exc).__name__}: {exc}); using the "
-                      "portable Triton kernel", RuntimeWarning, stacklevel=3)
-        return None
-    return fwd_sm90
-
-
-@functools.lru_cache(maxsize=1)
-def _gluon_bwd():
-    """(dQ module, dK/dV module) of the Gluon sm_90 backward, or None (as ``_gluon_fwd``)."""
-    try:
-        from .backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90
-    except Exception as exc:  # noqa: BLE001 - an experimental dialect may be missing or changed
-        warnings.warn(f"fusedattn: Gluon backward unavailable ({type(exc).__name__}: {exc}); using the "
+        warnings.warn(f"fusedattn: Gluon {what} unavailable ({type(exc).__name__}: {exc}); using the "
                       "portable Triton kernels", RuntimeWarning, stacklevel=3)
         return None
-    return bwd_dq_sm90, bwd_dkdv_sm90
 
 
 def _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
-    """The Hopper backward when both Gluon passes accept the call: dQ (which also writes delta =
-    rowsum(dO * O)), then dK/dV. False (nothing launched) otherwise."""
-    mods = _gluon_bwd()
+    """The Hopper backward when both Gluon passes accept the call: delta = rowsum(dO * O) (by the dQ
+    pass when causal, by a separate pass otherwise), dQ, then dK/dV. False (nothing launched) otherwise."""
+    mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90")
     if mods is None:
         return False
     dq_pass, dkdv_pass = mods
@@ -114,7 +103,8 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         return
     if pl.fwd_gluon:
         # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
-        fwd_sm90 = _gluon_fwd()
+        gluon = _gluon_kernels("forward", "fwd_sm90")
+        fwd_sm90 = gluon[0] if gluon is not None else None
         slopes = extras["slopes"]
         if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, slopes=slopes):
             fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, slopes=slopes)

@@ -175,3 +175,16 @@ def random_hopper_case(seed: int, lengths) -> HopperCase:
     return HopperCase(seed=seed, b=rng.choice([1, 2]), h_q=h_q, h_kv=h_kv, s_q=rng.choice(lengths),
                       s_kv=rng.choice(lengths), d=rng.choice([64, 128]), dtype=rng.choice(["float16", "bfloat16"]),
                       mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))
+
+
+def triton_backward(p, extras, q, k, v, out, do, lse):
+    """(dq, dk, dv) from the portable Triton backward alone (launch_bwd with a plan that names only
+    Triton tiles), whatever the planner would route to: the reference kernel the Gluon passes are
+    compared with. Shapes as ``fusedattn.attention_backward``; lse fp32 [b, h_q, s_q]."""
+    from .backends.triton.bwd import launch_bwd
+    from .plan import Plan, plan
+    pl = plan(p, "triton")
+    pl = Plan("triton", pl.fwd, pl.bwd, pl.bwd_dq)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False)
+    return dq, dk, dv

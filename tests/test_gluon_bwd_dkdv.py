@@ -14,8 +14,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded,
-                               max_err)
+from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded, max_err,
+                               triton_backward)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -62,18 +62,6 @@ def run_gluon(case, q, k, v, do, stats, delta, stages=None):
     return dk, dv
 
 
-def triton_dkdv(q, k, v, out, do, lse, kw):
-    """dK, dV of the portable Triton backward (launch_bwd with a plan that names only Triton tiles)."""
-    from fusedattn.backends.triton.bwd import launch_bwd
-    from fusedattn.plan import Plan, plan
-    p, extras = make_problem(q, k, v, **kw)
-    pl = plan(p)
-    pl = Plan("triton", pl.fwd, pl.bwd, pl.bwd_dq)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False)
-    return dk, dv
-
-
 def run_case(case, nodeid, stages=None):
     msg = case.repro(nodeid) + (f" stages={stages}" if stages else "")
     q, k, v, do, out, stats, delta = make_inputs(case)
@@ -83,7 +71,8 @@ def run_case(case, nodeid, stages=None):
     base = reference_grads(q.view, k.view, v.view, do.view, getattr(torch, case.dtype), **kw)
     # our Triton backward (the portable kernels: launch_bwd itself, since attention_backward now
     # routes d=128 to the Gluon passes)
-    tri_dk, tri_dv = triton_dkdv(q.view, k.view, v.view, out, do.view, stats[..., 0], kw)
+    p, extras = make_problem(q.view, k.view, v.view, **kw)
+    _, tri_dk, tri_dv = triton_backward(p, extras, q.view, k.view, v.view, out, do.view, stats[..., 0])
     dt = getattr(torch, case.dtype)
     for name, g, gd, gb, tri in (("dk", dk, gold[0], base[0], tri_dk), ("dv", dv, gold[1], base[1], tri_dv)):
         got = g.view.cpu()

@@ -15,8 +15,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import (FLOOR, MODES, HopperCase, random_hopper_case, assert_error_within, guarded,
-                               max_err)
+from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded, max_err, random_hopper_case,
+                               triton_backward)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -38,17 +38,6 @@ def reference_dq(q, k, v, do, dtype, **kw):
     o, _ = attention_reference(qs, ks, vs, dtype=dtype, **kw)
     o.backward(do.to(dtype))
     return qs.grad.cpu()
-
-
-def triton_dq(p, extras, q, k, v, out, do, lse):
-    """dQ of the portable Triton backward (launch_bwd with a plan that names only Triton tiles)."""
-    from fusedattn.backends.triton.bwd import launch_bwd
-    from fusedattn.plan import Plan, plan
-    pl = plan(p)
-    pl = Plan("triton", pl.fwd, pl.bwd, pl.bwd_dq)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False)
-    return dq
 
 
 def setup(case):
@@ -96,7 +85,7 @@ def run_case(case, nodeid, write_delta=True):
     assert_error_within(got, gold, base, msg=msg)
     # against our Triton dQ: both within the rule of the same reference, so they differ by at
     # most the sum of the two errors
-    e_tri = max_err(got, triton_dq(p, extras, q.view, k.view, v.view, out, do.view, lse).cpu())
+    e_tri = max_err(got, triton_backward(p, extras, q.view, k.view, v.view, out, do.view, lse)[0].cpu())
     bound = 2 * (2 * max_err(base, gold) + FLOOR[dt])
     assert e_tri <= bound, f"differs from the Triton dQ by {e_tri:.3e} > {bound:.3e}. {msg}"
     dq.check_untouched(f"dq. {msg}")

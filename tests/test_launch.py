@@ -132,14 +132,14 @@ def test_gluon_import_failure_falls_back_with_a_warning(monkeypatch):
 
     from fusedattn import functional
     from fusedattn.backends import gluon
-    functional._gluon_fwd.cache_clear()
+    functional._gluon_kernels.cache_clear()
     monkeypatch.delattr(gluon, "fwd_sm90", raising=False)                          # as if never imported
     monkeypatch.setitem(sys.modules, "fusedattn.backends.gluon.fwd_sm90", None)   # import raises ImportError
     try:
         with pytest.warns(RuntimeWarning, match="Gluon forward unavailable"):
-            assert functional._gluon_fwd() is None
+            assert functional._gluon_kernels("forward", "fwd_sm90") is None
     finally:
-        functional._gluon_fwd.cache_clear()
+        functional._gluon_kernels.cache_clear()
 
 
 def test_gluon_backward_import_failure_falls_back_with_a_warning(monkeypatch):
@@ -147,14 +147,14 @@ def test_gluon_backward_import_failure_falls_back_with_a_warning(monkeypatch):
 
     from fusedattn import functional
     from fusedattn.backends import gluon
-    functional._gluon_bwd.cache_clear()
+    functional._gluon_kernels.cache_clear()
     monkeypatch.delattr(gluon, "bwd_dq_sm90", raising=False)
     monkeypatch.setitem(sys.modules, "fusedattn.backends.gluon.bwd_dq_sm90", None)
     try:
         with pytest.warns(RuntimeWarning, match="Gluon backward unavailable"):
-            assert functional._gluon_bwd() is None
+            assert functional._gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90") is None
     finally:
-        functional._gluon_bwd.cache_clear()
+        functional._gluon_kernels.cache_clear()
 
 
 @pytest.mark.gpu

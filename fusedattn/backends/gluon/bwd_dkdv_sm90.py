@@ -53,7 +53,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import LOG2E, _desc, _GL_DTYPES, _is_sm90, _tma_ready
+from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
+from .fwd_sm90 import _problem_ok as _fwd_problem_ok_plain
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA
@@ -291,18 +292,9 @@ def supports(p, q, k, v, grad_out, dk, dv) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _problem_ok(p) -> bool:
-    """No mask or causal (either alignment), plain inputs, d = d_v in SUPPORTED_DIMS."""
-    if p.dtype not in _GL_DTYPES or p.d != p.d_v or p.d not in SUPPORTED_DIMS:
-        return False
-    if (p.paged or p.varlen or p.bias is not None or p.alibi is not None or p.has_dropout or p.softcap
-            or p.has_seq_len_q or p.has_seq_len_kv):
-        return False
-    if not (p.scale > 0.0) or p.s_q < 1 or p.s_kv < 1 or p.b < 1 or p.h_q < 1 or p.h_kv < 1:
-        return False
-    band = p.band
-    if band is not None and not (band.left is None and band.right == 0):
-        return False
-    return max(p.s_q, p.s_kv) < 2 ** 31 and p.b * p.h_kv <= 65535 and p.b * p.h_q * p.s_q < 2 ** 31
+    """The forward's filter (no mask or causal, plain inputs, fp16/bf16, d = d_v) at this pass's head
+    dims, and row offsets b * h_q * s_q (the lse/delta rows) that fit int32."""
+    return _fwd_problem_ok_plain(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
 
 
 def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, stages=None):

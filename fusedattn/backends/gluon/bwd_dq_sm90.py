@@ -35,7 +35,7 @@ it. A shared-memory store of a value that depends on every dS of the tile keeps 
 exponentials and the dS arithmetic between the two waits (tools/gluon_dq_check.py counts the
 MUFU.EX2 between ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``0x0`` in each loop of the SASS).
 
-Masking: tile 0 (the prologue) and tiles from ``n_full`` on (``fwd_sm90._kv_tiles``: keys past
+Masking: tile 0 (the prologue) and tiles from ``n_full`` on (``fwd_sm90._kv_range``: keys past
 s_kv, causal diagonal) set P = 0 where row i must not see key j; other tiles skip the mask. Rows
 past s_q: TMA zero-fills Q and dO, lse and delta load as 0, so dS = 1 * (0 - 0) = 0; their dQ
 rows are clipped by the TMA store. Rows with no visible key (causal bottom-right, s_q > s_kv):
@@ -66,15 +66,9 @@ sm_90a): 0 spills at d 64/128, fp16/bf16, causal or not, SPLIT on or off; each c
 its 32 MUFU.EX2 before the dQ wait (plain: all after the S/dP wait ``0x1``; SPLIT: all after the S
 wait ``0x2``); mask-free loop body 295 SASS instructions at d128 bf16 (62 FFMA, 36 FADD, 32 FMUL,
 32 EX2, 16 F2FP, 4 SHFL for the pin's row sum, 2 STS), masked 434; shared memory 165 KB (d128,
-3 stages) / 99 KB (d64, 4 stages). H100 (device run 1, read-delta path): a smoke case and the first
-51 tests of tests/test_gluon_bwd_dq.py (d128 bf16 GQA 4/2 BSHD, every length pair in {1, 17, 129,
-300, 1000}, no mask and one causal alignment) passed against float64 autograd and the Triton dQ
-before the run's time limit (CPU references, since moved to the GPU). Not yet run on a GPU: the
-in-kernel delta (WRITE_DELTA), d64, fp16, the random/MQA/strided-layout cases, determinism, and
-the speed sweep (bench/gluon_dq_sweep.py broke on that run against the Triton dQ pass's new
-signature, fixed since); the session's device budget ran out before a second run. So there is
-no measured speed yet: run ``python -m pytest tests/test_gluon_bwd_dq.py -q`` and
-``python bench/gluon_dq_sweep.py --variants`` on the H100 before routing to this kernel.
+3 stages) / 99 KB (d64, 4 stages). H100 (session 4): the 106 tests of tests/test_gluon_bwd_dq.py
+pass; bench/gluon_dq_sweep.py --variants: 1.12-1.26x the Triton dQ pass at d128, 0.90-0.92x at d64
+(bench/GLUON_NOTES.md "Backward dQ"), so functional._run_gluon_backward routes d128 only.
 """
 
 import torch
@@ -84,7 +78,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _kv_tiles, _kv_view, _problem_ok, _tma_ready
+from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _kv_range, _kv_view, _problem_ok, _tma_ready
 
 WG_M = 64           # query rows per consumer warpgroup
 BLOCK_M = 2 * WG_M  # query rows per CTA
@@ -277,7 +271,9 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     diag = S_Q * 0
     if BOTTOM_RIGHT:
         diag = S_KV - S_Q
-    n_full, n_tiles = _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    # key tiles [0, n_full) need no mask past the prologue, [n_full, n_tiles) are masked (the forward's
+    # band ranges with no left bound: t_lo = 0, t_a = 1)
+    _, _, n_full, n_tiles = _kv_range(start_m, S_Q, S_KV, diag, 0, 0, False, CAUSAL, BLOCK_M, BLOCK_N)
     delta_base = DELTA + bh.to(gl.int64) * S_Q
 
     q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)

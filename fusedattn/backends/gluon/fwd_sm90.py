@@ -109,29 +109,6 @@ PRODUCER_REGS = 24    # the load warp
 
 
 @gluon.jit
-def _kv_tiles(start_m, S_Q, S_KV, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(n_full, n_tiles): the CTA visits key tiles [0, n_tiles); tiles [0, n_full) need no mask.
-
-    Row i keeps key j iff j < S_KV and (not CAUSAL or j <= i + diag). A tile is mask-free when
-    all its keys are < S_KV and its last key is visible to the CTA's first row, start_m.
-    At least one tile is always visited (a fully masked one when no row sees any key).
-    """
-    n_tiles = (S_KV + BLOCK_N - 1) // BLOCK_N
-    n_full = S_KV // BLOCK_N
-    if CAUSAL:
-        last_row = gl.minimum(start_m + BLOCK_M, S_Q) - 1
-        # keys [0, hi) are visible to some row of the CTA (the last real row sees the most)
-        hi = gl.minimum(last_row + diag + 1, S_KV)
-        n_tiles = (gl.maximum(hi, 0) + BLOCK_N - 1) // BLOCK_N
-        # the first row sees keys [0, start_m + diag]: that many whole tiles are mask-free
-        # (clamped at 0 before dividing: integer division truncates toward zero)
-        n_full = gl.minimum(n_full, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
-    n_tiles = gl.maximum(n_tiles, 1)
-    n_full = gl.minimum(n_full, n_tiles)
-    return n_full, n_tiles
-
-
-@gluon.jit
 def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tiles of a CTA under a band (causal, sliding window): (t_lo, t_a, t_b, t_hi).
@@ -140,7 +117,8 @@ def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.conste
     win_right (HAS_RIGHT). The CTA visits tiles [t_lo, t_hi): tile t_lo first (the prologue,
     masked), then [t_lo + 1, t_a) masked (the band's left edge), [t_a, t_b) mask-free and
     [t_b, t_hi) masked (the right edge and the tail past S_KV). At least one tile is visited
-    (a fully masked one when no row sees a key). With no left bound this is ``_kv_tiles``.
+    (a fully masked one when no row sees a key). With no left bound t_lo = 0 and t_a = 1 (the dQ
+    pass uses it that way: bwd_dq_sm90).
     """
     last_row = gl.minimum(start_m + BLOCK_M, S_Q) - 1
     hi = S_KV
