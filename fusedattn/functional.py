@@ -66,29 +66,36 @@ def _gluon_kernels(what: str, *names: str):
         return None
 
 
-def _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
-    """The Hopper backward when both Gluon passes accept the call: delta = rowsum(dO * O) (by the dQ
-    pass when causal, by a separate pass otherwise), dQ, then dK/dV. False (nothing launched) otherwise."""
+def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
+    """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
+    pass under a band, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
+    accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
+    the Gluon dQ pass refuses."""
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90")
     if mods is None:
         return False
     dq_pass, dkdv_pass = mods
-    if not (dq_pass.supports(p, q, k, v, grad_out, dq, out=out) and dkdv_pass.supports(p, q, k, v, grad_out, dk, dv)):
+    slopes = extras["slopes"]
+    if not dq_pass.supports(p, q, k, v, grad_out, dq, out=out, slopes=slopes):
         return False
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
     from .backends.triton.args import aligned
     out = aligned(out)
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     if p.band is None:
-        # no mask: every dQ program has the same long loop, and computing delta in its prologue cost
+        # no band: every dQ program has the same long loop, and computing delta in its prologue cost
         # 3-9% of the pass (H100, bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading
         # it); a separate bandwidth-bound kernel is cheaper
         from .backends.triton.bwd import launch_delta
         launch_delta(p, out, grad_out, delta)
-        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq)
+        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, slopes=slopes)
     else:
-        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out)
-    dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv)
+        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out, slopes=slopes)
+    if dkdv_pass.supports(p, q, k, v, grad_out, dk, dv):
+        dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv)
+    else:
+        from .backends.triton.bwd import launch_bwd
+        launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, False, delta=delta)
     return True
 
 
@@ -199,7 +206,8 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
             dbias_full = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device)
     elif pl.backend == "cpu":
         dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
-    elif not (pl.bwd_gluon and not need_dbias and _run_gluon_backward(p, q, k, v, out, grad_out, lse, dq, dk, dv)):
+    elif not (pl.bwd_gluon and not need_dbias
+                   and _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv)):
         from .backends.triton.bwd import launch_bwd
         dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None

@@ -87,10 +87,11 @@ _BWD_DQ_SM90 = {
 # H100 (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128, 1.31-1.41x at d224/256; at d64
 # 0.67-0.99x, so d64 stays on Triton.
 _GLUON_FWD_DIMS = (128, 224, 256)
-# Gluon backward (dQ and dK/dV passes, bench/GLUON_NOTES.md "Backward"): d = d_v = 128, where on the
-# H100 the dQ pass runs 1.12-1.26x and the dK/dV pass 1.03-1.29x our Triton passes. At d=64 they measured
-# 0.90-0.92x (dQ) and 0.99-1.00x (dK/dV): Triton keeps d=64.
-_GLUON_BWD_DIMS = (128,)
+# Gluon backward (bench/GLUON_NOTES.md "Backward"): the dQ pass, then the Gluon dK/dV pass where it takes the
+# call, else the Triton one (functional._run_gluon_backward). d = d_v = 128: on the H100 the dQ pass runs
+# 1.12-1.26x and the dK/dV pass 1.03-1.29x our Triton passes. At d=64 they measured 0.90-0.92x (dQ) and
+# 0.99-1.00x (dK/dV): Triton keeps d=64. d = 224/256: the dQ pass on 32-key tiles (the Triton passes spill).
+_GLUON_BWD_DIMS = (128, 224, 256)
 _GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns the Gluon kernels off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)

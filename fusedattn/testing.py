@@ -134,6 +134,9 @@ def random_case(seed: int, dtypes=("float32", "float16"), max_s=300, head_dims=(
 # cases for the Hopper (Gluon) kernels' GPU tests: d = d_v, a mask named by its alignment
 
 MODES = ("none", "top_left", "bottom_right")
+# sliding windows (left, right), -1 unbounded: zero-width, left-only bands of several widths, two-sided,
+# one side unbounded, a right reach past several tiles
+WINDOWS = ((0, 0), (37, 0), (200, 0), (64, 64), (130, -1), (-1, 90), (5, 300))
 
 
 @dataclass

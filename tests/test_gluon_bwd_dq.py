@@ -2,12 +2,16 @@
 
 dQ against float64 autograd of the reference by FlashAttention's rule (error at most 2x PyTorch's
 same-precision error plus a small floor) and against our Triton backward's dQ, on seeded cases:
-head dims 64/128, fp16/bf16, causal top-left / bottom-right / none, lengths in
-{1, 17, 129, 300, 1000} with s_q != s_kv both ways, GQA 1/4/MQA, BSHD and other strided layouts.
+head dims 64/128/224/256, fp16/bf16, causal top-left / bottom-right / none, sliding windows and
+ALiBi, lengths in {1, 17, 129, 300, 1000} with s_q != s_kv both ways, GQA 1/4/MQA, BSHD and other
+strided layouts.
 dQ lives in a NaN-guarded buffer: an unwritten element stays NaN, a stray write outside the tensor
 is caught. Plus bitwise determinism and what ``supports`` refuses. Every failure message carries a
 one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
+
+import dataclasses
+import random
 
 import pytest
 import torch
@@ -15,8 +19,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded, max_err, random_hopper_case,
-                               triton_backward)
+from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
+                               random_hopper_case, triton_backward)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -55,16 +59,17 @@ def setup(case):
     return p, extras, q, k, v, do, out, lse, delta
 
 
-def run_gluon(case, p, q, k, v, do, lse, delta, msg, out=None):
+def run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=None):
     """The Gluon dQ into a NaN-filled guarded buffer. With ``out``, the kernel computes delta itself
     and writes it into a NaN-filled buffer, checked against ``delta``."""
     from fusedattn.backends.gluon.bwd_dq_sm90 import launch_dq_sm90, supports
     dq = guarded((case.b, case.h_q, case.s_q, case.d), getattr(torch, case.dtype), "cuda", case.layout,
                  fill=None)   # NaN-filled
-    assert supports(p, q.view, k.view, v.view, do.view, dq.view, out=out), \
+    slopes = extras["slopes"]
+    assert supports(p, q.view, k.view, v.view, do.view, dq.view, out=out, slopes=slopes), \
         f"supports() refused a case it should run. {msg}"
     d_buf = delta if out is None else torch.full_like(delta, float("nan"))
-    launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, d_buf, dq.view, out=out)
+    launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, d_buf, dq.view, out=out, slopes=slopes)
     torch.cuda.synchronize()
     if out is not None:
         assert torch.isfinite(d_buf).all(), f"delta not written everywhere. {msg}"
@@ -77,7 +82,7 @@ def run_case(case, nodeid, write_delta=True):
     msg = case.repro(nodeid) + f" write_delta={write_delta}"
     dt = getattr(torch, case.dtype)
     p, extras, q, k, v, do, out, lse, delta = setup(case)
-    dq = run_gluon(case, p, q, k, v, do, lse, delta, msg, out=out if write_delta else None)
+    dq = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=out if write_delta else None)
     got = dq.view.cpu()
     kw = case.kwargs()
     gold = reference_dq(q.view, k.view, v.view, do.view, torch.float64, **kw)
@@ -121,34 +126,85 @@ def test_gluon_dq_gqa8(d, dtype, request):
         run_case(case, request.node.nodeid, write_delta=i == 0)
 
 
+@pytest.mark.parametrize("d", [224, 256])
+@pytest.mark.parametrize("s_kv", (17, 300, 1000))
+@pytest.mark.parametrize("s_q", (1, 129, 1000))
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_dq_wide_lengths(mode, s_q, s_kv, d, request):
+    """d=224/256 (32-key tiles, 256-wide boxes: columns 224..255 zero-filled on loads, clipped on the
+    store): lengths and masks, bf16, GQA 4/2, BSHD memory; delta computed by the kernel."""
+    seed = 500 + 100 * MODES.index(mode) + 10 * (s_q % 7) + s_kv % 7 + d
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
+                      layout="bshd")
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_dq_wide_random(seed, request):
+    """Seeded random geometries at d=224/256 (the gapped layouts catch a 256-wide box reading or
+    writing past column 224; delta from the kernel on even seeds reads O with a column mask)."""
+    case = dataclasses.replace(random_case(600 + seed), d=(224, 256)[seed % 2])
+    run_case(case, request.node.nodeid, write_delta=seed % 4 < 2)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["band", "alibi"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_dq_window_alibi(mode, window, alibi, request):
+    """Sliding windows (masked left edge, mask-free middle, masked right edge: a CTA's first key tile
+    is not tile 0), each alignment, with and without ALiBi; partial tiles, s_q != s_kv."""
+    seed = 3000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
+    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
+    case = HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd", window=window, alibi=alibi)
+    run_case(case, request.node.nodeid, write_delta=seed % 3 != 0)
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_dq_alibi_random(seed, request):
+    """ALiBi (the paper's slopes, odd head counts too) with or without a window, random geometry,
+    every head dim of the kernel."""
+    rng = random.Random(seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(random_case(4000 + seed), d=(64, 128, 224, 256)[seed % 4], alibi=seed % 4 != 3,
+                               window=window)
+    run_case(case, request.node.nodeid, write_delta=seed % 2 == 0)
+
+
 @pytest.mark.parametrize("mode", ["none", "top_left"])
 def test_gluon_dq_deterministic(mode, request):
     """Two launches on the same inputs give bitwise equal dQ (one writer per element, no atomics)."""
     case = HopperCase(seed=3, b=2, h_q=8, h_kv=2, s_q=1000, s_kv=1000, d=128, dtype="bfloat16", mode=mode, layout="bshd")
     msg = case.repro(request.node.nodeid)
     p, extras, q, k, v, do, out, lse, delta = setup(case)
-    first = run_gluon(case, p, q, k, v, do, lse, delta, msg).view.clone()
+    first = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg).view.clone()
     for _ in range(3):
-        again = run_gluon(case, p, q, k, v, do, lse, delta, msg).view
+        again = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg).view
         assert torch.equal(first, again), f"dQ is not bitwise reproducible. {msg}"
 
 
 def test_gluon_dq_supports():
-    """What the kernel refuses: windows, other head dims, fp32, misaligned bases, d != d_v."""
+    """What the kernel takes (windows, ALiBi, d 224/256) and refuses (padding, bias, softcap, other
+    head dims, fp32, misaligned bases, d != d_v)."""
     from fusedattn.backends.gluon.bwd_dq_sm90 import supports
 
     def check(expect, what, q, k, v, **kw):
-        p, _ = make_problem(q, k, v, **kw)
+        p, extras = make_problem(q, k, v, **kw)
         do = torch.empty(q.shape[:-1] + (v.shape[-1],), device=q.device, dtype=q.dtype)
-        assert supports(p, q, k, v, do, torch.empty_like(q)) == expect, what
+        assert supports(p, q, k, v, do, torch.empty_like(q), slopes=extras["slopes"]) == expect, what
 
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
     check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
     check(True, "plain fp16 d64 causal", *(mk(1, 2, 64, 64, dt=torch.float16) for _ in range(3)), causal=True)
     check(True, "BSHD view", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)))
-    check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(True, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(True, "ALiBi", mk(1, 3, 64, 128), mk(1, 3, 64, 128), mk(1, 3, 64, 128), alibi=True, causal=True)
+    check(True, "d=224", mk(1, 2, 64, 224), mk(1, 2, 64, 224), mk(1, 2, 64, 224))
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
-    check(False, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
+    check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
+          seq_len_kv=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
+    check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
+    check(False, "softcap", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), softcap=30.0)
     check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
     check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)

@@ -157,35 +157,46 @@ def test_gluon_backward_import_failure_falls_back_with_a_warning(monkeypatch):
         functional._gluon_kernels.cache_clear()
 
 
+# (d, attention kwargs): no mask and causal take both Gluon passes at d=128; a window with ALiBi and the
+# wide head dims take the Gluon dQ pass and, where the Gluon dK/dV pass refuses them, the Triton one
+GLUON_ROUTES = {"plain": (128, dict()), "causal": (128, dict(causal=True, causal_alignment="bottom_right")),
+                "window_alibi": (128, dict(window=(100, 0), alibi=True)),
+                "d224_causal": (224, dict(causal=True))}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon backward is Hopper-only (compute capability 9.x): GPU test skipped")
-@pytest.mark.parametrize("causal", [False, True])
-def test_gluon_backward_is_routed_and_matches_the_reference(causal, monkeypatch):
-    """d=128 bf16 through autograd takes the Gluon dQ and dK/dV passes (counted), and its gradients
-    pass the reference rule; GQA, BSHD memory, odd lengths."""
+@pytest.mark.parametrize("route", GLUON_ROUTES)
+def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
+    """bf16 through autograd takes the Gluon dQ pass and the dK/dV pass that accepts the call (counted),
+    and its gradients pass the reference rule; GQA, BSHD memory, odd lengths."""
     from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90
+    from fusedattn.problem import make_problem
+    d, kw = GLUON_ROUTES[route]
     calls = []
     for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90")):
         orig = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
     torch.manual_seed(3)
-    mk = lambda h, s: torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    mk = lambda h, s: torch.randn(2, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
     q, k, v = mk(8, 333), mk(2, 517), mk(2, 517)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fusedattn.attention(qs, ks, vs, causal=causal, causal_alignment="bottom_right")
+    out = fusedattn.attention(qs, ks, vs, **kw)
     do = torch.randn_like(out)
     out.backward(do)
-    assert calls == ["launch_dq_sm90", "launch_dkdv_sm90"], calls
+    p, _ = make_problem(q, k, v, **kw)
+    gluon_dkdv = bwd_dkdv_sm90.supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v))
+    assert calls == ["launch_dq_sm90"] + ["launch_dkdv_sm90"] * gluon_dkdv, calls
     refs = {}
     for dt in (torch.float64, torch.bfloat16):
         rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-        ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=causal, causal_alignment="bottom_right")
+        ro, _ = attention_reference(rq, rk, rv, dtype=dt, **kw)
         ro.backward(do.cpu().to(dt))
         refs[dt] = (rq.grad, rk.grad, rv.grad)
     for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],
                                      refs[torch.bfloat16]):
-        assert_error_within(got.cpu(), gold, base, msg=f"{name} causal={causal}")
+        assert_error_within(got.cpu(), gold, base, msg=f"{name} route={route}")
 
 
 def test_launch_delta_interpreter_or_gpu():
@@ -204,3 +215,32 @@ def test_launch_delta_interpreter_or_gpu():
     bwd.launch_delta(p, out, do, delta)
     gold = (out.double() * do.double()).sum(-1).reshape(b * h, s)
     assert torch.allclose(delta.double().cpu(), gold.cpu(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(window=(20, 0), alibi=True), dict(causal=True, causal_alignment="bottom_right")],
+                         ids=["window_alibi", "causal_br"])
+def test_launch_bwd_dkdv_only_with_a_given_delta(kw):
+    """launch_bwd(..., delta=) (the Triton dK/dV pass after the Gluon dQ pass) runs the dK/dV pass
+    alone: dK and dV equal the full backward's bit for bit, and dQ (the caller's) is left untouched."""
+    from conftest import INTERPRET
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("needs the GPU or Triton's interpreter")
+    from fusedattn.plan import plan
+    device = "cuda" if HAS_CUDA else "cpu"
+    torch.manual_seed(5)
+    q = torch.randn(1, 45, 4, 32, device=device).transpose(1, 2)
+    k, v = (torch.randn(1, 2, 70, 32, device=device) for _ in range(2))
+    p, extras = make_problem(q, k, v, **kw)
+    pl = plan(p, "triton")
+    out, stats = fusedattn.attention_forward(q, k, v, return_stats=True, backend="triton", **kw)
+    do = torch.randn_like(out)
+    lse = stats[..., 0]
+    full = [torch.empty_like(t) for t in (q, k, v)]
+    bwd.launch_bwd(p, pl, q, k, v, out, do, lse, extras, *full, False)
+    delta = torch.empty((p.b * p.h_q, p.s_q), device=device)
+    bwd.launch_delta(p, out, do, delta)
+    dq = torch.full_like(q, float("nan"))
+    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    bwd.launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False, delta=delta)
+    assert torch.isnan(dq).all(), "dQ was written by a dK/dV-only launch"
+    assert torch.equal(dk, full[1]) and torch.equal(dv, full[2])

@@ -1,7 +1,8 @@
 """Compile the Gluon sm_90 dQ kernel (fusedattn/backends/gluon/bwd_dq_sm90.py) with no GPU and
 show what matters in its SASS.
 
-    python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES] [split]   e.g. ... 128 1 bf16 64 0 split
+    python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES] [split] [window] [alibi]
+        e.g. ... 128 1 bf16 64 0 split   (BLOCK_N / STAGES 0: the defaults)
 
 Prints shared memory, registers/spills (ptxas -v on the PTX), and for each loop of the SASS its
 instruction count, its MUFU.EX2 count and how many of them sit between the wait that leaves one
@@ -24,23 +25,26 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 
-def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False, write_delta=True):
+def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False,
+               write_delta=True, window=False, alibi=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    d = fwd_sm90.TILE_D[d]
-    block_n = block_n or bwd_dq_sm90.TILES[d][0]
-    stages = stages or bwd_dq_sm90.TILES[d][1]
-    ql = fwd_sm90._smem_layout(bwd_dq_sm90.WG_M, d, tdt)
-    kl = fwd_sm90._smem_layout(block_n, d, tdt)
-    qd = f"tensordesc<{dtype}[1, 1, {bwd_dq_sm90.WG_M}, {d}],{ql!r}>"
-    kd = f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>"
+    td = fwd_sm90.TILE_D[d]
+    block_n = block_n or bwd_dq_sm90.TILES[td][0]
+    stages = stages or bwd_dq_sm90.TILES[td][1]
+    ql = fwd_sm90._smem_layout(bwd_dq_sm90.WG_M, td, tdt)
+    kl = fwd_sm90._smem_layout(block_n, td, tdt)
+    qd = f"tensordesc<{dtype}[1, 1, {bwd_dq_sm90.WG_M}, {td}],{ql!r}>"
+    kd = f"tensordesc<{dtype}[1, 1, {block_n}, {td}],{kl!r}>"
     sig = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "dq_desc": qd,
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
-           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
-           "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
-    const = dict(BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, REVERSE_M=causal,
+           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "SLOPES": "*fp32",
+           "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
+           "win_left": "i32", "win_right": "i32"}
+    const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
+                 BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, REVERSE_M=causal and not window,
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
-                 SPLIT=split, WRITE_DELTA=write_delta)
+                 SPLIT=split, WRITE_DELTA=write_delta, D=d)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)
@@ -51,10 +55,11 @@ def main():
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
-    block_n = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    block_n = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "0" else None
     stages = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "0" else None
-    split = len(sys.argv) > 6 and sys.argv[6] == "split"
-    k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages, split=split)
+    flags = set(sys.argv[6:])     # any of: split, window (a two-sided band), alibi
+    k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages, split="split" in flags,
+                   window="window" in flags, alibi="alibi" in flags)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

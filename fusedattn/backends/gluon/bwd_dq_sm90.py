@@ -35,8 +35,13 @@ it. A shared-memory store of a value that depends on every dS of the tile keeps 
 exponentials and the dS arithmetic between the two waits (tools/gluon_dq_check.py counts the
 MUFU.EX2 between ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` and ``0x0`` in each loop of the SASS).
 
-Masking: tile 0 (the prologue) and tiles from ``n_full`` on (``fwd_sm90._kv_range``: keys past
-s_kv, causal diagonal) set P = 0 where row i must not see key j; other tiles skip the mask. Rows
+Masking: the forward's key tiles (``fwd_sm90._kv_range``): the CTA visits [t_lo, t_hi); the
+first (the prologue), the band's left edge [t_lo + 1, t_a) and its right edge and the tail past
+s_kv [t_b, t_hi) set P = 0 where row i must not see key j (causal, sliding windows of either
+alignment); [t_a, t_b) skips the mask, and tiles outside the band are never loaded. ALiBi
+(slope * (j - i), slopes from an [h_q] tensor): the column half slope * (j - row0) is added to
+the scaled scores, the row half is folded into the row's lse once (as the forward takes it out of
+the LSE). Rows
 past s_q: TMA zero-fills Q and dO, lse and delta load as 0, so dS = 1 * (0 - 0) = 0; their dQ
 rows are clipped by the TMA store. Rows with no visible key (causal bottom-right, s_q > s_kv):
 lse 0, every key masked, so dQ = 0 (the package's convention). Causal: the longest rows start
@@ -66,9 +71,13 @@ sm_90a): 0 spills at d 64/128, fp16/bf16, causal or not, SPLIT on or off; each c
 its 32 MUFU.EX2 before the dQ wait (plain: all after the S/dP wait ``0x1``; SPLIT: all after the S
 wait ``0x2``); mask-free loop body 295 SASS instructions at d128 bf16 (62 FFMA, 36 FADD, 32 FMUL,
 32 EX2, 16 F2FP, 4 SHFL for the pin's row sum, 2 STS), masked 434; shared memory 165 KB (d128,
-3 stages) / 99 KB (d64, 4 stages). H100 (session 4): the 106 tests of tests/test_gluon_bwd_dq.py
-pass; bench/gluon_dq_sweep.py --variants: 1.12-1.26x the Triton dQ pass at d128, 0.90-0.92x at d64
-(bench/GLUON_NOTES.md "Backward dQ"), so functional._run_gluon_backward routes d128 only.
+3 stages) / 99 KB (d64, 4 stages). H100 (session 4): bench/gluon_dq_sweep.py --variants: 1.12-1.26x
+the Triton dQ pass at d128, 0.90-0.92x at d64 (bench/GLUON_NOTES.md "Backward dQ"), so plan.py routes
+d128 and not d64. Session 5: d 224/256 on 32-key tiles, 2 stages (168 registers, no spills, 198 KB
+shared memory; 64-key tiles leave room for one stage only), windows and ALiBi (d128 causal mask-free
+loop 296 instructions, with ALiBi 360); the 232 GPU tests of tests/test_gluon_bwd_dq.py and
+tests/test_launch.py pass. Whole backward (this pass + the Triton dK/dV pass), bench on the H100:
+d224 137 -> 170 TFLOP/s, d256 causal 158 -> 198, ALiBi 323 -> 354, window 327 -> 343.
 """
 
 import torch
@@ -78,24 +87,28 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _kv_range, _kv_view, _problem_ok, _tma_ready
+from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _desc, _fwd_problem_ok, _is_sm90, _kv_range, _kv_view,
+                       _tma_ready)
 
 WG_M = 64           # query rows per consumer warpgroup
 BLOCK_M = 2 * WG_M  # query rows per CTA
-# tile width -> (BLOCK_N, STAGES). d=128: Q+dO 64 KB + STAGES * (K+V) 32 KB; d=64: 32 KB + STAGES * 16 KB.
-TILES = {64: (64, 4), 128: (64, 3)}
-SUPPORTED_DIMS = (64, 128)
+# tile width -> (BLOCK_N, STAGES). d=128: Q+dO 64 KB + STAGES * (K+V) 32 KB; d=64: 32 KB + STAGES * 16 KB;
+# d=256 (and 224 on 256-wide tiles): Q+dO 128 KB + STAGES * (K+V) 32 KB at 32-key tiles (64-key tiles
+# fit only one stage), registers dQ 128 + S, dP 16 each + dS 8 (x2): 168, no spills.
+TILES = {64: (64, 4), 128: (64, 3), 256: (32, 2)}
+SUPPORTED_DIMS = (64, 128, 224, 256)
 # tile width -> wait for S and dP separately (``_dq_step``)
-SPLIT = {64: False, 128: False}
+SPLIT = {64: False, 128: False, 256: False}
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
-                 k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, n_tiles,
+                 k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Load warp: Q and dO halves once, then K_j and V_j into slot j % STAGES once freed."""
+    """Load warp: Q and dO halves once, then K and V of key tile t_lo + j into slot j % STAGES once
+    freed."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     mbarrier.expect(q_bar.index(0), nbytes)
@@ -110,41 +123,54 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do
         phase = ((j // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(slot),
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
                                         k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(slot),
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
                                         v_smem.index(slot))
 
 @gluon.jit
-def _p_tile(s, qk_scale, lse2, rows, n0, S_KV, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
-    """P = exp2(S * qk_scale - lse2), 0 where row i must not see key j."""
+def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+            HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """P = exp2(S * qk_scale [+ ALiBi] - lse2) for the key tile at n0, 0 where row i must not see key j.
+
+    band = (S_KV, diag, win_left, win_right): row i keeps key j iff j < S_KV and (HAS_LEFT)
+    j >= i + diag - win_left and (HAS_RIGHT) j <= i + diag + win_right, as in the forward.
+    ALiBi: slope2 * (j - row0) here (the forward's column half, ``fwd_sm90._alibi_cols``); the row
+    half -slope2 * (i - row0) was folded into lse2 by the consumer."""
     x = s * qk_scale - lse2[:, None]
+    if HAS_ALIBI:
+        x = x + _alibi_cols(slope2, n0, row0, s)[None, :]
     if MASKED:
+        S_KV, diag, win_left, win_right = band
         BLOCK_N: gl.constexpr = s.shape[1]
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         keep = cols[None, :] < S_KV
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + diag)
+        if HAS_LEFT:
+            keep = keep & (cols[None, :] >= rows[:, None] + (diag - win_left))
+        if HAS_RIGHT:
+            keep = keep & (cols[None, :] <= rows[:, None] + (diag + win_right))
         x = gl.where(keep, x, float("-inf"))
     return gl.exp2(x)
 
 
 @gluon.jit
-def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale, lse2,
-             delta, rows, S_KV, diag, pin, pin_p, MASKED: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-             SPLIT: gl.constexpr):
-    """Tile j (j >= 1): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped with dS_j.
+def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale,
+             lse2, delta, rows, band, slope2, row0, pin, pin_p, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """Key tile j (j > t_lo, the CTA's first tile): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped
+    with dS_j. Tile j sits in ring slot (j - t_lo) % STAGES.
 
     SPLIT: wait for S_j alone first and compute P_j under dP_j (and the dQ product), then wait
     for dP_j; otherwise wait for both, then P_j and dS_j under the dQ product alone.
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
-    slot = j % STAGES
-    prev = (j - 1) % STAGES
-    phase = (j // STAGES) & 1
+    it = j - t_lo
+    slot = it % STAGES
+    prev = (it - 1) % STAGES
+    phase = (it // STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
@@ -155,13 +181,13 @@ def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     if SPLIT:
         # groups retire in order: two left in flight means S_j is done
         s = warpgroup_mma_wait(2, deps=(s_tok, ))
-        p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+        p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, band, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
         pin_p.store(gl.sum(p, 1))
         dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
     else:
         # one left in flight means S_j and dP_j are done
         s, dp = warpgroup_mma_wait(1, deps=(s_tok, dp_tok))
-        p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, S_KV, diag, MASKED, CAUSAL)
+        p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, band, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     mbarrier.arrive(v_empty.index(slot))
     ds_new = p * (dp - delta[:, None])
     # depends on every dS of the tile: keeps the elementwise work ahead of the wait (docstring)
@@ -175,9 +201,11 @@ def _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, O, stride_ob, stride_oh, stride_om, batch,
-                 head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale, CAUSAL: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr):
-    """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64)."""
+                 head, start_m, tiles, S_Q, band, slope2, qk_scale, sm_scale, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr):
+    """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64) over key tiles
+    tiles = (t_lo, t_a, t_b, t_hi) (``fwd_sm90._kv_range``); D: the true head dim."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
@@ -193,6 +221,9 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     in_q = rows < S_Q
     lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=in_q, other=0.0) * LOG2E_C
+    if HAS_ALIBI:
+        # ALiBi's row half, -slope2 * (i - row0), taken out with the LSE (``_p_tile`` adds the column half)
+        lse2 = lse2 + slope2 * (rows - row0).to(gl.float32)
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     pin_p = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -203,7 +234,9 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         r = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, ld))
         c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld))
         o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-        o = gl.load(o_base + r.to(gl.int64)[:, None] * stride_om + c[None, :], mask=(r < S_Q)[:, None], other=0.0)
+        # columns past D (d=224 on a 256-wide tile) are not O's: read as 0, like TMA's zero-filled dO
+        o = gl.load(o_base + r.to(gl.int64)[:, None] * stride_om + c[None, :],
+                    mask=(r < S_Q)[:, None] & (c < D)[None, :], other=0.0)
         mbarrier.wait(q_bar, 0)
         do_t = do_smem.reshape([WG_M, HEAD_D]).load(ld)
         d_rows = gl.sum(o.to(gl.float32) * do_t.to(gl.float32), 1)
@@ -215,7 +248,8 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     q_view = q_smem.reshape([WG_M, HEAD_D])
     do_view = do_smem.reshape([WG_M, HEAD_D])
 
-    # prologue: tile 0 (masked path: it may be partial or empty)
+    t_lo, t_a, t_b, t_hi = tiles
+    # prologue: tile t_lo in slot 0 (masked path: it may be partial or empty)
     mbarrier.wait(k_ready.index(0), 0)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
@@ -224,19 +258,28 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
                            is_async=True)
     s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
     mbarrier.arrive(v_empty.index(0))
-    ds = _p_tile(s, qk_scale, lse2, rows, 0, S_KV, diag, True, CAUSAL) * (dp - delta[:, None])
+    p = _p_tile(s, qk_scale, lse2, rows, t_lo * BLOCK_N, band, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+    ds = p * (dp - delta[:, None])
     ds = gl.convert_layout(ds.to(dtype), ds_layout)
     dq = gl.zeros([WG_M, HEAD_D], gl.float32, dq_layout)
 
-    for j in range(1, n_full):
-        dq, ds = _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, S_KV, diag, pin, pin_p, False, CAUSAL, STAGES, SPLIT)
-    for j in range(gl.maximum(n_full, 1), n_tiles):
-        dq, ds = _dq_step(j, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, S_KV, diag, pin, pin_p, True, CAUSAL, STAGES, SPLIT)
+    # the band's left edge (masked; empty with no left bound), the mask-free middle, the right edge
+    # and the tail past S_KV (masked)
+    for j in range(t_lo + 1, t_a):
+        dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
+                          qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT, HAS_RIGHT,
+                          HAS_ALIBI, STAGES, SPLIT)
+    for j in range(t_a, t_b):
+        dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
+                          qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, False, HAS_LEFT, HAS_RIGHT,
+                          HAS_ALIBI, STAGES, SPLIT)
+    for j in range(gl.maximum(t_b, t_lo + 1), t_hi):
+        dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
+                          qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT, HAS_RIGHT,
+                          HAS_ALIBI, STAGES, SPLIT)
 
     # last dQ product
-    last = (n_tiles - 1) % STAGES
+    last = (t_hi - 1 - t_lo) % STAGES
     dq_tok = warpgroup_mma(ds, _kv_view(k_smem, last, BLOCK_N, HEAD_D), dq, is_async=True)
     dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
     mbarrier.arrive(k_empty.index(last))
@@ -250,11 +293,12 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 
 @gluon.jit
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
-                      O, stride_ob, stride_oh, stride_om,
-                      H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                      O, stride_ob, stride_oh, stride_om, SLOPES,
+                      H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr):
+                      SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -271,9 +315,12 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     diag = S_Q * 0
     if BOTTOM_RIGHT:
         diag = S_KV - S_Q
-    # key tiles [0, n_full) need no mask past the prologue, [n_full, n_tiles) are masked (the forward's
-    # band ranges with no left bound: t_lo = 0, t_a = 1)
-    _, _, n_full, n_tiles = _kv_range(start_m, S_Q, S_KV, diag, 0, 0, False, CAUSAL, BLOCK_M, BLOCK_N)
+    # the forward's key tiles: [t_lo, t_hi) visited, [t_a, t_b) mask-free
+    tiles = _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    band = (S_KV, diag, win_left, win_right)
+    slope2 = qk_scale * 0.0
+    if HAS_ALIBI:
+        slope2 = gl.load(SLOPES + head) * LOG2E_C
     delta_base = DELTA + bh.to(gl.int64) * S_Q
 
     q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
@@ -299,55 +346,72 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
-                        stride_om, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale,
-                        CAUSAL, BLOCK_N, STAGES, SPLIT, WRITE_DELTA)),
+                        stride_om, batch, head, start_m, tiles, S_Q, band, slope2, qk_scale, sm_scale,
+                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
-                        stride_om, batch, head, start_m, n_full, n_tiles, S_Q, S_KV, diag, qk_scale, sm_scale,
-                        CAUSAL, BLOCK_N, STAGES, SPLIT, WRITE_DELTA)),
+                        stride_om, batch, head, start_m, tiles, S_Q, band, slope2, qk_scale, sm_scale,
+                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
-                        k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, n_tiles, BLOCK_N,
-                        STAGES)),
+                        k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, tiles[0],
+                        tiles[3] - tiles[0], BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 # ----------------------------------------------------------------------------------------------
 # host side
 
-def supports(p, q, k, v, grad_out, dq, *, out=None, head_dims=None) -> bool:
+def _slopes_ok(p, slopes) -> bool:
+    """ALiBi slopes as the kernel reads them: fp32 [h_q] on the GPU, unit stride."""
+    return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
+            and slopes.numel() == p.h_q and slopes.stride(-1) == 1)
+
+
+def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, head_dims=None) -> bool:
     """True when this kernel computes the dQ of ``p`` on these tensors (sm_90, fp16/bf16, d = d_v
-    in ``SUPPORTED_DIMS``, no mask or causal, TMA-ready strides). The problem half is cached.
-    out: the forward's output, when the caller wants delta computed by this pass (unit last stride)."""
+    in ``SUPPORTED_DIMS``, no mask, causal, sliding windows and ALiBi as the forward has them,
+    TMA-ready strides). The problem half is cached.
+    out: the forward's output, when the caller wants delta computed by this pass (unit last stride).
+    slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
-    if not (_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+    if not (_fwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+        return False
+    if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
     if out is not None and not (isinstance(out, torch.Tensor) and out.dtype == p.dtype and out.is_cuda
                                 and out.stride(-1) == 1 and out.shape == grad_out.shape):
         return False
     return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dq))
 
-def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, block_n=None, stages=None, split=None):
+
+def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=None, block_n=None, stages=None,
+                   split=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
     stride. lse: fp32 [b,h_q,s_q] view (any strides; the forward's natural-log stats). delta: fp32
     contiguous [b*h_q, s_q]: read as rowsum(dO * O), or, when ``out`` (the forward's output, same
     shape as grad_out, unit last stride) is given, computed here and written into it (for the
-    dK/dV pass; no separate preprocess launch). block_n / stages / split override ``TILES`` /
-    ``SPLIT`` (tuning).
+    dK/dV pass; no separate preprocess launch). slopes: fp32 [h_q] when p.alibi. block_n / stages /
+    split override ``TILES`` / ``SPLIT`` (tuning).
     """
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
     split = SPLIT[td] if split is None else split
-    causal = p.band is not None
+    band = p.band
+    has_left = band is not None and band.left is not None
+    has_right = band is not None and band.right is not None
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     o_arg, o_strides = (out, out.stride()[:3]) if out is not None else (lse, (0, 0, 0))
     _attn_bwd_dq_sm90[grid](
         _desc(q, WG_M), _desc(grad_out, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(dq, WG_M),
-        lse, *lse.stride(), delta, o_arg, *o_strides,
+        lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
-        BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
-        REVERSE_M=causal, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
-        WRITE_DELTA=out is not None, num_warps=4,
+        band.left if has_left else 0, band.right if has_right else 0,
+        BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
+        # a causal-like band: the longest rows (last query tiles) start first, as the forward
+        REVERSE_M=has_right and not has_left, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        SPLIT=split, WRITE_DELTA=out is not None, D=p.d, num_warps=4,
     )
     return dq

@@ -356,12 +356,16 @@ def launch_delta(p, out, grad_out, delta):
 _PLAIN_ARGS = {}   # plain problems: (problem, tiles, strides) -> per kernel (grid, non-tensor args, constexprs)
 
 
-def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias):
+def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, delta=None):
     """Launch the dQ pass (which also writes delta) and then the dK/dV pass. Returns the full fp32
-    dBias [b,h_q,s_q,s_kv] or None."""
+    dBias [b,h_q,s_q,s_kv] or None.
+
+    delta: fp32 contiguous [b*h_q, s_q] holding rowsum(dO * O) when dQ is already done (by the Gluon
+    dQ pass): only the dK/dV pass runs, reading it (dq is then not touched)."""
     p = problem
     plain_key = None
-    if _is_plain(p) and not need_dbias and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out, lse, dq, dk, dv)):
+    if (delta is None and _is_plain(p) and not need_dbias
+            and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out, lse, dq, dk, dv))):
         # the common call: every argument but the tensors is remembered (as fwd._PLAIN_ARGS)
         plain_key = (p, plan.bwd, plan.bwd_dq, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
                      lse.stride(), dq.stride(), dk.stride(), dv.stride())
@@ -376,6 +380,8 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
             return None
     q, k, v, out, grad_out, lse = (aligned(t) for t in (q, k, v, out, grad_out, lse))
     (dq, dq_target), (dk, dk_target), (dv, dv_target) = (aligned_output(t) for t in (dq, dk, dv))
+    if delta is not None:
+        dq_target = None     # dQ is the caller's, done: nothing to copy back over it
     args = kernel_scalars(p, extras, q)
     sw = args["switches"]
     bias = aligned(extras["bias"])
@@ -385,7 +391,11 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     bias_arg = bias if bias is not None else q
     block_d, block_dv = pow2(p.d), pow2(p.d_v)
 
-    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    passes = ((_DQ, "dq"), (_DKDV, "dkdv"))
+    if delta is None:
+        delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    else:
+        passes = passes[1:]
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)
     # what every non-tensor argument and tensor dtype/alignment depends on (launch.py); no key with
     # dropout (per-call seeds)
@@ -420,7 +430,9 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
             _PLAIN_ARGS.clear()
         _PLAIN_ARGS[plain_key] = tuple((grid, pos[n:], kw) for (grid, pos, kw), n in ((dq_pass, 14), (dkdv, 15)))
     # the dQ pass first: it writes delta, which the dK/dV pass reads
-    for launcher, (grid, pos, kw) in ((_DQ, dq_pass), (_DKDV, dkdv)):
+    launches = {"dq": dq_pass, "dkdv": dkdv}
+    for launcher, name in passes:
+        grid, pos, kw = launches[name]
         launcher(key, grid, *pos, **kw)
     for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
         if target is not None:
