@@ -833,7 +833,8 @@ class Bench:
             return
         for p in passes:
             try:
-                fns = [r.fwd for r in runners] if p == "fwd" else [self._bwd_fn(r) for r in runners]
+                fns = [r.fwd for r in runners] if p == "fwd" else [self._bwd_fn(r, self.args.cuda_graphs)
+                                                                   for r in runners]
                 ms = self._time(fns)
                 self._store(key_cfg, p, col, self._cell(cfg, p, ms))
             except Exception as exc:
@@ -841,10 +842,22 @@ class Bench:
             _free_memory()
 
     @staticmethod
-    def _bwd_fn(runner: Runner):
+    def _bwd_fn(runner: Runner, graphs: bool):
+        """The timed backward closure (its kept forward runs now). For graph capture the forward runs
+        on a side stream: autograd replays each node on the stream that was current when the node was
+        built, and a node built on the legacy default stream makes a capture fail (the first backward
+        capture of a process: cudaErrorStreamCaptureImplicit, bench/NOTES.md 24). Eager timing keeps
+        the default stream (cross-stream waits would add host time)."""
         if runner.make_bwd is None:
             raise Unsupported("no backward")
-        return runner.make_bwd()
+        if not graphs:
+            return runner.make_bwd()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn = runner.make_bwd()
+        torch.cuda.current_stream().wait_stream(side)
+        return fn
 
     def _time(self, fns) -> float:
         if not self.on_gpu:
