@@ -1,10 +1,11 @@
 """Time the Gluon sm_90 dK/dV backward pass against our Triton dK/dV pass alone (same inputs).
 
-    python3 bench/gluon_dkdv_sweep.py [--quick]
+    python3 bench/gluon_dkdv_sweep.py [--quick] [--wide]     (--wide: the d 224/256 configs only)
 
 TFLOP/s of the dK/dV pass: 4 matmuls (S^T, dP^T, dV, dK) of 2*b*h_q*s_q*s_kv*d flops each,
 halved when causal. "triton" is ``bwd._attn_bwd_dkdv`` launched exactly as ``launch_bwd`` does
-(plan(p).bwd tiles), "gluon" is ``launch_dkdv_sm90`` ("alt": the other ring depth, 2 or 3 stages). Medians of
+(plan(p).bwd tiles), "gluon" is ``launch_dkdv_sm90`` ("alt": the other ring depth, 2 or 3 stages; at
+d 224/256 the other ``DV_FIRST``). Medians of
 triton.testing.do_bench (host launch cost included) and of do_bench_cudagraph (GPU time only). Inputs physically BSHD (``torch.randn(b, s, h, d).transpose(1, 2)``).
 Also prints max |gluon - triton| on dK and dV.
 """
@@ -30,6 +31,11 @@ CONFIGS = [  # (b, h_q, h_kv, s, d, dtype, causal)
     (2, 16, 16, 8192, 128, torch.bfloat16, False),
     (8, 12, 12, 1024, 64, torch.float16, False),
     (8, 12, 12, 1024, 64, torch.float16, True),
+    # d 224/256: the SPLIT variant (the bench's two wide anchors first)
+    (4, 16, 16, 4096, 256, torch.bfloat16, True),
+    (32, 32, 32, 2048, 224, torch.float16, False),
+    (4, 16, 16, 4096, 256, torch.bfloat16, False),
+    (2, 16, 4, 8192, 256, torch.bfloat16, True),
 ]
 
 
@@ -50,11 +56,13 @@ def triton_dkdv(p, extras, q, k, v, do, lse, delta, dk, dv):
 
 def main():
     quick = "--quick" in sys.argv
+    wide = "--wide" in sys.argv      # only the d 224/256 configs
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__)
     print("TFLOP/s; plain = do_bench median (host launch cost included), graph = do_bench_cudagraph median (GPU only)")
     print(f"{'config':40s} {'triton':>7s} {'gluon':>7s} {'g/t':>6s} {'alt':>9s} | {'graph t':>7s} {'graph g':>7s} "
           f"{'g/t':>6s} | max|dk| max|dv| (g - t)")
-    for b, h_q, h_kv, s, d, dt, causal in CONFIGS[:2] if quick else CONFIGS:
+    configs = [c for c in CONFIGS if c[4] > 128] if wide else CONFIGS
+    for b, h_q, h_kv, s, d, dt, causal in configs[:2] if quick else configs:
         torch.manual_seed(0)
         q = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
         k = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
@@ -68,12 +76,16 @@ def main():
         dk_t, dv_t = torch.empty_like(k), torch.empty_like(v)
         dk_g, dv_g = torch.empty_like(k), torch.empty_like(v)
         run_t = triton_dkdv(p, extras, q, k, v, do, lse, delta, dk_t, dv_t)
-        alt_stages = 2 if G.STAGES[d, causal] != 2 else 3
+        td = G.TILE_D[d]
+        # the other ring depth; at tile width 256 (3 stages would need 272 KB of shared memory) the other
+        # DV_FIRST instead
+        alt_stages = G.STAGES[td, causal] if td == 256 else 2 if G.STAGES[td, causal] != 2 else 3
+        alt_kw = dict(stages=alt_stages, dv_first=not G.DV_FIRST if td == 256 else None)
         flops = 8.0 * b * h_q * s * s * d * (0.5 if causal else 1.0)
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
         fns = {"triton": run_t,
                "gluon": lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g),
-               "alt": lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g, stages=alt_stages)}
+               "alt": lambda: G.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk_g, dv_g, **alt_kw)}
         res, graph = {}, {}
         for name, fn in fns.items():
             try:
@@ -91,8 +103,9 @@ def main():
         e_dk = (dk_g.float() - dk_t.float()).abs().max().item()
         e_dv = (dv_g.float() - dv_t.float()).abs().max().item()
         cfg = f"b{b} h{h_q}/{h_kv} s{s} d{d} {str(dt)[6:]} {'causal' if causal else 'full'}"
+        alt = "dvf" if td == 256 else f"s{alt_stages}"
         print(f"{cfg:40s} {tf(res['triton']):7.1f} {tf(res['gluon']):7.1f} {res['triton'] / res['gluon']:5.2f}x "
-              f"{tf(res['alt']):6.1f} s{alt_stages} | {tf(graph['triton']):7.1f} {tf(graph['gluon']):7.1f} "
+              f"{tf(res['alt']):6.1f} {alt:>3s} | {tf(graph['triton']):7.1f} {tf(graph['gluon']):7.1f} "
               f"{graph['triton'] / graph['gluon']:5.2f}x | {e_dk:.2e} {e_dv:.2e}   "
               f"(ms plain: {res['triton']:.3f} / {res['gluon']:.3f} / {res['alt']:.3f})", flush=True)
 

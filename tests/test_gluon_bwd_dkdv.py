@@ -2,7 +2,7 @@
 
 dK and dV, written into NaN-filled guarded buffers, against float64 autograd of the reference by
 FlashAttention's rule (error at most 2x PyTorch's same-precision error plus a small floor) and
-against our Triton backward, over: head dims 64/128, fp16/bf16, causal none / top-left /
+against our Triton backward, over: head dims 64/128 and 224/256 (the SPLIT variant), fp16/bf16, causal none / top-left /
 bottom-right, GQA 1 / 4 / MQA, odd lengths with s_q != s_kv both ways, BSHD and other strided
 layouts; plus bitwise determinism and what ``supports`` refuses. Every failure message carries
 a one-line repro. GPU-only: skipped (visibly) elsewhere.
@@ -96,6 +96,17 @@ def test_gluon_dkdv_lengths(mode, s_q, s_kv, request):
     run_case(case, request.node.nodeid)
 
 
+@pytest.mark.parametrize("s_q,s_kv", LENGTH_PAIRS, ids=lambda x: str(x))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("d,dtype", [(224, "float16"), (256, "bfloat16")], ids=["224-fp16", "256-bf16"])
+def test_gluon_dkdv_wide_lengths(d, dtype, mode, s_q, s_kv, request):
+    """The SPLIT variant (64 keys per CTA, the P^T exchange between the warpgroups): length pairs x
+    masks, GQA 2 (two query heads per kv head, so the exchange ring runs on across heads), BSHD."""
+    seed = 3000 + 100 * MODES.index(mode) + 10 * LENGTH_PAIRS.index((s_q, s_kv)) + (d == 256)
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype=dtype, mode=mode, layout="bshd")
+    run_case(case, request.node.nodeid)
+
+
 GEOMS = [  # (h_q, h_kv, s_q, s_kv, mode, layout)
     (3, 3, 300, 519, "bottom_right", "bshd"),     # GQA 1
     (8, 2, 700, 1000, "top_left", "gap"),         # GQA 4, row gaps in memory
@@ -105,7 +116,7 @@ GEOMS = [  # (h_q, h_kv, s_q, s_kv, mode, layout)
 
 
 @pytest.mark.parametrize("geom", GEOMS, ids=lambda g: f"h{g[0]}-{g[1]}-s{g[2]}x{g[3]}-{g[4]}-{g[5]}")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 224, 256])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gluon_dkdv_geometries(geom, d, dtype, request):
     """Head dims, dtypes, GQA/MQA group sizes, masks and strided layouts."""
@@ -124,10 +135,11 @@ def test_gluon_dkdv_stages(mode, stages, request):
     run_case(case, request.node.nodeid, stages=stages)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mode", ["none", "bottom_right"])
-def test_gluon_dkdv_deterministic(mode):
+def test_gluon_dkdv_deterministic(mode, d):
     """Two launches give bitwise equal dK and dV (one writer per element, no atomics)."""
-    case = HopperCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=128, dtype="bfloat16", mode=mode, layout="bshd")
+    case = HopperCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=d, dtype="bfloat16", mode=mode, layout="bshd")
     q, k, v, do, out, stats, delta = make_inputs(case)
     first = run_gluon(case, q, k, v, do, stats, delta)
     again = run_gluon(case, q, k, v, do, stats, delta)
@@ -151,7 +163,10 @@ def test_gluon_dkdv_supports():
           mk(1, 1, 64, 64, dt=torch.float16))
     check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
-    check(False, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
+    check(True, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
+    check(True, "d=224 BSHD, causal", *(mk(1, 64, 2, 224).transpose(1, 2) for _ in range(3)), causal=True)
+    check(False, "d=192", mk(1, 2, 64, 192), mk(1, 2, 64, 192), mk(1, 2, 64, 192))
+    check(False, "d=224, d_v=256", mk(1, 2, 64, 224), mk(1, 2, 64, 224), mk(1, 2, 64, 256))
     check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
     check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)

@@ -1,12 +1,15 @@
 """Compile the Gluon sm_90 dK/dV backward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_bwd_check.py [D] [CAUSAL] [dtype] [STAGES]     e.g. ... 128 1 bf16
+    python tools/gluon_bwd_check.py [D] [CAUSAL] [dtype] [STAGES|-] [dv_first]   e.g. ... 128 1 bf16, ... 256 0 fp16
+
+D: 64, 128, 224 or 256 (224 compiles the 256-wide kernel, ``bwd_dkdv_sm90.SPLIT``).
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514
 wgmma serialization), and for each loop of the SASS its instruction count, its MUFU.EX2 count
 and where they sit relative to the wgmma waits, and the order of the wgmma-related
-instructions (HGMMA issue, WARPGROUP.DEPBAR waits, barriers), so one can check which products
-are in flight under the exponentials and the dS arithmetic.
+instructions (HGMMA issue, WARPGROUP.DEPBAR waits, barriers, shared-memory traffic such as the
+SPLIT variant's P^T exchange: STSM / LDSM), so one can check which products are in flight under
+the exponentials and the dS arithmetic.
 """
 import os
 import re
@@ -22,9 +25,10 @@ from fusedattn.backends.gluon import bwd_dkdv_sm90 as m  # noqa: E402
 from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
-def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, **over):
+def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, dv_first=None, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    d = m.TILE_D[d]             # d=224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the same as 256
     stages = stages or m.STAGES[d, causal]
     ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
@@ -37,7 +41,9 @@ def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=No
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
            "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32"}
-    const = dict(STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, CONSUMER_REGS=m.CONSUMER_REGS,
+    const = dict(STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, SPLIT=m.SPLIT[d],
+                 DV_FIRST=m.DV_FIRST if dv_first is None else dv_first,
+                 CONSUMER_REGS=m.CONSUMER_REGS,
                  PRODUCER_REGS=m.PRODUCER_REGS)
     const.update(over)
     for k in const:
@@ -50,8 +56,9 @@ def main():
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
-    stages = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    k = compile_dkdv(d, causal, dtype, stages=stages)
+    stages = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "-" else None
+    dv_first = "dv_first" in sys.argv[5:]
+    k = compile_dkdv(d, causal, dtype, stages=stages, dv_first=dv_first)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)
@@ -59,26 +66,35 @@ def main():
     with open(path, "w") as f:
         f.write(text)
     print("SASS in", path)
-    for label, n, body in loops(text):
-        if n < 60:
-            continue
+    for label, n, body in inner_loops(text):
         ex2 = sum("MUFU.EX2" in b for b in body)
-        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2")
-        seq, n_ex2 = [], 0
+        spill = sum(("LDL" in b or "STL" in b) for b in body)
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2, {spill} local-memory (spill) accesses")
+        seq = []
         for b in body:
-            if "MUFU.EX2" in b:
-                n_ex2 += 1
-                continue
-            mm = KEY.search(b)
-            if mm or "HMUL" in b or "STS" in b or "LDG" in b:
-                if n_ex2:
-                    seq.append(f"[{n_ex2} MUFU.EX2]")
-                    n_ex2 = 0
-                seq.append(re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()))
-        if n_ex2:
-            seq.append(f"[{n_ex2} MUFU.EX2]")
-        for s in seq:
-            print("   ", s)
+            if KEY.search(b) or any(op in b for op in SHOW):
+                s = re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip())
+                op = s.split()[1] if s.startswith("@") else s.split()[0]
+                if op.startswith(RUNS) and seq and seq[-1][0] == op:
+                    seq[-1][1] += 1      # a run of the same operation: one line with its count
+                else:
+                    seq.append([op, 1, s])
+        for op, count, s in seq:
+            print("   ", s if count == 1 else f"[{count} x {op}]")
+
+
+# instructions shown besides gluon_check.KEY's; runs of RUNS operations are folded into one line
+SHOW = ("HMUL", "STS", "LDS", "LDG", "STSM", "LDSM", "F2FP")
+RUNS = ("HGMMA", "MUFU", "F2FP", "STS", "LDS", "LDG", "HMUL")
+
+
+def inner_loops(text, min_instructions=60):
+    """gluon_check.loops, less the false ones (a back edge from the mbarrier try-wait retry stubs after
+    the last EXIT, whose body spans partitions) and the outer loops (GQA heads) that hold one."""
+    found = [(label, n, body) for label, n, body in loops(text)
+             if n >= min_instructions and not any("EXIT" in b or "USETMAXREG" in b for b in body)]
+    starts = {body[0] for _, _, body in found}
+    return [(label, n, body) for label, n, body in found if not any(b in starts for b in body[1:])]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Attention backward, dK/dV pass, for Hopper (sm_90) in Gluon: FlashAttention-3 style.
 
-One program (CTA) owns keys [n0, n0 + 128) of one (batch, kv head) and accumulates their dK and
-dV over every query row of every query head of the kv head's GQA group (so each dK/dV element
-has exactly one writer: bitwise deterministic, no atomics). dQ is a separate pass
+One program (CTA) owns keys [n0, n0 + 128) (d 64/128; 64 at d 224/256, see the end) of one
+(batch, kv head) and accumulates their dK and dV over every query row of every query head of
+the kv head's GQA group (so each dK/dV element has exactly one writer: bitwise deterministic,
+no atomics). dQ is a separate pass
 (``bwd_dq_sm90``); delta = rowsum(dO * O) is an input (fp32 [b*h_q, s_q], written by whichever
 pass or preprocess computes it).
 
@@ -42,7 +43,33 @@ the most query tiles under a causal mask, and the grid runs it first (longest wo
 
 Tensors are logical [b, h, s, d] with any strides of unit last stride (TMA rules: 16-byte
 aligned base and strides; ``fwd_sm90._tma_ready``), each seen through a 4-D TMA descriptor
-(box [1, 1, 64, d]) so out-of-bounds rows are per (b, h).
+(box [1, 1, 64, TILE_D[d]]) so out-of-bounds rows are per (b, h).
+
+Head dims 224 and 256 (``SPLIT``: tile width 256; d=224 runs on 256-wide TMA boxes like the
+forward, ``fwd_sm90.TILE_D``: TMA zero-fills columns 224..255 on loads, so they add nothing to
+S^T and dP^T, and clips them on the dK/dV stores). A warpgroup cannot hold both dK and dV
+[64, 256] fp32 (2 x 128 registers per thread, of 240), so the CTA owns 64 keys only and the two
+consumer warpgroups split the work by output instead of by key, each with one accumulator:
+
+    warpgroup 0                                  warpgroup 1
+    S^T  = K Q_i^T        (SS wgmma)             dP^T = V dO_i^T      (SS wgmma)
+    P^T  = exp2(S^T qk_scale - lse2), masked     wait for P^T in exchange slot i % 2
+    P^T -> exchange slot i % 2 (fp16), arrive    dS^T = P^T (dP^T - delta); free the slot
+    dV  += P^T dO_i       (RS wgmma)             dK  += dS^T Q_i      (RS wgmma)
+
+Per query tile that is two wgmmas per warpgroup (the same four products as above, none
+recomputed), and the phases interleave on the tensor cores: warpgroup 0's exponentials run under
+dP^T, warpgroup 1's dS arithmetic under dV. Only warpgroup 0 masks (P^T = 0 where a row must
+not see a key, so dS^T = 0 too). The exchange is two [64 keys, 64 rows] fp16 tiles (fp16 for
+any input dtype: P is in [0, 1] and 11 bits keep dS^T = P^T (dP^T - delta) as exact as the
+fp32 P of the other variant to well under one bf16 ulp), with ready/empty mbarriers
+(stmatrix / ldmatrix in the SASS; Gluon puts a warpgroup barrier before each single-thread
+arrive, so all 128 threads' stores are in when the other warpgroup is released). Each
+warpgroup reads one operand tile only (warpgroup 0 K, warpgroup 1 V), so each writes its
+result through that tile in the epilogue (dV through K's, dK through V's) without waiting for
+the other. Shared memory: K + V 64 KB, 2 x (Q + dO) 128 KB, exchange 16 KB, lse/delta ring:
+214512 bytes (the limit is 232448; a third ring stage would need 64 KB more). Twice as many CTAs
+stream Q and dO as at d=128 (64 keys per CTA instead of 128): 64 KB of L2 reads per 8.4 MFLOP.
 """
 import functools
 
@@ -53,7 +80,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
+from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _tma_ready
 from .fwd_sm90 import _problem_ok as _fwd_problem_ok_plain
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
@@ -63,8 +90,12 @@ BLOCK_M = 64         # query rows per tile of the Q/dO ring
 # 2 * 64 * d * 2: d=128 64 KB + 2-3 * 32 KB = 128-160 KB; d=64 32 KB + 4 * 16 KB = 96 KB. H100, two runs of
 # bench/gluon_dkdv_sweep.py (TFLOP/s, 2 stages vs 3): non-causal 8k 647/656 vs 689/690; causal 16k 629/639
 # vs 617/613, 2k 514/533 vs 518/531, GQA 4k 562/573 vs 572/567.
-STAGES = {(64, False): 4, (64, True): 4, (128, False): 3, (128, True): 2}
-SUPPORTED_DIMS = (64, 128)
+STAGES = {(64, False): 4, (64, True): 4, (128, False): 3, (128, True): 2, (256, False): 2, (256, True): 2}
+# tile width -> the two consumer warpgroups split by output over 64 shared keys (module docstring)
+SPLIT = {64: False, 128: False, 256: True}
+# SPLIT: warpgroup 0 issues its dV wgmma before handing P^T over (the exchange under the wgmma; ``_p_dv_step``)
+DV_FIRST = False
+SUPPORTED_DIMS = (64, 128, 224, 256)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -91,16 +122,18 @@ def _q_tiles(n0, S_Q, S_KV, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, B
 def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
                    q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, kv_head,
                    n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr):
-    """Load warp: K and V once, then Q_i and dO_i (TMA) and the tile's lse2 = lse * log2 e and delta
-    rows (plain loads, zero for rows >= S_Q) of every (head of the group, query tile)."""
+    """Load warp: K and V once (every 64-key tile of the CTA), then Q_i and dO_i (TMA) and the tile's
+    lse2 = lse * log2 e and delta rows (plain loads, zero for rows >= S_Q) of every (head of the
+    group, query tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
+    N_KV: gl.constexpr = k_smem.shape[0]     # 64-key K/V tiles of the CTA: 2, or 1 (SPLIT)
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0, 0], kv_bar, k_smem.index(0))
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0 + WG_N, 0], kv_bar, k_smem.index(1))
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0, 0], kv_bar, v_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0 + WG_N, 0], kv_bar, v_smem.index(1))
+    mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for h in gl.static_range(N_KV):
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, k_smem.index(h))
+    for h in gl.static_range(N_KV):
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, v_smem.index(h))
     it = 0
     for g in range(GROUP):
         head = kv_head * GROUP + g
@@ -223,15 +256,160 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     tma.store_wait(0)
 
 
+# ----------------------------------------------------------------------------------------------
+# SPLIT variant (tile width 256: d 224 and 256), module docstring "Head dims 224 and 256"
+
+
+@gluon.jit
+def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
+               x_empty, dv, zero_s, keys_diag, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr,
+               DV_FIRST: gl.constexpr):
+    """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO."""
+    BLOCK_M: gl.constexpr = zero_s.shape[1]
+    HEAD_D: gl.constexpr = k_view.shape[1]
+    col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
+    slot = it % STAGES
+    phase = (it // STAGES) & 1
+    xs = it % 2
+    q_view = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+    do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+
+    mbarrier.wait(q_ready.index(slot), phase)
+    s_tok = warpgroup_mma(k_view, q_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(l_ready.index(slot), phase)
+    lse2 = lse_smem.index(slot).load(col_layout)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    x = s * qk_scale - lse2[None, :]
+    if MASKED:
+        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
+        x = gl.where(keys_diag[:, None] <= rows[None, :], x, float("-inf"))
+    p = gl.exp2(x)
+    # P^T for warpgroup 1 (fp16 whatever the input dtype: 11 bits for dS = P (dP - delta)) into
+    # slot xs once its previous P^T (tile it - 2) has been read. The arrive follows a warpgroup
+    # barrier (Gluon's lowering), so all 128 threads' stores are in before warpgroup 1 reads.
+    # DV_FIRST: issue dV += P^T dO first and do the exchange under it.
+    px = p.to(gl.float16)
+    p16 = gl.convert_layout(p.to(k_view.dtype), a_layout)
+    if not DV_FIRST:
+        mbarrier.wait(x_empty.index(xs), ((it // 2) & 1) ^ 1)
+        x_smem.index(xs).store(px)
+        mbarrier.arrive(x_ready.index(xs))
+    mbarrier.wait(do_ready.index(slot), phase)
+    dv_tok = warpgroup_mma(p16, do_view, dv, is_async=True)
+    if DV_FIRST:
+        mbarrier.wait(x_empty.index(xs), ((it // 2) & 1) ^ 1)
+        x_smem.index(xs).store(px)
+        mbarrier.arrive(x_ready.index(xs))
+    dv, p16 = warpgroup_mma_wait(0, deps=(dv_tok, p16))
+    mbarrier.arrive(empty.index(slot))
+    return dv
+
+
+@gluon.jit
+def _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
+                x_empty, dk, zero_s, STAGES: gl.constexpr):
+    """Warpgroup 1, one query tile: dP^T, P^T from exchange slot it % 2, dS^T, dK += dS^T Q.
+
+    No mask: P^T is already 0 where a row must not see a key, so dS^T is too."""
+    BLOCK_M: gl.constexpr = zero_s.shape[1]
+    HEAD_D: gl.constexpr = v_view.shape[1]
+    s_layout: gl.constexpr = zero_s.type.layout
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+    slot = it % STAGES
+    phase = (it // STAGES) & 1
+    xs = it % 2
+    q_view = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+    do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+
+    mbarrier.wait(do_ready.index(slot), phase)
+    dp_tok = warpgroup_mma(v_view, do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(l_ready.index(slot), phase)
+    delta = delta_smem.index(slot).load(col_layout)
+    # P^T arrives from warpgroup 0 while dP^T runs
+    mbarrier.wait(x_ready.index(xs), (it // 2) & 1)
+    p = x_smem.index(xs).load(s_layout).to(gl.float32)
+    dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
+    ds = p * (dp - delta[None, :])
+    mbarrier.arrive(x_empty.index(xs))
+    ds16 = gl.convert_layout(ds.to(v_view.dtype), a_layout)
+    mbarrier.wait(q_ready.index(slot), phase)
+    dk_tok = warpgroup_mma(ds16, q_view, dk, is_async=True)
+    dk, ds16 = warpgroup_mma_wait(0, deps=(dk_tok, ds16))
+    mbarrier.arrive(empty.index(slot))
+    return dk
+
+
+@gluon.jit
+def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar,
+                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, batch, kv_head, n0,
+                    GROUP, diag, t_lo, t_full, t_hi, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                    STAGES: gl.constexpr, DV_FIRST: gl.constexpr):
+    """Consumer warpgroup WG of the SPLIT variant, keys [n0, n0 + 64): WG 0 computes P^T and dV,
+    WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers."""
+    WG_N: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    BLOCK_M: gl.constexpr = q_smem.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
+    acc = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)       # dV (WG 0) or dK (WG 1)
+    keys_diag = n0 - diag + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
+    k_view = k_smem.index(0).reshape([WG_N, HEAD_D])
+    v_view = v_smem.index(0).reshape([WG_N, HEAD_D])
+    mbarrier.wait(kv_bar, 0)
+
+    it = 0     # position in the producer's sequence of (head, query tile): ring slot and phases
+    for g in range(GROUP):
+        if WG == 0:
+            if CAUSAL:
+                for t in range(t_lo, t_full):
+                    acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                     empty, x_ready, x_empty, acc, zero_s, keys_diag, qk_scale, True, STAGES,
+                                     DV_FIRST)
+                    it += 1
+            for t in range(t_full, t_hi):
+                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                 empty, x_ready, x_empty, acc, zero_s, keys_diag, qk_scale, False, STAGES,
+                                 DV_FIRST)
+                it += 1
+        else:
+            # the mask is in P^T already: one loop over every tile
+            for t in range(t_lo, t_hi):
+                acc = _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready,
+                                  empty, x_ready, x_empty, acc, zero_s, STAGES)
+                it += 1
+
+    # epilogue through the warpgroup's own operand tile (WG 0 reads only K, WG 1 only V, so the
+    # other warpgroup may still be running); TMA clips keys >= S_KV and, at d=224, columns >= 224
+    if WG == 0:
+        _store_acc(acc, k_smem.index(0), dv_desc, batch, kv_head, n0)
+    else:
+        _store_acc(acc * sm_scale, v_smem.index(0), dk_desc, batch, kv_head, n0)
+
+
+@gluon.jit
+def _store_acc(acc, tile, desc, batch, kv_head, n0):
+    """acc (fp32 [64, HEAD_D]) -> 16-bit shared tile [1, 1, 64, HEAD_D] -> TMA store at key n0."""
+    tile.reshape([acc.shape[0], acc.shape[1]]).store(acc.to(tile.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [batch, kv_head, n0, 0], tile)
+    tma.store_wait(0)
+
+
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
                         DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, SPLIT: gl.constexpr,
+                        DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = 2 * WG_N
+    N_KV: gl.constexpr = 1 if SPLIT else 2     # 64-key tiles per CTA: one per warpgroup, or one shared
+    BLOCK_N: gl.constexpr = N_KV * WG_N
     dtype: gl.constexpr = q_desc.dtype
 
     pid_n = gl.program_id(0)     # key block 0 has the most query tiles under a causal mask: it runs first
@@ -244,8 +422,8 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         diag = S_KV - S_Q
     t_lo, t_full, t_hi = _q_tiles(n0, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
 
-    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, WG_N, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)
     row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -262,6 +440,28 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(l_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)     # one arrival from each consumer warpgroup
+
+    if SPLIT:
+        # P^T exchange, warpgroup 0 -> 1: two [keys, rows] fp16 slots with ready/empty barriers
+        x_smem = gl.allocate_shared_memory(gl.float16, [2, WG_N, BLOCK_M],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        x_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        x_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(x_ready.index(i), count=1)
+            mbarrier.init(x_empty.index(i), count=1)
+        gl.warp_specialize([
+            (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, batch, kv_head,
+                               n0, GROUP, diag, t_lo, t_full, t_hi, qk_scale, sm_scale, CAUSAL, STAGES, DV_FIRST)),
+            (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, batch, kv_head,
+                               n0, GROUP, diag, t_lo, t_full, t_hi, qk_scale, sm_scale, CAUSAL, STAGES, DV_FIRST)),
+            (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                              kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh,
+                              stride_lm, DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        return
 
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
@@ -297,22 +497,25 @@ def _problem_ok(p) -> bool:
     return _fwd_problem_ok_plain(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
 
 
-def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, stages=None):
+def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, stages=None, dv_first=None):
     """dK, dV of attention on Hopper, written in place.
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
     unit last stride (``supports`` checks them); lse fp32 [b,h_q,s_q] view (any strides,
     natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)).
-    stages overrides ``STAGES`` (tuning)."""
+    stages overrides ``STAGES``, dv_first ``DV_FIRST`` (tuning)."""
     causal = p.band is not None
-    stages = stages or STAGES[p.d, causal]
+    td = TILE_D[p.d]
+    stages = stages or STAGES[td, causal]
     assert delta.is_contiguous() and delta.dtype == torch.float32
-    grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
+    block_n = WG_N if SPLIT[td] else BLOCK_N
+    grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
     _attn_bwd_dkdv_sm90[grid](
         _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
         _desc(dv, WG_N), lse, *lse.stride(), delta,
         p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
-        STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right",
+        STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right", SPLIT=SPLIT[td],
+        DV_FIRST=DV_FIRST if dv_first is None else dv_first,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4,
     )
