@@ -70,6 +70,11 @@ result through that tile in the epilogue (dV through K's, dK through V's) withou
 the other. Shared memory: K + V 64 KB, 2 x (Q + dO) 128 KB, exchange 16 KB, lse/delta ring:
 214512 bytes (the limit is 232448; a third ring stage would need 64 KB more). Twice as many CTAs
 stream Q and dO as at d=128 (64 keys per CTA instead of 128): 64 KB of L2 reads per 8.4 MFLOP.
+
+[Note] status (SPLIT, keep current): no-GPU compile (tools/gluon_bwd_check.py 256|224): consumer
+loops spill-free (60-76 bytes of ptxas spills, all in the producer warp and the prologue); H100,
+two runs of bench/gluon_dkdv_sweep.py --wide: 2.5-3.1x the Triton dK/dV pass (d256 causal 562-575
+TFLOP/s, d224 fp16 504-528); ``DV_FIRST`` within the spread (bench/GLUON_NOTES.md).
 """
 import functools
 
@@ -84,10 +89,11 @@ from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _tma_ready
 from .fwd_sm90 import _problem_ok as _fwd_problem_ok_plain
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
-BLOCK_N = 2 * WG_N   # keys per CTA
+BLOCK_N = 2 * WG_N   # keys per CTA (WG_N under SPLIT)
 BLOCK_M = 64         # query rows per tile of the Q/dO ring
-# (head dim, causal) -> ring stages. Shared memory: K, V 2 * BLOCK_N * d * 2 bytes + STAGES * (Q + dO)
-# 2 * 64 * d * 2: d=128 64 KB + 2-3 * 32 KB = 128-160 KB; d=64 32 KB + 4 * 16 KB = 96 KB. H100, two runs of
+# (tile width, causal) -> ring stages. Shared memory: K, V 2 * BLOCK_N * d * 2 bytes + STAGES * (Q + dO)
+# 2 * 64 * d * 2: d=128 64 KB + 2-3 * 32 KB = 128-160 KB; d=64 32 KB + 4 * 16 KB = 96 KB; tile width 256
+# (SPLIT, BLOCK_N 64) 64 KB + 2 * 64 KB + exchange 16 KB = 208 KB (3 stages do not fit). H100, two runs of
 # bench/gluon_dkdv_sweep.py (TFLOP/s, 2 stages vs 3): non-causal 8k 647/656 vs 689/690; causal 16k 629/639
 # vs 617/613, 2k 514/533 vs 518/531, GQA 4k 562/573 vs 572/567.
 STAGES = {(64, False): 4, (64, True): 4, (128, False): 3, (128, True): 2, (256, False): 2, (256, True): 2}
