@@ -1,6 +1,6 @@
 """The Gluon sm_90 forward kernel beside our Triton forward and cuDNN (torch SDPA) on the GPU.
 
-    python3 bench/gluon_sweep.py [--configs NAME,...] [--rep MS]
+    python3 bench/gluon_sweep.py [--configs NAME,...] [--rep MS] [--graph] [--padded]
 
 Physically-BSHD inputs (``torch.randn(b, s, h, d).transpose(1, 2)``). For each config: first
 the max |difference| between the Gluon and the Triton outputs (and LSE), then the median time
@@ -14,6 +14,15 @@ bf16 unless the config names fp16.
 graph, so host launch cost is out) and each path's host cost per call (median wall time of one
 call with the GPU idle, i.e. Python, descriptor and launch work), so launch-bound small
 configs show what the kernels themselves do.
+
+--padded runs PADDED_CONFIGS instead: padding masks (seq_len_q = seq_len_kv = L_b per batch entry,
+self-attention of padded sequences), TFLOP/s counted over the unpadded work only (sum over the
+batch of 4*h*L_b^2*d, halved when causal): the Gluon kernel unpadded on the full s, padded with
+L_b drawn in [s/2, s], our Triton forward on the same padded call, and the cost of zeroing the V
+rows past len_kv in a CTA's last tile (fwd_sm90 [Note] padding): every L_b = s - 128 (whole
+tiles, nothing to zero) against L_b = s - 129 (the same tiles, the last one zeroed from row 127).
+The padded rows of Q, K and V hold NaN for the correctness check (max |gluon - triton| over
+valid rows) and are finite for the timings.
 """
 import argparse
 import statistics
@@ -37,6 +46,12 @@ CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal[, dtype]); dtype bf16 unless gi
     "b4-s4k-d256-c": (4, 16, 16, 4096, 256, True),
     "b4-s4k-d256": (4, 16, 16, 4096, 256, False),
     "b32-s2k-d224-fp16": (32, 32, 32, 2048, 224, False, torch.float16),
+}
+
+PADDED_CONFIGS = {  # as CONFIGS, for --padded
+    "b4-s4k-d128-c": (4, 32, 32, 4096, 128, True),
+    "b4-s4k-d128": (4, 32, 32, 4096, 128, False),
+    "b4-s4k-d256-c": CONFIGS["b4-s4k-d256-c"],
 }
 
 
@@ -99,12 +114,65 @@ def sdpa_fn(cfg, q, k, v):
     return f
 
 
+def padded(rep):
+    """The --padded sweep (module docstring)."""
+    print(f"{torch.cuda.get_device_name()}: padding (seq_len_q = seq_len_kv = L_b), TFLOP/s over unpadded work")
+    for name, cfg in PADDED_CONFIGS.items():
+        b, hq, hkv, s, d, causal = cfg[:6]
+        torch.manual_seed(0)
+        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+        q, k, v = mk(hq), mk(hkv), mk(hkv)
+        out, lse = torch.empty_like(q), torch.empty((b, hq, s), device="cuda", dtype=torch.float32)
+
+        def run(lens, backend):
+            """(median ms, useful TFLOP/s, output) of one forward; lens None: unpadded."""
+            seq = {} if lens is None else dict(seq_len_q=lens, seq_len_kv=lens)
+            p, extras = make_problem(q, k, v, causal=causal, **seq)
+            seq = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+            if backend == "gluon":
+                assert supports(p, q, k, v, out, head_dims=tuple(TILE_D), **seq), name
+                fn = lambda: launch_fwd_sm90(p, q, k, v, out, lse, **seq)  # noqa: E731
+            else:
+                tiles = plan(p, "triton").fwd
+                fn = lambda: launch_fwd(p, tiles, q, k, v, out, lse, extras)  # noqa: E731
+            fn()
+            res = out.clone()
+            ms = triton.testing.do_bench(fn, rep=rep, return_mode="median")
+            ls = [s] * b if lens is None else lens.tolist()
+            work = sum(4.0 * hq * n * n * d / (2 if causal else 1) for n in ls)
+            return ms, work / ms / 1e9, res
+
+        lens = torch.randint(s // 2, s + 1, (b,), device="cuda", dtype=torch.int32)
+        _, t_full, _ = run(None, "gluon")
+        _, t_pad, o_pad = run(lens, "gluon")
+        _, t_tri, o_tri = run(lens, "triton")
+        ms_whole, _, _ = run(torch.full((b,), s - 128, device="cuda", dtype=torch.int32), "gluon")
+        ms_zero, _, _ = run(torch.full((b,), s - 129, device="cuda", dtype=torch.int32), "gluon")
+        # NaN in every padding row of Q, K and V: the valid rows must not change
+        for t in (q, k, v):
+            for bi, n in enumerate(lens.tolist()):
+                t[bi, :, n:] = float("nan")
+        _, _, o_nan = run(lens, "gluon")
+        valid = (torch.arange(s, device="cuda")[None, None, :, None] < lens.view(b, 1, 1, 1)).expand_as(o_nan)
+        err = (o_pad.float() - o_tri.float()).abs().max().item()
+        err_nan = (o_nan.float() - o_pad.float()).abs().max().item()
+        print(f"{name}: L_b {lens.tolist()}: gluon unpadded {t_full:.0f}, padded {t_pad:.0f} "
+              f"({t_pad / t_full:.2f} of unpadded), triton padded {t_tri:.0f} TFLOP/s; "
+              f"V-row zeroing: L=s-128 {ms_whole:.3f} ms, L=s-129 {ms_zero:.3f} ms "
+              f"({100 * (ms_zero / ms_whole - 1):+.1f}%); max|gluon - triton| {err:.1e}, "
+              f"NaN padding: max change {err_nan:.1e}, NaN in valid rows {bool(o_nan[valid].isnan().any())}",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     ap.add_argument("--graph", action="store_true", help="also CUDA-graph (GPU-only) times and host cost")
+    ap.add_argument("--padded", action="store_true", help="the padding-mask sweep (PADDED_CONFIGS) instead")
     args = ap.parse_args()
+    if args.padded:
+        return padded(args.rep)
     rows = []
     graph_rows = []
     for name in args.configs.split(","):

@@ -5,7 +5,8 @@ error plus a small floor) and against our Triton kernel, on seeded cases: head d
 224/256, which ``supports`` accepts only when asked: ``head_dims``),
 fp16/bf16, causal top-left / bottom-right / none, lengths in {1, 17, 128, 200, 1000} with
 s_q != s_kv both ways, GQA, BSHD and other strided layouts, sliding windows and ALiBi; with and
-without the consumer warpgroups' ping-pong. Outputs and LSE live in NaN-guarded
+without the consumer warpgroups' ping-pong; padding (per-batch seq_len_q / seq_len_kv, with
+NaN written into the padding rows of Q, K and V). Outputs and LSE live in NaN-guarded
 buffers: an unwritten element stays NaN, a stray write outside the tensor is caught.
 Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
@@ -35,9 +36,21 @@ def _random_case(seed):
     return random_hopper_case(seed, LENGTHS)
 
 
-def run_case(case, nodeid, write_lse=True, pingpong=None):
+def _poison_padding(t, lens):
+    """NaN into the rows of t [b, h, s, d] past each batch entry's length: in-bounds memory
+    that TMA loads, which the kernel must neither use nor let leak (0 * NaN) into valid rows."""
+    if lens is not None:
+        for bi, n in enumerate(lens):
+            t[bi, :, max(n, 0):] = float("nan")
+
+
+def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None)):
+    """Run one case on the Gluon kernel and check it against the float64 reference and the
+    Triton forward. lens: per-batch (len_q, len_kv) lists (either None: unpadded side); the
+    reference and the Triton kernel see clean inputs, the Gluon kernel sees the padding rows
+    of Q, K and V overwritten with NaN."""
     from fusedattn.backends.gluon.fwd_sm90 import TILE_D, launch_fwd_sm90, supports
-    msg = case.repro(nodeid)
+    msg = case.repro(nodeid) + (f" lens={lens}" if lens != (None, None) else "")
     gen = torch.Generator().manual_seed(case.seed)
     dt = getattr(torch, case.dtype)
     q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
@@ -46,32 +59,49 @@ def run_case(case, nodeid, write_lse=True, pingpong=None):
     out = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, fill=None)   # NaN-filled
     stats = guarded((case.b, case.h_q, case.s_q, 1), torch.float32, "cuda", "bhsd", fill=None)
     kw = case.kwargs()
+    for name, n in zip(("seq_len_q", "seq_len_kv"), lens):
+        if n is not None:
+            kw[name] = torch.tensor(n, dtype=torch.int32, device="cuda")
     p, extras = make_problem(q.view, k.view, v.view, **kw)
     slopes = extras["slopes"]
-    assert supports(p, q.view, k.view, v.view, out.view, head_dims=tuple(TILE_D), slopes=slopes), \
+    seq = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+    assert supports(p, q.view, k.view, v.view, out.view, head_dims=tuple(TILE_D), slopes=slopes, **seq), \
         f"supports() refused a case it should run. {msg}"
+
+    kw_cpu = {key: (val.cpu() if isinstance(val, torch.Tensor) else val) for key, val in kw.items()}
+    gold_o, gold_lse = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), **kw_cpu)
+    base_o, _ = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), dtype=dt, **kw_cpu)
+    tri_o, tri_stats = fusedattn.attention_forward(q.view, k.view, v.view, backend="triton", return_stats=True, **kw)
+    tri_o, tri_stats = tri_o.cpu(), tri_stats.cpu()
+
+    _poison_padding(q.view, lens[0])
+    _poison_padding(k.view, lens[1])
+    _poison_padding(v.view, lens[1])
     lse = stats.view[..., 0] if write_lse else None
-    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, slopes=slopes, pingpong=pingpong)
+    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, slopes=slopes, pingpong=pingpong, **seq)
     torch.cuda.synchronize()
 
-    gold_o, gold_lse = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), **kw)
-    base_o, _ = attention_reference(q.view.cpu(), k.view.cpu(), v.view.cpu(), dtype=dt, **kw)
     got = out.view.cpu()
     assert_error_within(got, gold_o, base_o, msg=msg)
     # against our Triton kernel: both within the rule of the same reference, so they differ
     # by at most the sum of the two errors
-    tri_o, tri_stats = fusedattn.attention_forward(q.view, k.view, v.view, backend="triton", return_stats=True, **kw)
-    e_tri = max_err(got, tri_o.cpu())
+    e_tri = max_err(got, tri_o)
     bound = 2 * (2 * max_err(base_o, gold_o) + FLOOR[dt])
     assert e_tri <= bound, f"differs from the Triton kernel by {e_tri:.3e} > {bound:.3e}. {msg}"
+    if lens[0] is not None:
+        for bi, n in enumerate(lens[0]):
+            assert (got[bi, :, max(n, 0):] == 0).all(), f"padding rows of batch entry {bi} are not 0. {msg}"
     if write_lse:
         got_lse = stats.view.cpu().double()
         assert torch.isfinite(got_lse).all(), f"non-finite (unwritten?) LSE. {msg}"
         tol = 1e-3 * (1 + gold_lse.abs().max().item())
         e_lse = (got_lse - gold_lse.double()).abs().max().item()
         assert e_lse < tol, f"LSE differs from the reference's log-sum-exp by {e_lse:.3e}. {msg}"
-        e_lse_tri = (got_lse - tri_stats.cpu().double()).abs().max().item()
+        e_lse_tri = (got_lse - tri_stats.double()).abs().max().item()
         assert e_lse_tri < tol, f"LSE differs from the Triton kernel's by {e_lse_tri:.3e}. {msg}"
+        if lens[0] is not None:
+            for bi, n in enumerate(lens[0]):
+                assert (got_lse[bi, :, max(n, 0):] == 0).all(), f"padding LSE of batch entry {bi} is not 0. {msg}"
     for g, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (stats, "stats")):
         g.check_untouched(f"{name}. {msg}")
 
@@ -162,22 +192,94 @@ def test_gluon_fwd_alibi_random(seed, request):
     run_case(case, request.node.nodeid)
 
 
+# ------------------------------------------------------------------------------------------------
+# padding: per-batch lengths seq_len_q / seq_len_kv (fwd_sm90's [Note] padding)
+
+PAD_SIDES = ("q", "kv", "both")
+PAD_SHAPES = ((300, 1000), (1000, 257), (200, 200), (17, 300), (600, 600))   # (s_q, s_kv)
+
+
+def _pad_lengths(rng, b, s):
+    """b lengths in [0, s] that cover 0, 1, s and odd partial ones (in a seeded order)."""
+    lens = [0, 1, s, rng.randrange(1, s + 1) | 1] + [rng.randrange(0, s + 1) for _ in range(b - 4)]
+    rng.shuffle(lens)
+    return [min(n, s) for n in lens]
+
+
+def _pad_case(case, side, seed):
+    """(len_q, len_kv) for a case padded on ``side`` ("q", "kv" or "both")."""
+    rng = random.Random(seed)
+    len_q = _pad_lengths(rng, case.b, case.s_q) if side in ("q", "both") else None
+    len_kv = _pad_lengths(rng, case.b, case.s_kv) if side in ("kv", "both") else None
+    return len_q, len_kv
+
+
+@pytest.mark.parametrize("d", (128,) + WIDE_D)
+@pytest.mark.parametrize("side", PAD_SIDES)
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_padding(mode, side, d, request):
+    """Lengths per batch entry (0, 1, full, odd) on q, kv or both, every causal alignment (the
+    bottom-right diagonal from each sequence's own lengths), GQA 4/2, NaN in the padding rows."""
+    seed = 5000 + 100 * MODES.index(mode) + 10 * PAD_SIDES.index(side) + d % 7
+    s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
+    case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
+                      layout="bshd")
+    run_case(case, request.node.nodeid, pingpong=seed % 2 == 1, lens=_pad_case(case, side, seed))
+
+
+PAD_WINDOWS = ((37, 0), (200, 0), (64, 64), (-1, 90))
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["band", "alibi"])
+@pytest.mark.parametrize("window", PAD_WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_padding_window_alibi(mode, window, alibi, request):
+    """Padding on both sides with sliding windows (a left edge can start a CTA's band past
+    len_kv: nothing to compute) and ALiBi, each alignment."""
+    seed = 6000 + 100 * MODES.index(mode) + 10 * PAD_WINDOWS.index(window) + alibi
+    s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
+    case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd", window=window, alibi=alibi)
+    run_case(case, request.node.nodeid, lens=_pad_case(case, "both", seed))
+
+
+@pytest.mark.parametrize("seed", range(16), ids=lambda s: f"case{s}")
+def test_gluon_fwd_padding_random(seed, request):
+    """Seeded random geometries (GQA/MQA, strided layouts, fp16/bf16, every head dim, any mask,
+    sometimes a window or ALiBi) padded on a random side; every other one without the LSE."""
+    rng = random.Random(seed)
+    case = _random_case(7000 + seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(case, b=4, d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3, window=window)
+    run_case(case, request.node.nodeid, write_lse=seed % 2 == 0, pingpong=rng.random() < 0.5,
+             lens=_pad_case(case, PAD_SIDES[seed % 3], 7000 + seed))
+
+
 def test_gluon_fwd_supports():
     """What the kernel refuses: windows, other head dims, fp32, misaligned bases, d != d_v."""
     from fusedattn.backends.gluon.fwd_sm90 import SUPPORTED_DIMS, TILE_D, supports
 
-    def check(expect, what, q, k, v, out=None, head_dims=None, **kw):
-        p, _ = make_problem(q, k, v, **kw)
+    def check(expect, what, q, k, v, out=None, head_dims=None, lengths=None, **kw):
+        # lengths: None (none passed to supports), True (the normalized ones), or a tensor for both
+        p, extras = make_problem(q, k, v, **kw)
         o = out if out is not None else torch.empty_like(q)
-        assert supports(p, q, k, v, o, head_dims=head_dims) == expect, what
+        seq = {}
+        if lengths is not None:
+            seq = {name: extras[name] if lengths is True else lengths for name in ("seq_len_q", "seq_len_kv")}
+        assert supports(p, q, k, v, o, head_dims=head_dims, **seq) == expect, what
 
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
     check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
     check(True, "BSHD view", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)))
     check(True, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
     check(False, "ALiBi without slopes", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), alibi=True)
-    check(False, "padding mask", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
-          seq_len_kv=torch.tensor([30], device="cuda", dtype=torch.int32))
+    lens = torch.tensor([30], device="cuda", dtype=torch.int32)
+    check(False, "padding mask without its lengths", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          seq_len_kv=lens)
+    check(True, "padding mask", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), seq_len_kv=lens,
+          lengths=True)
+    check(False, "padding mask, lengths not int32", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          seq_len_q=lens, lengths=lens.long())
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
           attn_bias=mk(1, 1, 64, 64))
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))

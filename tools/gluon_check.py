@@ -1,10 +1,11 @@
 """Compile the Gluon sm_90 forward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_check.py [D] [CAUSAL] [dtype] [pingpong|plain] [BLOCK_N|-] [window] [alibi]
-    e.g. ... 256 1 bf16 plain 32, or ... 128 1 bf16 plain - window alibi
+    python tools/gluon_check.py [D] [CAUSAL] [dtype] [pingpong|plain] [BLOCK_N|-] [window] [alibi] [seq_q] [seq_kv]
+    e.g. ... 256 1 bf16 plain 32, or ... 128 1 bf16 plain - window alibi, or ... 128 0 bf16 plain - seq_q seq_kv
 
 D is the head dim (64, 128, 224, 256); 224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the
 same one as 256. BLOCK_N overrides fwd_sm90.TILES (stages then keep the same shared memory).
+seq_q / seq_kv compile the padded kernel (per-batch lengths, HAS_SEQ_Q / HAS_SEQ_KV).
 
 Prints registers/spills (ptxas -v on the PTX), shared memory, and for each loop of the SASS
 its instruction count and the order of its wgmma-related instructions (HGMMA issue,
@@ -29,7 +30,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
-                block_n=None, stages=None, window=False, alibi=False):
+                block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -43,12 +44,13 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "v_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
            "o_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32",
+           "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
-                 REVERSE_M=causal and not window, CONSUMER_REGS=fwd_sm90.CONSUMER_REGS,
-                 PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong)
+                 REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
+                 CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
@@ -90,9 +92,9 @@ def main():
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
     block_n = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
-    extra = sys.argv[6:]          # "window" and/or "alibi"
+    extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv"
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
-                    alibi="alibi" in extra)
+                    alibi="alibi" in extra, seq_q="seq_q" in extra, seq_kv="seq_kv" in extra)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

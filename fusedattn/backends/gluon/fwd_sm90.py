@@ -56,7 +56,29 @@ the row half is constant per row, cancels in the softmax and is taken out of the
 [Note] empty rows (causal bottom-right with s_q > s_kv: rows with no key): m = -inf and l = 0;
 exponents use m_safe (0 where m is -inf), so no inf - inf arises; such rows write output 0 and
 LSE 0 (the package's convention). A CTA whose rows see no key at all still runs one fully
-masked tile, so every path is the same.
+masked tile, so every path is the same (unpadded kernel; the padded one skips it, below).
+
+[Note] padding (per-batch lengths ``seq_len_q`` / ``seq_len_kv``; compile-time switches
+HAS_SEQ_Q / HAS_SEQ_KV, so the unpadded kernel is unchanged). Semantics are the Triton
+forward's: len_q / len_kv clamped to [0, s_q] / [0, s_kv]; row i of batch entry bi is valid iff
+i < len_q[bi], key j visible iff j < len_kv[bi] and in the band, whose bottom-right diagonal is
+len_kv - len_q of the sequence; rows past len_q and rows with no key write output 0 and LSE 0.
+* The band takes the lengths in place of s_q / s_kv (``_kv_range``), so a tile wholly past
+  len_kv is never loaded. A CTA whose rows are all past len_q, or that sees no key (len_kv = 0,
+  say), gets n_tiles = 0: the producer loads nothing, the consumers skip every wgmma and write
+  zeros. Otherwise only the CTA's last tile can reach past len_kv.
+* K/V rows in [len_kv, s_kv) are inside the tensor, so TMA loads them (it zero-fills only past
+  s_kv), and they may hold anything, NaN included. In K they only reach scores that the mask
+  replaces by -inf. In V they meet P = 0 in the PV wgmma, but 0 * NaN = NaN: each consumer
+  warpgroup zeroes those rows of the last tile in shared memory before its last PV
+  (``_zero_rows_from``: one register round trip of the tile, then fence_async_shared and a
+  warpgroup barrier, since the wgmma reads through the async proxy). Both warpgroups zero the
+  same slot, each before its own wgmma: neither could know when the other's stores had landed
+  without a cross-warpgroup barrier, both store the same bytes (valid rows unchanged, the rest
+  0), and the producer never refills that slot (it is the CTA's last tile). Cost (H100, bench/
+  GLUON_NOTES.md): paid once per CTA, by the CTAs whose band reaches len_kv.
+* Q rows in [len_q, s_q) are in the tensor too; a score row depends only on its own Q row, so
+  whatever they hold stays in their own rows, which the epilogue replaces by 0 (output, LSE).
 
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
@@ -109,6 +131,18 @@ PRODUCER_REGS = 24    # the load warp
 
 
 @gluon.jit
+def _kv_end(start_m, S_Q, S_KV, diag, win_right, HAS_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr):
+    """One past the last key that any row of [start_m, min(start_m + BLOCK_M, S_Q)) sees
+    (``_kv_range``'s band; may be <= 0)."""
+    hi = S_KV
+    if HAS_RIGHT:
+        # keys [.., last_row + diag + win_right] are visible to the last (widest-reaching) row
+        last_row = gl.minimum(start_m + BLOCK_M, S_Q) - 1
+        hi = gl.minimum(last_row + diag + win_right + 1, S_KV)
+    return hi
+
+
+@gluon.jit
 def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key tiles of a CTA under a band (causal, sliding window): (t_lo, t_a, t_b, t_hi).
@@ -121,12 +155,10 @@ def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.conste
     pass uses it that way: bwd_dq_sm90).
     """
     last_row = gl.minimum(start_m + BLOCK_M, S_Q) - 1
-    hi = S_KV
+    hi = _kv_end(start_m, S_Q, S_KV, diag, win_right, HAS_RIGHT, BLOCK_M)
     full_hi = S_KV // BLOCK_N
     if HAS_RIGHT:
-        # keys [.., last_row + diag + win_right] are visible to the last (widest-reaching) row;
         # a whole tile is mask-free up to what the first row sees
-        hi = gl.minimum(last_row + diag + win_right + 1, S_KV)
         full_hi = gl.minimum(full_hi, gl.maximum(start_m + diag + win_right + 1, 0) // BLOCK_N)
     t_lo = 0
     full_lo = 0
@@ -143,15 +175,19 @@ def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.conste
 @gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                   v_empty, batch, head, kv_head, start_m, t_lo, n_tiles,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Load warp: Q once, then K and V of key tile t_lo + j into slot j % STAGES once the consumers
-    freed it."""
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr):
+    """Load warp: Q once, then K and V of key tile t_lo + j (j < n_tiles) into slot j % STAGES
+    once the consumers freed it. Padded: a CTA with n_tiles = 0 computes nothing and loads nothing."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
-    # coordinates are [batch, head, row, column] of the 4-D views
-    mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
-    mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+    load_q = True
+    if PADDED:
+        load_q = n_tiles > 0
+    if load_q:
+        # coordinates are [batch, head, row, column] of the 4-D views
+        mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+        mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
     for j in range(n_tiles):
         slot = j % STAGES
         # the slot's empty barrier completes once per reuse; its first use waits on the parity
@@ -278,13 +314,38 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
 
 
 @gluon.jit
+def _zero_rows_from(tile, n_valid):
+    """Zero rows [n_valid, BLOCK_N) of a [BLOCK_N, HEAD_D] V tile in shared memory, before the
+    wgmma that reads it (module docstring, [Note] padding). Runs in one consumer warpgroup.
+
+    The whole tile makes one round trip through registers (64 per thread at d=128 and d=256,
+    beside the live O accumulator: no spills, tools/gluon_check.py); chunked, data-dependent
+    variants made ptxas spill and pay a warpgroup barrier per chunk. The generic-proxy stores
+    are fenced for the async proxy (the wgmma reads shared memory through it) and the warpgroup
+    synchronizes, so every thread's zeros are in place before any thread issues the wgmma."""
+    BLOCK_N: gl.constexpr = tile.shape[0]
+    HEAD_D: gl.constexpr = tile.shape[1]
+    # 8 consecutive 16-bit columns (16 bytes) per thread; a warp covers 256 // HEAD_D rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_D, HEAD_D // 8], [4, 1], [1, 0])
+    if n_valid < BLOCK_N:
+        r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        x = tile.load(layout)
+        tile.store(gl.where(r[:, None] < n_valid, x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
 def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi, S_Q,
-                  S_KV, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr,
+                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
+                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup WG: the online softmax of query rows [start_m + 64 * WG, +64) over key
-    tiles [t_lo, t_hi) (``_kv_range``); step j works on tile t_lo + j."""
+    tiles [t_lo, t_hi) (``_kv_range``); step j works on tile t_lo + j. Keys j >= len_kv are masked
+    (len_kv = S_KV unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes
+    zeros, and rows >= len_q are written as zeros (module docstring, [Note] padding)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
@@ -295,70 +356,89 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     row0 = start_m + WG * WG_M
     rows = row0 + gl.arange(0, WG_M, layout=row_s)   # global query row of each accumulator row
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([WG_M], gl.float32, row_s)
-
-    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    mbarrier.wait(q_bar, 0)
-    q_view = q_smem.reshape([WG_M, HEAD_D])
-
-    # prologue: tile t_lo (always through the masked path; it may be partial or empty)
-    kv0 = t_lo * BLOCK_N
-    alibi_col = 0.0
-    if HAS_ALIBI:
-        alibi_col = _alibi_cols(slope2, kv0, row0, zero_s)
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0))
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, S_KV, diag, win_left, win_right, alibi_col,
-                                       True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
-    p = gl.convert_layout(p.to(dtype), p_layout)
     o = gl.zeros([WG_M, HEAD_D], gl.float32, o_layout)
+    q_view = q_smem.reshape([WG_M, HEAD_D])
+    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    # steps (tile - t_lo): the band's masked left edge, the mask-free middle, the masked right edge
-    for j in range(1, t_a - t_lo):
-        o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, S_KV, diag, win_left,
-                                          win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                                          STAGES, PINGPONG)
-    for j in range(t_a - t_lo, t_b - t_lo):
-        o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, S_KV, diag, win_left,
-                                          win_right, slope2, pin, turn, WG, False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                                          STAGES, PINGPONG)
-    for j in range(t_b - t_lo, t_hi - t_lo):
-        o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                          alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, S_KV, diag, win_left,
-                                          win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                                          STAGES, PINGPONG)
+    # with padding a CTA may have nothing to compute (n_tiles = 0: _attn_fwd_sm90); it keeps
+    # o = 0, l = 0 and the epilogue writes zeros. Without padding this is a compile-time True.
+    compute = True
+    if HAS_SEQ_Q or HAS_SEQ_KV:
+        compute = n_tiles > 0
+    if compute:
+        mbarrier.wait(q_bar, 0)
 
-    # last PV product
-    last = t_hi - t_lo - 1
-    slot = last % STAGES
-    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    o_tok = warpgroup_mma(p, _kv_view(v_smem, slot, BLOCK_N, HEAD_D), o, is_async=True)
-    o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
-    mbarrier.arrive(v_empty.index(slot))
+        # prologue: tile t_lo (always through the masked path; it may be partial or empty)
+        kv0 = t_lo * BLOCK_N
+        alibi_col = 0.0
+        if HAS_ALIBI:
+            alibi_col = _alibi_cols(slope2, kv0, row0, zero_s)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0))
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
+                                           alibi_col, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        # steps (tile - t_lo): the band's masked left edge, the mask-free middle, the masked right edge
+        for j in range(1, t_a - t_lo):
+            o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, len_kv, diag,
+                                              win_left, win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT,
+                                              HAS_ALIBI, STAGES, PINGPONG)
+        for j in range(t_a - t_lo, t_b - t_lo):
+            o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, len_kv, diag,
+                                              win_left, win_right, slope2, pin, turn, WG, False, HAS_LEFT, HAS_RIGHT,
+                                              HAS_ALIBI, STAGES, PINGPONG)
+        for j in range(t_b - t_lo, t_hi - t_lo):
+            o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, len_kv, diag,
+                                              win_left, win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT,
+                                              HAS_ALIBI, STAGES, PINGPONG)
+
+        # last PV product
+        last = t_hi - t_lo - 1
+        slot = last % STAGES
+        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        if HAS_SEQ_KV:
+            # the last tile is the only one that can reach past len_kv (_attn_fwd_sm90); its V rows
+            # there are padding that TMA loaded (it zero-fills only past S_KV): P is 0 on them, but
+            # 0 * NaN would still poison O
+            _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        o_tok = warpgroup_mma(p, _kv_view(v_smem, slot, BLOCK_N, HEAD_D), o, is_async=True)
+        o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+        mbarrier.arrive(v_empty.index(slot))
 
     # epilogue: normalize (empty rows give 0), store through the (now free) Q buffer with TMA,
     # which clips rows >= S_Q
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(l_i, row_o)
     ok = l_o > 0.0
+    if HAS_SEQ_Q:
+        ok = ok & (gl.convert_layout(rows, row_o) < len_q)
     inv_l = gl.where(ok, 1.0 / gl.where(ok, l_o, 1.0), 0.0)
-    out = (o * inv_l[:, None]).to(dtype)
-    q_view.store(out)
+    out = o * inv_l[:, None]
+    if HAS_SEQ_Q:
+        # rows >= len_q ran on padding rows of Q, which may hold NaN or inf (0 * NaN is NaN)
+        out = gl.where(ok[:, None], out, 0.0)
+    q_view.store(out.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], q_smem)
     if WRITE_LSE:
-        # natural-log log-sum-exp of the scaled scores; 0 for empty rows
+        # natural-log log-sum-exp of the scaled scores; 0 for empty rows and rows >= len_q
         ok_s = l_i > 0.0
+        if HAS_SEQ_Q:
+            ok_s = ok_s & (rows < len_q)
         lse2 = m_i + gl.log2(gl.where(ok_s, l_i, 1.0))
         if HAS_ALIBI:
             lse2 = lse2 - slope2 * (rows - row0).to(gl.float32)     # the row half of ALiBi (_softmax_tile)
@@ -369,16 +449,27 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+def _seq_length(SEQ, batch, S, HAS_SEQ: gl.constexpr):
+    """Length of batch entry ``batch``: SEQ[batch] (int32 [b]) clamped to [0, S], or S when
+    there is no length tensor (as the Triton forward's sequence_lengths)."""
+    n = S
+    if HAS_SEQ:
+        n = gl.minimum(gl.maximum(gl.load(SEQ + batch), 0), S)
+    return n
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
-                   REVERSE_M: gl.constexpr,
+                   REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
     dtype: gl.constexpr = q_desc.dtype
+    PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
 
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
@@ -389,11 +480,21 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
+    len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+    len_kv = _seq_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV)
     diag = S_Q * 0
     if BOTTOM_RIGHT:
-        diag = S_KV - S_Q
-    t_lo, t_a, t_b, t_hi = _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+        diag = len_kv - len_q      # bottom-right: each sequence's own lengths
+    t_lo, t_a, t_b, t_hi = _kv_range(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT,
                                      BLOCK_M, BLOCK_N)
+    n_tiles = t_hi - t_lo
+    if PADDED:
+        # nothing to compute when every row is padding or no row sees a key (len_kv = 0, say):
+        # no tile is loaded (a tile wholly past len_kv never is) and the consumers write zeros.
+        # Otherwise tile t_hi - 1 starts below the band's end (<= len_kv), so it is the only
+        # tile that can reach past len_kv (_fwd_consumer zeroes its V rows there).
+        hi = _kv_end(start_m, len_q, len_kv, diag, win_right, HAS_RIGHT, BLOCK_M)
+        n_tiles = gl.where((start_m < len_q) & (hi > t_lo * BLOCK_N), n_tiles, 0)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
@@ -423,15 +524,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
         (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
                          o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                         S_Q, S_KV, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                         WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
+                         n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT,
+                         HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, PINGPONG)),
         (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                          o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                         S_Q, S_KV, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                         WRITE_LSE, BLOCK_N, STAGES, PINGPONG)),
+                         n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT,
+                         HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, PINGPONG)),
         # the load warp (warp 8)
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, batch, head, kv_head, start_m, t_lo, t_hi - t_lo, BLOCK_N, STAGES)),
+                         v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, BLOCK_N, STAGES, PADDED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -463,10 +564,18 @@ def _is_sm90(device_index) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-def supports(p, q, k, v, out, *, head_dims=None, slopes=None) -> bool:
+def _lengths_ok(t, p) -> bool:
+    """A per-batch length tensor the kernel can read: int32 [b], contiguous, on q's GPU
+    (``problem._seq_lens`` normalizes the user's to this)."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.is_cuda and t.dim() == 1
+            and t.numel() == p.b and t.stride(0) == 1)
+
+
+def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, seq_len_kv=None) -> bool:
     """True when this kernel computes exactly what ``p`` asks for on these tensors.
 
     head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``).
+    seq_len_q / seq_len_kv: the normalized length tensors (``extras``) when p has them.
     The problem half is cached per problem (the planner's callers ask on every forward); the
     tensor half (GPU, dtypes, TMA's stride rules) is checked each call."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(head_dims)
@@ -474,6 +583,8 @@ def supports(p, q, k, v, out, *, head_dims=None, slopes=None) -> bool:
         return False
     if p.alibi is not None and not (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32
                                     and slopes.is_cuda and slopes.numel() == p.h_q and slopes.stride(-1) == 1):
+        return False
+    if (p.has_seq_len_q and not _lengths_ok(seq_len_q, p)) or (p.has_seq_len_kv and not _lengths_ok(seq_len_kv, p)):
         return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, out))
 
@@ -496,10 +607,12 @@ def _problem_ok(p, dims) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _fwd_problem_ok(p, dims) -> bool:
-    """The forward also takes sliding windows (any band) and ALiBi (slopes in the kernel)."""
-    if p.alibi is None and (p.band is None or (p.band.left is None and p.band.right == 0)):
+    """The forward also takes sliding windows (any band), ALiBi (slopes in the kernel) and
+    padding (per-batch lengths); ``_problem_ok``, the backward's filter too, refuses those."""
+    if (p.alibi is None and not p.has_seq_len_q and not p.has_seq_len_kv
+            and (p.band is None or (p.band.left is None and p.band.right == 0))):
         return _problem_ok(p, dims)
-    plain = dataclasses.replace(p, alibi=None, band=None)
+    plain = dataclasses.replace(p, alibi=None, band=None, has_seq_len_q=False, has_seq_len_kv=False)
     return _problem_ok(plain, dims)
 
 
@@ -520,11 +633,13 @@ def _desc(t, rows):
     return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
 
 
-def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, block_n=None, stages=None, pingpong=None):
+def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, block_n=None,
+                    stages=None, pingpong=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
-    (any strides) or None; slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi.
-    Writes out and lse in place.
+    (any strides) or None; slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi;
+    seq_len_q / seq_len_kv: int32 [b] lengths when p.has_seq_len_q / p.has_seq_len_kv (padding:
+    rows past len_q are written as 0, keys past len_kv are masked). Writes out and lse in place.
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); for tuning.
     """
@@ -536,15 +651,19 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, block_n=None, stages=N
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
+        raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     _attn_fwd_sm90[grid](
         _desc(q, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(out, WG_M), lse_arg, *lse_strides,
         slopes if p.alibi is not None else lse_arg,
+        seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
         WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
+        HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         num_warps=4,
     )
