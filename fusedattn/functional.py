@@ -91,8 +91,8 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv) 
         dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, slopes=slopes)
     else:
         dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out, slopes=slopes)
-    if dkdv_pass.supports(p, q, k, v, grad_out, dk, dv):
-        dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv)
+    if dkdv_pass.supports(p, q, k, v, grad_out, dk, dv, slopes=slopes):
+        dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, slopes=slopes)
     else:
         from .backends.triton.bwd import launch_bwd
         launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, False, delta=delta)

@@ -2,11 +2,14 @@
 
 dK and dV, written into NaN-filled guarded buffers, against float64 autograd of the reference by
 FlashAttention's rule (error at most 2x PyTorch's same-precision error plus a small floor) and
-against our Triton backward, over: head dims 64/128 and 224/256 (the SPLIT variant), fp16/bf16, causal none / top-left /
-bottom-right, GQA 1 / 4 / MQA, odd lengths with s_q != s_kv both ways, BSHD and other strided
+against our Triton backward, over: head dims 64/128 and 224/256 (the SPLIT variant), fp16/bf16, causal
+none / top-left / bottom-right, sliding windows and ALiBi, GQA 1 / 4 / MQA, odd lengths with s_q != s_kv both ways, BSHD and other strided
 layouts; plus bitwise determinism and what ``supports`` refuses. Every failure message carries
 a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
+
+import dataclasses
+import random
 
 import pytest
 import torch
@@ -14,8 +17,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded, max_err,
-                               triton_backward)
+from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
+                               random_hopper_case, triton_backward)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -55,9 +58,12 @@ def run_gluon(case, q, k, v, do, stats, delta, stages=None):
     dt = getattr(torch, case.dtype)
     dk = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
     dv = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
-    p, _ = make_problem(q.view, k.view, v.view, **case.kwargs())
-    assert supports(p, q.view, k.view, v.view, do.view, dk.view, dv.view), "supports() refused a case it should run"
-    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, stats[..., 0], delta, dk.view, dv.view, stages=stages)
+    p, extras = make_problem(q.view, k.view, v.view, **case.kwargs())
+    slopes = extras["slopes"]
+    assert supports(p, q.view, k.view, v.view, do.view, dk.view, dv.view, slopes=slopes), \
+        "supports() refused a case it should run"
+    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, stats[..., 0], delta, dk.view, dv.view, slopes=slopes,
+                     stages=stages)
     torch.cuda.synchronize()
     return dk, dv
 
@@ -126,6 +132,30 @@ def test_gluon_dkdv_geometries(geom, d, dtype, request):
     run_case(case, request.node.nodeid)
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["band", "alibi"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_dkdv_window_alibi(mode, window, alibi, request):
+    """Sliding windows (query tiles masked below and above a mask-free middle; key blocks no row sees),
+    each alignment, with and without ALiBi (slopes per head of the GQA group); partial tiles, s_q != s_kv."""
+    seed = 5000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
+    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
+    case = HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd", window=window, alibi=alibi)
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_dkdv_alibi_random(seed, request):
+    """ALiBi (the paper's slopes, odd head counts too) with or without a window, random geometry, every
+    head dim of the kernel (d 224/256: the SPLIT variant's warpgroup 0 applies them)."""
+    rng = random.Random(seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(random_hopper_case(6000 + seed, (1, 17, 129, 300, 1000)),
+                               d=(64, 128, 224, 256)[seed % 4], alibi=seed % 4 != 3, window=window)
+    run_case(case, request.node.nodeid)
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("mode", ["none", "top_left"])
 def test_gluon_dkdv_stages(mode, stages, request):
@@ -148,20 +178,26 @@ def test_gluon_dkdv_deterministic(mode, d):
 
 
 def test_gluon_dkdv_supports():
-    """What the kernel refuses: windows, other head dims, fp32, d != d_v, misaligned bases."""
+    """What the kernel takes (windows, ALiBi) and refuses (padding, bias, other head dims, fp32, d != d_v,
+    misaligned bases)."""
     from fusedattn.backends.gluon.bwd_dkdv_sm90 import supports
 
     def check(expect, what, q, k, v, **kw):
-        p, _ = make_problem(q, k, v, **kw)
+        p, extras = make_problem(q, k, v, **kw)
         do = torch.empty(q.shape[:-1] + (v.shape[-1],), device=q.device, dtype=q.dtype)
-        assert supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v)) == expect, what
+        got = supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v), slopes=extras["slopes"])
+        assert got == expect, what
 
     mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
     check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
     check(True, "BSHD view, causal", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)), causal=True)
     check(True, "d64 fp16 MQA", mk(1, 4, 64, 64, dt=torch.float16), mk(1, 1, 64, 64, dt=torch.float16),
           mk(1, 1, 64, 64, dt=torch.float16))
-    check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(True, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(True, "ALiBi", mk(1, 3, 64, 256), mk(1, 3, 64, 256), mk(1, 3, 64, 256), alibi=True)
+    check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
+          seq_len_q=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
+    check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
     check(True, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
     check(True, "d=224 BSHD, causal", *(mk(1, 64, 2, 224).transpose(1, 2) for _ in range(3)), causal=True)

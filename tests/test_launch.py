@@ -185,8 +185,9 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
     out = fusedattn.attention(qs, ks, vs, **kw)
     do = torch.randn_like(out)
     out.backward(do)
-    p, _ = make_problem(q, k, v, **kw)
-    gluon_dkdv = bwd_dkdv_sm90.supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v))
+    p, extras = make_problem(q, k, v, **kw)
+    gluon_dkdv = bwd_dkdv_sm90.supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v),
+                                        slopes=extras["slopes"])
     assert calls == ["launch_dq_sm90"] + ["launch_dkdv_sm90"] * gluon_dkdv, calls
     refs = {}
     for dt in (torch.float64, torch.bfloat16):

@@ -1,6 +1,7 @@
 """Compile the Gluon sm_90 dK/dV backward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_bwd_check.py [D] [CAUSAL] [dtype] [STAGES|-] [dv_first]   e.g. ... 128 1 bf16, ... 256 0 fp16
+    python tools/gluon_bwd_check.py [D] [CAUSAL] [dtype] [STAGES|-] [dv_first] [window] [alibi]
+        e.g. ... 128 1 bf16, ... 256 0 fp16, ... 128 1 bf16 - window alibi (window: a two-sided band)
 
 D: 64, 128, 224 or 256 (224 compiles the 256-wide kernel, ``bwd_dkdv_sm90.SPLIT``).
 
@@ -25,11 +26,12 @@ from fusedattn.backends.gluon import bwd_dkdv_sm90 as m  # noqa: E402
 from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
-def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, dv_first=None, **over):
+def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, dv_first=None, window=False,
+                 alibi=False, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = m.TILE_D[d]             # d=224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the same as 256
-    stages = stages or m.STAGES[d, causal]
+    stages = stages or m.STAGES[d, causal or window]
     ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
@@ -39,9 +41,10 @@ def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=No
            "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
-           "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
-           "qk_scale": "fp32", "sm_scale": "fp32"}
-    const = dict(STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=bottom_right, SPLIT=m.SPLIT[d],
+           "SLOPES": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
+           "qk_scale": "fp32", "sm_scale": "fp32", "win_left": "i32", "win_right": "i32"}
+    const = dict(STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window, BOTTOM_RIGHT=bottom_right,
+                 HAS_ALIBI=alibi, SPLIT=m.SPLIT[d],
                  DV_FIRST=m.DV_FIRST if dv_first is None else dv_first,
                  CONSUMER_REGS=m.CONSUMER_REGS,
                  PRODUCER_REGS=m.PRODUCER_REGS)
@@ -57,8 +60,9 @@ def main():
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     stages = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "-" else None
-    dv_first = "dv_first" in sys.argv[5:]
-    k = compile_dkdv(d, causal, dtype, stages=stages, dv_first=dv_first)
+    flags = set(sys.argv[5:])
+    k = compile_dkdv(d, causal, dtype, stages=stages, dv_first="dv_first" in flags, window="window" in flags,
+                     alibi="alibi" in flags)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

@@ -31,15 +31,19 @@ transposed tiles [keys, rows] (as the Triton pass):
 and at the end dK *= scale; dK and dV go to global memory through the (free) K/V shared tiles
 with TMA stores (which clip keys >= s_kv).
 
-Tails need no mask: TMA zero-fills Q and dO rows >= s_q and K/V rows >= s_kv. A zero Q/dO row
-with lse = delta = 0 (loaded masked) gives P = 1, dP = 0, dS = 0 and adds dO = 0 to dV, so it
-contributes nothing; keys >= s_kv only produce dK/dV rows that the TMA store clips. Causal
-(either alignment, diag = 0 or s_kv - s_q): query tiles whose rows see none of the CTA's keys
-are skipped (and warpgroup 1 skips its first diagonal tile, where none of its 64 keys is seen);
-tiles whose first row already sees the CTA's last real key run mask-free; only the (at most
-three) tiles in between apply ``key <= row + diag``. Rows that see no key at all
-(bottom-right, s_q > s_kv) have every key masked there, so they add nothing. Key block 0 has
-the most query tiles under a causal mask, and the grid runs it first (longest work first).
+Tails need no mask: TMA zero-fills Q and dO rows >= s_q and K/V rows >= s_kv. Such a row's lse
+is loaded as +inf (and delta as 0), so its P is exactly 0 and it adds nothing (with ALiBi a
+finite lse could make exp2 of a large positive bias overflow); keys >= s_kv only produce dK/dV
+rows that the TMA store clips. Bands (``_q_tiles``, the transpose of the forward's ``_kv_range``):
+causal (either alignment, diag = 0 or s_kv - s_q) and sliding windows: query tiles whose rows see
+none of the CTA's keys are never loaded (and under a right bound warpgroup 1 skips the tiles
+where none of its 64 keys is seen yet); tiles whose rows all see every real key of the block run
+mask-free; the tiles below (right bound: ``key <= row + diag + right``) and above (left bound:
+``key >= row + diag - left``) apply the mask. Rows that see no key at all (bottom-right, s_q >
+s_kv) have every key masked there, so they add nothing. Key block 0 has the most query tiles
+under a causal mask, and the grid runs it first (longest work first). ALiBi (slope * (j - i),
+slope per query head of the GQA group): the producer folds the row half -slope * (i - t * 64)
+into the lse it stages, the consumer adds the key half slope * (j - t * 64) (``_pt_tile``).
 
 Tensors are logical [b, h, s, d] with any strides of unit last stride (TMA rules: 16-byte
 aligned base and strides; ``fwd_sm90._tma_ready``), each seen through a 4-D TMA descriptor
@@ -85,8 +89,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .bwd_dq_sm90 import _bwd_problem_ok, _slopes_ok
 from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _tma_ready
-from .fwd_sm90 import _problem_ok as _fwd_problem_ok_plain
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA (WG_N under SPLIT)
@@ -107,27 +111,64 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _q_tiles(n0, S_Q, S_KV, diag, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(t_lo, t_full, t_hi): the CTA visits query tiles [t_lo, t_hi); tiles [t_lo, t_full) are masked.
+def _q_tiles(n0, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(t_lo, t_a, t_b, t_hi): the CTA visits query tiles [t_lo, t_hi); [t_lo, t_a) and [t_b, t_hi)
+    are masked, [t_a, t_b) mask-free (the transpose of ``fwd_sm90._kv_range``).
 
-    Row i keeps key j iff j < S_KV and (not CAUSAL or j <= i + diag). Tiles before t_lo have no
-    row that sees any of keys [n0, n0 + BLOCK_N); from t_full on, every row sees every real key
-    of the block."""
+    Row i keeps key j iff j < S_KV, (HAS_RIGHT) j <= i + diag + win_right, i.e. i >= j - diag -
+    win_right, and (HAS_LEFT) j >= i + diag - win_left, i.e. i <= j - diag + win_left. Causal is
+    HAS_RIGHT with win_right = 0. Tiles before t_lo / from t_hi on have no row that sees any of keys
+    [n0, last] (last: the block's last real key); in [t_a, t_b) every row sees every real key of the
+    block. Bounds are clamped at 0 before dividing (integer division truncates toward zero)."""
     t_hi = (S_Q + BLOCK_M - 1) // BLOCK_M
     t_lo = S_Q * 0
-    t_full = t_lo
-    if CAUSAL:
-        last = gl.minimum(n0 + BLOCK_N, S_KV) - 1
-        t_lo = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, t_hi)
-        t_full = (gl.maximum(last - diag, 0) + BLOCK_M - 1) // BLOCK_M
-        t_full = gl.minimum(gl.maximum(t_full, t_lo), t_hi)
-    return t_lo, t_full, t_hi
+    t_a = t_lo
+    t_b = t_hi
+    last = gl.minimum(n0 + BLOCK_N, S_KV) - 1
+    if HAS_RIGHT:
+        t_lo = gl.minimum(gl.maximum(n0 - diag - win_right, 0) // BLOCK_M, t_hi)
+        t_a = (gl.maximum(last - diag - win_right, 0) + BLOCK_M - 1) // BLOCK_M
+    if HAS_LEFT:
+        # rows up to last - diag + win_left see some key; rows up to n0 - diag + win_left see all
+        t_hi = gl.minimum(t_hi, (gl.maximum(last - diag + win_left + 1, 0) + BLOCK_M - 1) // BLOCK_M)
+        t_hi = gl.maximum(t_hi, t_lo)
+        t_b = gl.maximum(n0 - diag + win_left + 1, 0) // BLOCK_M
+    t_a = gl.minimum(gl.maximum(t_a, t_lo), t_hi)
+    t_b = gl.minimum(gl.maximum(t_b, t_a), t_hi)
+    return t_lo, t_a, t_b, t_hi
+
+
+@gluon.jit
+def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+             HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
+    """P^T = exp2(S^T * qk_scale [+ ALiBi] - lse2) on a transposed tile [keys, rows of query tile t].
+
+    keys: the tile's key indices; band = (diag, win_left, win_right) (``_q_tiles``). ALiBi
+    slope2 * (j - i) in base 2: the key half slope2 * (j - t * BLOCK_M) here, the row half
+    -slope2 * (i - t * BLOCK_M) folded into lse2 by the producer (both halves stay small where P is
+    not negligible, as in the forward)."""
+    BLOCK_M: gl.constexpr = s.shape[1]
+    x = s * qk_scale - lse2[None, :]
+    if HAS_ALIBI:
+        x = x + (slope2 * (keys - t * BLOCK_M).to(gl.float32))[:, None]
+    if MASKED:
+        diag, win_left, win_right = band
+        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+        if HAS_RIGHT:
+            keep = keys[:, None] - (diag + win_right) <= rows[None, :]
+            if HAS_LEFT:
+                keep = keep & (rows[None, :] <= keys[:, None] - (diag - win_left))
+        else:
+            keep = rows[None, :] <= keys[:, None] - (diag - win_left)
+        x = gl.where(keep, x, float("-inf"))
+    return gl.exp2(x)
 
 
 @gluon.jit
 def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
-                   q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, kv_head,
-                   n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr):
+                   q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, batch,
+                   kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Load warp: K and V once (every 64-key tile of the CTA), then Q_i and dO_i (TMA) and the tile's
     lse2 = lse * log2 e and delta rows (plain loads, zero for rows >= S_Q) of every (head of the
     group, query tile)."""
@@ -145,11 +186,14 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
         head = kv_head * GROUP + g
         lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
+        if HAS_ALIBI:
+            slope2 = gl.load(SLOPES + head) * 1.4426950408889634
         for t in range(t_lo, t_hi):
             slot = it % STAGES
             rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
             # issued before the slot wait: their latency hides under it
-            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < S_Q, other=0.0)
+            # rows past S_Q (TMA zero-fills their Q and dO): lse = +inf makes their P exactly 0
+            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < S_Q, other=float("inf"))
             delta = gl.load(delta_base + rows, mask=rows < S_Q, other=0.0)
             # first use of a slot: the phase before a fresh barrier's first counts as complete
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -159,7 +203,10 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
                                             do_smem.index(slot))
-            lse_smem.index(slot).store(lse2 * 1.4426950408889634)
+            lse2 = lse2 * 1.4426950408889634
+            if HAS_ALIBI:
+                lse2 = lse2 + slope2 * (rows - t * BLOCK_M).to(gl.float32)     # ALiBi's row half (_pt_tile)
+            lse_smem.index(slot).store(lse2)
             delta_smem.index(slot).store(delta)
             mbarrier.arrive(l_ready.index(slot))
             it += 1
@@ -167,10 +214,11 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
 
 @gluon.jit
 def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready, empty,
-               dk, dv, zero_s, keys_diag, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr):
+               dk, dv, zero_s, keys, band, slope2, qk_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+               HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr):
     """One query tile (rows [t * 64, +64) of one head): dV += P^T dO, dK += dS^T Q.
 
-    keys_diag: this warpgroup's key indices minus diag (row i keeps key j iff j - diag <= i)."""
+    keys: this warpgroup's key indices; band, slope2: ``_pt_tile``."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = k_view.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
@@ -190,11 +238,7 @@ def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_r
     lse2 = lse_smem.index(slot).load(col_layout)
     # groups retire in order: one left in flight means S^T is done (dP^T runs on)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    x = s * qk_scale - lse2[None, :]
-    if MASKED:
-        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-        x = gl.where(keys_diag[:, None] <= rows[None, :], x, float("-inf"))
-    p = gl.exp2(x)
+    p = _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     p16 = gl.convert_layout(p.to(dtype), a_layout)
     dv_tok = warpgroup_mma(p16, do_view, dv, is_async=True)
     delta = delta_smem.index(slot).load(col_layout)
@@ -210,8 +254,9 @@ def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_r
 
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready,
-                   do_ready, l_ready, empty, dk_desc, dv_desc, batch, kv_head, n0, GROUP, diag, t_lo, t_full, t_hi,
-                   qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                   do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
+                   qk_scale, sm_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                   STAGES: gl.constexpr):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64)."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
@@ -224,19 +269,24 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)
-    keys_diag = n0 + WG * WG_N - diag + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
+    keys = n0 + WG * WG_N + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
     k_view = k_smem.index(WG).reshape([WG_N, HEAD_D])
     v_view = v_smem.index(WG).reshape([WG_N, HEAD_D])
     mbarrier.wait(kv_bar, 0)
 
+    t_lo, t_a, t_b, t_hi = tiles
+    diag, win_left, win_right = band
     t_wg = t_lo
-    if CAUSAL:
+    if HAS_RIGHT:
         # tiles [t_lo, t_wg) have no row that sees a key of this warpgroup (warpgroup 1's first tile on
         # the diagonal): their slots are handed back unread
-        t_wg = gl.minimum(gl.maximum(gl.maximum(n0 + WG * WG_N - diag, 0) // BLOCK_M, t_lo), t_full)
+        t_wg = gl.minimum(gl.maximum(gl.maximum(n0 + WG * WG_N - diag - win_right, 0) // BLOCK_M, t_lo), t_a)
+    slope2 = qk_scale * 0.0
     it = 0
     for g in range(GROUP):
-        if CAUSAL:
+        if HAS_ALIBI:
+            slope2 = gl.load(SLOPES + kv_head * GROUP + g) * 1.4426950408889634
+        if HAS_RIGHT:
             for t in range(t_lo, t_wg):
                 slot = it % STAGES
                 # the slot's data has landed, so the previous round's arrivals are all in and this
@@ -244,13 +294,20 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
                 mbarrier.wait(q_ready.index(slot), (it // STAGES) & 1)
                 mbarrier.arrive(empty.index(slot))
                 it += 1
-            for t in range(t_wg, t_full):
-                dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-                                    l_ready, empty, dk, dv, zero_s, keys_diag, qk_scale, True, STAGES)
-                it += 1
-        for t in range(t_full, t_hi):
+        for t in range(t_wg, t_a):
             dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-                                l_ready, empty, dk, dv, zero_s, keys_diag, qk_scale, False, STAGES)
+                                l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
+                                HAS_RIGHT, HAS_ALIBI, STAGES)
+            it += 1
+        for t in range(t_a, t_b):
+            dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                                l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, False, HAS_LEFT,
+                                HAS_RIGHT, HAS_ALIBI, STAGES)
+            it += 1
+        for t in range(t_b, t_hi):
+            dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
+                                l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
+                                HAS_RIGHT, HAS_ALIBI, STAGES)
             it += 1
 
     # epilogue: through this warpgroup's own (now unused) K and V tiles; TMA clips keys >= S_KV
@@ -268,8 +325,8 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
 
 @gluon.jit
 def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
-               x_empty, dv, zero_s, keys_diag, qk_scale, MASKED: gl.constexpr, STAGES: gl.constexpr,
-               DV_FIRST: gl.constexpr):
+               x_empty, dv, zero_s, keys, band, slope2, qk_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+               HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr):
     """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = k_view.shape[1]
@@ -286,11 +343,7 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
     mbarrier.wait(l_ready.index(slot), phase)
     lse2 = lse_smem.index(slot).load(col_layout)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    x = s * qk_scale - lse2[None, :]
-    if MASKED:
-        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_layout)
-        x = gl.where(keys_diag[:, None] <= rows[None, :], x, float("-inf"))
-    p = gl.exp2(x)
+    p = _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     # P^T for warpgroup 1 (fp16 whatever the input dtype: 11 bits for dS = P (dP - delta)) into
     # slot xs once its previous P^T (tile it - 2) has been read. The arrive follows a warpgroup
     # barrier (Gluon's lowering), so all 128 threads' stores are in before warpgroup 1 reads.
@@ -349,9 +402,9 @@ def _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_rea
 
 @gluon.jit
 def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar,
-                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, batch, kv_head, n0,
-                    GROUP, diag, t_lo, t_full, t_hi, qk_scale, sm_scale, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr, DV_FIRST: gl.constexpr):
+                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch, kv_head,
+                    n0, GROUP, band, tiles, qk_scale, sm_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                    HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr):
     """Consumer warpgroup WG of the SPLIT variant, keys [n0, n0 + 64): WG 0 computes P^T and dV,
     WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers."""
     WG_N: gl.constexpr = k_smem.shape[3]
@@ -363,24 +416,32 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                                                          instr_shape=[16, HEAD_D, 16])
     zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
     acc = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)       # dV (WG 0) or dK (WG 1)
-    keys_diag = n0 - diag + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
+    keys = n0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, s_layout))
     k_view = k_smem.index(0).reshape([WG_N, HEAD_D])
     v_view = v_smem.index(0).reshape([WG_N, HEAD_D])
     mbarrier.wait(kv_bar, 0)
 
+    t_lo, t_a, t_b, t_hi = tiles
+    slope2 = qk_scale * 0.0
     it = 0     # position in the producer's sequence of (head, query tile): ring slot and phases
     for g in range(GROUP):
         if WG == 0:
-            if CAUSAL:
-                for t in range(t_lo, t_full):
-                    acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                     empty, x_ready, x_empty, acc, zero_s, keys_diag, qk_scale, True, STAGES,
-                                     DV_FIRST)
-                    it += 1
-            for t in range(t_full, t_hi):
+            if HAS_ALIBI:
+                slope2 = gl.load(SLOPES + kv_head * GROUP + g) * 1.4426950408889634
+            for t in range(t_lo, t_a):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys_diag, qk_scale, False, STAGES,
-                                 DV_FIRST)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
+                                 HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST)
+                it += 1
+            for t in range(t_a, t_b):
+                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, False, HAS_LEFT,
+                                 HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST)
+                it += 1
+            for t in range(t_b, t_hi):
+                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
+                                 HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST)
                 it += 1
         else:
             # the mask is in P^T already: one loop over every tile
@@ -408,8 +469,9 @@ def _store_acc(acc, tile, desc, batch, kv_head, n0):
 
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
-                        DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, SPLIT: gl.constexpr,
+                        DELTA, SLOPES, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
+                        STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr,
                         DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -426,7 +488,10 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
     diag = S_Q * 0
     if BOTTOM_RIGHT:
         diag = S_KV - S_Q
-    t_lo, t_full, t_hi = _q_tiles(n0, S_Q, S_KV, diag, CAUSAL, BLOCK_M, BLOCK_N)
+    tiles = _q_tiles(n0, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    band = (diag, win_left, win_right)
+    t_lo = tiles[0]
+    t_hi = tiles[3]
 
     k_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], v_desc.layout)
@@ -458,27 +523,30 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
             mbarrier.init(x_empty.index(i), count=1)
         gl.warp_specialize([
             (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
-                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, batch, kv_head,
-                               n0, GROUP, diag, t_lo, t_full, t_hi, qk_scale, sm_scale, CAUSAL, STAGES, DV_FIRST)),
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
+                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                               STAGES, DV_FIRST)),
             (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
-                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, batch, kv_head,
-                               n0, GROUP, diag, t_lo, t_full, t_hi, qk_scale, sm_scale, CAUSAL, STAGES, DV_FIRST)),
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
+                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                               STAGES, DV_FIRST)),
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh,
-                              stride_lm, DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES)),
+                              stride_lm, DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES,
+                              HAS_ALIBI)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         return
 
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
-                          do_ready, l_ready, empty, dk_desc, dv_desc, batch, kv_head, n0, GROUP, diag, t_lo, t_full,
-                          t_hi, qk_scale, sm_scale, CAUSAL, STAGES)),
+                          do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
+                          qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES)),
         (_dkdv_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
-                          do_ready, l_ready, empty, dk_desc, dv_desc, batch, kv_head, n0, GROUP, diag, t_lo, t_full,
-                          t_hi, qk_scale, sm_scale, CAUSAL, STAGES)),
+                          do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
+                          qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES)),
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                          DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES)),
+                          DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES, HAS_ALIBI)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -486,42 +554,48 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
 # host side
 
 
-def supports(p, q, k, v, grad_out, dk, dv) -> bool:
+def supports(p, q, k, v, grad_out, dk, dv, *, slopes=None) -> bool:
     """True when this kernel computes exactly the dK/dV that ``p`` asks for on these tensors.
 
     The problem half is cached per problem; the tensor half (sm_90 GPU, dtypes, TMA's stride
-    rules on q, k, v, grad_out, dk, dv) is checked each call."""
+    rules on q, k, v, grad_out, dk, dv; ALiBi slopes fp32 [h_q]) is checked each call."""
     if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+        return False
+    if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dk, dv))
 
 
 @functools.lru_cache(maxsize=256)
 def _problem_ok(p) -> bool:
-    """The forward's filter (no mask or causal, plain inputs, fp16/bf16, d = d_v) at this pass's head
-    dims, and row offsets b * h_q * s_q (the lse/delta rows) that fit int32."""
-    return _fwd_problem_ok_plain(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
+    """The forward's filter (no mask, causal, sliding windows, ALiBi; plain inputs, fp16/bf16, d = d_v)
+    at this pass's head dims, and row offsets b * h_q * s_q (the lse/delta rows) that fit int32."""
+    return _bwd_problem_ok(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
 
 
-def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, stages=None, dv_first=None):
+def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, stages=None, dv_first=None):
     """dK, dV of attention on Hopper, written in place.
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
     unit last stride (``supports`` checks them); lse fp32 [b,h_q,s_q] view (any strides,
-    natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)).
-    stages overrides ``STAGES``, dv_first ``DV_FIRST`` (tuning)."""
-    causal = p.band is not None
+    natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)); slopes fp32
+    [h_q] when p.alibi. stages overrides ``STAGES``, dv_first ``DV_FIRST`` (tuning)."""
+    band = p.band
+    has_left = band is not None and band.left is not None
+    has_right = band is not None and band.right is not None
     td = TILE_D[p.d]
-    stages = stages or STAGES[td, causal]
+    stages = stages or STAGES[td, band is not None]
     assert delta.is_contiguous() and delta.dtype == torch.float32
     block_n = WG_N if SPLIT[td] else BLOCK_N
     grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
     _attn_bwd_dkdv_sm90[grid](
         _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
-        _desc(dv, WG_N), lse, *lse.stride(), delta,
+        _desc(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
-        STAGES=stages, CAUSAL=causal, BOTTOM_RIGHT=causal and p.band.alignment == "bottom_right", SPLIT=SPLIT[td],
-        DV_FIRST=DV_FIRST if dv_first is None else dv_first,
+        band.left if has_left else 0, band.right if has_right else 0,
+        STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
+        SPLIT=SPLIT[td], DV_FIRST=DV_FIRST if dv_first is None else dv_first,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4,
     )

@@ -360,6 +360,13 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 # ----------------------------------------------------------------------------------------------
 # host side
 
+def _bwd_problem_ok(p, dims) -> bool:
+    """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi) at
+    ``dims``, except padding (``fwd_sm90._fwd_problem_ok`` may take sequence lengths; these passes
+    have no per-sequence lengths). Cached by the callers' filters."""
+    return _fwd_problem_ok(p, dims) and not (p.has_seq_len_q or p.has_seq_len_kv)
+
+
 def _slopes_ok(p, slopes) -> bool:
     """ALiBi slopes as the kernel reads them: fp32 [h_q] on the GPU, unit stride."""
     return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
@@ -373,7 +380,7 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, head_dims=None)
     out: the forward's output, when the caller wants delta computed by this pass (unit last stride).
     slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
-    if not (_fwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+    if not (_bwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
