@@ -112,9 +112,9 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
         gluon = _gluon_kernels("forward", "fwd_sm90")
         fwd_sm90 = gluon[0] if gluon is not None else None
-        slopes = extras["slopes"]
-        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, slopes=slopes):
-            fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, slopes=slopes)
+        lens = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, **lens):
+            fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, **lens)
             return
     from .backends.triton.fwd import launch_fwd
     launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)
