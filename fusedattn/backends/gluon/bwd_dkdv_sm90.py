@@ -89,8 +89,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .bwd_dq_sm90 import _bwd_problem_ok, _slopes_ok
-from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _tma_ready
+from .bwd_dq_sm90 import _bwd_problem_ok
+from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _slopes_ok, _tma_ready
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA (WG_N under SPLIT)

@@ -88,7 +88,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _desc, _fwd_problem_ok, _is_sm90, _kv_range, _kv_view,
-                       _tma_ready)
+                       _slopes_ok, _tma_ready)
 
 WG_M = 64           # query rows per consumer warpgroup
 BLOCK_M = 2 * WG_M  # query rows per CTA
@@ -365,12 +365,6 @@ def _bwd_problem_ok(p, dims) -> bool:
     ``dims``, except padding (``fwd_sm90._fwd_problem_ok`` may take sequence lengths; these passes
     have no per-sequence lengths). Cached by the callers' filters."""
     return _fwd_problem_ok(p, dims) and not (p.has_seq_len_q or p.has_seq_len_kv)
-
-
-def _slopes_ok(p, slopes) -> bool:
-    """ALiBi slopes as the kernel reads them: fp32 [h_q] on the GPU, unit stride."""
-    return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
-            and slopes.numel() == p.h_q and slopes.stride(-1) == 1)
 
 
 def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, head_dims=None) -> bool:

@@ -581,12 +581,17 @@ def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, se
     dims = SUPPORTED_DIMS if head_dims is None else tuple(head_dims)
     if not (_fwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
-    if p.alibi is not None and not (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32
-                                    and slopes.is_cuda and slopes.numel() == p.h_q and slopes.stride(-1) == 1):
+    if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
     if (p.has_seq_len_q and not _lengths_ok(seq_len_q, p)) or (p.has_seq_len_kv and not _lengths_ok(seq_len_kv, p)):
         return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, out))
+
+
+def _slopes_ok(p, slopes) -> bool:
+    """ALiBi slopes as the kernels read them: fp32 [h_q] on the GPU, unit stride."""
+    return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
+            and slopes.numel() == p.h_q and slopes.stride(-1) == 1)
 
 
 @functools.lru_cache(maxsize=256)
