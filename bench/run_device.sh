@@ -5,7 +5,8 @@
 #
 # PARTS, run in the order given (default: tests demo bench-quick):
 #   tests          python3 -m pytest -q tests -m gpu           (the GPU tests; TEST_PATHS narrows them)
-#   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~550 s together)
+#   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~770 s together)
+#   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
@@ -133,8 +134,13 @@ report_env
 for part in "${PARTS[@]}"; do
     case "$part" in
         tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" ;;
-        # the full GPU suite takes ~550 s with 16 workers (session 4): these two halves fit two calls
+        # the full GPU suite no longer fits one 600 s call: the Gluon tests alone took 572 s for 904 of 914
+        # with 16 workers (session 5); the Gluon forward's (530) and backward passes' (384) halves fit one each
         tests-gluon)   run_part tests-gluon python3 -m pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py \
+                           tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-14}" ;;
+        tests-gluon-fwd) run_part tests-gluon-fwd python3 -m pytest -q -rfEs tests/test_gluon_fwd.py -m gpu \
+                           -n "${TEST_WORKERS:-14}" ;;
+        tests-gluon-bwd) run_part tests-gluon-bwd python3 -m pytest -q -rfEs tests/test_gluon_bwd_dq.py \
                            tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-14}" ;;
         tests-rest)    run_part tests-rest python3 -m pytest -q -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" \
                            --ignore=tests/test_gluon_fwd.py --ignore=tests/test_gluon_bwd_dq.py \
