@@ -171,6 +171,15 @@ class HopperCase:
         return f"repro: pytest '{nodeid}' ; {asdict(self)}"
 
 
+def window_alibi_case(seed_base: int, mode: str, window, alibi: bool) -> HopperCase:
+    """The Gluon kernels' band test case: d=128 bf16, GQA 2, BSHD, seed from (mode, window, alibi);
+    lengths alternate between s_q < s_kv and s_q > s_kv (partial tiles both ways)."""
+    seed = seed_base + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
+    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
+    return HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd", window=window, alibi=alibi)
+
+
 def random_hopper_case(seed: int, lengths) -> HopperCase:
     """Seeded geometry: GQA/MQA, lengths from ``lengths``, d 64/128, fp16/bf16, any mask mode, strided layouts."""
     rng = random.Random(seed)

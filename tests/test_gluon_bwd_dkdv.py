@@ -18,7 +18,7 @@ import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
 from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
-                               random_hopper_case, triton_backward)
+                               random_hopper_case, triton_backward, window_alibi_case)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -138,10 +138,7 @@ def test_gluon_dkdv_geometries(geom, d, dtype, request):
 def test_gluon_dkdv_window_alibi(mode, window, alibi, request):
     """Sliding windows (query tiles masked below and above a mask-free middle; key blocks no row sees),
     each alignment, with and without ALiBi (slopes per head of the GQA group); partial tiles, s_q != s_kv."""
-    seed = 5000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
-    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
-    case = HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
-                      layout="bshd", window=window, alibi=alibi)
+    case = window_alibi_case(5000, mode, window, alibi)
     run_case(case, request.node.nodeid)
 
 

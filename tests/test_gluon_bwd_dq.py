@@ -20,7 +20,7 @@ import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
 from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
-                               random_hopper_case, triton_backward)
+                               random_hopper_case, triton_backward, window_alibi_case)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -153,11 +153,8 @@ def test_gluon_dq_wide_random(seed, request):
 def test_gluon_dq_window_alibi(mode, window, alibi, request):
     """Sliding windows (masked left edge, mask-free middle, masked right edge: a CTA's first key tile
     is not tile 0), each alignment, with and without ALiBi; partial tiles, s_q != s_kv."""
-    seed = 3000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
-    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
-    case = HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
-                      layout="bshd", window=window, alibi=alibi)
-    run_case(case, request.node.nodeid, write_delta=seed % 3 != 0)
+    case = window_alibi_case(3000, mode, window, alibi)
+    run_case(case, request.node.nodeid, write_delta=case.seed % 3 != 0)
 
 
 @pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")

@@ -19,8 +19,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import (FLOOR, MODES, HopperCase, assert_error_within, guarded, max_err,
-                               random_hopper_case)
+from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
+                               random_hopper_case, window_alibi_case)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -165,7 +165,6 @@ def test_gluon_fwd_wide_gqa8(d, dtype, pingpong, request):
     run_case(case, request.node.nodeid, write_lse=False, pingpong=pingpong)
 
 
-WINDOWS = ((0, 0), (37, 0), (200, 0), (64, 64), (130, -1), (-1, 90), (5, 300))
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["band", "alibi"])
@@ -174,10 +173,7 @@ WINDOWS = ((0, 0), (37, 0), (200, 0), (64, 64), (130, -1), (-1, 90), (5, 300))
 def test_gluon_fwd_window_alibi(mode, window, alibi, request):
     """Sliding windows (masked left edges, mask-free middles, masked right edges), each alignment,
     with and without ALiBi; lengths that leave partial tiles and s_q != s_kv."""
-    seed = 3000 + 100 * MODES.index(mode) + 10 * WINDOWS.index(window) + alibi
-    s_q, s_kv = (700, 1000) if seed % 2 else (1000, 333)
-    case = HopperCase(seed=seed, b=1, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
-                 layout="bshd", window=window, alibi=alibi)
+    case = window_alibi_case(3000, mode, window, alibi)
     run_case(case, request.node.nodeid)
 
 
