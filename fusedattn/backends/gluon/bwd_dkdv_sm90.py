@@ -155,6 +155,9 @@ def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS
     if MASKED:
         diag, win_left, win_right = band
         rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+        # fwd_sm90._band_keep transposed, with the offsets on the key side (2 values per thread here, the
+        # rows 32; 224 more instructions per masked loop set the other way); keys past S_KV stay
+        # unmasked: only their own dK/dV rows see them, and the store clips those
         if HAS_RIGHT:
             keep = keys[:, None] - (diag + win_right) <= rows[None, :]
             if HAS_LEFT:

@@ -87,8 +87,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _desc, _fwd_problem_ok, _is_sm90, _kv_range, _kv_view,
-                       _slopes_ok, _tma_ready)
+from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _band_keep, _desc, _fwd_problem_ok, _is_sm90, _kv_range,
+                       _kv_ring_loads, _kv_view, _slopes_ok, _tma_ready)
 
 WG_M = 64           # query rows per consumer warpgroup
 BLOCK_M = 2 * WG_M  # query rows per CTA
@@ -102,6 +102,7 @@ SPLIT = {64: False, 128: False, 256: False}
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
+
 
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
@@ -117,18 +118,9 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do
     mbarrier.expect(q_bar.index(1), nbytes)
     tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
     tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), do_smem1)
-    for j in range(n_tiles):
-        slot = j % STAGES
-        # first use of a slot waits on the parity before the barrier's first phase: no wait
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
-                                        v_smem.index(slot))
+    _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
+                   BLOCK_N, STAGES)
+
 
 @gluon.jit
 def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -146,11 +138,7 @@ def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexp
         S_KV, diag, win_left, win_right = band
         BLOCK_N: gl.constexpr = s.shape[1]
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        keep = cols[None, :] < S_KV
-        if HAS_LEFT:
-            keep = keep & (cols[None, :] >= rows[:, None] + (diag - win_left))
-        if HAS_RIGHT:
-            keep = keep & (cols[None, :] <= rows[:, None] + (diag + win_right))
+        keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         x = gl.where(keep, x, float("-inf"))
     return gl.exp2(x)
 

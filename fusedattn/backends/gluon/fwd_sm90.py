@@ -188,6 +188,15 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
         tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+    _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
+                   BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producers' K/V stream (forward, dQ pass): K and V of key tile t_lo + j into ring slot
+    j % STAGES once the consumers freed it, K and V on separate ready/empty barriers."""
     for j in range(n_tiles):
         slot = j % STAGES
         # the slot's empty barrier completes once per reuse; its first use waits on the parity
@@ -204,6 +213,19 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
 
 
 @gluon.jit
+def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Which (row i, key j) pairs of a score tile a band keeps (forward, dQ pass): j < S_KV and
+    (HAS_LEFT) j >= i + diag - win_left and (HAS_RIGHT) j <= i + diag + win_right. rows: [M, 1],
+    cols: [1, N] (the band's offsets go on the row side, the one with few values per thread)."""
+    keep = cols < S_KV
+    if HAS_LEFT:
+        keep = keep & (cols >= rows + (diag - win_left))
+    if HAS_RIGHT:
+        keep = keep & (cols <= rows + (diag + win_right))
+    return keep
+
+
+@gluon.jit
 def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col,
                   MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Online-softmax update for one score tile s (raw q.k, fp32, wgmma accumulator layout).
@@ -217,11 +239,7 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
     BLOCK_N: gl.constexpr = s.shape[1]
     if MASKED:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        keep = cols[None, :] < S_KV
-        if HAS_LEFT:
-            keep = keep & (cols[None, :] >= rows[:, None] + (diag - win_left))
-        if HAS_RIGHT:
-            keep = keep & (cols[None, :] <= rows[:, None] + (diag + win_right))
+        keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         if HAS_ALIBI:
             s2 = gl.where(keep, s * qk_scale + alibi_col[None, :], float("-inf"))
         else:
