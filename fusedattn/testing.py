@@ -189,6 +189,26 @@ def random_hopper_case(seed: int, lengths) -> HopperCase:
                       mode=rng.choice(MODES), layout=rng.choice(["bshd", "bshd", "bhsd", "gap", "sbhd"]))
 
 
+def backward_inputs(case: HopperCase):
+    """A Gluon backward pass's inputs for ``case``, on the GPU: seeded q, k, v, dO in NaN-guarded
+    buffers of the case's layout, the Triton forward's out and lse (fp32 [b, h_q, s_q]), delta =
+    rowsum(dO * O) (fp32 contiguous [b * h_q, s_q], what the dK/dV pass reads) and the problem.
+    Returns (p, extras, q, k, v, do, out, lse, delta); q, k, v, do are ``Guarded`` (``.view``)."""
+    import fusedattn
+    from .problem import make_problem
+    gen = torch.Generator().manual_seed(case.seed)
+    dt = getattr(torch, case.dtype)
+    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
+    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
+    v = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
+    do = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
+    kw = case.kwargs()
+    out, stats = fusedattn.attention_forward(q.view, k.view, v.view, return_stats=True, backend="triton", **kw)
+    delta = (out.float() * do.view.float()).sum(-1).reshape(case.b * case.h_q, case.s_q).contiguous()
+    p, extras = make_problem(q.view, k.view, v.view, **kw)
+    return p, extras, q, k, v, do, out, stats[..., 0], delta
+
+
 def triton_backward(p, extras, q, k, v, out, do, lse):
     """(dq, dk, dv) from the portable Triton backward alone (launch_bwd with a plan that names only
     Triton tiles), whatever the planner would route to: the reference kernel the Gluon passes are

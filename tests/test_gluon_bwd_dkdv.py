@@ -14,11 +14,10 @@ import random
 import pytest
 import torch
 
-import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
 from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
-                               random_hopper_case, triton_backward, window_alibi_case)
+                               random_hopper_case, triton_backward, window_alibi_case, backward_inputs)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -38,21 +37,7 @@ def reference_grads(q, k, v, do, dtype, **kw):
     return ks.grad, vs.grad
 
 
-def make_inputs(case):
-    gen = torch.Generator().manual_seed(case.seed)
-    dt = getattr(torch, case.dtype)
-    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
-    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
-    v = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
-    do = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
-    kw = case.kwargs()
-    out, stats = fusedattn.attention_forward(q.view, k.view, v.view, backend="triton", return_stats=True, **kw)
-    # delta = rowsum(dO * O), fp32 contiguous [b * h_q, s_q] (what the Triton preprocess writes)
-    delta = (out.float() * do.view.float()).sum(-1).reshape(case.b * case.h_q, case.s_q).contiguous()
-    return q, k, v, do, out, stats, delta
-
-
-def run_gluon(case, q, k, v, do, stats, delta, stages=None):
+def run_gluon(case, q, k, v, do, lse, delta, stages=None):
     """dK, dV from the Gluon kernel, in NaN-filled guarded buffers of the case's layout."""
     from fusedattn.backends.gluon.bwd_dkdv_sm90 import launch_dkdv_sm90, supports
     dt = getattr(torch, case.dtype)
@@ -62,7 +47,7 @@ def run_gluon(case, q, k, v, do, stats, delta, stages=None):
     slopes = extras["slopes"]
     assert supports(p, q.view, k.view, v.view, do.view, dk.view, dv.view, slopes=slopes), \
         "supports() refused a case it should run"
-    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, stats[..., 0], delta, dk.view, dv.view, slopes=slopes,
+    launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dk.view, dv.view, slopes=slopes,
                      stages=stages)
     torch.cuda.synchronize()
     return dk, dv
@@ -70,15 +55,14 @@ def run_gluon(case, q, k, v, do, stats, delta, stages=None):
 
 def run_case(case, nodeid, stages=None):
     msg = case.repro(nodeid) + (f" stages={stages}" if stages else "")
-    q, k, v, do, out, stats, delta = make_inputs(case)
-    dk, dv = run_gluon(case, q, k, v, do, stats, delta, stages)
+    p, extras, q, k, v, do, out, lse, delta = backward_inputs(case)
+    dk, dv = run_gluon(case, q, k, v, do, lse, delta, stages)
     kw = case.kwargs()
     gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **kw)
     base = reference_grads(q.view, k.view, v.view, do.view, getattr(torch, case.dtype), **kw)
     # our Triton backward (the portable kernels: launch_bwd itself, since attention_backward now
     # routes d=128 to the Gluon passes)
-    p, extras = make_problem(q.view, k.view, v.view, **kw)
-    _, tri_dk, tri_dv = triton_backward(p, extras, q.view, k.view, v.view, out, do.view, stats[..., 0])
+    _, tri_dk, tri_dv = triton_backward(p, extras, q.view, k.view, v.view, out, do.view, lse)
     dt = getattr(torch, case.dtype)
     for name, g, gd, gb, tri in (("dk", dk, gold[0], base[0], tri_dk), ("dv", dv, gold[1], base[1], tri_dv)):
         got = g.view.cpu()
@@ -167,9 +151,9 @@ def test_gluon_dkdv_stages(mode, stages, request):
 def test_gluon_dkdv_deterministic(mode, d):
     """Two launches give bitwise equal dK and dV (one writer per element, no atomics)."""
     case = HopperCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=d, dtype="bfloat16", mode=mode, layout="bshd")
-    q, k, v, do, out, stats, delta = make_inputs(case)
-    first = run_gluon(case, q, k, v, do, stats, delta)
-    again = run_gluon(case, q, k, v, do, stats, delta)
+    _, _, q, k, v, do, out, lse, delta = backward_inputs(case)
+    first = run_gluon(case, q, k, v, do, lse, delta)
+    again = run_gluon(case, q, k, v, do, lse, delta)
     for a, b in zip(first, again):
         assert torch.equal(a.view, b.view), "dK/dV not bitwise reproducible"
 

@@ -16,11 +16,10 @@ import random
 import pytest
 import torch
 
-import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
 from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
-                               random_hopper_case, triton_backward, window_alibi_case)
+                               random_hopper_case, triton_backward, window_alibi_case, backward_inputs)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -42,21 +41,6 @@ def reference_dq(q, k, v, do, dtype, **kw):
     o, _ = attention_reference(qs, ks, vs, dtype=dtype, **kw)
     o.backward(do.to(dtype))
     return qs.grad.cpu()
-
-
-def setup(case):
-    gen = torch.Generator().manual_seed(case.seed)
-    dt = getattr(torch, case.dtype)
-    q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
-    k = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
-    v = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, gen)
-    do = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
-    kw = case.kwargs()
-    out, stats = fusedattn.attention_forward(q.view, k.view, v.view, return_stats=True, backend="triton", **kw)
-    lse = stats[..., 0]
-    delta = (out.float() * do.view.float()).sum(-1).reshape(case.b * case.h_q, case.s_q).contiguous()
-    p, extras = make_problem(q.view, k.view, v.view, **kw)
-    return p, extras, q, k, v, do, out, lse, delta
 
 
 def run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=None):
@@ -81,7 +65,7 @@ def run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=None):
 def run_case(case, nodeid, write_delta=True):
     msg = case.repro(nodeid) + f" write_delta={write_delta}"
     dt = getattr(torch, case.dtype)
-    p, extras, q, k, v, do, out, lse, delta = setup(case)
+    p, extras, q, k, v, do, out, lse, delta = backward_inputs(case)
     dq = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=out if write_delta else None)
     got = dq.view.cpu()
     kw = case.kwargs()
@@ -173,7 +157,7 @@ def test_gluon_dq_deterministic(mode, request):
     """Two launches on the same inputs give bitwise equal dQ (one writer per element, no atomics)."""
     case = HopperCase(seed=3, b=2, h_q=8, h_kv=2, s_q=1000, s_kv=1000, d=128, dtype="bfloat16", mode=mode, layout="bshd")
     msg = case.repro(request.node.nodeid)
-    p, extras, q, k, v, do, out, lse, delta = setup(case)
+    p, extras, q, k, v, do, out, lse, delta = backward_inputs(case)
     first = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg).view.clone()
     for _ in range(3):
         again = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg).view
