@@ -1,0 +1,109 @@
+"""Time the experimental single-pass Gluon backward (bwd_fused_sm90) against the two-pass Gluon backward
+(bwd_dq_sm90 + bwd_dkdv_sm90) on the d128 anchor configs.
+
+    python3 bench/gluon_fused_sweep.py [--quick] [--variants]
+
+TFLOP/s of the whole backward: 2.5x the forward's 4*b*h_q*s_q*s_kv*d flops, halved when causal.
+Columns (medians of triton.testing.do_bench, ms -> TFLOP/s):
+  2pass   what functional._run_gluon_backward launches: [delta pass if no mask] + dQ pass (which writes
+          delta under a causal mask) + dK/dV pass
+  fused   delta pass + zeroing dq_acc + fused kernel + dQ conversion (the whole single-pass backward)
+  dq, dkdv, kern   ms of the dQ pass, the dK/dV pass, the fused kernel alone (each on its own);
+  kTF     the fused kernel alone in TFLOP/s (its 5 matmuls = the backward flops above)
+  --variants: the fused whole backward with a 3-deep Q/dO ring (s3) and with per-thread atomics (atom)
+Inputs physically BSHD. Also prints max |fused - 2pass| of dQ, dK, dV (dQ: atomics, not bitwise).
+"""
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import fusedattn  # noqa: E402
+from fusedattn.backends.gluon import bwd_dkdv_sm90 as DKDV  # noqa: E402
+from fusedattn.backends.gluon import bwd_dq_sm90 as DQ  # noqa: E402
+from fusedattn.backends.gluon import bwd_fused_sm90 as F  # noqa: E402
+from fusedattn.backends.triton.bwd import launch_delta  # noqa: E402
+from fusedattn.problem import make_problem  # noqa: E402
+
+CONFIGS = [  # (b, h_q, h_kv, s, dtype, causal)
+    (4, 32, 32, 2048, torch.bfloat16, True),
+    (1, 32, 32, 16384, torch.bfloat16, True),
+    (4, 32, 8, 4096, torch.bfloat16, True),
+    (2, 16, 16, 8192, torch.bfloat16, False),
+]
+
+
+def bench(fn, rep=250):
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def main():
+    quick = "--quick" in sys.argv
+    variants = "--variants" in sys.argv
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
+    print("whole-backward TFLOP/s (2.5x fwd flops, /2 causal); dq/dkdv/kern: ms of each kernel alone")
+    head = (f"{'config':34s} {'2pass':>6s} {'fused':>6s} {'f/2p':>6s} | {'dq ms':>6s} {'dkdv':>6s} {'kern':>6s} "
+            f"{'kTF':>6s}")
+    if variants:
+        head += f" | {'s3':>6s} {'atom':>6s}"
+    print(head + " | max|d| dq dk dv (fused - 2pass)", flush=True)
+    d = 128
+    for b, h_q, h_kv, s, dt, causal in CONFIGS[:2] if quick else CONFIGS:
+        torch.manual_seed(0)
+        q = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
+        k = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
+        v = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
+        do = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
+        out, stats = fusedattn.attention_forward(q, k, v, causal=causal, return_stats=True)
+        lse = stats[..., 0]
+        p, _ = make_problem(q, k, v, causal=causal)
+        delta = torch.empty((b * h_q, s), dtype=torch.float32, device="cuda")
+        dq2, dk2, dv2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dqf, dkf, dvf = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        acc = torch.empty((b, h_q, s, d), dtype=torch.float32, device="cuda")
+        assert F.supports(p, q, k, v, do, dqf, dkf, dvf)
+
+        def two_pass():
+            if causal:
+                DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq2, out=out)
+            else:
+                launch_delta(p, out, do, delta)
+                DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq2)
+            DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk2, dv2)
+
+        def fused(**kw):
+            launch_delta(p, out, do, delta)
+            F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dqf, dkf, dvf, dq_acc=acc, **kw)
+
+        flops = 2.5 * 4.0 * b * h_q * s * s * d * (0.5 if causal else 1.0)
+        tf = lambda ms: flops / ms / 1e9  # noqa: E731
+        two_pass()
+        fused()
+        torch.cuda.synchronize()
+        errs = [(x.float() - y.float()).abs().max().item() for x, y in ((dqf, dq2), (dkf, dk2), (dvf, dv2))]
+        res = {"2pass": bench(two_pass), "fused": bench(fused),
+               "dq": bench(lambda: DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq2)),
+               "dkdv": bench(lambda: DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk2, dv2)),
+               "kern": bench(lambda: F.launch_kernel(p, q, k, v, do, lse, delta, acc, dkf, dvf))}
+        if variants:
+            for name, kw in (("s3", dict(stages=3)), ("atom", dict(atomic=True))):
+                try:
+                    res[name] = bench(lambda: fused(**kw))
+                except Exception as e:  # a variant that does not compile is reported, not fatal
+                    print(f"   {name}: {type(e).__name__}: {str(e)[:200]}")
+                    res[name] = float("nan")
+        cfg = f"b{b} h{h_q}/{h_kv} s{s} d{d} {str(dt)[6:]} {'causal' if causal else 'full'}"
+        line = (f"{cfg:34s} {tf(res['2pass']):6.1f} {tf(res['fused']):6.1f} {res['2pass'] / res['fused']:5.2f}x | "
+                f"{res['dq']:6.3f} {res['dkdv']:6.3f} {res['kern']:6.3f} {tf(res['kern']):6.1f}")
+        if variants:
+            line += f" | {tf(res['s3']):6.1f} {tf(res['atom']):6.1f}"
+        line += f" | {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}"
+        print(line + f"   (ms 2pass {res['2pass']:.3f} fused {res['fused']:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

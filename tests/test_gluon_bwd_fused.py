@@ -1,0 +1,163 @@
+"""The experimental single-pass Gluon sm_90 backward (fusedattn/backends/gluon/bwd_fused_sm90.py) on an H100/H200.
+
+dQ, dK and dV, written into NaN-filled guarded buffers, against float64 autograd of the reference by
+FlashAttention's rule (error at most 2x PyTorch's same-precision error plus a small floor) and against
+the two-pass Gluon backward (``bwd_dq_sm90`` + ``bwd_dkdv_sm90``) on the same inputs, over: d=128,
+fp16/bf16, causal none / top-left / bottom-right, GQA 1 / 2 / 4 / MQA, odd lengths with s_q != s_kv
+both ways, BSHD and other strided layouts, both ring depths, both dQ reductions (TMA reduce-add, atomics);
+plus run-to-run agreement (dQ is reduced with atomics: not bitwise) and what ``supports`` refuses.
+Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
+"""
+
+import pytest
+import torch
+
+from fusedattn.reference import attention_reference
+from fusedattn.testing import FLOOR, MODES, HopperCase, assert_error_within, backward_inputs, guarded, max_err
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped"),
+              pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90,
+                                 reason="the Gluon fused backward kernel is Hopper-only (compute capability 9.x)")]
+
+# (s_q, s_kv): single rows, odd lengths, partial key blocks (129 = one 128-key block + 1), s_q != s_kv
+# both ways (bottom-right with s_q > s_kv has rows that see no key)
+LENGTH_PAIRS = ((1, 1), (1, 300), (17, 129), (129, 17), (300, 1000), (1000, 300), (256, 256))
+
+
+def reference_grads(q, k, v, do, dtype, **kw):
+    """(dq, dk, dv) by autograd through the reference in ``dtype`` on the GPU; returned on the CPU."""
+    qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    o, _ = attention_reference(qs, ks, vs, dtype=dtype, **kw)
+    o.backward(do.to(dtype))
+    return tuple(t.grad.cpu() for t in (qs, ks, vs))
+
+
+def run_fused(case, p, q, k, v, do, lse, delta, **kw):
+    """dQ, dK, dV from the fused kernel, in NaN-filled guarded buffers of the case's layout."""
+    from fusedattn.backends.gluon.bwd_fused_sm90 import launch_bwd_fused_sm90, supports
+    dt = getattr(torch, case.dtype)
+    dq = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, fill=None)
+    dk = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
+    dv = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
+    assert supports(p, q.view, k.view, v.view, do.view, dq.view, dk.view, dv.view), \
+        "supports() refused a case it should run"
+    launch_bwd_fused_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dq.view, dk.view, dv.view, **kw)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def two_pass(p, q, k, v, do, lse, delta):
+    """(dq, dk, dv) from the two-pass Gluon backward (dQ pass, then dK/dV pass) on the same delta."""
+    from fusedattn.backends.gluon.bwd_dkdv_sm90 import launch_dkdv_sm90
+    from fusedattn.backends.gluon.bwd_dq_sm90 import launch_dq_sm90
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch_dq_sm90(p, q, k, v, do, lse, delta, dq)
+    launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk, dv)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def run_case(case, nodeid, **kw):
+    msg = case.repro(nodeid) + (f" {kw}" if kw else "")
+    p, extras, q, k, v, do, out, lse, delta = backward_inputs(case)
+    got = run_fused(case, p, q, k, v, do, lse, delta, **kw)
+    ck = case.kwargs()
+    gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **ck)
+    dt = getattr(torch, case.dtype)
+    base = reference_grads(q.view, k.view, v.view, do.view, dt, **ck)
+    ref2 = two_pass(p, q.view, k.view, v.view, do.view, lse, delta)
+    for name, g, gd, gb, r2 in zip(("dq", "dk", "dv"), got, gold, base, ref2):
+        x = g.view.cpu()
+        assert_error_within(x, gd, gb, msg=f"{name}. {msg}")
+        # both within the rule of the same reference, so they differ by at most the sum of the two errors
+        e2 = max_err(x, r2.cpu())
+        bound = 2 * (2 * max_err(gb, gd) + FLOOR[dt])
+        assert e2 <= bound, f"{name} differs from the two-pass Gluon backward by {e2:.3e} > {bound:.3e}. {msg}"
+        g.check_untouched(f"{name}. {msg}")
+    for g, name in ((q, "q"), (k, "k"), (v, "v"), (do, "do")):
+        g.check_untouched(f"{name}. {msg}")
+
+
+@pytest.mark.parametrize("s_q,s_kv", LENGTH_PAIRS, ids=lambda x: str(x))
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fused_lengths(mode, s_q, s_kv, request):
+    """Length pairs x masks, bf16, GQA 2 (two query heads per kv head), BSHD memory."""
+    seed = 7000 + 100 * MODES.index(mode) + 10 * LENGTH_PAIRS.index((s_q, s_kv))
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd")
+    run_case(case, request.node.nodeid)
+
+
+GEOMS = [  # (h_q, h_kv, s_q, s_kv, mode, layout)
+    (3, 3, 300, 519, "bottom_right", "bshd"),     # GQA 1
+    (8, 2, 700, 1000, "top_left", "gap"),         # GQA 4, row gaps in memory
+    (4, 1, 1000, 300, "bottom_right", "sbhd"),    # MQA, s_q > s_kv
+    (6, 2, 257, 257, "none", "bhsd"),             # GQA 3, contiguous
+]
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: f"h{g[0]}-{g[1]}-s{g[2]}x{g[3]}-{g[4]}-{g[5]}")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gluon_fused_geometries(geom, dtype, request):
+    """dtypes, GQA/MQA group sizes, masks and strided layouts."""
+    h_q, h_kv, s_q, s_kv, mode, layout = geom
+    case = HopperCase(seed=8000 + 10 * GEOMS.index(geom) + (dtype == "float16"), b=2, h_q=h_q, h_kv=h_kv, s_q=s_q,
+                      s_kv=s_kv, d=128, dtype=dtype, mode=mode, layout=layout)
+    run_case(case, request.node.nodeid)
+
+
+@pytest.mark.parametrize("variant", [dict(stages=3), dict(atomic=True)], ids=["stages3", "atomic"])
+@pytest.mark.parametrize("mode", ["none", "top_left", "bottom_right"])
+def test_gluon_fused_variants(mode, variant, request):
+    """The tuning variants: a 3-deep Q/dO ring, dQ by per-thread atomics; GQA 4, many rounds of the ring."""
+    case = HopperCase(seed=9000 + MODES.index(mode), b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16",
+                      mode=mode, layout="bshd")
+    run_case(case, request.node.nodeid, **variant)
+
+
+@pytest.mark.parametrize("mode", ["none", "bottom_right"])
+def test_gluon_fused_repeatable(mode):
+    """Two launches agree to rounding (dQ's adds come in any order: not bitwise; dK, dV have one writer each
+    and are bitwise equal)."""
+    case = HopperCase(seed=5, b=2, h_q=8, h_kv=2, s_q=900, s_kv=1100, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd")
+    p, _, q, k, v, do, out, lse, delta = backward_inputs(case)
+    first = run_fused(case, p, q, k, v, do, lse, delta)
+    again = run_fused(case, p, q, k, v, do, lse, delta)
+    scale = first[0].view.float().abs().max().item()
+    assert max_err(first[0].view, again[0].view) <= 1e-2 * scale, "dQ differs between two launches beyond rounding"
+    for a, b in zip(first[1:], again[1:]):
+        assert torch.equal(a.view, b.view), "dK/dV not bitwise reproducible"
+
+
+def test_gluon_fused_supports():
+    """What the kernel takes (d=128 fp16/bf16, no mask, causal, GQA, strided) and refuses (windows, ALiBi,
+    padding, bias, other head dims, fp32, d != d_v, misaligned bases)."""
+    from fusedattn.backends.gluon.bwd_fused_sm90 import supports
+    from fusedattn.problem import make_problem
+
+    def check(expect, what, q, k, v, **kw):
+        p, _ = make_problem(q, k, v, **kw)
+        do = torch.empty(q.shape[:-1] + (v.shape[-1],), device=q.device, dtype=q.dtype)
+        got = supports(p, q, k, v, do, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        assert got == expect, what
+
+    mk = lambda *s, dt=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dt)  # noqa: E731
+    check(True, "plain bf16 d128", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128))
+    check(True, "BSHD view, causal", *(mk(1, 64, 2, 128).transpose(1, 2) for _ in range(3)), causal=True)
+    check(True, "fp16 MQA bottom-right", mk(1, 4, 64, 128, dt=torch.float16), mk(1, 1, 64, 128, dt=torch.float16),
+          mk(1, 1, 64, 128, dt=torch.float16), causal=True, causal_alignment="bottom_right")
+    check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
+    check(False, "ALiBi", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), alibi=True)
+    check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
+          seq_len_q=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
+    check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
+    check(False, "d=64", mk(1, 2, 64, 64), mk(1, 2, 64, 64), mk(1, 2, 64, 64))
+    check(False, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
+    check(False, "fp32", *(mk(1, 2, 64, 128, dt=torch.float32) for _ in range(3)))
+    check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
+    base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)
+    odd = base[3:].view(1, 2, 64, 128)            # base pointer 6 bytes off 16-byte alignment
+    check(False, "misaligned base", odd, mk(1, 2, 64, 128), mk(1, 2, 64, 128))

@@ -1,0 +1,90 @@
+"""Compile the Gluon sm_90 fused (single-pass) backward kernel with no GPU, and show what matters in its SASS.
+
+    python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [atomic] [bottom_right]
+        e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - atomic
+
+Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
+serialization), and for each inner loop of the SASS its instruction count, MUFU.EX2 count, local-memory
+(spill) accesses and the order of the wgmma-related instructions (HGMMA issue, WARPGROUP.DEPBAR waits,
+barriers, shared-memory traffic: the dS^T exchange STSM, the dQ staging STS, the TMA reduce UBLKRED /
+UTMAREDG), as ``tools/gluon_bwd_check.py`` does for the dK/dV pass.
+"""
+import os
+import re
+import sys
+
+import triton
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from gluon_bwd_check import RUNS, SHOW, inner_loops  # noqa: E402
+from gluon_check import KEY, TARGET, ptxas_report, sass  # noqa: E402
+from fusedattn.backends.gluon import bwd_fused_sm90 as m  # noqa: E402
+from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
+
+
+def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, atomic=False, **over):
+    import torch
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    d = m.HEAD_D
+    stages = stages or m.STAGES[causal]
+    ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
+    kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
+    dl = m._dq_layout()
+    sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
+           "k_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "v_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "do_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
+           "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
+           "dq_desc": f"tensordesc<fp32[1, 1, {m.BLOCK_M}, {m.DQ_BOX}],{dl!r}>",
+           "DQ_PTR": "*fp32", "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
+           "DELTA": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
+           "qk_scale": "fp32", "sm_scale": "fp32"}
+    const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, DQ_ATOMIC=atomic,
+                 CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+    const.update(over)
+    for k in const:
+        sig[k] = "constexpr"
+    src = GluonASTSource(fn=m._attn_bwd_fused_sm90, signature=sig, constexprs=const)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+SHOW_F = SHOW + ("UBLKRED", "UTMAREDG", "RED", "ATOM")
+
+
+def main():
+    causal = bool(int(sys.argv[1])) if len(sys.argv) > 1 else True
+    dtype = sys.argv[2] if len(sys.argv) > 2 else "bf16"
+    stages = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+    flags = set(sys.argv[4:])
+    k = compile_fused(causal, dtype, bottom_right="bottom_right" in flags, stages=stages, atomic="atomic" in flags)
+    print(f"shared {k.metadata.shared} bytes")
+    print(ptxas_report(k).strip())
+    text = sass(k)
+    path = f"/tmp/gluon_fused_c{int(causal)}.sass"
+    with open(path, "w") as f:
+        f.write(text)
+    with open(path.replace(".sass", ".ptx"), "w") as f:
+        f.write(k.asm["ptx"])
+    print("SASS in", path)
+    for label, n, body in inner_loops(text):
+        ex2 = sum("MUFU.EX2" in b for b in body)
+        spill = sum(("LDL" in b or "STL" in b) for b in body)
+        print(f"loop {label}: {n} instructions, {ex2} MUFU.EX2, {spill} local-memory (spill) accesses")
+        seq = []
+        for b in body:
+            if KEY.search(b) or any(op in b for op in SHOW_F):
+                s = re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip())
+                op = s.split()[1] if s.startswith("@") else s.split()[0]
+                if op.startswith(RUNS + ("RED",)) and seq and seq[-1][0] == op:
+                    seq[-1][1] += 1
+                else:
+                    seq.append([op, 1, s])
+        for op, count, s in seq:
+            print("   ", s if count == 1 else f"[{count} x {op}]")
+
+
+if __name__ == "__main__":
+    main()
