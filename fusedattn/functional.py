@@ -68,31 +68,32 @@ def _gluon_kernels(what: str, *names: str):
 
 def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
-    pass under a band, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
+    pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
     the Gluon dQ pass refuses."""
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90")
     if mods is None:
         return False
     dq_pass, dkdv_pass = mods
-    slopes = extras["slopes"]
-    if not dq_pass.supports(p, q, k, v, grad_out, dq, out=out, slopes=slopes):
+    opts = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+    if not dq_pass.supports(p, q, k, v, grad_out, dq, **opts):
         return False
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
     from .backends.triton.args import aligned
     out = aligned(out)
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-    if p.band is None:
-        # no band: every dQ program has the same long loop, and computing delta in its prologue cost
-        # 3-9% of the pass (H100, bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading
-        # it); a separate bandwidth-bound kernel is cheaper
+    # delta = rowsum(dO * O) by the dQ pass (WRITE_DELTA) only under a band: with no band every dQ
+    # program has the same long loop, and computing delta in its prologue cost 3-9% of the pass (H100,
+    # bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading it), so a separate
+    # bandwidth-bound kernel is cheaper; padded problems always take that kernel (a dQ program with
+    # nothing to compute never loads dO; supports(out=) refuses them)
+    write_delta = p.band is not None and dq_pass.supports(p, q, k, v, grad_out, dq, out=out, **opts)
+    if not write_delta:
         from .backends.triton.bwd import launch_delta
         launch_delta(p, out, grad_out, delta)
-        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, slopes=slopes)
-    else:
-        dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out, slopes=slopes)
-    if dkdv_pass.supports(p, q, k, v, grad_out, dk, dv, slopes=slopes):
-        dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, slopes=slopes)
+    dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out if write_delta else None, **opts)
+    if dkdv_pass.supports(p, q, k, v, grad_out, dk, dv, **opts):
+        dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, **opts)
     else:
         from .backends.triton.bwd import launch_bwd
         launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, False, delta=delta)

@@ -220,3 +220,31 @@ def triton_backward(p, extras, q, k, v, out, do, lse):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False)
     return dq, dk, dv
+
+
+# padding: per-batch lengths seq_len_q / seq_len_kv (the Gluon kernels' padding tests)
+PAD_SIDES = ("q", "kv", "both")
+PAD_SHAPES = ((300, 1000), (1000, 257), (200, 200), (17, 300), (600, 600))   # (s_q, s_kv)
+
+
+def pad_lengths(rng, b, s):
+    """b >= 4 lengths in [0, s] that cover 0, 1, s and odd partial ones (in a seeded order)."""
+    lens = [0, 1, s, rng.randrange(1, s + 1) | 1] + [rng.randrange(0, s + 1) for _ in range(b - 4)]
+    rng.shuffle(lens)
+    return [min(n, s) for n in lens]
+
+
+def pad_case(case, side, seed):
+    """(len_q, len_kv) lists for a case padded on ``side`` ("q", "kv" or "both"; None: unpadded side)."""
+    rng = random.Random(seed)
+    len_q = pad_lengths(rng, case.b, case.s_q) if side in ("q", "both") else None
+    len_kv = pad_lengths(rng, case.b, case.s_kv) if side in ("kv", "both") else None
+    return len_q, len_kv
+
+
+def poison_padding(t, lens):
+    """NaN into the rows of t [b, h, s, d] past each batch entry's length: in-bounds memory
+    that TMA loads, which a kernel must neither use nor let leak (0 * NaN) into valid rows."""
+    if lens is not None:
+        for bi, n in enumerate(lens):
+            t[bi, :, max(n, 0):] = float("nan")

@@ -19,8 +19,8 @@ import torch
 import fusedattn
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
-from fusedattn.testing import (FLOOR, MODES, WINDOWS, HopperCase, assert_error_within, guarded, max_err,
-                               random_hopper_case, window_alibi_case)
+from fusedattn.testing import (FLOOR, MODES, PAD_SHAPES, PAD_SIDES, WINDOWS, HopperCase, assert_error_within,
+                               guarded, max_err, pad_case, poison_padding, random_hopper_case, window_alibi_case)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = [pytest.mark.gpu,
@@ -34,14 +34,6 @@ WIDE_D = (224, 256)     # 256-wide tiles (224: TMA zero-fills/clips columns 224.
 
 def _random_case(seed):
     return random_hopper_case(seed, LENGTHS)
-
-
-def _poison_padding(t, lens):
-    """NaN into the rows of t [b, h, s, d] past each batch entry's length: in-bounds memory
-    that TMA loads, which the kernel must neither use nor let leak (0 * NaN) into valid rows."""
-    if lens is not None:
-        for bi, n in enumerate(lens):
-            t[bi, :, max(n, 0):] = float("nan")
 
 
 def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None)):
@@ -74,9 +66,9 @@ def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None)):
     tri_o, tri_stats = fusedattn.attention_forward(q.view, k.view, v.view, backend="triton", return_stats=True, **kw)
     tri_o, tri_stats = tri_o.cpu(), tri_stats.cpu()
 
-    _poison_padding(q.view, lens[0])
-    _poison_padding(k.view, lens[1])
-    _poison_padding(v.view, lens[1])
+    poison_padding(q.view, lens[0])
+    poison_padding(k.view, lens[1])
+    poison_padding(v.view, lens[1])
     lse = stats.view[..., 0] if write_lse else None
     launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, slopes=slopes, pingpong=pingpong, **seq)
     torch.cuda.synchronize()
@@ -191,25 +183,6 @@ def test_gluon_fwd_alibi_random(seed, request):
 # ------------------------------------------------------------------------------------------------
 # padding: per-batch lengths seq_len_q / seq_len_kv (fwd_sm90's [Note] padding)
 
-PAD_SIDES = ("q", "kv", "both")
-PAD_SHAPES = ((300, 1000), (1000, 257), (200, 200), (17, 300), (600, 600))   # (s_q, s_kv)
-
-
-def _pad_lengths(rng, b, s):
-    """b lengths in [0, s] that cover 0, 1, s and odd partial ones (in a seeded order)."""
-    lens = [0, 1, s, rng.randrange(1, s + 1) | 1] + [rng.randrange(0, s + 1) for _ in range(b - 4)]
-    rng.shuffle(lens)
-    return [min(n, s) for n in lens]
-
-
-def _pad_case(case, side, seed):
-    """(len_q, len_kv) for a case padded on ``side`` ("q", "kv" or "both")."""
-    rng = random.Random(seed)
-    len_q = _pad_lengths(rng, case.b, case.s_q) if side in ("q", "both") else None
-    len_kv = _pad_lengths(rng, case.b, case.s_kv) if side in ("kv", "both") else None
-    return len_q, len_kv
-
-
 @pytest.mark.parametrize("d", (128,) + WIDE_D)
 @pytest.mark.parametrize("side", PAD_SIDES)
 @pytest.mark.parametrize("mode", MODES)
@@ -220,7 +193,7 @@ def test_gluon_fwd_padding(mode, side, d, request):
     s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
     case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
                       layout="bshd")
-    run_case(case, request.node.nodeid, pingpong=seed % 2 == 1, lens=_pad_case(case, side, seed))
+    run_case(case, request.node.nodeid, pingpong=seed % 2 == 1, lens=pad_case(case, side, seed))
 
 
 PAD_WINDOWS = ((37, 0), (200, 0), (64, 64), (-1, 90))
@@ -236,7 +209,7 @@ def test_gluon_fwd_padding_window_alibi(mode, window, alibi, request):
     s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
     case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                       layout="bshd", window=window, alibi=alibi)
-    run_case(case, request.node.nodeid, lens=_pad_case(case, "both", seed))
+    run_case(case, request.node.nodeid, lens=pad_case(case, "both", seed))
 
 
 @pytest.mark.parametrize("seed", range(16), ids=lambda s: f"case{s}")
@@ -248,7 +221,7 @@ def test_gluon_fwd_padding_random(seed, request):
     window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
     case = dataclasses.replace(case, b=4, d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3, window=window)
     run_case(case, request.node.nodeid, write_lse=seed % 2 == 0, pingpong=rng.random() < 0.5,
-             lens=_pad_case(case, PAD_SIDES[seed % 3], 7000 + seed))
+             lens=pad_case(case, PAD_SIDES[seed % 3], 7000 + seed))
 
 
 def test_gluon_fwd_supports():

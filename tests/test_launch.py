@@ -161,7 +161,9 @@ def test_gluon_backward_import_failure_falls_back_with_a_warning(monkeypatch):
 # wide head dims take the Gluon dQ pass and, where the Gluon dK/dV pass refuses them, the Triton one
 GLUON_ROUTES = {"plain": (128, dict()), "causal": (128, dict(causal=True, causal_alignment="bottom_right")),
                 "window_alibi": (128, dict(window=(100, 0), alibi=True)),
-                "d224_causal": (224, dict(causal=True))}
+                "d224_causal": (224, dict(causal=True)),
+                # lengths per batch entry (lists here: tensors are made on the GPU in the test)
+                "padding_causal": (128, dict(causal=True, seq_len_q=[333, 100], seq_len_kv=[517, 1]))}
 
 
 @pytest.mark.gpu
@@ -174,6 +176,8 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
     from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90
     from fusedattn.problem import make_problem
     d, kw = GLUON_ROUTES[route]
+    kw = {key: torch.tensor(val, dtype=torch.int32, device="cuda") if isinstance(val, list) else val
+          for key, val in kw.items()}
     calls = []
     for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90")):
         orig = getattr(mod, name)
@@ -187,12 +191,14 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
     out.backward(do)
     p, extras = make_problem(q, k, v, **kw)
     gluon_dkdv = bwd_dkdv_sm90.supports(p, q, k, v, do, torch.empty_like(k), torch.empty_like(v),
-                                        slopes=extras["slopes"])
+                                        slopes=extras["slopes"], seq_len_q=extras["seq_len_q"],
+                                        seq_len_kv=extras["seq_len_kv"])
     assert calls == ["launch_dq_sm90"] + ["launch_dkdv_sm90"] * gluon_dkdv, calls
     refs = {}
     for dt in (torch.float64, torch.bfloat16):
         rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-        ro, _ = attention_reference(rq, rk, rv, dtype=dt, **kw)
+        ro, _ = attention_reference(rq, rk, rv, dtype=dt, **{key: val.cpu() if isinstance(val, torch.Tensor) else val
+                                                            for key, val in kw.items()})
         ro.backward(do.cpu().to(dt))
         refs[dt] = (rq.grad, rk.grad, rv.grad)
     for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],

@@ -89,8 +89,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .bwd_dq_sm90 import _bwd_problem_ok
-from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _slopes_ok, _tma_ready
+from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
+from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _seq_length, _slopes_ok, _tma_ready
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA (WG_N under SPLIT)
@@ -171,12 +171,14 @@ def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS
 @gluon.jit
 def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
                    q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, batch,
-                   kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                   kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                   HAS_SEQ_Q: gl.constexpr):
     """Load warp: K and V once (every 64-key tile of the CTA), then Q_i and dO_i (TMA) and the tile's
-    lse2 = lse * log2 e and delta rows (plain loads, zero for rows >= S_Q) of every (head of the
-    group, query tile)."""
+    lse2 = lse * log2 e and delta rows (plain loads; +inf and 0 for rows >= len_q, the sequence's
+    length, S_Q unpadded) of every (head of the group, query tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     N_KV: gl.constexpr = k_smem.shape[0]     # 64-key K/V tiles of the CTA: 2, or 1 (SPLIT)
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
@@ -195,9 +197,10 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
             slot = it % STAGES
             rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
             # issued before the slot wait: their latency hides under it
-            # rows past S_Q (TMA zero-fills their Q and dO): lse = +inf makes their P exactly 0
-            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < S_Q, other=float("inf"))
-            delta = gl.load(delta_base + rows, mask=rows < S_Q, other=0.0)
+            # rows past len_q (Q and dO rows that TMA zero-fills, or that this warp zeroes below): lse = +inf
+            # makes their P exactly 0
+            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < len_q, other=float("inf"))
+            delta = gl.load(delta_base + rows, mask=rows < len_q, other=0.0)
             # first use of a slot: the phase before a fresh barrier's first counts as complete
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
@@ -211,14 +214,54 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                 lse2 = lse2 + slope2 * (rows - t * BLOCK_M).to(gl.float32)     # ALiBi's row half (_pt_tile)
             lse_smem.index(slot).store(lse2)
             delta_smem.index(slot).store(delta)
+            if HAS_SEQ_Q:
+                n_valid = len_q - t * BLOCK_M
+                if n_valid < BLOCK_M:
+                    # a head's last tile reaches past len_q: its padding rows of Q and dO (inside the
+                    # tensor, so TMA loads them; they may hold NaN) are zeroed once landed, so the zero
+                    # P^T and dS^T of those rows meet zeros in dV += P^T dO and dK += dS^T Q, never
+                    # 0 * NaN. The consumers wait for l_ready before their first wgmma on a padded
+                    # problem's tile, and the fence orders these stores before the wgmmas' reads.
+                    phase = (it // STAGES) & 1
+                    mbarrier.wait(q_ready.index(slot), phase)
+                    mbarrier.wait(do_ready.index(slot), phase)
+                    _zero_rows_by_chunks(q_smem.index(slot).reshape([BLOCK_M, HEAD_D]), n_valid)
+                    _zero_rows_by_chunks(do_smem.index(slot).reshape([BLOCK_M, HEAD_D]), n_valid)
+                    fence_async_shared()
             mbarrier.arrive(l_ready.index(slot))
             it += 1
 
 
 @gluon.jit
+def _zero_rows_by_chunks(tile, n_valid):
+    """Zero rows [n_valid, BLOCK_M) of a [BLOCK_M, HEAD_D] shared tile from the one-warp producer
+    (24 registers): [8, 64] chunks, the smallest slices of the 128-byte swizzle pattern (16 values
+    per thread), each skipped unless it holds padding. Whole-width chunks spilled the producer."""
+    BLOCK_M: gl.constexpr = tile.shape[0]
+    HEAD_D: gl.constexpr = tile.shape[1]
+    # 8 consecutive 16-bit columns (16 bytes) per thread, the warp covers 4 rows of 64 columns
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    for c in gl.static_range(BLOCK_M // 8):
+        if (c + 1) * 8 > n_valid:
+            r = c * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+            for h in gl.static_range(HEAD_D // 64):
+                chunk = tile.slice(c * 8, 8).slice(h * 64, 64, dim=1)
+                x = chunk.load(layout)
+                chunk.store(gl.where(r[:, None] < n_valid, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _zero_key_rows(acc, n0, len_kv):
+    """Padding: rows of a [keys, HEAD_D] accumulator for keys n0 + r >= len_kv set to 0 (their K/V
+    rows are padding, which may hold NaN; their dK/dV are 0)."""
+    keys = n0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+    return gl.where((keys < len_kv)[:, None], acc, 0.0)
+
+
+@gluon.jit
 def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready, empty,
                dk, dv, zero_s, keys, band, slope2, qk_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr):
+               HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
     """One query tile (rows [t * 64, +64) of one head): dV += P^T dO, dK += dS^T Q.
 
     keys: this warpgroup's key indices; band, slope2: ``_pt_tile``."""
@@ -232,6 +275,9 @@ def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_r
     phase = (it // STAGES) & 1
     q_view = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
     do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+    if HAS_SEQ_Q:
+        # padding: the producer zeroes a tile's rows past len_q before it releases l_ready
+        mbarrier.wait(l_ready.index(slot), phase)
 
     mbarrier.wait(q_ready.index(slot), phase)
     s_tok = warpgroup_mma(k_view, q_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -258,9 +304,10 @@ def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_r
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready,
                    do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
-                   qk_scale, sm_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                   STAGES: gl.constexpr):
-    """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64)."""
+                   qk_scale, sm_scale, len_q, len_kv, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr):
+    """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64). Padding: rows past len_q are zeroed
+    in each head's last query tile, keys past len_kv get dK = dV = 0."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -300,19 +347,22 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         for t in range(t_wg, t_a):
             dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
                                 l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
-                                HAS_RIGHT, HAS_ALIBI, STAGES)
+                                HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q)
             it += 1
         for t in range(t_a, t_b):
             dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-                                l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, False, HAS_LEFT,
-                                HAS_RIGHT, HAS_ALIBI, STAGES)
+                                l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, False,
+                                HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q)
             it += 1
         for t in range(t_b, t_hi):
             dk, dv = _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
                                 l_ready, empty, dk, dv, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
-                                HAS_RIGHT, HAS_ALIBI, STAGES)
+                                HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q)
             it += 1
 
+    if HAS_SEQ_KV:
+        dk = _zero_key_rows(dk, n0 + WG * WG_N, len_kv)
+        dv = _zero_key_rows(dv, n0 + WG * WG_N, len_kv)
     # epilogue: through this warpgroup's own (now unused) K and V tiles; TMA clips keys >= S_KV
     v_view.store(dv.to(dtype))
     k_view.store((dk * sm_scale).to(dtype))
@@ -329,7 +379,8 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
 @gluon.jit
 def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
                x_empty, dv, zero_s, keys, band, slope2, qk_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr):
+               HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
+               HAS_SEQ_Q: gl.constexpr):
     """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = k_view.shape[1]
@@ -340,6 +391,9 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
     xs = it % 2
     q_view = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
     do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+    if HAS_SEQ_Q:
+        # padding: the producer zeroes a tile's rows past len_q before it releases l_ready
+        mbarrier.wait(l_ready.index(slot), phase)
 
     mbarrier.wait(q_ready.index(slot), phase)
     s_tok = warpgroup_mma(k_view, q_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -369,8 +423,8 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
 
 
 @gluon.jit
-def _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
-                x_empty, dk, zero_s, STAGES: gl.constexpr):
+def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
+                x_empty, dk, zero_s, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
     """Warpgroup 1, one query tile: dP^T, P^T from exchange slot it % 2, dS^T, dK += dS^T Q.
 
     No mask: P^T is already 0 where a row must not see a key, so dS^T is too."""
@@ -384,6 +438,9 @@ def _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_rea
     xs = it % 2
     q_view = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
     do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+    if HAS_SEQ_Q:
+        # padding: the producer zeroes a tile's rows past len_q before it releases l_ready
+        mbarrier.wait(l_ready.index(slot), phase)
 
     mbarrier.wait(do_ready.index(slot), phase)
     dp_tok = warpgroup_mma(v_view, do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -406,8 +463,9 @@ def _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_rea
 @gluon.jit
 def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar,
                     q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch, kv_head,
-                    n0, GROUP, band, tiles, qk_scale, sm_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                    HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr):
+                    n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, HAS_LEFT: gl.constexpr,
+                    HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
+                    HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr):
     """Consumer warpgroup WG of the SPLIT variant, keys [n0, n0 + 64): WG 0 computes P^T and dV,
     WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers."""
     WG_N: gl.constexpr = k_smem.shape[3]
@@ -433,28 +491,30 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 slope2 = gl.load(SLOPES + kv_head * GROUP + g) * 1.4426950408889634
             for t in range(t_lo, t_a):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
-                                 HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q)
                 it += 1
             for t in range(t_a, t_b):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, False, HAS_LEFT,
-                                 HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, False,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q)
                 it += 1
             for t in range(t_b, t_hi):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True, HAS_LEFT,
-                                 HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q)
                 it += 1
         else:
             # the mask is in P^T already: one loop over every tile
             for t in range(t_lo, t_hi):
-                acc = _dp_dk_step(it, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready,
-                                  empty, x_ready, x_empty, acc, zero_s, STAGES)
+                acc = _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready,
+                                  empty, x_ready, x_empty, acc, zero_s, STAGES, HAS_SEQ_Q)
                 it += 1
 
     # epilogue through the warpgroup's own operand tile (WG 0 reads only K, WG 1 only V, so the
     # other warpgroup may still be running); TMA clips keys >= S_KV and, at d=224, columns >= 224
+    if HAS_SEQ_KV:
+        acc = _zero_key_rows(acc, n0, len_kv)
     if WG == 0:
         _store_acc(acc, k_smem.index(0), dv_desc, batch, kv_head, n0)
     else:
@@ -472,10 +532,11 @@ def _store_acc(acc, tile, desc, batch, kv_head, n0):
 
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
-                        DELTA, SLOPES, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
-                        STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        DELTA, SLOPES, SEQ_Q, SEQ_KV, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left,
+                        win_right, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr,
-                        DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -488,13 +549,20 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
     batch = bh // H_KV
     kv_head = bh % H_KV
     n0 = pid_n * BLOCK_N
+    len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+    len_kv = _seq_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV)
     diag = S_Q * 0
     if BOTTOM_RIGHT:
-        diag = S_KV - S_Q
-    tiles = _q_tiles(n0, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+        diag = len_kv - len_q      # bottom-right: each sequence's own lengths
+    t_lo, t_a, t_b, t_hi = _q_tiles(n0, len_q, len_kv, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M,
+                                    BLOCK_N)
+    if HAS_SEQ_KV:
+        # a key block wholly past len_kv visits no query tile (its dK/dV rows are written as 0)
+        t_hi = gl.where(n0 < len_kv, t_hi, t_lo)
+        t_a = gl.minimum(t_a, t_hi)
+        t_b = gl.minimum(t_b, t_hi)
+    tiles = (t_lo, t_a, t_b, t_hi)
     band = (diag, win_left, win_right)
-    t_lo = tiles[0]
-    t_hi = tiles[3]
 
     k_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], v_desc.layout)
@@ -527,29 +595,32 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         gl.warp_specialize([
             (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
                                q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
-                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                               STAGES, DV_FIRST)),
+                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, HAS_LEFT,
+                               HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV)),
             (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
                                q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
-                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                               STAGES, DV_FIRST)),
+                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, HAS_LEFT,
+                               HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV)),
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh,
-                              stride_lm, DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES,
-                              HAS_ALIBI)),
+                              stride_lm, DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi,
+                              STAGES, HAS_ALIBI, HAS_SEQ_Q)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         return
 
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
                           do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
-                          qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES)),
+                          qk_scale, sm_scale, len_q, len_kv, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q,
+                          HAS_SEQ_KV)),
         (_dkdv_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
                           do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
-                          qk_scale, sm_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES)),
+                          qk_scale, sm_scale, len_q, len_kv, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q,
+                          HAS_SEQ_KV)),
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                          DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, t_lo, t_hi, STAGES, HAS_ALIBI)),
+                          DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES,
+                          HAS_ALIBI, HAS_SEQ_Q)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -557,32 +628,40 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
 # host side
 
 
-def supports(p, q, k, v, grad_out, dk, dv, *, slopes=None) -> bool:
+def supports(p, q, k, v, grad_out, dk, dv, *, slopes=None, seq_len_q=None, seq_len_kv=None) -> bool:
     """True when this kernel computes exactly the dK/dV that ``p`` asks for on these tensors.
 
     The problem half is cached per problem; the tensor half (sm_90 GPU, dtypes, TMA's stride
-    rules on q, k, v, grad_out, dk, dv; ALiBi slopes fp32 [h_q]) is checked each call."""
+    rules on q, k, v, grad_out, dk, dv; ALiBi slopes fp32 [h_q]; int32 [b] lengths when padded)
+    is checked each call."""
     if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if p.alibi is not None and not _slopes_ok(p, slopes):
+        return False
+    if not _padding_ok(p, seq_len_q, seq_len_kv):
         return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dk, dv))
 
 
 @functools.lru_cache(maxsize=256)
 def _problem_ok(p) -> bool:
-    """The forward's filter (no mask, causal, sliding windows, ALiBi; plain inputs, fp16/bf16, d = d_v)
+    """The forward's filter (no mask, causal, sliding windows, ALiBi, padding; plain inputs, fp16/bf16, d = d_v)
     at this pass's head dims, and row offsets b * h_q * s_q (the lse/delta rows) that fit int32."""
     return _bwd_problem_ok(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
 
 
-def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, stages=None, dv_first=None):
+def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, seq_len_q=None, seq_len_kv=None,
+                     stages=None, dv_first=None):
     """dK, dV of attention on Hopper, written in place.
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
     unit last stride (``supports`` checks them); lse fp32 [b,h_q,s_q] view (any strides,
     natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)); slopes fp32
-    [h_q] when p.alibi. stages overrides ``STAGES``, dv_first ``DV_FIRST`` (tuning)."""
+    [h_q] when p.alibi; seq_len_q / seq_len_kv int32 [b] when p has them (padding: rows past len_q
+    add nothing, dK/dV rows of keys past len_kv are written as 0). stages overrides ``STAGES``,
+    dv_first ``DV_FIRST`` (tuning)."""
+    if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
+        raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     band = p.band
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
@@ -594,12 +673,12 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     _attn_bwd_dkdv_sm90[grid](
         _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
         _desc(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
-        p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
+        seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
         STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         SPLIT=SPLIT[td], DV_FIRST=DV_FIRST if dv_first is None else dv_first,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_SEQ_Q=p.has_seq_len_q,
+        HAS_SEQ_KV=p.has_seq_len_kv, num_warps=4,
     )
     return dk, dv

@@ -87,8 +87,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _band_keep, _desc, _fwd_problem_ok, _is_sm90, _kv_range,
-                       _kv_ring_loads, _kv_view, _slopes_ok, _tma_ready)
+from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _desc, _fwd_problem_ok, _is_sm90,
+                       _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma_ready,
+                       _zero_landed_rows)
 
 WG_M = 64           # query rows per consumer warpgroup
 BLOCK_M = 2 * WG_M  # query rows per CTA
@@ -107,17 +108,21 @@ LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 @gluon.jit
 def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
                  k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr):
     """Load warp: Q and dO halves once, then K and V of key tile t_lo + j into slot j % STAGES once
-    freed."""
+    freed. Padded: a CTA with n_tiles = 0 loads nothing."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    mbarrier.expect(q_bar.index(0), nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
-    tma.async_copy_global_to_shared(do_desc, [batch, head, start_m, 0], q_bar.index(0), do_smem0)
-    mbarrier.expect(q_bar.index(1), nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
-    tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), do_smem1)
+    load_q = True
+    if PADDED:
+        load_q = n_tiles > 0
+    if load_q:
+        mbarrier.expect(q_bar.index(0), nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+        tma.async_copy_global_to_shared(do_desc, [batch, head, start_m, 0], q_bar.index(0), do_smem0)
+        mbarrier.expect(q_bar.index(1), nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+        tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), do_smem1)
     _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
                    BLOCK_N, STAGES)
 
@@ -146,9 +151,13 @@ def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexp
 @gluon.jit
 def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale,
              lse2, delta, rows, band, slope2, row0, pin, pin_p, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
-             HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+             HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+             HAS_SEQ_KV: gl.constexpr):
     """Key tile j (j > t_lo, the CTA's first tile): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped
     with dS_j. Tile j sits in ring slot (j - t_lo) % STAGES.
+
+    HAS_SEQ_KV (masked steps): the K and V rows of tile j past len_kv (band[0]) are zeroed first
+    (``fwd_sm90._zero_landed_rows``: only the CTA's last tile can reach past it).
 
     SPLIT: wait for S_j alone first and compute P_j under dP_j (and the dQ product), then wait
     for dP_j; otherwise wait for both, then P_j and dS_j under the dQ product alone.
@@ -159,6 +168,9 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
     slot = it % STAGES
     prev = (it - 1) % STAGES
     phase = (it // STAGES) & 1
+    if HAS_SEQ_KV and MASKED:
+        _zero_landed_rows(_kv_view(k_smem, slot, BLOCK_N, HEAD_D), k_ready.index(slot),
+                          _kv_view(v_smem, slot, BLOCK_N, HEAD_D), v_ready.index(slot), phase, band[0] - j * BLOCK_N)
     mbarrier.wait(k_ready.index(slot), phase)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
@@ -189,11 +201,14 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, O, stride_ob, stride_oh, stride_om, batch,
-                 head, start_m, tiles, S_Q, band, slope2, qk_scale, sm_scale, HAS_LEFT: gl.constexpr,
+                 head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr):
+                 SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+                 HAS_SEQ_KV: gl.constexpr):
     """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64) over key tiles
-    tiles = (t_lo, t_a, t_b, t_hi) (``fwd_sm90._kv_range``); D: the true head dim."""
+    tiles = (t_lo, t_a, t_b, t_hi, n_tiles) (``fwd_sm90._cta_tiles``); D: the true head dim.
+    Padding (HAS_SEQ_Q / HAS_SEQ_KV): keys past len_kv (band[0]) are masked and their K/V rows
+    zeroed in shared memory; rows past len_q are written as 0; a CTA with n_tiles = 0 writes zeros."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
@@ -232,46 +247,61 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         delta = gl.convert_layout(d_rows, row_s)
     else:
         delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
-        mbarrier.wait(q_bar, 0)
     q_view = q_smem.reshape([WG_M, HEAD_D])
     do_view = do_smem.reshape([WG_M, HEAD_D])
 
-    t_lo, t_a, t_b, t_hi = tiles
-    # prologue: tile t_lo in slot 0 (masked path: it may be partial or empty)
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-    mbarrier.wait(v_ready.index(0), 0)
-    dp_tok = warpgroup_mma(do_view, _kv_view(v_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
-                           is_async=True)
-    s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
-    mbarrier.arrive(v_empty.index(0))
-    p = _p_tile(s, qk_scale, lse2, rows, t_lo * BLOCK_N, band, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
-    ds = p * (dp - delta[:, None])
-    ds = gl.convert_layout(ds.to(dtype), ds_layout)
+    t_lo, t_a, t_b, t_hi, n_tiles = tiles
     dq = gl.zeros([WG_M, HEAD_D], gl.float32, dq_layout)
+    # with padding a CTA may have nothing to compute (n_tiles = 0, ``fwd_sm90._cta_tiles``): it keeps
+    # dq = 0. Without padding this is a compile-time True.
+    compute = True
+    if HAS_SEQ_Q or HAS_SEQ_KV:
+        compute = n_tiles > 0
+    if compute:
+        if not WRITE_DELTA:
+            mbarrier.wait(q_bar, 0)
+        # prologue: tile t_lo in slot 0 (masked path: it may be partial or empty)
+        if HAS_SEQ_KV:
+            _zero_landed_rows(_kv_view(k_smem, 0, BLOCK_N, HEAD_D), k_ready.index(0),
+                              _kv_view(v_smem, 0, BLOCK_N, HEAD_D), v_ready.index(0), 0, band[0] - t_lo * BLOCK_N)
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        mbarrier.wait(v_ready.index(0), 0)
+        dp_tok = warpgroup_mma(do_view, _kv_view(v_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=(s_tok, dp_tok))
+        mbarrier.arrive(v_empty.index(0))
+        p = _p_tile(s, qk_scale, lse2, rows, t_lo * BLOCK_N, band, slope2, row0, True, HAS_LEFT, HAS_RIGHT,
+                    HAS_ALIBI)
+        ds = p * (dp - delta[:, None])
+        ds = gl.convert_layout(ds.to(dtype), ds_layout)
 
-    # the band's left edge (masked; empty with no left bound), the mask-free middle, the right edge
-    # and the tail past S_KV (masked)
-    for j in range(t_lo + 1, t_a):
-        dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT, HAS_RIGHT,
-                          HAS_ALIBI, STAGES, SPLIT)
-    for j in range(t_a, t_b):
-        dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, False, HAS_LEFT, HAS_RIGHT,
-                          HAS_ALIBI, STAGES, SPLIT)
-    for j in range(gl.maximum(t_b, t_lo + 1), t_hi):
-        dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s,
-                          qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT, HAS_RIGHT,
-                          HAS_ALIBI, STAGES, SPLIT)
+        # the band's left edge (masked; empty with no left bound), the mask-free middle, the right edge
+        # and the tail past S_KV (masked)
+        for j in range(t_lo + 1, t_a):
+            dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
+                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT,
+                              HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV)
+        for j in range(t_a, t_b):
+            dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
+                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, False, HAS_LEFT,
+                              HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV)
+        for j in range(gl.maximum(t_b, t_lo + 1), t_hi):
+            dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
+                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT,
+                              HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV)
 
-    # last dQ product
-    last = (t_hi - 1 - t_lo) % STAGES
-    dq_tok = warpgroup_mma(ds, _kv_view(k_smem, last, BLOCK_N, HEAD_D), dq, is_async=True)
-    dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
-    mbarrier.arrive(k_empty.index(last))
+        # last dQ product
+        last = (t_hi - 1 - t_lo) % STAGES
+        dq_tok = warpgroup_mma(ds, _kv_view(k_smem, last, BLOCK_N, HEAD_D), dq, is_async=True)
+        dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
+        mbarrier.arrive(k_empty.index(last))
 
+    if HAS_SEQ_Q:
+        # rows >= len_q ran on padding rows of Q and dO (which may hold NaN): their gradient is 0
+        dq_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, dq_layout))
+        dq = gl.where((dq_rows < len_q)[:, None], dq, 0.0)
     # epilogue: dQ * scale through this warpgroup's Q half (its QK^T products are all done);
     # the TMA store clips rows >= S_Q
     q_view.store((dq * sm_scale).to(dtype))
@@ -281,16 +311,20 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 
 @gluon.jit
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
-                      O, stride_ob, stride_oh, stride_om, SLOPES,
+                      O, stride_ob, stride_oh, stride_om, SLOPES, SEQ_Q, SEQ_KV,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr):
+                      SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+                      HAS_SEQ_KV: gl.constexpr):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
     dtype: gl.constexpr = q_desc.dtype
+    PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
+    # delta needs dO in shared memory, which a padded CTA with nothing to compute never loads
+    gl.static_assert(not (PADDED and WRITE_DELTA), "padding: delta must come from the caller")
 
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
@@ -300,12 +334,15 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
+    len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+    len_kv = _seq_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV)
     diag = S_Q * 0
     if BOTTOM_RIGHT:
-        diag = S_KV - S_Q
-    # the forward's key tiles: [t_lo, t_hi) visited, [t_a, t_b) mask-free
-    tiles = _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
-    band = (S_KV, diag, win_left, win_right)
+        diag = len_kv - len_q      # bottom-right: each sequence's own lengths
+    # the forward's key tiles: [t_lo, t_hi) visited, [t_a, t_b) mask-free, n_tiles loaded
+    tiles = _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT, PADDED, BLOCK_M,
+                       BLOCK_N)
+    band = (len_kv, diag, win_left, win_right)
     slope2 = qk_scale * 0.0
     if HAS_ALIBI:
         slope2 = gl.load(SLOPES + head) * LOG2E_C
@@ -334,55 +371,73 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
-                        stride_om, batch, head, start_m, tiles, S_Q, band, slope2, qk_scale, sm_scale,
-                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D)),
+                        stride_om, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale,
+                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
+                        HAS_SEQ_KV)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
-                        stride_om, batch, head, start_m, tiles, S_Q, band, slope2, qk_scale, sm_scale,
-                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D)),
+                        stride_om, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale,
+                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
+                        HAS_SEQ_KV)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
-                        k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, tiles[0],
-                        tiles[3] - tiles[0], BLOCK_N, STAGES)),
+                        k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, tiles[0], tiles[4],
+                        BLOCK_N, STAGES, PADDED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 # ----------------------------------------------------------------------------------------------
 # host side
 
 def _bwd_problem_ok(p, dims) -> bool:
-    """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi) at
-    ``dims``, except padding (``fwd_sm90._fwd_problem_ok`` may take sequence lengths; these passes
-    have no per-sequence lengths). Cached by the callers' filters."""
-    return _fwd_problem_ok(p, dims) and not (p.has_seq_len_q or p.has_seq_len_kv)
+    """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi,
+    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached)."""
+    return _fwd_problem_ok(p, dims)
 
 
-def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, head_dims=None) -> bool:
+def _padding_ok(p, seq_len_q, seq_len_kv) -> bool:
+    """The per-batch length tensors a padded problem needs (``fwd_sm90._lengths_ok``)."""
+    return ((not p.has_seq_len_q or _lengths_ok(seq_len_q, p))
+            and (not p.has_seq_len_kv or _lengths_ok(seq_len_kv, p)))
+
+
+def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None, seq_len_kv=None,
+             head_dims=None) -> bool:
     """True when this kernel computes the dQ of ``p`` on these tensors (sm_90, fp16/bf16, d = d_v
-    in ``SUPPORTED_DIMS``, no mask, causal, sliding windows and ALiBi as the forward has them,
-    TMA-ready strides). The problem half is cached.
-    out: the forward's output, when the caller wants delta computed by this pass (unit last stride).
-    slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi."""
+    in ``SUPPORTED_DIMS``, no mask, causal, sliding windows, ALiBi and padding as the forward has
+    them, TMA-ready strides). The problem half is cached.
+    out: the forward's output, when the caller wants delta computed by this pass (unit last stride;
+    not with padding, whose caller computes delta). slopes: fp32 [h_q] ALiBi slopes (natural units)
+    when p.alibi. seq_len_q / seq_len_kv: int32 [b] lengths when the problem has them."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
     if not (_bwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
-    if out is not None and not (isinstance(out, torch.Tensor) and out.dtype == p.dtype and out.is_cuda
-                                and out.stride(-1) == 1 and out.shape == grad_out.shape):
+    if not _padding_ok(p, seq_len_q, seq_len_kv):
+        return False
+    padded = p.has_seq_len_q or p.has_seq_len_kv
+    if out is not None and (padded or not (isinstance(out, torch.Tensor) and out.dtype == p.dtype and out.is_cuda
+                                           and out.stride(-1) == 1 and out.shape == grad_out.shape)):
         return False
     return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dq))
 
 
-def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=None, block_n=None, stages=None,
-                   split=None):
+def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=None, seq_len_q=None,
+                   seq_len_kv=None, block_n=None, stages=None, split=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
     stride. lse: fp32 [b,h_q,s_q] view (any strides; the forward's natural-log stats). delta: fp32
     contiguous [b*h_q, s_q]: read as rowsum(dO * O), or, when ``out`` (the forward's output, same
     shape as grad_out, unit last stride) is given, computed here and written into it (for the
-    dK/dV pass; no separate preprocess launch). slopes: fp32 [h_q] when p.alibi. block_n / stages /
-    split override ``TILES`` / ``SPLIT`` (tuning).
+    dK/dV pass; no separate preprocess launch). slopes: fp32 [h_q] when p.alibi. seq_len_q /
+    seq_len_kv: int32 [b] when p has them (padding: dQ rows past len_q are written as 0, keys past
+    len_kv are ignored; delta must then come from the caller). block_n / stages / split override
+    ``TILES`` / ``SPLIT`` (tuning).
     """
+    if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
+        raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
+    if out is not None and (p.has_seq_len_q or p.has_seq_len_kv):
+        raise ValueError("padding: pass delta computed by the caller, not out")
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
@@ -395,12 +450,13 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     _attn_bwd_dq_sm90[grid](
         _desc(q, WG_M), _desc(grad_out, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(dq, WG_M),
         lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
-        p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
+        seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first, as the forward
         REVERSE_M=has_right and not has_left, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        SPLIT=split, WRITE_DELTA=out is not None, D=p.d, num_warps=4,
+        SPLIT=split, WRITE_DELTA=out is not None, D=p.d, HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
+        num_warps=4,
     )
     return dq

@@ -173,6 +173,25 @@ def _kv_range(start_m, S_Q, S_KV, diag, win_left, win_right, HAS_LEFT: gl.conste
 
 
 @gluon.jit
+def _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               PADDED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``_kv_range`` on the sequence's own lengths, plus the number of tiles the CTA loads:
+    (t_lo, t_a, t_b, t_hi, n_tiles) (forward, dQ pass).
+
+    PADDED: n_tiles = 0 when every row is padding or no row sees a key (len_kv = 0, say): nothing
+    is loaded (a tile wholly past len_kv never is) and the consumers write zeros. Otherwise tile
+    t_hi - 1 starts below the band's end (<= len_kv), so it is the only tile that can reach past
+    len_kv (the consumers zero its rows there in shared memory: ``_zero_rows_from``)."""
+    t_lo, t_a, t_b, t_hi = _kv_range(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+                                     BLOCK_M, BLOCK_N)
+    n_tiles = t_hi - t_lo
+    if PADDED:
+        hi = _kv_end(start_m, len_q, len_kv, diag, win_right, HAS_RIGHT, BLOCK_M)
+        n_tiles = gl.where((start_m < len_q) & (hi > t_lo * BLOCK_N), n_tiles, 0)
+    return t_lo, t_a, t_b, t_hi, n_tiles
+
+
+@gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                   v_empty, batch, head, kv_head, start_m, t_lo, n_tiles,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr):
@@ -332,9 +351,11 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
 
 
 @gluon.jit
-def _zero_rows_from(tile, n_valid):
-    """Zero rows [n_valid, BLOCK_N) of a [BLOCK_N, HEAD_D] V tile in shared memory, before the
-    wgmma that reads it (module docstring, [Note] padding). Runs in one consumer warpgroup.
+def _zero_rows_from(tile, n_valid, other=None):
+    """Zero rows [n_valid, BLOCK_N) of a [BLOCK_N, HEAD_D] tile in shared memory (a padded
+    sequence's last V tile here; K/V in the dQ pass, Q/dO in the dK/dV pass), and the same rows of
+    ``other`` (a second tile of the same shape) when given, before the wgmmas that read them
+    (module docstring, [Note] padding). Runs in one consumer warpgroup.
 
     The whole tile makes one round trip through registers (64 per thread at d=128 and d=256,
     beside the live O accumulator: no spills, tools/gluon_check.py); chunked, data-dependent
@@ -349,8 +370,25 @@ def _zero_rows_from(tile, n_valid):
         r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         x = tile.load(layout)
         tile.store(gl.where(r[:, None] < n_valid, x, gl.zeros_like(x)))
+        if other is not None:
+            y = other.load(layout)
+            other.store(gl.where(r[:, None] < n_valid, y, gl.zeros_like(y)))
         fence_async_shared()
         gl.thread_barrier()
+
+
+@gluon.jit
+def _zero_landed_rows(tile, tile_ready, other, other_ready, phase, n_valid):
+    """Padding in the backward passes: once ``tile`` and ``other`` (two [rows, HEAD_D] shared tiles
+    of the same shape: K and V in the dQ pass, Q and dO in the dK/dV pass) have landed (their
+    ready mbarriers at ``phase``), zero their rows [n_valid, rows), a no-op when n_valid >= rows.
+    TMA loads those rows (they are inside the tensor) and they may hold NaN: the masks give them
+    zero probabilities, but a wgmma would still meet 0 * NaN. Both consumer warpgroups zero the
+    same rows, each before its own wgmmas, as the forward zeroes V (module docstring, [Note]
+    padding)."""
+    mbarrier.wait(tile_ready, phase)
+    mbarrier.wait(other_ready, phase)
+    _zero_rows_from(tile, n_valid, other)
 
 
 @gluon.jit
@@ -503,16 +541,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     diag = S_Q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q      # bottom-right: each sequence's own lengths
-    t_lo, t_a, t_b, t_hi = _kv_range(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-                                     BLOCK_M, BLOCK_N)
-    n_tiles = t_hi - t_lo
-    if PADDED:
-        # nothing to compute when every row is padding or no row sees a key (len_kv = 0, say):
-        # no tile is loaded (a tile wholly past len_kv never is) and the consumers write zeros.
-        # Otherwise tile t_hi - 1 starts below the band's end (<= len_kv), so it is the only
-        # tile that can reach past len_kv (_fwd_consumer zeroes its V rows there).
-        hi = _kv_end(start_m, len_q, len_kv, diag, win_right, HAS_RIGHT, BLOCK_M)
-        n_tiles = gl.where((start_m < len_q) & (hi > t_lo * BLOCK_N), n_tiles, 0)
+    t_lo, t_a, t_b, t_hi, n_tiles = _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT,
+                                               HAS_RIGHT, PADDED, BLOCK_M, BLOCK_N)
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
