@@ -1,7 +1,7 @@
 """Compile the Gluon sm_90 fused (single-pass) backward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [atomic] [bottom_right]
-        e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - atomic
+    python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward] [flat|swizzled] [p16|p32]
+        e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
 serialization), and for each inner loop of the SASS its instruction count, MUFU.EX2 count, local-memory
@@ -24,25 +24,28 @@ from fusedattn.backends.gluon import bwd_fused_sm90 as m  # noqa: E402
 from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
-def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, atomic=False, **over):
+def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, reverse=None, flat=None, p16_ds=None,
+                  lag=None, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = m.HEAD_D
     stages = stages or m.STAGES[causal]
     ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
-    dl = m._dq_layout()
+    box, dl = m._dq_box(m.DQ_FLAT if flat is None else flat)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
            "k_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "do_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
            "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
-           "dq_desc": f"tensordesc<fp32[1, 1, {m.BLOCK_M}, {m.DQ_BOX}],{dl!r}>",
-           "DQ_PTR": "*fp32", "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
+           "dq_desc": f"tensordesc<fp32[1, 1, {m.BLOCK_M}, {box}],{dl!r}>",
+           "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
            "DELTA": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32"}
-    const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, DQ_ATOMIC=atomic,
+    const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, LAG=m.LAG if lag is None else lag,
+                 REVERSE=m.REVERSE[causal] if reverse is None else reverse,
+                 P16_DS=m.P16_DS if p16_ds is None else p16_ds,
                  CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
     const.update(over)
     for k in const:
@@ -59,7 +62,11 @@ def main():
     dtype = sys.argv[2] if len(sys.argv) > 2 else "bf16"
     stages = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
     flags = set(sys.argv[4:])
-    k = compile_fused(causal, dtype, bottom_right="bottom_right" in flags, stages=stages, atomic="atomic" in flags)
+    k = compile_fused(causal, dtype, bottom_right="bottom_right" in flags, stages=stages,
+                      lag=True if "lag" in flags else False if "nolag" in flags else None,
+                      reverse=True if "reverse" in flags else False if "forward" in flags else None,
+                      flat=True if "flat" in flags else False if "swizzled" in flags else None,
+                      p16_ds=True if "p16" in flags else False if "p32" in flags else None)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

@@ -71,8 +71,17 @@ BLOCK_N = 2 * WG_N   # keys per CTA
 BLOCK_M = 64         # query rows per tile of the Q/dO ring
 HEAD_D = 128
 DQ_N = HEAD_D // 2   # dQ columns per warpgroup
-DQ_BOX = 32          # dQ staging box width (fp32: 128 bytes, the widest 128-byte-swizzled TMA box)
+# dQ staging: True: one unswizzled [64, 64] fp32 box per warpgroup (one base address, 8-way bank conflicts on
+# the stores); False: two [64, 32] 128-byte-swizzled boxes (conflict-free stores, 4 more address registers)
+DQ_FLAT = True
+# dS^T = P^T (dP^T - delta) from the 16-bit P^T (the dV operand) instead of the fp32 one: 32 registers free
+# from the dV issue on (the exponentials' peak spilled otherwise); dS is rounded to 16 bits anyway
+P16_DS = False
+# warpgroup 1 computes each tile's dQ columns one tile late (docstring, "Lag"), so the two warpgroups need not
+# meet at the same point of every tile
+LAG = True
 STAGES = {False: 2, True: 2}     # causal -> Q/dO ring depth
+REVERSE = {False: False, True: True}   # causal -> each CTA visits its query tiles last first (docstring, "Order")
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -89,7 +98,7 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
                     q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, kv_head, n0,
-                    H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr):
+                    H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr, REVERSE: gl.constexpr):
     """Load warp: K and V once (two 64-key tiles each), then Q_i and dO_i (TMA) and the tile's lse2 =
     lse * log2 e and delta rows (plain loads; +inf and 0 for rows >= S_Q) of every (head of the group,
     query tile). ``bwd_dkdv_sm90._dkdv_producer`` without ALiBi (a copy: that one's signature is
@@ -107,7 +116,8 @@ def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_
         head = kv_head * GROUP + g
         lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
-        for t in range(t_lo, t_hi):
+        for i in range(t_hi - t_lo):
+            t = t_hi - 1 - i if REVERSE else t_lo + i
             slot = it % STAGES
             rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
             # issued before the slot wait: their latency hides under it; rows past S_Q (zero-filled Q
@@ -129,17 +139,53 @@ def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_
 
 
 @gluon.jit
-def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band,
-                qk_scale, batch, head, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
-                DQ_ATOMIC: gl.constexpr, DQ_PTR, S_Q):
-    """One query tile (rows [t * 64, +64) of one head) in warpgroup WG: dV += P^T dO, dK += dS^T Q, and
-    this warpgroup's 64 columns of dQ_i = dS_i K reduced into the fp32 accumulator."""
-    BLOCK_M: gl.constexpr = zero_s.shape[1]
+def _dq_product(ds_smem, k_smem, b, zero_q, WG: gl.constexpr):
+    """Async wgmmas: this warpgroup's columns of dQ = dS K from dS^T buffer b:
+    dS[:, keys 0..63] K_0[:, WG cols] + dS[:, keys 64..127] K_1[:, WG cols]."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     DQ_N: gl.constexpr = zero_q.shape[1]
+    k0 = k_smem.index(0).reshape([WG_N, HEAD_D]).slice(WG * DQ_N, DQ_N, dim=1)
+    k1 = k_smem.index(1).reshape([WG_N, HEAD_D]).slice(WG * DQ_N, DQ_N, dim=1)
+    tok = warpgroup_mma(ds_smem.index(2 * b).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(2 * b + 1).permute((1, 0)), k1, tok, is_async=True)
+
+
+@gluon.jit
+def _dq_stage(dq, dq_smem, dq_desc, batch, head, row, WG: gl.constexpr):
+    """This warpgroup's dQ columns (fp32 [64, 64] registers) -> staging tile -> TMA reduce-add into
+    dq_acc[batch, head, row:row+64, WG cols] (rows >= S_Q clipped: a row of S_Q drops the whole tile)."""
+    BLOCK_M: gl.constexpr = dq.shape[0]
+    DQ_N: gl.constexpr = dq.shape[1]
     DQ_BOX: gl.constexpr = dq_smem.shape[4]
+    # the previous reduce out of the staging tile has read it (long since: one tile ago)
+    tma.store_wait(0)
+    if DQ_BOX == DQ_N:
+        dq_smem.index(WG).reshape([BLOCK_M, DQ_N]).store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_smem.index(WG))
+    else:
+        halves = dq.reshape([BLOCK_M, 2, DQ_BOX]).permute((0, 2, 1))
+        lo, hi = gl.split(halves)
+        dq_smem.index(2 * WG).reshape([BLOCK_M, DQ_BOX]).store(lo)
+        dq_smem.index(2 * WG + 1).reshape([BLOCK_M, DQ_BOX]).store(hi)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_smem.index(2 * WG))
+        _tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N + DQ_BOX], dq_smem.index(2 * WG + 1))
+
+
+@gluon.jit
+def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band,
+                qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr):
+    """One query tile (rows [t * 64, +64) of one head) in warpgroup WG: dV += P^T dO, dK += dS^T Q, and
+    this warpgroup's 64 columns of dQ_i = dS_i K reduced into the fp32 accumulator; under LAG (warpgroup 1,
+    ``LAG``) those of the previous tile instead (prev_head, prev_row; prev_row = S_Q before the first).
+    Returns dk, dv and the (head, row) whose dQ the next LAG step reduces."""
+    BLOCK_M: gl.constexpr = zero_s.shape[1]
+    WG_N: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = zero_s.type.layout
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
@@ -161,7 +207,11 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     # groups retire in order: one left in flight means S^T is done (dP^T runs on)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     p = _pt_tile(s, qk_scale, lse2, t, keys, band, 0.0, MASKED, False, HAS_RIGHT, False)
-    p16 = gl.convert_layout(p.to(dtype), a_layout)
+    pb = p.to(dtype)
+    p16 = gl.convert_layout(pb, a_layout)
+    if P16_DS:
+        # dS from the 16-bit P (the dV operand): the fp32 P dies here (``P16_DS``)
+        p = pb.to(gl.float32)
     dv_tok = warpgroup_mma(p16, do_view, dv, is_async=True)
     delta = delta_smem.index(slot).load(col_layout)
     # dP^T done, dV += P^T dO runs on under the dS arithmetic
@@ -175,41 +225,48 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     ds_smem.index(2 * xb + WG).store(ds)
     fence_async_shared()
     mbarrier.arrive(ds_ready.index(xb))
-    mbarrier.wait(ds_ready.index(xb), xphase)
-    # dQ[:, WG cols] = dS[:, keys 0..63] K_0[:, WG cols] + dS[:, keys 64..127] K_1[:, WG cols]
-    k0 = k_smem.index(0).reshape([WG_N, HEAD_D]).slice(WG * DQ_N, DQ_N, dim=1)
-    k1 = k_smem.index(1).reshape([WG_N, HEAD_D]).slice(WG * DQ_N, DQ_N, dim=1)
-    dq_tok = warpgroup_mma(ds_smem.index(2 * xb).permute((1, 0)), k0, zero_q, use_acc=False, is_async=True)
-    dq_tok = warpgroup_mma(ds_smem.index(2 * xb + 1).permute((1, 0)), k1, dq_tok, is_async=True)
+    if LAG:
+        # tile it - 1's buffer (before the first tile: a fresh barrier's phase 1, which passes at once)
+        pb_ = (it + 1) % 2
+        mbarrier.wait(ds_ready.index(pb_), ((it + 1) // 2 + 1) & 1)
+        dq_tok = _dq_product(ds_smem, k_smem, pb_, zero_q, WG)
+    else:
+        mbarrier.wait(ds_ready.index(xb), xphase)
+        dq_tok = _dq_product(ds_smem, k_smem, xb, zero_q, WG)
     dv, dk, dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p16, ds16))
     mbarrier.arrive(empty.index(slot))
-    mbarrier.arrive(ds_empty.index(xb))
-
-    if DQ_ATOMIC:
-        q_layout: gl.constexpr = zero_q.type.layout
-        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        cols = WG * DQ_N + gl.arange(0, DQ_N, layout=gl.SliceLayout(0, q_layout))
-        ptrs = DQ_PTR + (rows * HEAD_D)[:, None] + cols[None, :]
-        gl.atomic_add(ptrs, dq, mask=(rows < S_Q)[:, None], sem="relaxed")
+    if LAG:
+        mbarrier.arrive(ds_empty.index(pb_), pred=it > 0)
+        _dq_stage(dq, dq_smem, dq_desc, batch, prev_head, prev_row, WG)
     else:
-        # the previous reduce out of the staging tile has read it (long since: one tile ago)
-        tma.store_wait(0)
-        halves = dq.reshape([BLOCK_M, 2, DQ_BOX]).permute((0, 2, 1))
-        lo, hi = gl.split(halves)
-        dq_smem.index(2 * WG).reshape([BLOCK_M, DQ_BOX]).store(lo)
-        dq_smem.index(2 * WG + 1).reshape([BLOCK_M, DQ_BOX]).store(hi)
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, [batch, head, t * BLOCK_M, WG * DQ_N], dq_smem.index(2 * WG))
-        _tma_reduce_add(dq_desc, [batch, head, t * BLOCK_M, WG * DQ_N + DQ_BOX], dq_smem.index(2 * WG + 1))
-    return dk, dv
+        mbarrier.arrive(ds_empty.index(xb))
+        _dq_stage(dq, dq_smem, dq_desc, batch, head, t * BLOCK_M, WG)
+    return dk, dv, head, t * BLOCK_M
+
+
+@gluon.jit
+def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+               q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band,
+               qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr):
+    """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE)."""
+    for i in range(hi - lo):
+        t = hi - 1 - i if REVERSE else lo + i
+        dk, dv, prev_head, prev_row = _fused_step(
+            it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready, do_ready,
+            l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale, batch, head,
+            prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG)
+        it += 1
+    return it, dk, dv, prev_head, prev_row
 
 
 @gluon.jit
 def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar,
-                    q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done, dk_desc, dv_desc, dq_desc, DQ_PTR,
-                    batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles, qk_scale, sm_scale, HAS_RIGHT: gl.constexpr,
-                    STAGES: gl.constexpr, DQ_ATOMIC: gl.constexpr):
-    """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile."""
+                    q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done, dk_desc, dv_desc, dq_desc, batch,
+                    kv_head, n0, GROUP, S_Q, band, tiles, qk_scale, sm_scale, HAS_RIGHT: gl.constexpr,
+                    STAGES: gl.constexpr, REVERSE: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr):
+    """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
+    (LAG: each one a tile late, the last one after the loop)."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -232,28 +289,44 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
 
     t_lo, t_a, t_b, t_hi = tiles
     it = 0
+    prev_head = kv_head * GROUP
+    prev_row = S_Q       # LAG: no tile before the first (a reduce at row S_Q is clipped whole)
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        # the atomic variant's rows of this head in dq_acc (contiguous [b, h_q, s_q, HEAD_D])
-        dq_ptr = DQ_PTR + (batch * H_Q + head).to(gl.int64) * S_Q * HEAD_D
-        for t in range(t_lo, t_a):
-            dk, dv = _fused_step(it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                                 q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s,
-                                 zero_q, keys, band, qk_scale, batch, head, True, HAS_RIGHT, STAGES, DQ_ATOMIC,
-                                 dq_ptr, S_Q)
-            it += 1
-        for t in range(t_a, t_b):
-            dk, dv = _fused_step(it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                                 q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s,
-                                 zero_q, keys, band, qk_scale, batch, head, False, HAS_RIGHT, STAGES, DQ_ATOMIC,
-                                 dq_ptr, S_Q)
-            it += 1
-        for t in range(t_b, t_hi):
-            dk, dv = _fused_step(it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                                 q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s,
-                                 zero_q, keys, band, qk_scale, batch, head, True, HAS_RIGHT, STAGES, DQ_ATOMIC,
-                                 dq_ptr, S_Q)
-            it += 1
+        if REVERSE:
+            # last query tile first (module docstring, "Order")
+            it, dk, dv, prev_head, prev_row = _tile_loop(
+                t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
+                batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE)
+            it, dk, dv, prev_head, prev_row = _tile_loop(
+                t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
+                batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE)
+            it, dk, dv, prev_head, prev_row = _tile_loop(
+                t_lo, t_a, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
+                batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE)
+        else:
+            it, dk, dv, prev_head, prev_row = _tile_loop(
+                t_lo, t_a, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
+                batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE)
+            it, dk, dv, prev_head, prev_row = _tile_loop(
+                t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
+                batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE)
+            it, dk, dv, prev_head, prev_row = _tile_loop(
+                t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
+                batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE)
+    if LAG:
+        # the last tile's dQ columns (no tile at all: prev_row = S_Q, the reduce is clipped whole)
+        pb_ = (it + 1) % 2
+        mbarrier.wait(ds_ready.index(pb_), ((it + 1) // 2 + 1) & 1)
+        dq_tok = _dq_product(ds_smem, k_smem, pb_, zero_q, WG)
+        dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+        _dq_stage(dq, dq_smem, dq_desc, batch, prev_head, prev_row, WG)
 
     # dV through this warpgroup's V tile (only it reads V_WG); TMA clips keys >= S_KV
     v_view.store(dv.to(dtype))
@@ -269,10 +342,10 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
 
 
 @gluon.jit
-def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, DQ_PTR, LSE, stride_lb, stride_lh,
-                         stride_lm, DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, STAGES: gl.constexpr,
-                         HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm,
+                         DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, STAGES: gl.constexpr,
+                         HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, REVERSE: gl.constexpr,
+                         P16_DS: gl.constexpr, LAG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -303,10 +376,8 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
     ds_smem = gl.allocate_shared_memory(dtype, [4, WG_N, BLOCK_M],
                                         gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # dQ staging: [warpgroup, column box] -> [64 rows, 32] fp32 (the reduce's box)
-    if DQ_ATOMIC:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [1, 1, 1, 8, DQ_BOX], dq_desc.layout)
-    else:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [4, 1, 1, BLOCK_M, DQ_BOX], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * (HEAD_D // 2 // DQ_BOX), 1, 1, BLOCK_M, DQ_BOX],
+                                        dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -329,15 +400,15 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
     gl.warp_specialize([
         (_fused_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
-                           dk_desc, dv_desc, dq_desc, DQ_PTR, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
-                           qk_scale, sm_scale, HAS_RIGHT, STAGES, DQ_ATOMIC)),
+                           dk_desc, dv_desc, dq_desc, batch, kv_head, n0, GROUP, S_Q, band, tiles, qk_scale, sm_scale,
+                           HAS_RIGHT, STAGES, REVERSE, P16_DS, False)),
         (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
-                           dk_desc, dv_desc, dq_desc, DQ_PTR, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
-                           qk_scale, sm_scale, HAS_RIGHT, STAGES, DQ_ATOMIC)),
+                           dk_desc, dv_desc, dq_desc, batch, kv_head, n0, GROUP, S_Q, band, tiles, qk_scale, sm_scale,
+                           HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG)),
         (_fused_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                           DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, tiles[0], tiles[3], STAGES)),
+                           DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, tiles[0], tiles[3], STAGES, REVERSE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -357,13 +428,11 @@ def _dq_convert(ACC, DQ, stride_b, stride_h, stride_m, H_Q, S_Q, scale, BLOCK: t
 # ----------------------------------------------------------------------------------------------
 # host side
 
-_DQ_LAYOUT = {}
-
-
-def _dq_layout():
-    if "l" not in _DQ_LAYOUT:
-        _DQ_LAYOUT["l"] = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, DQ_BOX], gl.float32)
-    return _DQ_LAYOUT["l"]
+def _dq_box(flat):
+    """(box width, shared layout) of the dQ staging tile / TMA reduce (``DQ_FLAT``)."""
+    if flat:
+        return HEAD_D // 2, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    return 32, gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
 
 
 def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
@@ -385,26 +454,29 @@ def _problem_ok(p) -> bool:
     return _bwd_problem_ok(p, (128, )) and p.d == 128 and p.b * p.h_q * p.s_q < 2 ** 31
 
 
-def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, dq_acc=None, stages=None, atomic=False):
+def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, dq_acc=None, stages=None, reverse=None,
+                          flat=None, p16_ds=None, lag=None):
     """dQ, dK, dV of attention on Hopper in one pass (plus zeroing dQ's fp32 accumulator and converting
     it), written in place.
 
     q [b,h_q,s_q,128], k/v [b,h_kv,s_kv,128], grad_out [b,h_q,s_q,128], dq like q, dk/dv like k/v (any
     strides of unit last stride; ``supports`` checks them); lse fp32 [b,h_q,s_q] view (natural log, the
     forward's); delta fp32 contiguous [b*h_q, s_q] = rowsum(dO * O). dq_acc: optional fp32 scratch of
-    b*h_q*s_q*128 elements (zeroed here). stages overrides ``STAGES``; atomic: reduce dQ with per-thread
-    atomics from registers instead of TMA reduce-adds (tuning)."""
+    b*h_q*s_q*128 elements (zeroed here). Tuning: stages, reverse, flat, p16_ds, lag override ``STAGES``,
+    ``REVERSE``, ``DQ_FLAT``, ``P16_DS``, ``LAG``."""
     if dq_acc is None:
         dq_acc = torch.zeros((p.b, p.h_q, p.s_q, HEAD_D), dtype=torch.float32, device=q.device)
     else:
         dq_acc = dq_acc.view(p.b, p.h_q, p.s_q, HEAD_D)
         dq_acc.zero_()
-    launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, atomic=atomic)
+    launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, reverse=reverse, flat=flat,
+                  p16_ds=p16_ds, lag=lag)
     launch_convert(p, dq_acc, dq)
     return dq, dk, dv
 
 
-def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, atomic=False):
+def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
+                  p16_ds=None, lag=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
     [b, h_q, s_q, 128])."""
     band = p.band
@@ -413,15 +485,17 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     assert delta.is_contiguous() and delta.dtype == torch.float32
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
     dq_acc = dq_acc.view(p.b, p.h_q, p.s_q, HEAD_D)
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, BLOCK_M, DQ_BOX],
-                               _dq_layout())
+    box, layout = _dq_box(DQ_FLAT if flat is None else flat)
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, BLOCK_M, box], layout)
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     _attn_bwd_fused_sm90[grid](
         _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
-        _desc(dv, WG_N), dq_desc, dq_acc, lse, *lse.stride(), delta,
+        _desc(dv, WG_N), dq_desc, lse, *lse.stride(), delta,
         p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=causal and band.alignment == "bottom_right",
-        DQ_ATOMIC=atomic, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        REVERSE=REVERSE[causal] if reverse is None else reverse, P16_DS=P16_DS if p16_ds is None else p16_ds,
+        LAG=LAG if lag is None else lag, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )
 
 
