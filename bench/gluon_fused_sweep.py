@@ -10,8 +10,9 @@ Columns (medians of triton.testing.do_bench, ms -> TFLOP/s):
   fused   delta pass + zeroing dq_acc + fused kernel + dQ conversion (the whole single-pass backward)
   dq, dkdv, kern   ms of the dQ pass, the dK/dV pass, the fused kernel alone (each on its own);
   kTF     the fused kernel alone in TFLOP/s (its 5 matmuls = the backward flops above)
-  --variants: the fused whole backward with one switch flipped: no LAG (nolag), the other query-tile order
-          (order: ``REVERSE``), dS from 16-bit P (p16)
+  --variants: the fused whole backward with the dQ staging flat (fl) or swizzled (sw) x LAG on (lag) or off
+          (nl) (the defaults' pair, sw+nl, is the fused column), and with --order also the defaults with the
+          other query-tile order (order: ``REVERSE``)
 Every kernel is compiled first in parallel processes (small inputs of the same specialization), so the
 serial timing loop finds them in Triton's cache.
 Inputs physically BSHD. Also prints max |fused - 2pass| of dQ, dK, dV (dQ: atomics, not bitwise).
@@ -44,7 +45,8 @@ def bench(fn, rep=250):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-VARIANTS = {"nolag": dict(lag=False), "order": "flip", "p16": dict(p16_ds=True)}
+VARIANTS = {"fl+lag": dict(flat=True, lag=True), "fl+nl": dict(flat=True, lag=False),
+            "sw+lag": dict(flat=False, lag=True), "order": "flip"}
 
 
 def _variant_kw(name, causal):
@@ -63,21 +65,23 @@ def _inputs(b, h_q, h_kv, s, dt, causal, d=128):
     return p, q, k, v, do, out, stats[..., 0]
 
 
-def _warm(cfg, variants):
-    """Compile every kernel of one config (same specialization at s=256) in this process."""
+def _warm(job):
+    """Compile one config's kernels (same specialization at s=256) in this process: the two passes
+    (name None) or one fused variant ("" for the defaults)."""
+    cfg, name = job
     b, h_q, h_kv, s, dt, causal = cfg
     p, q, k, v, do, out, lse = _inputs(b, h_q, h_kv, 256, dt, causal)
     delta = torch.empty((b * h_q, 256), dtype=torch.float32, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     launch_delta(p, out, do, delta)
-    DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq, out=out if causal else None)
-    DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq)
-    DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk, dv)
-    for name in [None] + list(variants):
-        F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dq, dk, dv, **({} if name is None else
-                                                                          _variant_kw(name, causal)))
+    if name is None:
+        DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq, out=out if causal else None)
+        DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq)
+        DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk, dv)
+    else:
+        F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dq, dk, dv, **(_variant_kw(name, causal) if name else {}))
     torch.cuda.synchronize()
-    return cfg
+    return job
 
 
 def main():
@@ -88,15 +92,17 @@ def main():
     head = (f"{'config':34s} {'2pass':>6s} {'fused':>6s} {'f/2p':>6s} | {'dq ms':>6s} {'dkdv':>6s} {'kern':>6s} "
             f"{'kTF':>6s}")
     if variants:
-        head += " |" + "".join(f" {n:>6s}" for n in VARIANTS)
+        head += " |" + "".join(f" {n:>6s}" for n in VARIANTS if n != "order" or "--order" in sys.argv)
     print(head + " | max|d| dq dk dv (fused - 2pass)", flush=True)
     d = 128
     configs = CONFIGS[:2] if quick else CONFIGS
-    names = list(VARIANTS) if variants else []
+    names = [n for n in VARIANTS if n != "order" or "--order" in sys.argv] if variants else []
     import concurrent.futures
     import multiprocessing
-    with concurrent.futures.ProcessPoolExecutor(len(configs), mp_context=multiprocessing.get_context("spawn")) as ex:
-        list(ex.map(_warm, configs, [names] * len(configs)))
+    jobs = [(c, n) for c in configs for n in [None, ""] + names]
+    with concurrent.futures.ProcessPoolExecutor(min(len(jobs), 14),
+                                                mp_context=multiprocessing.get_context("spawn")) as ex:
+        list(ex.map(_warm, jobs))
     for b, h_q, h_kv, s, dt, causal in configs:
         p, q, k, v, do, out, lse = _inputs(b, h_q, h_kv, s, dt, causal)
         delta = torch.empty((b * h_q, s), dtype=torch.float32, device="cuda")

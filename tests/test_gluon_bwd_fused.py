@@ -109,14 +109,17 @@ def test_gluon_fused_geometries(geom, dtype, request):
 
 
 VARIANTS = {"stages3": dict(stages=3), "nolag": dict(lag=False), "forward": dict(reverse=False),
-            "reverse": dict(reverse=True), "swizzled": dict(flat=False), "p16": dict(p16_ds=True)}
+            "reverse": dict(reverse=True), "flat": dict(flat=True), "swizzled": dict(flat=False),
+            "lag": dict(lag=True), "p16": dict(p16_ds=True), "swizzled_nolag": dict(flat=False, lag=False),
+            "flat_nolag": dict(flat=True, lag=False), "swizzled_lag": dict(flat=False, lag=True),
+            "flat_lag": dict(flat=True, lag=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["none", "top_left", "bottom_right"])
 def test_gluon_fused_variants(mode, variant, request):
-    """The tuning switches flipped one at a time (a 3-deep Q/dO ring, no LAG, query tiles in either order,
-    the swizzled dQ staging, dS from 16-bit P); GQA 4, many rounds of the ring."""
+    """The tuning switches (a 3-deep Q/dO ring, LAG or not, query tiles in either order, flat or swizzled dQ
+    staging, dS from 16-bit P), one at a time and the staging x LAG pairs; GQA 4, many rounds of the ring."""
     case = HopperCase(seed=9000 + MODES.index(mode), b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16",
                       mode=mode, layout="bshd")
     run_case(case, request.node.nodeid, **VARIANTS[variant])

@@ -1,6 +1,7 @@
 """Compile the Gluon sm_90 fused (single-pass) backward kernel with no GPU, and show what matters in its SASS.
 
-    python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward] [flat|swizzled] [p16|p32]
+    python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
+                                      [flat|swizzled] [p16|p32]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
@@ -32,7 +33,7 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
     stages = stages or m.STAGES[causal]
     ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
-    box, dl = m._dq_box(m.DQ_FLAT if flat is None else flat)
+    box, dl = m._dq_box(m.DQ_FLAT[causal] if flat is None else flat)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
            "k_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
@@ -43,7 +44,7 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
            "DELTA": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32"}
-    const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, LAG=m.LAG if lag is None else lag,
+    const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, LAG=m.LAG[causal] if lag is None else lag,
                  REVERSE=m.REVERSE[causal] if reverse is None else reverse,
                  P16_DS=m.P16_DS if p16_ds is None else p16_ds,
                  CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)

@@ -9,8 +9,8 @@ stay the deterministic path).
 One program (CTA) owns keys [n0, n0 + 128) of one (batch, kv head) and loops over every query tile
 (64 rows) of every query head of the kv head's GQA group, as the dK/dV pass:
 
-* producer (1 warp): ``bwd_dkdv_sm90._dkdv_producer``'s work (``_fused_producer``) (K, V once; Q, dO tiles through a ring of
-  STAGES slots; lse2 / delta rows through a small shared ring).
+* producer (1 warp): ``bwd_dkdv_sm90._dkdv_producer``'s work (``_fused_producer``): K, V once; Q, dO
+  tiles through a ring of STAGES slots; lse2 / delta rows through a small shared ring.
 * two consumer warpgroups: warpgroup WG owns keys [n0 + 64 WG, +64) with its dK, dV [64, 128] fp32
   accumulators in registers (128 of its 240 registers per thread).
 
@@ -28,13 +28,15 @@ Per query tile i (rows [64 t, +64) of head h), in warpgroup WG (xb = i % 2 the d
                                                (MN-major A from shared memory), B = K tile h's
                                                64-column slice; acc [64, 64] fp32 = 32 registers
     wait for dV, dK, dQ; release the Q/dO slot and ds buffer xb (ds_empty, count 2)
-    dQ half -> fp32 staging tile (two [64, 32] 128-byte-swizzled boxes) -> TMA reduce-add into
-    dq_acc[b, h, rows, cols] (``cp.reduce.async.bulk.tensor .add``, clipped at s_q)
+    dQ half -> fp32 staging tile -> TMA reduce-add into dq_acc[b, h, rows, cols]
+                                               (``cp.reduce.async.bulk.tensor .add``, clipped at s_q)
 
 The dQ accumulator is live only after S^T / dP^T / P^T are dead (dK + dV 128, dQ 32, the two 16-bit
 A operands 16 + 16 while their wgmmas run). The dS buffers are double-buffered so a warpgroup may run
 one tile ahead of the other. The staging tile is single-buffered per warpgroup: ``tma.store_wait(0)``
-before it is rewritten, one tile later (the reduce has long finished reading 16 KB by then).
+(``cp.async.bulk.wait_group.read``, then a warpgroup barrier from the membar pass) before it is
+rewritten, one tile later. Triton 3.6's Gluon has the TMA reduce in its builder
+(``create_async_tma_reduce``) but no wrapper: ``_tma_reduce_add``.
 
 Host side: dq_acc (fp32 [b, h_q, s_q, 128], contiguous) is zeroed, delta = rowsum(dO * O) comes from
 the caller (as the dK/dV pass), and a small Triton kernel writes dq = scale * dq_acc in dq's dtype.
@@ -44,10 +46,45 @@ other warpgroup is done with its dQ products (which read both K tiles): an mbarr
 
 Causal (either alignment) as the dK/dV pass (``_q_tiles``); warpgroup 1 no longer skips the query tiles
 that see none of its keys (its dS half, all 0, is part of every dQ product). Rows >= s_q: zero-filled Q
-and dO, lse +inf, so P = dS = 0 and the reduce clips them; rows that see no key get dQ = 0.
+and dO, lse +inf, so P = dS = 0 and the reduce clips them; rows that see no key get dQ = 0. Keys >= s_kv
+(zero-filled K, V) are not masked: their dS meets a zero K row in the dQ product (finite P assumed, as
+the dK/dV pass assumes it for dV).
+
+Switches (constexpr; module dicts keyed by causal, and keywords of ``launch_bwd_fused_sm90``):
+
+* Order (``REVERSE``): each CTA visits its query tiles last first (band edge, mask-free middle, diagonal).
+  Under a causal mask the CTAs of one head then work on the same query tile at the same time (as without
+  a mask, where every CTA starts at tile 0), so Q/dO loads and the dQ reduce-adds of concurrent CTAs hit
+  the same L2 lines. H100: causal +0-5% (GQA 4k +5%).
+* Lag (``LAG``): warpgroup 1 computes tile i's dQ columns at tile i + 1 (waits only for warpgroup 0's dS
+  of tile i - 1, and warpgroup 0 for its dS of tile i), so the two need not meet at the same point of
+  every tile; the last tile's columns after the loop; a reduce at row s_q (the first step's) is dropped
+  whole by TMA. H100: no gain anywhere, GQA 4k causal -2..-12%: off.
+* dQ staging (``DQ_FLAT``): two [64, 32] 128-byte-swizzled boxes per warpgroup (conflict-free stores, the
+  register tile split by ``gl.split``) or one unswizzled [64, 64] box (one base address, 4-8 fewer spill
+  accesses per loop, 8-way bank conflicts on the 16 STS.64). H100: swizzled +5-8% without a mask and at
+  GQA 4k, even (+-1%) elsewhere: swizzled.
+* ``P16_DS``: dS from the 16-bit P (the dV operand), so the fp32 P dies at the dV issue. bf16 needs an
+  unpack per element (F2F + PRMT + IMAD.U32, +50 instructions per loop); spills 14 -> 8 (bf16), 0 (fp16).
+  H100: -3..-7%: off. ``stages=3`` (231552 bytes of shared memory): -1..-10% (first sweep): 2.
+
+[Note] status (H100, bench/gluon_fused_sweep.py --variants, three runs; whole backward
+TFLOP/s = 2.5x forward flops, /2 causal, including the delta pass, the dq_acc zeroing and conversion).
+GPU tests: tests/test_gluon_bwd_fused.py all pass (float64 reference and the two-pass Gluon backward).
+With the defaults (swizzled staging, no lag, REVERSE causal), last sweep, fused vs two-pass
+(dQ pass + dK/dV pass): bf16 4x32x2048 causal 331.9 vs 365.7 (0.91x), 1x32x16384 causal 453.5 vs 445.7
+(1.02x), 4x32/8x4096 causal 404.3 vs 404.8 (1.00x), 2x16x8192 no mask 523.1 vs 446.7 (1.17x; 543.5 vs
+463.5 in the first sweep). The fused kernel alone runs 1.5-1.7x the dK/dV pass's time for 1.25x its
+matmuls: the dQ part (dS exchange, dQ wgmma, staging) serializes inside each warpgroup and the exchange
+re-aligns the two warpgroups every tile. The zeroing + conversion of the fp32 dQ accumulator (335 MB at
+4x32x2048) costs 0.14 ms of the 1.04 ms at 2k causal (the kernel alone beats the two passes there too).
+No-GPU compile (tools/gluon_fused_check.py, Triton 3.6, sm_90a): 168 registers at entry (240 per consumer
+thread by setmaxnreg), 176-192 bytes of stack; consumer loops 442-667 SASS instructions, 32 MUFU.EX2, and
+16-27 local-memory (spill) accesses each (~8 registers saved around the exponentials and reloaded before
+the dK issue, plus loop-invariant addresses); shared memory 198208 bytes.
 
 Shared memory (STAGES 2): K + V 64 KB, Q/dO ring 64 KB, dS 2 x 16 KB, dQ staging 2 x 16 KB, lse/delta
-ring: 197 KB (3 stages: 229 KB, at the limit).
+ring: 198208 bytes (3 stages: 231552, at the limit).
 """
 import functools
 
@@ -71,17 +108,15 @@ BLOCK_N = 2 * WG_N   # keys per CTA
 BLOCK_M = 64         # query rows per tile of the Q/dO ring
 HEAD_D = 128
 DQ_N = HEAD_D // 2   # dQ columns per warpgroup
-# dQ staging: True: one unswizzled [64, 64] fp32 box per warpgroup (one base address, 8-way bank conflicts on
-# the stores); False: two [64, 32] 128-byte-swizzled boxes (conflict-free stores, 4 more address registers)
-DQ_FLAT = True
-# dS^T = P^T (dP^T - delta) from the 16-bit P^T (the dV operand) instead of the fp32 one: 32 registers free
-# from the dV issue on (the exponentials' peak spilled otherwise); dS is rounded to 16 bits anyway
+# dQ staging (docstring, "Switches"): True: one unswizzled [64, 64] fp32 box per warpgroup (one base address,
+# 8-way bank conflicts on the stores); False: two [64, 32] 128-byte-swizzled boxes (conflict-free stores)
+DQ_FLAT = {False: False, True: False}    # causal -> flat
+# dS^T = P^T (dP^T - delta) from the 16-bit P^T (the dV operand) instead of the fp32 one (docstring, "Switches")
 P16_DS = False
-# warpgroup 1 computes each tile's dQ columns one tile late (docstring, "Lag"), so the two warpgroups need not
-# meet at the same point of every tile
-LAG = True
+# warpgroup 1 computes each tile's dQ columns one tile late (docstring, "Switches": Lag)
+LAG = {False: False, True: False}        # causal -> lag
 STAGES = {False: 2, True: 2}     # causal -> Q/dO ring depth
-REVERSE = {False: False, True: True}   # causal -> each CTA visits its query tiles last first (docstring, "Order")
+REVERSE = {False: False, True: True}     # causal -> query tiles last first (docstring, "Switches": Order)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -294,7 +329,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     for g in range(GROUP):
         head = kv_head * GROUP + g
         if REVERSE:
-            # last query tile first (module docstring, "Order")
+            # last query tile first (module docstring, "Switches": Order)
             it, dk, dv, prev_head, prev_row = _tile_loop(
                 t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, dq_desc, dk, dv, zero_s, zero_q, keys, band, qk_scale,
@@ -342,10 +377,11 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
 
 
 @gluon.jit
-def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm,
-                         DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, STAGES: gl.constexpr,
+def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, stride_lb, stride_lh,
+                         stride_lm, DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, STAGES: gl.constexpr,
                          HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, REVERSE: gl.constexpr,
-                         P16_DS: gl.constexpr, LAG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                         P16_DS: gl.constexpr, LAG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -444,12 +480,15 @@ def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
         return False
     if not (isinstance(dq, torch.Tensor) and dq.dtype == p.dtype and dq.stride(-1) == 1 and dq.is_cuda):
         return False
-    return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dk, dv))
+    return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t)
+               for t in (q, k, v, grad_out, dk, dv))
 
 
 @functools.lru_cache(maxsize=256)
 def _problem_ok(p) -> bool:
     if p.alibi is not None or not (p.band is None or (p.band.left is None and p.band.right == 0)):
+        return False
+    if p.has_seq_len_q or p.has_seq_len_kv:      # padding: no per-sequence lengths here
         return False
     return _bwd_problem_ok(p, (128, )) and p.d == 128 and p.b * p.h_q * p.s_q < 2 ** 31
 
@@ -485,7 +524,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     assert delta.is_contiguous() and delta.dtype == torch.float32
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
     dq_acc = dq_acc.view(p.b, p.h_q, p.s_q, HEAD_D)
-    box, layout = _dq_box(DQ_FLAT if flat is None else flat)
+    box, layout = _dq_box(DQ_FLAT[causal] if flat is None else flat)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, 1, BLOCK_M, box], layout)
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     _attn_bwd_fused_sm90[grid](
@@ -494,7 +533,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=causal and band.alignment == "bottom_right",
         REVERSE=REVERSE[causal] if reverse is None else reverse, P16_DS=P16_DS if p16_ds is None else p16_ds,
-        LAG=LAG if lag is None else lag, CONSUMER_REGS=CONSUMER_REGS,
+        LAG=LAG[causal] if lag is None else lag, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )
 
