@@ -66,28 +66,38 @@ def _gluon_kernels(what: str, *names: str):
         return None
 
 
-def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv) -> bool:
+def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=True) -> bool:
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
     pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
-    the Gluon dQ pass refuses."""
-    mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90")
+    the Gluon dQ pass refuses. deterministic=False, no mask, d=128: the single-pass backward (dQ reduced
+    with TMA adds into fp32, so not bitwise reproducible) where it accepts the call."""
+    mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
     if mods is None:
         return False
-    dq_pass, dkdv_pass = mods
+    dq_pass, dkdv_pass, fused = mods
+    if not deterministic and p.band is None and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
+        # H100 (bench/GLUON_NOTES.md "Fused backward"): 1.08-1.17x the two passes with no mask, a tie
+        # or a loss under a causal mask (so those keep the two passes)
+        from .backends.triton.args import aligned
+        from .backends.triton.bwd import launch_delta
+        delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+        launch_delta(p, aligned(out), grad_out, delta)
+        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv)
+        return True
     opts = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
-    if not dq_pass.supports(p, q, k, v, grad_out, dq, **opts):
-        return False
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
     from .backends.triton.args import aligned
     out = aligned(out)
-    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     # delta = rowsum(dO * O) by the dQ pass (WRITE_DELTA) only under a band: with no band every dQ
     # program has the same long loop, and computing delta in its prologue cost 3-9% of the pass (H100,
     # bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading it), so a separate
     # bandwidth-bound kernel is cheaper; padded problems always take that kernel (a dQ program with
     # nothing to compute never loads dO; supports(out=) refuses them)
     write_delta = p.band is not None and dq_pass.supports(p, q, k, v, grad_out, dq, out=out, **opts)
+    if not (write_delta or dq_pass.supports(p, q, k, v, grad_out, dq, **opts)):
+        return False
+    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     if not write_delta:
         from .backends.triton.bwd import launch_delta
         launch_delta(p, out, grad_out, delta)
@@ -172,8 +182,9 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     [b,h_q,s_q,1] (the forward's). Returns ``(dq, dk, dv, dbias)``: dq/dk/dv in
     the layout of q/k/v (written into dq/dk/dv when given); dbias fp32 in the
     shape of ``attn_bias`` (summed over its broadcast dims) when ``need_dbias``,
-    else None. The result is deterministic whatever ``deterministic`` says: the
-    kernels use no atomics.
+    else None. deterministic=True (the default): bitwise reproducible (no atomics);
+    False lets the Hopper kernels take the single-pass backward (dQ reduced with
+    atomic TMA adds) where it is faster (no mask, d=128).
     """
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
@@ -187,10 +198,11 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if given is not None:
             _check_out(name, given, like.shape, like.dtype, like.device)
-    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias)
+    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic)
 
 
-def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False):
+def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False,
+                  deterministic=True):
     """The backward once inputs are validated (autograd calls this directly with the forward's problem)."""
     # gradients in the layout of their inputs (empty_like keeps the strides of a dense tensor, e.g.
     # BSHD memory, in one call: eager backward at d=64 is host-bound)
@@ -208,7 +220,7 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
     elif pl.backend == "cpu":
         dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     elif not (pl.bwd_gluon and not need_dbias
-                   and _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv)):
+                   and _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic)):
         from .backends.triton.bwd import launch_bwd
         dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None
@@ -228,11 +240,12 @@ class _Attention(torch.autograd.Function):
     """Eager autograd: saves out and stats, never recomputes the forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, opts):
+    def forward(ctx, q, k, v, attn_bias, opts, deterministic=True):
         kept = []
         out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept, **opts)
         ctx.save_for_backward(q, k, v, out, stats, attn_bias)
         ctx.problem = tuple(kept)        # validated once: the backward skips make_problem
+        ctx.deterministic = deterministic
         ctx.mark_non_differentiable(stats)
         # no zero-filled gradient for the stats output on every backward (a kernel launch and an
         # allocation per step); an unused output then arrives as None
@@ -243,16 +256,16 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_stats):
         q, k, v, out, stats, attn_bias = ctx.saved_tensors
         if grad_out is None:         # the output took no part in the loss
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         p, extras, pl = ctx.problem
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         dq, dk, dv, dbias = _run_backward(p, extras, pl, q, k, v, out, grad_out, stats[..., 0],
-                                          need_dbias=need_dbias)
+                                          need_dbias=need_dbias, deterministic=ctx.deterministic)
         if dbias is not None:
             dbias = dbias.to(attn_bias.dtype)
-        return dq, dk, dv, dbias, None
+        return dq, dk, dv, dbias, None, None
 
 
 def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
@@ -298,8 +311,9 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             head, row, col): reproducible and independent of tile sizes.
         dropout_seed: int; None draws one from torch's default generator per call.
         dropout_offset: int added to the Philox counter.
-        deterministic: accepted for FlashAttention compatibility; the backward is always
-            bitwise reproducible (no atomics).
+        deterministic: True (default): the backward is bitwise reproducible (no atomics). False
+            allows the faster single-pass Hopper backward where it applies (no mask, d=128), whose
+            dQ is reduced with atomic adds (FlashAttention's meaning of the flag).
         return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``.
         backend: ``"auto"`` (Triton on CUDA, the CPU path on CPU tensors), ``"triton"`` (on CPU
             tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``), ``"cpu"``.
@@ -339,7 +353,7 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
     elif needs_grad:
         if out is not None:
             raise InvalidArgumentError("out= cannot be used with autograd (inputs require grad)")
-        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts)
+        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts, bool(deterministic))
     else:
         out_t, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=return_stats, out=out, **opts)
     return (out_t, stats) if return_stats else out_t

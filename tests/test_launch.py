@@ -206,6 +206,40 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
         assert_error_within(got.cpu(), gold, base, msg=f"{name} route={route}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon backward is Hopper-only (compute capability 9.x): GPU test skipped")
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_nondeterministic_backward_routing(causal, monkeypatch):
+    """deterministic=False at d128 with no mask takes the single-pass backward (counted), with a causal
+    mask the two passes; the default (True) never takes it. Gradients pass the reference rule."""
+    from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90, bwd_fused_sm90
+    calls = []
+    for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90"),
+                      (bwd_fused_sm90, "launch_bwd_fused_sm90")):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
+    torch.manual_seed(5)
+    mk = lambda h, s: torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    q, k, v = mk(8, 333), mk(2, 517), mk(2, 517)
+    do = torch.randn_like(q)
+    for deterministic in (True, False):
+        calls.clear()
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        fusedattn.attention(qs, ks, vs, causal=causal, deterministic=deterministic).backward(do)
+        fused = not deterministic and not causal
+        assert calls == (["launch_bwd_fused_sm90"] if fused else ["launch_dq_sm90", "launch_dkdv_sm90"]), calls
+        refs = {}
+        for dt in (torch.float64, torch.bfloat16):
+            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+            ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=causal)
+            ro.backward(do.cpu().to(dt))
+            refs[dt] = (rq.grad, rk.grad, rv.grad)
+        for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],
+                                         refs[torch.bfloat16]):
+            assert_error_within(got.cpu(), gold, base, msg=f"{name} causal={causal} deterministic={deterministic}")
+
+
 def test_launch_delta_interpreter_or_gpu():
     """bwd.launch_delta (the Gluon backward's separate delta pass when there is no mask) writes
     rowsum(dO * O) for every row, odd lengths and BSHD strides included, into a NaN-filled buffer."""
