@@ -9,7 +9,7 @@ stay the deterministic path).
 One program (CTA) owns keys [n0, n0 + 128) of one (batch, kv head) and loops over every query tile
 (64 rows) of every query head of the kv head's GQA group, as the dK/dV pass:
 
-* producer (1 warp): ``bwd_dkdv_sm90._dkdv_producer``'s work (``_fused_producer``): K, V once; Q, dO
+* producer (1 warp): ``bwd_dkdv_sm90._dkdv_producer`` (with REVERSE): K, V once; Q, dO
   tiles through a ring of STAGES slots; lse2 / delta rows through a small shared ring.
 * two consumer warpgroups: warpgroup WG owns keys [n0 + 64 WG, +64) with its dK, dV [64, 128] fp32
   accumulators in registers (128 of its 240 registers per thread).
@@ -99,7 +99,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .bwd_dkdv_sm90 import _pt_tile, _q_tiles
+from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok
 from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
 
@@ -128,49 +128,6 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     (``ttng.async_tma_reduce``) in its builder but no wrapper."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _fused_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
-                    q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, batch, kv_head, n0,
-                    H_Q, GROUP, S_Q, t_lo, t_hi, STAGES: gl.constexpr, REVERSE: gl.constexpr):
-    """Load warp: K and V once (two 64-key tiles each), then Q_i and dO_i (TMA) and the tile's lse2 =
-    lse * log2 e and delta rows (plain loads; +inf and 0 for rows >= S_Q) of every (head of the group,
-    query tile). ``bwd_dkdv_sm90._dkdv_producer`` without ALiBi (a copy: that one's signature is
-    changing with padding support)."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    WG_N: gl.constexpr = k_desc.block_type.shape[2]
-    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for h in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, k_smem.index(h))
-    for h in gl.static_range(2):
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, v_smem.index(h))
-    it = 0
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
-        for i in range(t_hi - t_lo):
-            t = t_hi - 1 - i if REVERSE else t_lo + i
-            slot = it % STAGES
-            rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-            # issued before the slot wait: their latency hides under it; rows past S_Q (zero-filled Q
-            # and dO): lse = +inf makes their P exactly 0
-            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < S_Q, other=float("inf"))
-            delta = gl.load(delta_base + rows, mask=rows < S_Q, other=0.0)
-            # first use of a slot: the phase before a fresh barrier's first counts as complete
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot),
-                                            q_smem.index(slot))
-            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
-                                            do_smem.index(slot))
-            lse_smem.index(slot).store(lse2 * 1.4426950408889634)
-            delta_smem.index(slot).store(delta)
-            mbarrier.arrive(l_ready.index(slot))
-            it += 1
 
 
 @gluon.jit
@@ -442,9 +399,11 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, batch, kv_head, n0, GROUP, S_Q, band, tiles, qk_scale, sm_scale,
                            HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG)),
-        (_fused_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                           DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, tiles[0], tiles[3], STAGES, REVERSE)),
+        # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in)
+        (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                          kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
+                          DELTA, DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES, False,
+                          False, REVERSE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
