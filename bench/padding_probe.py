@@ -1,14 +1,18 @@
 """Where the padded (per-batch lengths) attention spends its time, pass by pass, on the GPU.
 
-    python3 bench/padding_probe.py
+    python3 bench/padding_probe.py [--profile]
 
 The bench's padding config (b4 h32 s2048 d128 bf16 causal, lengths 2048/1536/1024/512) against the
 same problem unpadded: each Gluon pass launched directly (forward, delta, dQ, dK/dV) and the
 functional calls, as do_bench medians (eager: host launch cost included) and do_bench_cudagraph
-(GPU time only), in ms.
+(GPU time only), in ms. --profile: also the host time to enqueue one padded functional forward and
+backward (no sync; a call is host-bound when this exceeds its GPU time) and the top of a cProfile of each.
 """
+import cProfile
 import os
+import pstats
 import sys
+import time
 
 import torch
 import triton
@@ -62,5 +66,37 @@ def main():
                 print(f"{'padded' if padded else 'unpadded':8s} {name:16s} failed: {type(exc).__name__}: {exc}")
 
 
+def host_profile():
+    """Host ms per enqueued call and the cProfile top of the padded functional forward and backward."""
+    b, h, s, d = 4, 32, 2048, 128
+    lens = torch.tensor([2048, 1536, 1024, 512], dtype=torch.int32, device="cuda")
+    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    q, k, v, do = mk(), mk(), mk(), mk()
+    kw = dict(causal=True, seq_len_q=lens, seq_len_kv=lens)
+    out, stats = fusedattn.attention_forward(q, k, v, return_stats=True, **kw)
+    calls = {"fwd": lambda: fusedattn.attention_forward(q, k, v, return_stats=True, **kw),
+             "bwd": lambda: fusedattn.attention_backward(q, k, v, out, do, stats, deterministic=True, **kw)}
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        n = 50
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) * 1e3 / n
+        torch.cuda.synchronize()
+        print(f"padded {name} host {host:.4f} ms per enqueued call")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 if __name__ == "__main__":
     main()
+    if "--profile" in sys.argv:
+        host_profile()

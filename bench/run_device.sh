@@ -8,6 +8,7 @@
 #   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~770 s together)
 #   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
+#   probe          bench/padding_probe.py --profile: the padded config pass by pass, host time and profile
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
 #   bench-quick    the same with --quick (fewer repetitions)
@@ -146,6 +147,7 @@ for part in "${PARTS[@]}"; do
                            --ignore=tests/test_gluon_fwd.py --ignore=tests/test_gluon_bwd_dq.py \
                            --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
+        probe)         run_part probe python3 bench/padding_probe.py --profile ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
         bench-quick)   bench_part bench-quick --quick ;;

@@ -66,16 +66,19 @@ def _gluon_kernels(what: str, *names: str):
         return None
 
 
-def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=True) -> bool:
+def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=None) -> bool:
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
     pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
     the Gluon dQ pass refuses. deterministic=False, no mask, d=128: the single-pass backward (dQ reduced
-    with TMA adds into fp32, so not bitwise reproducible) where it accepts the call."""
+    with TMA adds into fp32, so not bitwise reproducible) where it accepts the call; deterministic=None
+    means torch.are_deterministic_algorithms_enabled()."""
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
     if mods is None:
         return False
     dq_pass, dkdv_pass, fused = mods
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     if not deterministic and p.band is None and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
         # H100 (bench/GLUON_NOTES.md "Fused backward"): 1.08-1.17x the two passes with no mask, a tie
         # or a loss under a causal mask (so those keep the two passes)
@@ -94,7 +97,8 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     # bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading it), so a separate
     # bandwidth-bound kernel is cheaper; padded problems always take that kernel (a dQ program with
     # nothing to compute never loads dO; supports(out=) refuses them)
-    write_delta = p.band is not None and dq_pass.supports(p, q, k, v, grad_out, dq, out=out, **opts)
+    write_delta = (p.band is not None and not (p.has_seq_len_q or p.has_seq_len_kv)
+                   and dq_pass.supports(p, q, k, v, grad_out, dq, out=out, **opts))
     if not (write_delta or dq_pass.supports(p, q, k, v, grad_out, dq, **opts)):
         return False
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
@@ -174,7 +178,7 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
 def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal=False,
                        causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None,
                        attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0, dropout_seed=0,
-                       dropout_offset=0, deterministic=True, backend="auto", dq=None, dk=None, dv=None,
+                       dropout_offset=0, deterministic=None, backend="auto", dq=None, dk=None, dv=None,
                        need_dbias=False):
     """Gradients of attention from the forward's output and stats, no autograd.
 
@@ -182,9 +186,7 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     [b,h_q,s_q,1] (the forward's). Returns ``(dq, dk, dv, dbias)``: dq/dk/dv in
     the layout of q/k/v (written into dq/dk/dv when given); dbias fp32 in the
     shape of ``attn_bias`` (summed over its broadcast dims) when ``need_dbias``,
-    else None. deterministic=True (the default): bitwise reproducible (no atomics);
-    False lets the Hopper kernels take the single-pass backward (dQ reduced with
-    atomic TMA adds) where it is faster (no mask, d=128).
+    else None. deterministic: as in :func:`attention`.
     """
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
@@ -202,7 +204,7 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
 
 
 def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False,
-                  deterministic=True):
+                  deterministic=None):
     """The backward once inputs are validated (autograd calls this directly with the forward's problem)."""
     # gradients in the layout of their inputs (empty_like keeps the strides of a dense tensor, e.g.
     # BSHD memory, in one call: eager backward at d=64 is host-bound)
@@ -240,7 +242,7 @@ class _Attention(torch.autograd.Function):
     """Eager autograd: saves out and stats, never recomputes the forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, opts, deterministic=True):
+    def forward(ctx, q, k, v, attn_bias, opts, deterministic=None):
         kept = []
         out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept, **opts)
         ctx.save_for_backward(q, k, v, out, stats, attn_bias)
@@ -270,7 +272,7 @@ class _Attention(torch.autograd.Function):
 
 def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
               seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0,
-              dropout_seed=None, dropout_offset=0, deterministic=True, return_stats=False,
+              dropout_seed=None, dropout_offset=0, deterministic=None, return_stats=False,
               backend="auto", out=None):
     r"""Fused scaled-dot-product attention: ``softmax(scale * q @ k^T + bias [+ ALiBi], masked) @ v``.
 
@@ -311,9 +313,11 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             head, row, col): reproducible and independent of tile sizes.
         dropout_seed: int; None draws one from torch's default generator per call.
         dropout_offset: int added to the Philox counter.
-        deterministic: True (default): the backward is bitwise reproducible (no atomics). False
-            allows the faster single-pass Hopper backward where it applies (no mask, d=128), whose
-            dQ is reduced with atomic adds (FlashAttention's meaning of the flag).
+        deterministic: True: the backward is bitwise reproducible (no atomics). False allows the
+            faster single-pass Hopper backward where it applies (no mask, d=128), whose dQ is
+            reduced with atomic adds (FlashAttention's and cuDNN's meaning of the flag; both
+            default to False). None (default): ``torch.are_deterministic_algorithms_enabled()``,
+            read when the backward runs.
         return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``.
         backend: ``"auto"`` (Triton on CUDA, the CPU path on CPU tensors), ``"triton"`` (on CPU
             tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``), ``"cpu"``.
@@ -346,14 +350,15 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias))
     if torch.compiler.is_compiling():
         from .ops import attention_op
-        out_t, stats = attention_op(q, k, v, attn_bias, opts)
+        out_t, stats = attention_op(q, k, v, attn_bias, opts, deterministic)
         if out is not None:
             out.copy_(out_t)
             out_t = out
     elif needs_grad:
         if out is not None:
             raise InvalidArgumentError("out= cannot be used with autograd (inputs require grad)")
-        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts, bool(deterministic))
+        out_t, stats = _Attention.apply(q, k, v, attn_bias, opts,
+                                        None if deterministic is None else bool(deterministic))
     else:
         out_t, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=return_stats, out=out, **opts)
     return (out_t, stats) if return_stats else out_t

@@ -28,8 +28,10 @@ def _window(lo: int, hi: int):
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, seq_len_q: Optional[Tensor], seq_len_kv: Optional[Tensor],
              attn_bias: Optional[Tensor], slopes: Optional[Tensor], attn_scale: float, causal: bool,
              causal_alignment: str, win_left: int, win_right: int, softcap: float, dropout_p: float,
-             dropout_seed: int, dropout_offset: int, backend: str) -> tuple[Tensor, Tensor]:
-    """Forward as an op: returns (out [b,h_q,s_q,d_v], stats fp32 [b,h_q,s_q,1])."""
+             dropout_seed: int, dropout_offset: int, backend: str,
+             deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
+    """Forward as an op: returns (out [b,h_q,s_q,d_v], stats fp32 [b,h_q,s_q,1]). deterministic is
+    the backward's (kept for it by the autograd context)."""
     out, stats = attention_forward(
         q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
         window=_window(win_left, win_right), seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
@@ -40,7 +42,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, seq_len_q: Optional[Tensor], seq_l
 
 @attn_fwd.register_fake
 def _(q, k, v, seq_len_q, seq_len_kv, attn_bias, slopes, attn_scale, causal, causal_alignment,
-      win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend):
+      win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, deterministic):
     b, h_q, s_q, _ = q.shape
     out = _like_layout(q, (b, h_q, s_q, v.shape[-1]), q.dtype)
     return out, q.new_empty((b, h_q, s_q, 1), dtype=torch.float32)
@@ -51,14 +53,15 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, sta
              seq_len_q: Optional[Tensor], seq_len_kv: Optional[Tensor], attn_bias: Optional[Tensor],
              slopes: Optional[Tensor], attn_scale: float, causal: bool, causal_alignment: str, win_left: int,
              win_right: int, softcap: float, dropout_p: float, dropout_seed: int, dropout_offset: int,
-             backend: str, need_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             backend: str, deterministic: Optional[bool], need_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward as an op: (dq, dk, dv, dbias); dbias is empty unless ``need_dbias``."""
     dq, dk, dv, dbias = attention_backward(
         q, k, v, out, grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out, stats,
         attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
         window=_window(win_left, win_right), seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
         alibi=slopes if slopes is not None else False, softcap=softcap, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend, need_dbias=need_dbias)
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend, need_dbias=need_dbias,
+        deterministic=deterministic)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dbias
@@ -66,7 +69,8 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, sta
 
 @attn_bwd.register_fake
 def _(q, k, v, out, grad_out, stats, seq_len_q, seq_len_kv, attn_bias, slopes, attn_scale, causal,
-      causal_alignment, win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, need_dbias):
+      causal_alignment, win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, deterministic,
+      need_dbias):
     dbias = (attn_bias.new_empty(attn_bias.shape, dtype=torch.float32) if need_dbias and attn_bias is not None
              else q.new_empty((0,), dtype=torch.float32))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias     # as _run_backward
@@ -74,7 +78,7 @@ def _(q, k, v, out, grad_out, stats, seq_len_q, seq_len_kv, attn_bias, slopes, a
 
 _FWD_INPUTS = ("q", "k", "v", "seq_len_q", "seq_len_kv", "attn_bias", "slopes", "attn_scale", "causal",
                "causal_alignment", "win_left", "win_right", "softcap", "dropout_p", "dropout_seed",
-               "dropout_offset", "backend")
+               "dropout_offset", "backend", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):
@@ -99,7 +103,7 @@ def _backward(ctx, grad_out, _grad_stats):
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention_op(q, k, v, attn_bias, opts):
+def attention_op(q, k, v, attn_bias, opts, deterministic=None):
     """Call the forward op with the functional door's options (used under torch.compile)."""
     window = opts["window"]
     left, right = (-1, -1) if window is None else (
@@ -110,4 +114,5 @@ def attention_op(q, k, v, attn_bias, opts):
     return torch.ops.fusedattn.attn_fwd(
         q, k, v, opts["seq_len_q"], opts["seq_len_kv"], attn_bias, slopes, float(scale), bool(opts["causal"]),
         opts["causal_alignment"], int(left), int(right), float(opts["softcap"]), float(opts["dropout_p"]),
-        int(opts["dropout_seed"]), int(opts["dropout_offset"]), opts["backend"])
+        int(opts["dropout_seed"]), int(opts["dropout_offset"]), opts["backend"],
+        None if deterministic is None else bool(deterministic))

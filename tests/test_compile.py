@@ -148,17 +148,17 @@ def _fwd_args(case):
     none4 = (None, None, None, None)
     if case == "gqa-causal":
         q, k, v = rnd(2, 4, 17, 16), rnd(2, 2, 17, 16), rnd(2, 2, 17, 16)
-        return (q, k, v, *none4, 0.25, True, "top_left", -1, -1, 0.0, 0.0, 0, 0, "cpu")
+        return (q, k, v, *none4, 0.25, True, "top_left", -1, -1, 0.0, 0.0, 0, 0, "cpu", None)
     if case == "bias-window-softcap":
         q, k, v = rnd(2, 4, 17, 16), rnd(2, 4, 23, 16), rnd(2, 4, 23, 8)
         bias = rnd(1, 4, 17, 23)
-        return (q, k, v, None, None, bias, None, 0.3, False, "top_left", 5, 3, 5.0, 0.0, 0, 0, "cpu")
+        return (q, k, v, None, None, bias, None, 0.3, False, "top_left", 5, 3, 5.0, 0.0, 0, 0, "cpu", True)
     if case == "lens-alibi-bottom-right-dropout":
         q, k, v = rnd(2, 4, 9, 16), rnd(2, 1, 23, 16), rnd(2, 1, 23, 16)
         lens_q, lens_kv = torch.tensor([9, 5], dtype=torch.int32), torch.tensor([23, 11], dtype=torch.int32)
         slopes = fusedattn.alibi_slopes(4)
         return (q, k, v, lens_q, lens_kv, None, slopes, 0.25, True, "bottom_right", -1, -1, 0.0, 0.2, 1234, 7,
-                "cpu")
+                "cpu", False)
     raise KeyError(case)
 
 

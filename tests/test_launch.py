@@ -76,6 +76,27 @@ def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal):
     check(odd, bhsd(), bhsd())
 
 
+def test_gluon_signature_key_separates_what_the_jit_specializes_on():
+    """backends/gluon/launch.py: equal keys for new data of the same metadata; a new key for a new
+    dtype, alignment, box, integer class (== 1, divisible by 16, width), constexpr or an unknown type."""
+    from fusedattn.backends.gluon.fwd_sm90 import _tma
+    from fusedattn.backends.gluon.launch import signature_key
+    x = torch.randn(2, 3, 40, 64, dtype=torch.float16)
+
+    def key(t, rows=64, n=48, **kw):
+        return signature_key((_tma(t, rows), t, n, 0.5, True), dict(BLOCK=64, **kw))
+
+    assert key(x) == key(torch.randn_like(x))                        # new data, same metadata
+    assert key(x) != key(x.to(torch.bfloat16))
+    flat = torch.randn(2 * 3 * 40 * 64 + 8, dtype=torch.float16)
+    assert key(x) != key(flat[1:1 + x.numel()].view_as(x))           # a 2-byte offset breaks 16-byte alignment
+    assert key(x) != key(x, rows=128)
+    assert key(x, n=48) == key(x, n=32) != key(x, n=40) != key(x, n=1) != key(x, n=2 ** 31 + 16)
+    assert key(x) != key(x, SWITCH=True)
+    with pytest.raises(TypeError, match="unexpected kernel argument"):
+        signature_key((x.numpy(),), {})
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_forward_args_remembered_interpreter_or_gpu(causal):
     """The remembered argument list of plain forwards (fwd._PLAIN_ARGS): a repeat call with new
@@ -212,7 +233,8 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
 def test_nondeterministic_backward_routing(causal, monkeypatch):
     """deterministic=False at d128 with no mask takes the single-pass backward (counted), with a causal
-    mask the two passes; the default (True) never takes it. Gradients pass the reference rule."""
+    mask the two passes; True never takes it, nor the default (None) under
+    torch.use_deterministic_algorithms(True). Gradients pass the reference rule."""
     from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90, bwd_fused_sm90
     calls = []
     for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90"),
@@ -223,11 +245,16 @@ def test_nondeterministic_backward_routing(causal, monkeypatch):
     mk = lambda h, s: torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
     q, k, v = mk(8, 333), mk(2, 517), mk(2, 517)
     do = torch.randn_like(q)
-    for deterministic in (True, False):
+    for deterministic, torch_flag in ((True, False), (False, False), (None, False), (None, True)):
         calls.clear()
         qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        fusedattn.attention(qs, ks, vs, causal=causal, deterministic=deterministic).backward(do)
-        fused = not deterministic and not causal
+        out = fusedattn.attention(qs, ks, vs, causal=causal, deterministic=deterministic)
+        torch.use_deterministic_algorithms(torch_flag, warn_only=True)
+        try:
+            out.backward(do)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        fused = not (deterministic or (deterministic is None and torch_flag)) and not causal
         assert calls == (["launch_bwd_fused_sm90"] if fused else ["launch_dq_sm90", "launch_dkdv_sm90"]), calls
         refs = {}
         for dt in (torch.float64, torch.bfloat16):
@@ -238,6 +265,50 @@ def test_nondeterministic_backward_routing(causal, monkeypatch):
         for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],
                                          refs[torch.bfloat16]):
             assert_error_within(got.cpu(), gold, base, msg=f"{name} causal={causal} deterministic={deterministic}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")
+@pytest.mark.parametrize("route", ["padding_causal", "window_alibi"])
+def test_gluon_repeat_calls_launch_the_cached_kernels(route):
+    """backends/gluon/launch.py: a second forward + backward with new data of the same metadata launches
+    the cached Gluon kernels directly (counted) and stays correct (output and gradients against the
+    reference); a new layout (BHSD instead of BSHD) is a new cache entry, not a wrong launch."""
+    from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90
+    from fusedattn.backends.gluon.launch import _LAUNCHERS
+    d, kw = GLUON_ROUTES[route]
+    kw = {key: torch.tensor(val, dtype=torch.int32, device="cuda") if isinstance(val, list) else val
+          for key, val in kw.items()}
+    ref_kw = {key: val.cpu() if isinstance(val, torch.Tensor) else val for key, val in kw.items()}
+    torch.manual_seed(6)
+
+    def check(layout):
+        mk = {"bshd": lambda h, s: torch.randn(2, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2),
+              "bhsd": lambda h, s: torch.randn(2, h, s, d, device="cuda", dtype=torch.bfloat16)}[layout]
+        q, k, v = mk(8, 333), mk(2, 517), mk(2, 517)
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fusedattn.attention(qs, ks, vs, deterministic=True, **kw)
+        do = torch.randn_like(out)
+        out.backward(do)
+        refs = {}
+        for dt in (torch.float64, torch.bfloat16):
+            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+            ro, _ = attention_reference(rq, rk, rv, dtype=dt, **ref_kw)
+            ro.backward(do.cpu().to(dt))
+            refs[dt] = (ro, rq.grad, rk.grad, rv.grad)
+        for name, got, gold, base in zip(("out", "dq", "dk", "dv"), (out, qs.grad, ks.grad, vs.grad),
+                                         refs[torch.float64], refs[torch.bfloat16]):
+            assert_error_within(got.detach().cpu(), gold, base, msg=f"{name} route={route} layout={layout}")
+
+    check("bshd")
+    launchers = [_LAUNCHERS[fwd_sm90._attn_fwd_sm90], _LAUNCHERS[bwd_dq_sm90._attn_bwd_dq_sm90]]
+    entries = [len(x.cache) for x in launchers]
+    direct = [x.direct_launches for x in launchers]
+    check("bshd")                                        # new data: direct launches
+    assert [len(x.cache) for x in launchers] == entries
+    assert all(x.direct_launches > n for x, n in zip(launchers, direct)), "the repeat call went through the JIT"
+    check("bhsd")                                        # new strides: same specialization, still right
 
 
 def test_launch_delta_interpreter_or_gpu():

@@ -90,7 +90,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
-from .fwd_sm90 import LOG2E, TILE_D, _desc, _is_sm90, _seq_length, _slopes_ok, _tma_ready
+from .fwd_sm90 import LOG2E, TILE_D, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
+from .launch import launch
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA (WG_N under SPLIT)
@@ -672,9 +673,9 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     assert delta.is_contiguous() and delta.dtype == torch.float32
     block_n = WG_N if SPLIT[td] else BLOCK_N
     grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
-    _attn_bwd_dkdv_sm90[grid](
-        _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
-        _desc(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
+    launch(
+        _attn_bwd_dkdv_sm90, grid,
+        _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N), _tma(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
         STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,

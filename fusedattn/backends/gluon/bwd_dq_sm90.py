@@ -87,9 +87,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _desc, _fwd_problem_ok, _is_sm90,
-                       _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma_ready,
+from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _fwd_problem_ok, _is_sm90,
+                       _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
                        _zero_landed_rows)
+from .launch import launch
 
 WG_M = 64           # query rows per consumer warpgroup
 BLOCK_M = 2 * WG_M  # query rows per CTA
@@ -447,8 +448,9 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     has_right = band is not None and band.right is not None
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     o_arg, o_strides = (out, out.stride()[:3]) if out is not None else (lse, (0, 0, 0))
-    _attn_bwd_dq_sm90[grid](
-        _desc(q, WG_M), _desc(grad_out, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(dq, WG_M),
+    launch(
+        _attn_bwd_dq_sm90, grid,
+        _tma(q, WG_M), _tma(grad_out, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(dq, WG_M),
         lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
         seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,

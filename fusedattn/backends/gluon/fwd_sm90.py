@@ -100,6 +100,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .launch import Tma, launch
+
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
 
@@ -679,11 +681,17 @@ def _smem_layout(rows, d, dtype):
     return _LAYOUTS[key]
 
 
-def _desc(t, rows):
-    """4-D TMA descriptor of t with box [1, 1, rows, tile width]; the box may be wider than t's
-    last dim (d=224 on 256-wide tiles): TMA zero-fills the columns past it and clips stores."""
+def _tma(t, rows) -> Tma:
+    """4-D TMA descriptor arguments of t with box [1, 1, rows, tile width] (for ``launch.launch``); the
+    box may be wider than t's last dim (d=224 on 256-wide tiles): TMA zero-fills the columns past it
+    and clips stores."""
     d = TILE_D[t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), _tma_strides(t), [1, 1, rows, d], _smem_layout(rows, d, t.dtype))
+    return Tma(t, t.shape, _tma_strides(t), (1, 1, rows, d), _smem_layout(rows, d, t.dtype))
+
+
+def _desc(t, rows) -> TensorDescriptor:
+    """``_tma`` as a Gluon descriptor (for a plain ``kernel[grid](...)`` launch)."""
+    return _tma(t, rows).descriptor()
 
 
 def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, block_n=None,
@@ -707,8 +715,9 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
-    _attn_fwd_sm90[grid](
-        _desc(q, WG_M), _desc(k, block_n), _desc(v, block_n), _desc(out, WG_M), lse_arg, *lse_strides,
+    launch(
+        _attn_fwd_sm90, grid,
+        _tma(q, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(out, WG_M), lse_arg, *lse_strides,
         slopes if p.alibi is not None else lse_arg,
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,

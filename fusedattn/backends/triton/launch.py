@@ -54,8 +54,11 @@ def cdiv(a: int, b: int) -> int:
 class Launcher:
     """A @triton.jit kernel with a per-key cache of its compiled form (see the module docstring)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, jit_arg=None):
+        """jit_arg: maps each positional argument to what the JIT takes, on the JIT path only (the
+        direct path passes arguments as given: Gluon's TMA tuples, ``backends.gluon.launch``)."""
         self.kernel = kernel
+        self.jit_arg = jit_arg
         self.names = kernel.arg_names
         self.cache: dict = {}
         self.direct_launches = 0      # calls that skipped the JIT (tests check the path is taken)
@@ -72,7 +75,7 @@ class Launcher:
                 compiled.run(g[0], g[1], g[2], _current_raw_stream(device), compiled.function,
                              compiled.packed_metadata, None, None, None, *args, *tail)
                 return
-        compiled = self.kernel[grid](*args, **kwargs)
+        compiled = self.kernel[grid](*(map(self.jit_arg, args) if self.jit_arg else args), **kwargs)
         if hasattr(compiled, "result"):       # an asynchronous compile's future
             compiled = compiled.result()
         if key is None or interpreting() or compiled is None or not hasattr(compiled, "packed_metadata"):
