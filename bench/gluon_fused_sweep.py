@@ -1,18 +1,24 @@
 """Time the experimental single-pass Gluon backward (bwd_fused_sm90) against the two-pass Gluon backward
 (bwd_dq_sm90 + bwd_dkdv_sm90) on the d128 anchor configs.
 
-    python3 bench/gluon_fused_sweep.py [--quick] [--variants]
+    python3 bench/gluon_fused_sweep.py [--quick] [--variants[=a,b,...]] [--order] [--baseline=MODULE]
 
 TFLOP/s of the whole backward: 2.5x the forward's 4*b*h_q*s_q*s_kv*d flops, halved when causal.
 Columns (medians of triton.testing.do_bench, ms -> TFLOP/s):
   2pass   what functional._run_gluon_backward launches: [delta pass if no mask] + dQ pass (which writes
           delta under a causal mask) + dK/dV pass
-  fused   delta pass + zeroing dq_acc + fused kernel + dQ conversion (the whole single-pass backward)
+  fused   the whole single-pass backward as launch_bwd_fused_sm90(out=) runs it: delta + zeroing dq_acc
+          (one kernel, ``_delta_zero``) + fused kernel + dQ conversion
   dq, dkdv, kern   ms of the dQ pass, the dK/dV pass, the fused kernel alone (each on its own);
   kTF     the fused kernel alone in TFLOP/s (its 5 matmuls = the backward flops above)
-  --variants: the fused whole backward with the dQ staging flat (fl) or swizzled (sw) x LAG on (lag) or off
-          (nl) (the defaults' pair, sw+nl, is the fused column), and with --order also the defaults with the
-          other query-tile order (order: ``REVERSE``)
+  --variants: the fused whole backward with one switch away from the defaults (VARIANTS: sepz = the delta
+          pass and torch's zero_ as two launches, dqfst / dqlast = the dQ product issued before / after dK
+          (``DQ_FIRST``), lin = the grid's own CTA order (``HEAVY_FIRST`` off), defer = ``DEFER_DK`` on,
+          st2 / st3 = a 2- / 3-deep Q/dO ring, flat = unswizzled dQ staging, atom = dQ by vector atomics
+          (``DQ_ATOMIC``), atom3 = atomics and a 3-deep ring), and with --order also the other query-tile
+          order (``REVERSE``); --variants=a,b times only those
+  --baseline=MODULE: also fusedattn/backends/gluon/MODULE.py, another copy of bwd_fused_sm90 (e.g. the
+          previous commit's, copied there for the run), with its defaults, as column "base:"
 Every kernel is compiled first in parallel processes (small inputs of the same specialization), so the
 serial timing loop finds them in Triton's cache.
 Inputs physically BSHD. Also prints max |fused - 2pass| of dQ, dK, dV (dQ: atomics, not bitwise).
@@ -45,13 +51,33 @@ def bench(fn, rep=250):
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-VARIANTS = {"fl+lag": dict(flat=True, lag=True), "fl+nl": dict(flat=True, lag=False),
-            "sw+lag": dict(flat=False, lag=True), "order": "flip"}
+VARIANTS = {"sepz": dict(sepz=True), "dqfst": dict(dq_first=True), "dqlast": dict(dq_first=False),
+            "lin": dict(heavy_first=False), "defer": dict(defer_dk=True, dq_first=True), "st2": dict(stages=2), "st3": dict(stages=3), "flat": dict(flat=True),
+            "atom": dict(dq_atomic=True), "atom3": dict(dq_atomic=True, stages=3), "order": "flip"}
 
 
 def _variant_kw(name, causal):
+    if name.startswith("base:"):
+        return dict(baseline=name[5:])
     kw = VARIANTS[name]
-    return dict(reverse=not F.REVERSE[causal]) if kw == "flip" else kw
+    return dict(reverse=not F.REVERSE[causal]) if kw == "flip" else dict(kw)
+
+
+def _fused(p, q, k, v, do, out, lse, delta, dq, dk, dv, acc=None, sepz=False, baseline=None, **kw):
+    """The whole single-pass backward: delta and the zeroing of dq_acc in one kernel (``out=``), or
+    (sepz) the Triton delta pass and torch's zero_ as before; baseline: another copy of the module
+    (fusedattn.backends.gluon.<baseline>, e.g. the previous commit's file) with its defaults, timed the
+    old way (delta pass, then its launch_bwd_fused_sm90 with delta)."""
+    if baseline:
+        import importlib
+        mod = importlib.import_module(f"fusedattn.backends.gluon.{baseline}")
+        launch_delta(p, out, do, delta)
+        mod.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dq, dk, dv, dq_acc=acc)
+    elif sepz:
+        launch_delta(p, out, do, delta)
+        F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dq, dk, dv, dq_acc=acc, **kw)
+    else:
+        F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dq, dk, dv, out=out, dq_acc=acc, **kw)
 
 
 def _inputs(b, h_q, h_kv, s, dt, causal, d=128):
@@ -79,24 +105,28 @@ def _warm(job):
         DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq)
         DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk, dv)
     else:
-        F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dq, dk, dv, **(_variant_kw(name, causal) if name else {}))
+        _fused(p, q, k, v, do, out, lse, delta, dq, dk, dv, **(_variant_kw(name, causal) if name else {}))
     torch.cuda.synchronize()
     return job
 
 
 def main():
     quick = "--quick" in sys.argv
-    variants = "--variants" in sys.argv
+    # --variants: all of VARIANTS ("order" with --order); --variants=a,b: those
+    picked = [a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")]
+    variants = "--variants" in sys.argv or bool(picked)
+    base = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--baseline=")]
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
     print("whole-backward TFLOP/s (2.5x fwd flops, /2 causal); dq/dkdv/kern: ms of each kernel alone")
     head = (f"{'config':34s} {'2pass':>6s} {'fused':>6s} {'f/2p':>6s} | {'dq ms':>6s} {'dkdv':>6s} {'kern':>6s} "
             f"{'kTF':>6s}")
-    if variants:
-        head += " |" + "".join(f" {n:>6s}" for n in VARIANTS if n != "order" or "--order" in sys.argv)
-    print(head + " | max|d| dq dk dv (fused - 2pass)", flush=True)
     d = 128
     configs = CONFIGS[:2] if quick else CONFIGS
-    names = [n for n in VARIANTS if n != "order" or "--order" in sys.argv] if variants else []
+    names = picked[0] if picked else [n for n in VARIANTS if n != "order" or "--order" in sys.argv] if variants else []
+    names += [f"base:{b}" for b in base]
+    if names:
+        head += " |" + "".join(f" {n[:6]:>6s}" for n in names)
+    print(head + " | max|d| dq dk dv (fused - 2pass)", flush=True)
     import concurrent.futures
     import multiprocessing
     jobs = [(c, n) for c in configs for n in [None, ""] + names]
@@ -108,7 +138,7 @@ def main():
         delta = torch.empty((b * h_q, s), dtype=torch.float32, device="cuda")
         dq2, dk2, dv2 = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dqf, dkf, dvf = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        acc = torch.empty((b, h_q, s, d), dtype=torch.float32, device="cuda")
+        acc = torch.empty((b, h_q, F.acc_rows(s), d), dtype=torch.float32, device="cuda")
         assert F.supports(p, q, k, v, do, dqf, dkf, dvf)
 
         def two_pass():
@@ -120,8 +150,7 @@ def main():
             DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk2, dv2)
 
         def fused(**kw):
-            launch_delta(p, out, do, delta)
-            F.launch_bwd_fused_sm90(p, q, k, v, do, lse, delta, dqf, dkf, dvf, dq_acc=acc, **kw)
+            _fused(p, q, k, v, do, out, lse, delta, dqf, dkf, dvf, acc=acc, **kw)
 
         flops = 2.5 * 4.0 * b * h_q * s * s * d * (0.5 if causal else 1.0)
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
@@ -133,7 +162,7 @@ def main():
                "dq": bench(lambda: DQ.launch_dq_sm90(p, q, k, v, do, lse, delta, dq2)),
                "dkdv": bench(lambda: DKDV.launch_dkdv_sm90(p, q, k, v, do, lse, delta, dk2, dv2)),
                "kern": bench(lambda: F.launch_kernel(p, q, k, v, do, lse, delta, acc, dkf, dvf))}
-        if variants:
+        if names:
             for name in names:
                 try:
                     res[name] = bench(lambda: fused(**_variant_kw(name, causal)))
@@ -143,7 +172,7 @@ def main():
         cfg = f"b{b} h{h_q}/{h_kv} s{s} d{d} {str(dt)[6:]} {'causal' if causal else 'full'}"
         line = (f"{cfg:34s} {tf(res['2pass']):6.1f} {tf(res['fused']):6.1f} {res['2pass'] / res['fused']:5.2f}x | "
                 f"{res['dq']:6.3f} {res['dkdv']:6.3f} {res['kern']:6.3f} {tf(res['kern']):6.1f}")
-        if variants:
+        if names:
             line += " |" + "".join(f" {tf(res[n]):6.1f}" for n in names)
         line += f" | {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}"
         print(line + f"   (ms 2pass {res['2pass']:.3f} fused {res['fused']:.3f})", flush=True)

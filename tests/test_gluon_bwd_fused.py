@@ -4,7 +4,8 @@ dQ, dK and dV, written into NaN-filled guarded buffers, against float64 autograd
 FlashAttention's rule (error at most 2x PyTorch's same-precision error plus a small floor) and against
 the two-pass Gluon backward (``bwd_dq_sm90`` + ``bwd_dkdv_sm90``) on the same inputs, over: d=128,
 fp16/bf16, causal none / top-left / bottom-right, GQA 1 / 2 / 4 / MQA, odd lengths with s_q != s_kv
-both ways, BSHD and other strided layouts, and the tuning switches one at a time;
+both ways, BSHD and other strided layouts, the tuning switches one at a time and the ``out=`` path (delta
+and the zeroing of the dQ accumulator by one kernel, into NaN-filled buffers);
 plus run-to-run agreement (dQ is reduced with atomics: not bitwise) and what ``supports`` refuses.
 Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
 """
@@ -34,16 +35,28 @@ def reference_grads(q, k, v, do, dtype, **kw):
     return tuple(t.grad.cpu() for t in (qs, ks, vs))
 
 
-def run_fused(case, p, q, k, v, do, lse, delta, **kw):
-    """dQ, dK, dV from the fused kernel, in NaN-filled guarded buffers of the case's layout."""
-    from fusedattn.backends.gluon.bwd_fused_sm90 import launch_bwd_fused_sm90, supports
+def run_fused(case, p, q, k, v, do, lse, delta, out=None, **kw):
+    """dQ, dK, dV from the fused kernel, in NaN-filled guarded buffers of the case's layout. out given: the
+    ``out=`` path (delta and the zeroing of dq_acc by one kernel) on NaN-filled delta and dq_acc buffers,
+    delta checked against the given one."""
+    from fusedattn.backends.gluon.bwd_fused_sm90 import acc_rows, launch_bwd_fused_sm90, supports
     dt = getattr(torch, case.dtype)
     dq = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, fill=None)
     dk = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
     dv = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
     assert supports(p, q.view, k.view, v.view, do.view, dq.view, dk.view, dv.view), \
         "supports() refused a case it should run"
-    launch_bwd_fused_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dq.view, dk.view, dv.view, **kw)
+    if out is None:
+        launch_bwd_fused_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dq.view, dk.view, dv.view, **kw)
+    else:
+        nan = float("nan")
+        own = torch.full_like(delta, nan)
+        acc = torch.full((p.b * p.h_q * acc_rows(p.s_q) * case.d, ), nan, dtype=torch.float32, device="cuda")
+        launch_bwd_fused_sm90(p, q.view, k.view, v.view, do.view, lse, own, dq.view, dk.view, dv.view, out=out,
+                              dq_acc=acc, **kw)
+        torch.cuda.synchronize()
+        # fp32 sums of 128 products in another order: equal to rounding
+        assert max_err(own, delta) <= 1e-5 * (1 + delta.abs().max().item()), "delta of the out= path differs"
     torch.cuda.synchronize()
     return dq, dk, dv
 
@@ -62,7 +75,8 @@ def two_pass(p, q, k, v, do, lse, delta):
 def run_case(case, nodeid, **kw):
     msg = case.repro(nodeid) + (f" {kw}" if kw else "")
     p, extras, q, k, v, do, out, lse, delta = backward_inputs(case)
-    got = run_fused(case, p, q, k, v, do, lse, delta, **kw)
+    kw = dict(kw)
+    got = run_fused(case, p, q, k, v, do, lse, delta, out=out if kw.pop("via_out", False) else None, **kw)
     ck = case.kwargs()
     gold = reference_grads(q.view, k.view, v.view, do.view, torch.float64, **ck)
     dt = getattr(torch, case.dtype)
@@ -108,18 +122,27 @@ def test_gluon_fused_geometries(geom, dtype, request):
     run_case(case, request.node.nodeid)
 
 
-VARIANTS = {"stages3": dict(stages=3), "nolag": dict(lag=False), "forward": dict(reverse=False),
+VARIANTS = {"stages2": dict(stages=2), "stages3": dict(stages=3), "nolag": dict(lag=False), "forward": dict(reverse=False),
             "reverse": dict(reverse=True), "flat": dict(flat=True), "swizzled": dict(flat=False),
             "lag": dict(lag=True), "p16": dict(p16_ds=True), "swizzled_nolag": dict(flat=False, lag=False),
             "flat_nolag": dict(flat=True, lag=False), "swizzled_lag": dict(flat=False, lag=True),
-            "flat_lag": dict(flat=True, lag=True)}
+            "flat_lag": dict(flat=True, lag=True), "dqfirst": dict(dq_first=True), "dqlast": dict(dq_first=False),
+            "dqlast_lag": dict(dq_first=False, lag=True), "defer": dict(defer_dk=True, dq_first=True, lag=False),
+            "defer_stages2": dict(defer_dk=True, dq_first=True, lag=False, stages=2), "via_out": dict(via_out=True),
+            "via_out_defer": dict(via_out=True, defer_dk=True, dq_first=True, lag=False), "atomic": dict(dq_atomic=True, lag=False),
+            "via_out_atomic": dict(via_out=True, dq_atomic=True, lag=False),
+            "atomic_dqfirst_stages2": dict(dq_atomic=True, lag=False, dq_first=True, stages=2),
+            "heavy_first": dict(heavy_first=True), "grid_order": dict(heavy_first=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["none", "top_left", "bottom_right"])
 def test_gluon_fused_variants(mode, variant, request):
     """The tuning switches (a 3-deep Q/dO ring, LAG or not, query tiles in either order, flat or swizzled dQ
-    staging, dS from 16-bit P), one at a time and the staging x LAG pairs; GQA 4, many rounds of the ring."""
+    staging, dS from 16-bit P, dQ before or after dK, dK deferred to the next step, dQ by atomics, heavy CTAs
+    first or the grid's order), one at a time and the
+    staging x LAG pairs, and the out= path (delta and the dq_acc zeroing in one kernel); GQA 4, many rounds
+    of the ring."""
     case = HopperCase(seed=9000 + MODES.index(mode), b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16",
                       mode=mode, layout="bshd")
     run_case(case, request.node.nodeid, **VARIANTS[variant])

@@ -1,7 +1,8 @@
 """Compile the Gluon sm_90 fused (single-pass) backward kernel with no GPU, and show what matters in its SASS.
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
-                                      [flat|swizzled] [p16|p32]
+                                      [flat|swizzled] [p16|p32] [dqfirst|dqlast]
+                                      [defer|nodefer] [atomic|tma]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
@@ -26,7 +27,7 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
 def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, reverse=None, flat=None, p16_ds=None,
-                  lag=None, **over):
+                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = m.HEAD_D
@@ -40,18 +41,24 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
            "do_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
            "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
-           "dq_desc": f"tensordesc<fp32[1, 1, {m.BLOCK_M}, {box}],{dl!r}>",
+           "dq_desc": f"tensordesc<fp32[1, 1, {m.BLOCK_M}, {box}],{dl!r}>", "DQ_ACC": "*fp32",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
            "DELTA": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
-           "qk_scale": "fp32", "sm_scale": "fp32"}
+           "qk_scale": "fp32", "sm_scale": "fp32", "CHUNK": "i32"}
     const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, LAG=m.LAG[causal] if lag is None else lag,
                  REVERSE=m.REVERSE[causal] if reverse is None else reverse,
                  P16_DS=m.P16_DS if p16_ds is None else p16_ds,
+                 DQ_FIRST=m.DQ_FIRST[causal] if dq_first is None else dq_first,
+                 DEFER_DK=m.DEFER_DK[causal] if defer_dk is None else defer_dk,
+                 DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
                  CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
     const.update(over)
     for k in const:
         sig[k] = "constexpr"
-    src = GluonASTSource(fn=m._attn_bwd_fused_sm90, signature=sig, constexprs=const)
+    # the JIT's specialization of torch allocations: 16-byte aligned pointers
+    names = list(sig)
+    attrs = {(names.index(a), ): [["tt.divisibility", 16]] for a in ("DQ_ACC", "LSE", "DELTA")}
+    src = GluonASTSource(fn=m._attn_bwd_fused_sm90, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 
@@ -67,7 +74,10 @@ def main():
                       lag=True if "lag" in flags else False if "nolag" in flags else None,
                       reverse=True if "reverse" in flags else False if "forward" in flags else None,
                       flat=True if "flat" in flags else False if "swizzled" in flags else None,
-                      p16_ds=True if "p16" in flags else False if "p32" in flags else None)
+                      p16_ds=True if "p16" in flags else False if "p32" in flags else None,
+                      dq_first=True if "dqfirst" in flags else False if "dqlast" in flags else None,
+                      defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,
+                      dq_atomic=True if "atomic" in flags else False if "tma" in flags else None)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)
