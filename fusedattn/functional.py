@@ -80,13 +80,11 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if not deterministic and p.band is None and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
-        # H100 (bench/GLUON_NOTES.md "Fused backward"): 1.08-1.17x the two passes with no mask, a tie
-        # or a loss under a causal mask (so those keep the two passes)
+        # H100 (bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two passes with no mask, 0.92-1.04x
+        # under a causal mask (so those keep the two passes); delta comes from the kernel that also
+        # zeroes its fp32 dQ accumulator (out=)
         from .backends.triton.args import aligned
-        from .backends.triton.bwd import launch_delta
-        delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-        launch_delta(p, aligned(out), grad_out, delta)
-        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv)
+        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=aligned(out))
         return True
     opts = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
