@@ -1,6 +1,7 @@
 """The Gluon sm_90 forward kernel beside our Triton forward and cuDNN (torch SDPA) on the GPU.
 
     python3 bench/gluon_sweep.py [--configs NAME,...] [--rep MS] [--graph] [--padded]
+    python3 bench/gluon_sweep.py --persistent [--configs NAME,...] [--variants tile,dyn,...] [--rep MS]
 
 Physically-BSHD inputs (``torch.randn(b, s, h, d).transpose(1, 2)``). For each config: first
 the max |difference| between the Gluon and the Triton outputs (and LSE), then the median time
@@ -15,6 +16,12 @@ graph, so host launch cost is out) and each path's host cost per call (median wa
 call with the GPU idle, i.e. Python, descriptor and launch work), so launch-bound small
 configs show what the kernels themselves do.
 
+--persistent runs PERSISTENT_CONFIGS instead: the one-tile grid ("tile") against the persistent
+grid's variants ("dyn": dynamic tile counter, default head groups; "static": tile + nprog;
+"dyn-hg4" / "dyn-hg16": head groups of 4 / 16; "dyn-hg-all": one head group, i.e. strictly longest
+tiles first), TFLOP/s over the useful work, each
+output checked bit for bit against the one-tile grid's (fwd_sm90 [Note] persistent grid).
+
 --padded runs PADDED_CONFIGS instead: padding masks (seq_len_q = seq_len_kv = L_b per batch entry,
 self-attention of padded sequences), TFLOP/s counted over the unpadded work only (sum over the
 batch of 4*h*L_b^2*d, halved when causal): the Gluon kernel unpadded on the full s, padded with
@@ -25,6 +32,7 @@ The padded rows of Q, K and V hold NaN for the correctness check (max |gluon - t
 valid rows) and are finite for the timings.
 """
 import argparse
+import functools
 import statistics
 import time
 
@@ -164,15 +172,101 @@ def padded(rep):
               flush=True)
 
 
+PERSISTENT_CONFIGS = {  # name: (b, h_q, h_kv, s, d, mask[, lengths]); mask: "causal", "none" or (left, right)
+    "b4-s2k-d128-c": (4, 32, 32, 2048, 128, "causal"),
+    "b4-s2k-d128": (4, 32, 32, 2048, 128, "none"),
+    "b2-s8k-d128-w1024": (2, 16, 16, 8192, 128, (1024, 0)),
+    "b2-s8k-d128": (2, 16, 16, 8192, 128, "none"),
+    "b1-s16k-d128-c": (1, 32, 32, 16384, 128, "causal"),
+    "b4-gqa-s4k-d128-c": (4, 32, 8, 4096, 128, "causal"),
+    "b8-s1k-d64-c": (8, 12, 12, 1024, 64, "causal"),
+    "b8-s1k-d64": (8, 12, 12, 1024, 64, "none"),
+    "b4-s4k-d256-c": (4, 16, 16, 4096, 256, "causal"),
+    "b4-s2k-d256": (4, 16, 16, 2048, 256, "none"),
+    "b4-s2k-d128-c-pad": (4, 32, 32, 2048, 128, "causal", (2048, 1536, 1024, 512)),
+    "b4-s2k-d128-pad": (4, 32, 32, 2048, 128, "none", (2048, 1536, 1024, 512)),
+}
+ROUNDS = 3  # --persistent: timing rounds per variant
+PERSISTENT_VARIANTS = {  # name: launch_fwd_sm90 keywords
+    "tile": dict(persistent=False),
+    "dyn": dict(persistent=True),
+    "static": dict(persistent=True, dynamic=False),
+    "dyn-hg4": dict(persistent=True, head_group=4),
+    "dyn-hg16": dict(persistent=True, head_group=16),
+    "dyn-hg-all": dict(persistent=True, head_group=1 << 20),
+}
+
+
+def persistent_sweep(rep, names, variants):
+    """--persistent: the one-tile grid against the persistent grid's variants (PERSISTENT_VARIANTS),
+    TFLOP/s over the useful work (4*h*sum(L_b^2)*d, halved under causal, the window's band
+    counted exactly); each variant's output must equal the one-tile grid's bit for bit."""
+    print(f"{torch.cuda.get_device_name()}: persistent grid, bf16, BSHD, TFLOP/s (median of do_bench, rep {rep} ms)")
+    rows = []
+    for name in names:
+        cfg = PERSISTENT_CONFIGS[name]
+        b, hq, hkv, s, d, mask = cfg[:6]
+        lens = cfg[6] if len(cfg) > 6 else None
+        torch.manual_seed(0)
+        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+        q, k, v = mk(hq), mk(hkv), mk(hkv)
+        kw = {"causal": dict(causal=True), "none": {}}.get(mask) if isinstance(mask, str) else dict(window=mask,
+                                                                                                    causal=True)
+        if lens is not None:
+            lt = torch.tensor(lens, device="cuda", dtype=torch.int32)
+            kw.update(seq_len_q=lt, seq_len_kv=lt)
+        p, extras = make_problem(q, k, v, **kw)
+        seq = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+        assert supports(p, q, k, v, q, head_dims=tuple(TILE_D), **seq), name
+        # useful score entries per (batch, head): rows i < L, keys j <= i (causal) within the band
+        i = torch.arange(s, device="cuda")[:, None]
+        j = torch.arange(s, device="cuda")[None, :]
+        band = torch.ones(s, s, dtype=torch.bool, device="cuda")
+        if mask != "none":
+            band &= j <= i
+        if isinstance(mask, tuple):
+            band &= j >= i - mask[0]
+        work = sum(4.0 * hq * d * band[:n, :n].sum().item() for n in (lens or [s] * b))
+        lse = torch.empty((b, hq, s), device="cuda", dtype=torch.float32)
+        outs, fns, times = {}, {}, {vn: [] for vn in variants}
+        for vname in variants:
+            out = torch.empty_like(q)
+            fns[vname] = functools.partial(launch_fwd_sm90, p, q, k, v, out, lse, **seq, **PERSISTENT_VARIANTS[vname])
+            fns[vname]()
+            torch.cuda.synchronize()
+            outs[vname] = out.clone()
+        # the variants take turns, ROUNDS times, and each keeps the median of its rounds: clock and
+        # thermal drift then reach every variant alike
+        for _ in range(ROUNDS):
+            for vname in variants:
+                times[vname].append(triton.testing.do_bench(fns[vname], rep=rep, return_mode="median"))
+        res = {vn: work / statistics.median(ts) / 1e9 for vn, ts in times.items()}
+        spread = max((max(ts) - min(ts)) / statistics.median(ts) for ts in times.values())
+        same = {vn: torch.equal(outs[vn].view(torch.int16), outs["tile"].view(torch.int16)) for vn in variants}
+        rows.append((name, res, same))
+        print(name + ": " + "  ".join(f"{vn} {t:.0f}{'' if same[vn] else ' (DIFFERS)'}" for vn, t in res.items())
+              + f"  (largest spread of a variant's rounds {100 * spread:.1f}%)", flush=True)
+    print(f"\n{'config':22s} " + " ".join(f"{vn:>10s}" for vn in variants) + "   best/tile")
+    for name, res, same in rows:
+        best = max(t for vn, t in res.items() if vn != "tile")
+        print(f"{name:22s} " + " ".join(f"{res[vn]:10.0f}" for vn in variants) + f"   {best / res['tile']:8.3f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     ap.add_argument("--graph", action="store_true", help="also CUDA-graph (GPU-only) times and host cost")
     ap.add_argument("--padded", action="store_true", help="the padding-mask sweep (PADDED_CONFIGS) instead")
+    ap.add_argument("--persistent", action="store_true",
+                    help="the persistent-grid sweep (PERSISTENT_CONFIGS; --configs picks among them) instead")
+    ap.add_argument("--variants", default=",".join(PERSISTENT_VARIANTS), help="--persistent: variants to time")
     args = ap.parse_args()
     if args.padded:
         return padded(args.rep)
+    if args.persistent:
+        names = args.configs.split(",") if args.configs != ",".join(CONFIGS) else list(PERSISTENT_CONFIGS)
+        return persistent_sweep(args.rep, names, args.variants.split(","))
     rows = []
     graph_rows = []
     for name in args.configs.split(","):

@@ -36,11 +36,16 @@ def _random_case(seed):
     return random_hopper_case(seed, LENGTHS)
 
 
-def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None)):
+def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None), persistent=None):
     """Run one case on the Gluon kernel and check it against the float64 reference and the
     Triton forward. lens: per-batch (len_q, len_kv) lists (either None: unpadded side); the
     reference and the Triton kernel see clean inputs, the Gluon kernel sees the padding rows
-    of Q, K and V overwritten with NaN."""
+    of Q, K and V overwritten with NaN.
+
+    persistent: None (the kernel's default grid) or launch_fwd_sm90's persistent-grid keywords
+    (persistent, dynamic, head_group, ctas); the output and LSE must then also be bit-identical
+    to the one-tile grid's (each work tile runs the same instructions), written into a second
+    pair of NaN-filled buffers."""
     from fusedattn.backends.gluon.fwd_sm90 import TILE_D, launch_fwd_sm90, supports
     msg = case.repro(nodeid) + (f" lens={lens}" if lens != (None, None) else "")
     gen = torch.Generator().manual_seed(case.seed)
@@ -70,8 +75,23 @@ def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None)):
     poison_padding(k.view, lens[1])
     poison_padding(v.view, lens[1])
     lse = stats.view[..., 0] if write_lse else None
-    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, slopes=slopes, pingpong=pingpong, **seq)
+    grid_kw = {} if persistent is None else dict(persistent)
+    launch_fwd_sm90(p, q.view, k.view, v.view, out.view, lse, slopes=slopes, pingpong=pingpong, **grid_kw, **seq)
     torch.cuda.synchronize()
+    if persistent is not None:
+        msg += f" persistent={persistent}"
+        out1 = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, fill=None)
+        stats1 = guarded((case.b, case.h_q, case.s_q, 1), torch.float32, "cuda", "bhsd", fill=None)
+        lse1 = stats1.view[..., 0] if write_lse else None
+        launch_fwd_sm90(p, q.view, k.view, v.view, out1.view, lse1, slopes=slopes, pingpong=pingpong,
+                        persistent=False, **seq)
+        torch.cuda.synchronize()
+        same = torch.equal(out.view.cpu().view(torch.int16), out1.view.cpu().view(torch.int16))
+        assert same, (f"persistent output differs from the one-tile grid's by "
+                      f"{max_err(out.view.cpu(), out1.view.cpu()):.3e}. {msg}")
+        if write_lse:
+            assert torch.equal(stats.view.cpu(), stats1.view.cpu()), f"persistent LSE differs. {msg}"
+        out1.check_untouched(f"out (one-tile grid). {msg}")
 
     got = out.view.cpu()
     assert_error_within(got, gold_o, base_o, msg=msg)
@@ -262,3 +282,112 @@ def test_gluon_fwd_supports():
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)
     odd = base[3:].view(1, 2, 64, 128)            # base pointer 6 bytes off 16-byte alignment
     check(False, "misaligned base", odd, mk(1, 2, 64, 128), mk(1, 2, 64, 128))
+
+
+# ------------------------------------------------------------------------------------------------
+# the persistent grid (fwd_sm90 [Note] persistent grid): a few CTAs (``ctas``) so that each runs many
+# work tiles of different lengths (ring and Q-slot phases across tiles, the dynamic tile counter and
+# its reset between launches); every case also checks bit-identity with the one-tile grid (run_case)
+
+P_SHAPES = ((1000, 1000), (1000, 200), (200, 1000), (17, 1000), (1000, 17), (1, 1))
+
+
+def _grid(seed, ctas=None, dynamic=True, head_group=None):
+    """Persistent-grid keywords for run_case; ctas default: 1..9 from the seed."""
+    return dict(persistent=True, dynamic=dynamic, head_group=head_group, ctas=ctas or 1 + seed % 9)
+
+
+@pytest.mark.parametrize("d", (128, 256))
+@pytest.mark.parametrize("shape", P_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_persistent_lengths(mode, shape, d, request):
+    """Each mask alignment and (s_q, s_kv) pair (partial tiles, s_q != s_kv both ways, a single
+    row), d=128 (2 Q slots) and 256 (1 Q slot), GQA 4/2, BSHD, bf16."""
+    seed = 8000 + 100 * MODES.index(mode) + 10 * P_SHAPES.index(shape) + d % 7
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=shape[0], s_kv=shape[1], d=d, dtype="bfloat16", mode=mode,
+                      layout="bshd")
+    run_case(case, request.node.nodeid, persistent=_grid(seed))
+
+
+@pytest.mark.parametrize("variant", ["static", "hg1", "hg3", "all_sms", "pingpong"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_persistent_variants(mode, variant, request):
+    """The static schedule (tile + nprog), head groups of 1 and 3 (a partial last group), the grid
+    of every SM (one wave here, one tile per CTA) and the ping-pong turns counted across tiles; d=64
+    and fp16 on some."""
+    seed = 8500 + 10 * MODES.index(mode) + ["static", "hg1", "hg3", "all_sms", "pingpong"].index(variant)
+    grid = {"static": _grid(seed, dynamic=False), "hg1": _grid(seed, head_group=1), "hg3": _grid(seed, head_group=3),
+            "all_sms": dict(persistent=True), "pingpong": _grid(seed)}[variant]
+    case = HopperCase(seed=seed, b=3, h_q=6, h_kv=2, s_q=900, s_kv=1000 if seed % 2 else 500, d=(64, 128)[seed % 2],
+                      dtype=("float16", "bfloat16")[seed % 3 == 0], mode=mode, layout="bshd")
+    run_case(case, request.node.nodeid, pingpong=variant == "pingpong", persistent=grid)
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_fwd_persistent_random(seed, request):
+    """Seeded random geometries (GQA/MQA, strided layouts, fp16/bf16, head dims 64/128/224/256, any
+    mask, sometimes a window) on a few CTAs, static or dynamic."""
+    rng = random.Random(seed)
+    case = _random_case(9000 + seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(case, b=3, d=(64, 128, 224, 256)[seed % 4], window=window)
+    run_case(case, request.node.nodeid, write_lse=seed % 3 != 0,
+             persistent=_grid(seed, dynamic=rng.random() < 0.7, head_group=rng.choice([None, 1, 2, 5])))
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_persistent_window(mode, window, request):
+    """Sliding windows (work tiles of very different lengths, masked edges), ALiBi on every other
+    one, each alignment, on a few CTAs."""
+    alibi = (MODES.index(mode) + WINDOWS.index(window)) % 2 == 1
+    case = window_alibi_case(9300, mode, window, alibi)
+    run_case(case, request.node.nodeid, persistent=_grid(case.seed))
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("side", PAD_SIDES)
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_persistent_padding(mode, side, d, request):
+    """Padding on q, kv or both (empty sequences: work tiles with nothing to load, which still write
+    zeros and pass their Q slot on), every alignment, NaN in the padding rows, on a few CTAs."""
+    seed = 9600 + 100 * MODES.index(mode) + 10 * PAD_SIDES.index(side) + d % 7
+    s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
+    case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
+                      layout="bshd")
+    run_case(case, request.node.nodeid, lens=pad_case(case, side, seed), persistent=_grid(seed))
+
+
+@pytest.mark.parametrize("window", PAD_WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_persistent_padding_window(mode, window, request):
+    """Padding on both sides with sliding windows (tiles whose band starts past len_kv) and ALiBi on
+    every other one, on a few CTAs."""
+    seed = 9800 + 100 * MODES.index(mode) + 10 * PAD_WINDOWS.index(window)
+    s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
+    case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
+                      layout="bshd", window=window, alibi=seed % 2 == 1)
+    run_case(case, request.node.nodeid, lens=pad_case(case, "both", seed), persistent=_grid(seed))
+
+
+def test_gluon_fwd_persistent_repeat():
+    """The dynamic tile counter across launches of different sizes on one stream and on a second
+    stream (each launch must leave it 0): outputs bit-identical to the one-tile grid's every time."""
+    from fusedattn.backends.gluon.fwd_sm90 import launch_fwd_sm90
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    side = torch.cuda.Stream()
+    for it, (b, s, ctas) in enumerate([(2, 900, 5), (1, 300, 7), (3, 1000, None), (2, 900, 5), (1, 130, 2)]):
+        mk = lambda h: torch.randn(b, h, s, 128, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+        q, k, v = mk(4), mk(2), mk(2)
+        p, _ = make_problem(q, k, v, causal=True)
+        ref = torch.full_like(q, float("nan"))
+        launch_fwd_sm90(p, q, k, v, ref, None, persistent=False)
+        stream = side if it % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                got = torch.full_like(q, float("nan"))
+                launch_fwd_sm90(p, q, k, v, got, None, persistent=True, ctas=ctas)
+                torch.cuda.current_stream().synchronize()
+                assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"launch {it} (b={b}, s={s})"
+

@@ -1,11 +1,16 @@
 """Compile the Gluon sm_90 forward kernel with no GPU, and show what matters in its SASS.
 
     python tools/gluon_check.py [D] [CAUSAL] [dtype] [pingpong|plain] [BLOCK_N|-] [window] [alibi] [seq_q] [seq_kv]
-    e.g. ... 256 1 bf16 plain 32, or ... 128 1 bf16 plain - window alibi, or ... 128 0 bf16 plain - seq_q seq_kv
+                                [persistent] [static]
+    e.g. ... 256 1 bf16 plain 32, or ... 128 1 bf16 plain - window alibi, or ... 128 0 bf16 plain - seq_q seq_kv,
+    or ... 128 1 bf16 plain - persistent
+    python tools/gluon_check.py spills     # spill bytes of every persistent variant (one-tile grid beside)
 
 D is the head dim (64, 128, 224, 256); 224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the
 same one as 256. BLOCK_N overrides fwd_sm90.TILES (stages then keep the same shared memory).
 seq_q / seq_kv compile the padded kernel (per-batch lengths, HAS_SEQ_Q / HAS_SEQ_KV).
+persistent compiles the persistent grid (PERSISTENT, fwd_sm90.QSTAGES Q slots), with its dynamic
+tile counter unless static is given too.
 
 Prints registers/spills (ptxas -v on the PTX), shared memory, and for each loop of the SASS
 its instruction count and the order of its wgmma-related instructions (HGMMA issue,
@@ -30,7 +35,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
-                block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False):
+                block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
+                persistent=False, dynamic=True):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -46,11 +52,13 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
-           "win_left": "i32", "win_right": "i32"}
+           "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",
+           "HEAD_GROUP": "i32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
-                 CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong)
+                 CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
+                 PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d])
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
@@ -86,19 +94,46 @@ def loops(text):
             yield m.group(1), n, body
 
 
+def _spills(args):
+    """(args, spill report) of one compile_fwd(**args) (a process-pool worker of ``spill_survey``)."""
+    m = re.search(r"\d+ bytes spill stores, \d+ bytes spill loads", ptxas_report(compile_fwd(**args)))
+    return args, m.group(0) if m else "?"
+
+
+def spill_survey():
+    """Spills of the persistent grid's kernels (fwd_sm90 [Note] persistent grid: register pressure)
+    and of the one-tile grid's: head dims x masks (none, causal top-left / bottom-right, window,
+    ALiBi, window + ALiBi) x LSE or not x ping-pong, and the padded ones (q, kv, both; windowed)."""
+    from concurrent.futures import ProcessPoolExecutor
+    cases = []
+    for persistent in (True, False):
+        for d in (64, 128, 256):
+            for causal, br in ((False, False), (True, False), (True, True)):
+                for extra in ({}, dict(write_lse=False), dict(pingpong=True), dict(window=True), dict(alibi=True),
+                              dict(window=True, alibi=True), dict(seq_q=True), dict(seq_kv=True),
+                              dict(seq_q=True, seq_kv=True), dict(seq_kv=True, window=True)):
+                    cases.append(dict(d=d, causal=causal, bottom_right=br, persistent=persistent, **extra))
+    with ProcessPoolExecutor(os.cpu_count()) as ex:
+        for args, rep in ex.map(_spills, cases):
+            print(" ".join(f"{k}={v}" for k, v in args.items()), "->", rep, flush=True)
+
+
 def main():
+    if sys.argv[1:2] == ["spills"]:
+        return spill_survey()
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
     block_n = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
-    extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv"
+    extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static"
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
-                    alibi="alibi" in extra, seq_q="seq_q" in extra, seq_kv="seq_kv" in extra)
+                    alibi="alibi" in extra, seq_q="seq_q" in extra, seq_kv="seq_kv" in extra,
+                    persistent="persistent" in extra, dynamic="static" not in extra)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)
-    with open(f"/tmp/gluon_fwd_d{d}_c{int(causal)}.sass", "w") as f:
+    with open(f"/tmp/gluon_fwd_d{d}_c{int(causal)}{'_p' if 'persistent' in extra else ''}.sass", "w") as f:
         f.write(text)
     for label, n, body in loops(text):
         if n < 60:

@@ -80,6 +80,56 @@ len_kv - len_q of the sequence; rows past len_q and rows with no key write outpu
 * Q rows in [len_q, s_q) are in the tensor too; a score row depends only on its own Q row, so
   whatever they hold stays in their own rows, which the epilogue replaces by 0 (output, LSE).
 
+[Note] persistent grid (compile-time ``PERSISTENT``; ``launch_fwd_sm90(persistent=...)``, defaults
+in ``PERSISTENT``). The one-tile grid runs (cdiv(s_q, 128), b * h_q) CTAs, one per SM at a time
+(shared memory), and each pays a bubble: launch, barrier init, the Q load and the first K/V load
+before its first wgmma, and its output store with nothing under it. The persistent grid launches
+min(#SMs, #tiles) CTAs that loop over work tiles (query tile, batch * head):
+* Order (``_work_tile``): groups of HEAD_GROUP (batch, head) pairs, about one wave of tiles each
+  (#SMs // query tiles per head), one group after the other; inside a group the query tile is the
+  slow index (descending for a causal-like band: the longest rows first) and the head the fast one,
+  so the CTAs that run together share a few heads' K/V in L2.
+* Hand-out (``_next_tile``): each CTA starts on tile pid; the producer then takes tickets from a
+  global counter (one relaxed atomic per tile; the launch's last ticket resets it to 0), so a CTA
+  that drew short tiles takes more of them: greedy, longest first. A static hand-out (tile + nprog,
+  ``DYNAMIC`` False) balances causal work badly (a model of b4 h32 s2k put its busiest CTA at 1.5x
+  the mean; measured: bench/GLUON_NOTES.md).
+* The producer posts each tile's number in a small shared-memory slot next to its Q slot before
+  arriving on that slot's ready barrier; the consumers read it after the wait (an mbarrier arrive
+  releases the thread's earlier shared-memory stores) and work out the same tile geometry. A
+  number >= #tiles ends them. Tiles with nothing to load (padding) still get a Q slot, arrived on
+  without data, so the consumers write their zeros in order.
+* The K/V ring's count goes on across work tiles (slot and phase of ring position r: r % STAGES,
+  (r // STAGES) & 1), so the next tile's first K/V tiles load while the consumers finish the
+  current one. Q has its own ring per consumer warpgroup (``QSTAGES``; ready per warpgroup, empty
+  with one arrival from each): at d <= 128 two slots, so tile i+1's Q loads under tile i; each
+  slot also stages its tile's output for the TMA store, and goes back to the producer once that
+  store has read it (tma.store_wait), during the next tile, after its first QK^T. At d = 256 two
+  slots do not fit (256 KB): one slot, handed back right after the output store has read it.
+* Every work tile runs the same instructions as on the one-tile grid, so outputs are bit-identical
+  (tests/test_gluon_fwd.py checks it on every persistent case).
+Register pressure: consumer warpgroup 0 runs in the default partition, which inherits every
+shared-memory view as a live value; values kept across the tile loop made ptxas spill there. The
+inner loops therefore run over the ring's own count (no extra register for the ring offset: the key
+offset is shifted instead, ``_fwd_attend``), and the epilogue re-derives its coordinates from the
+tile number in shared memory. ``python tools/gluon_check.py spills``: the plain and causal kernels
+(d 64/128/256, either alignment, with or without LSE or ping-pong) and the padded d64/d128 ones
+have no spills; the windowed ones spill (at d128 the shared-memory base is reloaded once per
+iteration in two loops), padded d256 spills, and ALiBi without a mask spills heavily (728 bytes at
+d128), so the defaults leave those on the one-tile grid (whose 90 variants there have none).
+Outcome, prediction -> measured (H100, bf16, bench/gluon_sweep.py --persistent, two runs; in the
+second, a variant's three rounds spread by up to 9%, and by 19% / 23% on the 8k no-mask / 16k
+causal configs; bench/GLUON_NOTES.md):
+b4 h32 s2k d128 causal, whose ~1.5 us bubble per ~19 us CTA predicted +8%: +1.5% and +3.5% (472 ->
+479, 445 -> 461 TFLOP/s); what stays is each tile's pipeline fill and drain (its first QK^T and
+softmax with nothing under them, its last PV alone), which a persistent grid does not remove.
+Window (1024, 0) b2 h16 s8k: +4% and +9% (442 -> 459, 418 -> 454). Short, cheap tiles gain most:
+d64 b8 h12 s1k +19..21% (causal 184 -> 221, no mask 302 -> 366), d256 causal s4k +8..9%. Long rows
+(16k causal, GQA 4k causal) moved -4..+3%, within the spread. Among hand-outs, the static one lost
+25..33% under causal (2k 472 -> 352, d256 619 -> 413) and strictly longest-first across all heads
+(one head group) lost 33% at 2k (L2: every wave then reads 132 heads' K/V); head groups of 4 or 16
+were not better than the default beyond the spread.
+
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
 d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
@@ -128,6 +178,21 @@ PINGPONG = {64: False, 128: False, 256: False}
 # within TILE_D). d=224/256: H100, bench/gluon_sweep.py, 1.33-1.41x our Triton forward
 # (bench/GLUON_NOTES.md); which dims are routed here is plan.py's choice (_GLUON_FWD_DIMS).
 SUPPORTED_DIMS = (64, 128, 224, 256)
+# (mask kind, tile width) -> launch_fwd_sm90 takes the persistent grid (module docstring, [Note]
+# persistent grid); mask kinds: "none", "causal" (either alignment), "window" (any other band),
+# "padded" (per-batch lengths with no mask or causal); never with ALiBi (``_persistent_default``). From the H100
+# (bench/gluon_sweep.py --persistent, two runs, TFLOP/s one-tile grid -> persistent): d64 +19..21%
+# (no mask and causal); d256 causal +8..9%; d128 no mask -2..+7% at 2k and +4% at 8k, causal 2k
+# +1.5..3.5% (16k and GQA 4k: -4..+3%, within the runs' spread), padded +1..7%. Off: d256 no mask
+# (-2.4 / +4%: no gain shown), windows (+4..9% measured at d128, but their persistent kernels
+# reload a spilled register inside the consumer loops), padded d64/d256 (not measured; d256 spills).
+PERSISTENT = {(kind, td): False for kind in ("none", "causal", "window", "padded") for td in (64, 128, 256)}
+PERSISTENT.update({("none", 64): True, ("causal", 64): True, ("none", 128): True, ("causal", 128): True,
+                   ("causal", 256): True, ("padded", 128): True})
+# (tile width) -> Q slots per consumer warpgroup on the persistent grid. Two let the next work
+# tile's Q load under the current one (Q 2 x 2 x 64 x D x 2 bytes: 64 KB at d=128, with the K/V
+# ring 192 KB); at 256-wide tiles two would need 256 KB, so the next Q waits for the last output.
+QSTAGES = {64: 2, 128: 2, 256: 1}
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 24    # the load warp
 
@@ -303,7 +368,8 @@ def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
 
 @gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, pin, turn, WG: gl.constexpr,
+              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, pin, turn, turn0,
+              WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
               STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
@@ -312,6 +378,12 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     alpha is tile j-1's rescale, applied to O just before O += P_{j-1} V_{j-1}; the returned
     alpha is tile j's. ``pin`` is the shared-memory slot that keeps the softmax ahead of the PV
     wait (module docstring, [Note] keeping the softmax under the PV wgmma).
+
+    j counts the K/V ring's stream: on the persistent grid it goes on across work tiles, and
+    kv0 is then the key offset of the work tile's first tile minus ring0 * BLOCK_N (ring0: the
+    tiles that went through the ring before it), so that n0 = kv0 + j * BLOCK_N is still the
+    tile's first key. turn0 + j - 1 counts the ping-pong steps taken before this one (turn0 = 0
+    on the one-tile grid).
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
@@ -324,7 +396,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         # warpgroup 0 waits for step j-1 of warpgroup 1 (its first passes: the parity of the
         # phase before a fresh barrier's first counts as complete); step j of warpgroup 1 waits
         # for step j of warpgroup 0.
-        mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 - WG))
+        mbarrier.wait(turn.index(WG), ((turn0 + j - 1) & 1) ^ (1 - WG))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
@@ -394,19 +466,26 @@ def _zero_landed_rows(tile, tile_ready, other, other_ready, phase, n_valid):
 
 
 @gluon.jit
-def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
-                  HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer warpgroup WG: the online softmax of query rows [start_m + 64 * WG, +64) over key
-    tiles [t_lo, t_hi) (``_kv_range``); step j works on tile t_lo + j. Keys j >= len_kv are masked
-    (len_kv = S_KV unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes
-    zeros, and rows >= len_q are written as zeros (module docstring, [Note] padding)."""
-    WG_M: gl.constexpr = q_smem.shape[2]
-    HEAD_D: gl.constexpr = q_smem.shape[3]
-    dtype: gl.constexpr = q_smem.dtype
+def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, pin,
+                ring0, turn0, q_free, release, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left,
+                win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """The online softmax of one consumer warpgroup's 64 query rows (``rows``, first ``row0``, Q in
+    ``q_view`` [64, HEAD_D]) over key tiles [t_lo, t_hi) (``_kv_range``); key tile t_lo + j sits in
+    ring slot (ring0 + j) % STAGES (ring0: the K/V tiles of earlier work tiles; 0 on the one-tile
+    grid), turn0 counts the earlier ping-pong steps. Returns (o, m_i, l_i): the unnormalized output
+    [64, HEAD_D] fp32 (wgmma layout), the base-2 running max and the row sums.
+
+    q_ready: Q's ready barrier to wait on (phase 0), or None when the caller has waited already
+    (the persistent consumer, which reads its work tile under the same barrier). q_free / release
+    (persistent grid, 2 Q slots): once this tile's first QK^T is done, the previous work tile's Q
+    slot is handed back to the producer (after its output store has read it), so the next Q load
+    runs under this tile. Keys >= len_kv are masked; with padding a tile with n_tiles = 0
+    computes nothing and returns o = 0, l = 0 (the epilogue then writes zeros)."""
+    WG_M: gl.constexpr = q_view.shape[0]
+    HEAD_D: gl.constexpr = q_view.shape[1]
+    dtype: gl.constexpr = q_view.dtype
     # wgmma layouts of one warpgroup: scores [64, BLOCK_N] and output [64, HEAD_D] accumulators
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -416,70 +495,90 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    row0 = start_m + WG * WG_M
-    rows = row0 + gl.arange(0, WG_M, layout=row_s)   # global query row of each accumulator row
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([WG_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([WG_M], gl.float32, row_s)
     o = gl.zeros([WG_M, HEAD_D], gl.float32, o_layout)
-    q_view = q_smem.reshape([WG_M, HEAD_D])
-    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    # with padding a CTA may have nothing to compute (n_tiles = 0: _attn_fwd_sm90); it keeps
+    # with padding a CTA may have nothing to compute (n_tiles = 0: _cta_tiles); it keeps
     # o = 0, l = 0 and the epilogue writes zeros. Without padding this is a compile-time True.
     compute = True
-    if HAS_SEQ_Q or HAS_SEQ_KV:
+    if PADDED:
         compute = n_tiles > 0
     if compute:
-        mbarrier.wait(q_bar, 0)
+        if q_ready is not None:
+            mbarrier.wait(q_ready, 0)
 
         # prologue: tile t_lo (always through the masked path; it may be partial or empty)
         kv0 = t_lo * BLOCK_N
         alibi_col = 0.0
         if HAS_ALIBI:
             alibi_col = _alibi_cols(slope2, kv0, row0, zero_s)
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q_view, _kv_view(k_smem, 0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
+        slot0 = ring0 % STAGES
+        mbarrier.wait(k_ready.index(slot0), (ring0 // STAGES) & 1)
+        s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(0))
+        mbarrier.arrive(k_empty.index(slot0))
+        if q_free is not None:
+            if release:
+                # the previous work tile's output store (from its Q slot) has long been issued;
+                # once it has read shared memory the slot may take the next Q
+                tma.store_wait(0)
+                mbarrier.arrive(q_free)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
                                            alibi_col, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
-        # steps (tile - t_lo): the band's masked left edge, the mask-free middle, the masked right edge
-        for j in range(1, t_a - t_lo):
+        # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
+        # mask-free middle, the masked right edge. The loops run over the ring's own count, with
+        # the key offset shifted to match (kvr), so that ring0 costs no register inside them.
+        kvr = kv0 - ring0 * BLOCK_N
+        turn_r = turn0 - ring0
+        for j in range(ring0 + 1, ring0 + t_a - t_lo):
             o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, len_kv, diag,
-                                              win_left, win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT,
-                                              HAS_ALIBI, STAGES, PINGPONG)
-        for j in range(t_a - t_lo, t_b - t_lo):
+                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
+                                              win_left, win_right, slope2, pin, turn, turn_r, WG, True,
+                                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
+        for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, len_kv, diag,
-                                              win_left, win_right, slope2, pin, turn, WG, False, HAS_LEFT, HAS_RIGHT,
-                                              HAS_ALIBI, STAGES, PINGPONG)
-        for j in range(t_b - t_lo, t_hi - t_lo):
+                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
+                                              win_left, win_right, slope2, pin, turn, turn_r, WG, False,
+                                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
+        for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
-                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kv0, len_kv, diag,
-                                              win_left, win_right, slope2, pin, turn, WG, True, HAS_LEFT, HAS_RIGHT,
-                                              HAS_ALIBI, STAGES, PINGPONG)
+                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
+                                              win_left, win_right, slope2, pin, turn, turn_r, WG, True,
+                                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
 
         # last PV product
-        last = t_hi - t_lo - 1
+        last = ring0 + t_hi - t_lo - 1
         slot = last % STAGES
         mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
         if HAS_SEQ_KV:
-            # the last tile is the only one that can reach past len_kv (_attn_fwd_sm90); its V rows
+            # the last tile is the only one that can reach past len_kv (_cta_tiles); its V rows
             # there are padding that TMA loaded (it zero-fills only past S_KV): P is 0 on them, but
-            # 0 * NaN would still poison O
+            # 0 * NaN would still poison O. (Persistent grid: the producer refills this slot only
+            # after both warpgroups' PV products, v_empty, so the zeros stay until both are done.)
             _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         o_tok = warpgroup_mma(p, _kv_view(v_smem, slot, BLOCK_N, HEAD_D), o, is_async=True)
         o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
         mbarrier.arrive(v_empty.index(slot))
+    return o, m_i, l_i
 
-    # epilogue: normalize (empty rows give 0), store through the (now free) Q buffer with TMA,
-    # which clips rows >= S_Q
+
+@gluon.jit
+def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
+               len_q, slope2, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
+    """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
+    store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
+    once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
+    with plain stores. Returns with the TMA store in flight (the caller waits: tma.store_wait)."""
+    WG_M: gl.constexpr = stage.shape[2]
+    HEAD_D: gl.constexpr = stage.shape[3]
+    o_layout: gl.constexpr = o.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     ok = l_o > 0.0
     if HAS_SEQ_Q:
@@ -489,9 +588,9 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     if HAS_SEQ_Q:
         # rows >= len_q ran on padding rows of Q, which may hold NaN or inf (0 * NaN is NaN)
         out = gl.where(ok[:, None], out, 0.0)
-    q_view.store(out.to(dtype))
+    stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], q_smem)
+    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], stage)
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores; 0 for empty rows and rows >= len_q
         ok_s = l_i > 0.0
@@ -503,6 +602,33 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
         lse = gl.where(ok_s, lse2 * LN2, 0.0)
         base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         gl.store(base + rows.to(gl.int64) * stride_lm, lse, mask=rows < S_Q)
+
+
+@gluon.jit
+def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                  o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
+                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr,
+                  HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
+    [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
+    through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
+    unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes zeros, and
+    rows >= len_q are written as zeros (module docstring, [Note] padding)."""
+    WG_M: gl.constexpr = q_smem.shape[2]
+    HEAD_D: gl.constexpr = q_smem.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    row0 = start_m + WG * WG_M
+    rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))   # global query row of each accumulator row
+    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    o, m_i, l_i = _fwd_attend(WG, q_smem.reshape([WG_M, HEAD_D]), q_bar, k_smem, v_smem, k_ready, k_empty, v_ready,
+                              v_empty, turn, pin, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
+                              len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
+                              HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, BLOCK_N, STAGES, PINGPONG)
+    _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
+               len_q, slope2, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q)
     tma.store_wait(0)
 
 
@@ -517,23 +643,12 @@ def _seq_length(SEQ, batch, S, HAS_SEQ: gl.constexpr):
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, SEQ_Q, SEQ_KV,
-                   H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                   BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
-                   REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
-    WG_M: gl.constexpr = q_desc.block_type.shape[2]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_M: gl.constexpr = 2 * WG_M
-    dtype: gl.constexpr = q_desc.dtype
-    PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
-
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    if REVERSE_M:
-        # causal: the longest rows (last tiles) start first, so the tail of the grid is short
-        pid_m = gl.num_programs(0) - 1 - pid_m
+def _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT: gl.constexpr,
+              HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+              HAS_SEQ_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Where work tile (query tile pid_m, batch * H_Q + head = bh) sits and which key tiles it
+    visits: (batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles)
+    (``_cta_tiles``; diag: the band's diagonal offset, len_kv - len_q under bottom-right)."""
     batch = bh // H_Q
     head = bh % H_Q
     kv_head = head // GROUP
@@ -544,23 +659,251 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     if BOTTOM_RIGHT:
         diag = len_kv - len_q      # bottom-right: each sequence's own lengths
     t_lo, t_a, t_b, t_hi, n_tiles = _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT,
-                                               HAS_RIGHT, PADDED, BLOCK_M, BLOCK_N)
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
+                                               HAS_RIGHT, HAS_SEQ_Q or HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+    return batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles
 
-    q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
-    q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+
+# ----------------------------------------------------------------------------------------------
+# persistent grid (PERSISTENT; module docstring, [Note] persistent grid)
+
+@gluon.jit
+def _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M: gl.constexpr):
+    """Work tile number -> (pid_m, bh) on the persistent grid. Tiles run in groups of HEAD_GROUP
+    (batch, head) pairs (the last group may be smaller), each group's tiles one after the
+    other; inside a group the query tile is the slow index (descending under REVERSE_M: the
+    longest rows of a causal-like band first) and the head the fast one. Tiles that run at the
+    same time then share a few heads' K/V in L2, and the short tiles come last."""
+    per_group = HEAD_GROUP * N_M
+    g = tile // per_group
+    r = tile - g * per_group              # position inside the group
+    bh0 = g * HEAD_GROUP
+    size = gl.minimum(HEAD_GROUP, N_BH - bh0)
+    m_idx = r // size
+    bh = bh0 + (r - m_idx * size)
+    pid_m = m_idx
+    if REVERSE_M:
+        pid_m = N_M - 1 - m_idx
+    return pid_m, bh
+
+
+@gluon.jit
+def _next_tile(tile, COUNTER, total, DYNAMIC: gl.constexpr):
+    """The producer's next work tile after ``tile`` (>= total: none left).
+
+    Static: tile + nprog. Dynamic: the next ticket of the launch's tile counter (an int32 in
+    global memory, 0 at launch): tiles nprog, nprog + 1, ... go to whichever CTA asks first, so
+    a CTA that drew short tiles takes more of them (greedy, longest first). Each launch takes
+    exactly ``total`` tickets (total - nprog tiles and one past the end per CTA), so the CTA that
+    draws ticket total - 1, the launch's last, resets the counter to 0 for the next launch (the
+    kernel boundary orders that store before the next launch's atomics)."""
+    nprog = gl.num_programs(0)
+    nxt = tile + nprog
+    if DYNAMIC:
+        # one lane of the (1-warp) producer takes the ticket; a warp reduction hands it to every lane
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, layout=lay)
+        ptrs = COUNTER + lane * 0
+        # relaxed: the counter publishes no data, it only has to hand out each ticket once
+        old = gl.atomic_add(ptrs, gl.full([32], 1, gl.int32, lay), mask=lane == 0, sem="relaxed")
+        ticket = gl.max(gl.where(lane == 0, old, 0), 0)
+        gl.store(ptrs, gl.zeros([32], gl.int32, lay), mask=(lane == 0) & (ticket == total - 1))
+        nxt = nprog + ticket
+    return nxt
+
+
+@gluon.jit
+def _post_tile(slot, tile):
+    """The producer writes the work tile number into ``slot`` ([1] int32 shared memory); the
+    consumers read it (``_take_tile``) after the Q ready barrier that the producer arrives on next
+    (an mbarrier arrive releases the thread's earlier shared-memory stores)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    slot.store(gl.full([1], tile, gl.int32, lay))
+
+
+@gluon.jit
+def _take_tile(slot, ready, phase):
+    """A consumer's next work tile: wait for its Q ready barrier, then read the number the
+    producer posted in ``slot`` (``_post_tile``)."""
+    mbarrier.wait(ready, phase)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.sum(slot.load(lay), 0)
+
+
+@gluon.jit
+def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
+                      n_tiles, ring0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """``_kv_ring_loads`` continuing a ring stream in which ring0 tiles went before (persistent
+    grid): key tile t_lo + j goes to slot (ring0 + j) % STAGES."""
+    for j in range(n_tiles):
+        it = ring0 + j
+        slot = it % STAGES
+        phase = ((it // STAGES) & 1) ^ 1      # a fresh barrier's "previous" phase counts as complete
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
+                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV, H_Q,
+                             GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                             REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
+                             DYNAMIC: gl.constexpr):
+    """Load warp of the persistent grid. For each work tile (i-th of this CTA): wait until Q slot
+    i % QSTAGES is free (both consumers' q_empty), post the tile number there, load the two Q
+    halves onto q_ready0 / q_ready1 (or, for a tile with nothing to load, arrive on them
+    without data), then stream its K/V tiles through the ring, whose count continues across
+    work tiles. After the last tile it posts a number >= total, which ends the consumers."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_M: gl.constexpr = 2 * WG_M
+    total = N_M * N_BH
+    tile = gl.program_id(0)
+    i = 0
+    ring = 0
+    while tile < total:
+        pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
+        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
+            pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+        qs = i % QSTAGES
+        mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)
+        _post_tile(tile_smem.index(qs), tile)
+        if n_tiles > 0:
+            # coordinates are [batch, head, row, column] of the 4-D views
+            mbarrier.expect(q_ready0.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_ready0.index(qs),
+                                            q_smem0.index(qs))
+            mbarrier.expect(q_ready1.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_ready1.index(qs),
+                                            q_smem1.index(qs))
+        else:
+            mbarrier.arrive(q_ready0.index(qs))
+            mbarrier.arrive(q_ready1.index(qs))
+        _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
+                          n_tiles, ring, BLOCK_N, STAGES)
+        ring += n_tiles
+        i += 1
+        tile = _next_tile(tile, COUNTER, total, DYNAMIC)
+    # the end: a tile number past the last tells both consumers to stop
+    qs = i % QSTAGES
+    mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)
+    _post_tile(tile_smem.index(qs), total)
+    mbarrier.arrive(q_ready0.index(qs))
+    mbarrier.arrive(q_ready1.index(qs))
+
+
+@gluon.jit
+def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                             k_empty, v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale, win_left,
+                             win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                             REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
+                             PINGPONG: gl.constexpr):
+    """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
+    i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
+    one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
+    slot. The Q slot goes back to the producer (q_empty) once the output store has read it:
+    with 2 slots during the next tile (after its first QK^T), so that tile's successor's Q
+    loads under it; with 1 slot right after the store (the next Q load then waits for it)."""
+    WG_M: gl.constexpr = q_smem.shape[3]
+    HEAD_D: gl.constexpr = q_smem.shape[4]
+    BLOCK_M: gl.constexpr = 2 * WG_M
+    PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    total = N_M * N_BH
+    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    i = 0          # work tiles done by this CTA
+    ring = 0       # K/V tiles consumed so far (the ring's count)
+    steps = 0      # ping-pong turns taken so far (one per key tile after each work tile's first)
+    tile = _take_tile(tile_smem.index(0), q_ready.index(0), 0)
+    while tile < total:
+        qs = i % QSTAGES
+        pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
+        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
+            pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
+        row0 = start_m + WG * WG_M
+        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+        stage = q_smem.index(qs)
+        # with 2 Q slots, the previous tile's slot is released during this one (_fwd_attend)
+        prev_free = q_empty.index((i + QSTAGES - 1) % QSTAGES)
+        o, m_i, l_i = _fwd_attend(WG, stage.reshape([WG_M, HEAD_D]), None, k_smem, v_smem, k_ready, k_empty,
+                                  v_ready, v_empty, turn, pin, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
+                                  rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
+                                  slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV, BLOCK_N,
+                                  STAGES, PINGPONG)
+        if PADDED:
+            if (QSTAGES == 2) & (i > 0) & (n_tiles == 0):
+                # an empty tile ran no QK^T, so _fwd_attend released nothing
+                tma.store_wait(0)
+                mbarrier.arrive(prev_free)
+        # the epilogue's coordinates are worked out again from the tile number, which is still in
+        # its slot (the producer rewrites it only after this tile's Q slot is released): a
+        # shared-memory read is not merged with the first, so none of them stays live across the
+        # loops above (module docstring, [Note] persistent grid: register pressure)
+        tile = gl.sum(tile_smem.index(qs).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+        pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
+        batch = bh // H_Q
+        head = bh % H_Q
+        row0 = pid_m * BLOCK_M + WG * WG_M
+        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+        len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+        if HAS_ALIBI:
+            slope2 = gl.load(SLOPES + head) * 1.4426950408889634
+        _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
+                   len_q, slope2, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q)
+        if QSTAGES == 1:
+            # the only Q slot holds this output until the store has read it
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(0))
+        ring += n_tiles
+        if PINGPONG:
+            steps += gl.maximum(n_tiles - 1, 0)
+        i += 1
+        tile = _take_tile(tile_smem.index(i % QSTAGES), q_ready.index(i % QSTAGES), (i // QSTAGES) & 1)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, SEQ_Q, SEQ_KV,
+                   H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+                   PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2):
+    """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
+    (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
+    nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
+    nprog) or, DYNAMIC, from the tile counter COUNTER (int32, 0 at launch, left 0); QSTAGES Q
+    slots per consumer warpgroup (1 or 2). COUNTER, N_M, N_BH and HEAD_GROUP are unused by the
+    one-tile grid."""
+    WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = 2 * WG_M
+    dtype: gl.constexpr = q_desc.dtype
+    PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
+
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
-    mbarrier.init(q_bar.index(1), count=1)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
@@ -570,20 +913,72 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
 
-    gl.warp_specialize([
-        # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
-        (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                         n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT,
-                         HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, PINGPONG)),
-        (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                         n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT,
-                         HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, PINGPONG)),
-        # the load warp (warp 8)
-        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                         v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, BLOCK_N, STAGES, PADDED)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if PERSISTENT:
+        # per consumer warpgroup a ring of QSTAGES Q halves (each also stages its tile's output),
+        # the work tile number of each slot, and the slots' ready (per warpgroup) / empty barriers
+        q_smem0 = gl.allocate_shared_memory(dtype, [QSTAGES, 1, 1, WG_M, HEAD_D], q_desc.layout)
+        q_smem1 = gl.allocate_shared_memory(dtype, [QSTAGES, 1, 1, WG_M, HEAD_D], q_desc.layout)
+        tile_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_ready0 = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
+        q_ready1 = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(QSTAGES):
+            mbarrier.init(q_ready0.index(i), count=1)
+            mbarrier.init(q_ready1.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)
+        gl.warp_specialize([
+            (_fwd_consumer_persistent, (0, q_smem0, tile_smem, k_smem, v_smem, q_ready0, q_empty, k_ready, k_empty,
+                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                                        SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
+                                        win_left, win_right, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE,
+                                        REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
+            (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
+                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                                        SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
+                                        win_left, win_right, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE,
+                                        REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
+            (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
+                                        q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
+                                        H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, HAS_LEFT,
+                                        HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES,
+                                        QSTAGES, DYNAMIC)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        if REVERSE_M:
+            # causal: the longest rows (last tiles) start first, so the tail of the grid is short
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
+            pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
+
+        q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+        q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar.index(0), count=1)
+        mbarrier.init(q_bar.index(1), count=1)
+
+        gl.warp_specialize([
+            # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
+            (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
+                             o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
+                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale,
+                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES,
+                             PINGPONG)),
+            (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
+                             o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
+                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale,
+                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES,
+                             PINGPONG)),
+            # the load warp (warp 8)
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
+                             v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, BLOCK_N, STAGES,
+                             PADDED)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -694,39 +1089,94 @@ def _desc(t, rows) -> TensorDescriptor:
     return _tma(t, rows).descriptor()
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index) -> int:
+    """Streaming multiprocessors of the GPU: the persistent grid's size (one CTA per SM)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_COUNTERS = {}
+
+
+def _tile_counter(device) -> torch.Tensor:
+    """The dynamic persistent grid's tile counter: int32 [1], 0 between launches (each launch
+    leaves it 0: ``_next_tile``). One per (device, stream): launches on one stream run one after
+    another, so they can share it, launches on two streams may overlap and must not. (Graphs
+    captured on one stream and replayed concurrently on several would share it: not supported.)"""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return c
+
+
+def _persistent_default(p) -> bool:
+    """Whether ``launch_fwd_sm90`` takes the persistent grid when not told (``PERSISTENT``; never
+    with ALiBi, whose persistent kernels spill in the consumer loops: tools/gluon_check.py)."""
+    if p.alibi is not None:
+        return False
+    band = p.band
+    if band is None:
+        kind = "none"
+    elif band.left is None and band.right == 0:
+        kind = "causal"
+    else:
+        kind = "window"
+    if (p.has_seq_len_q or p.has_seq_len_kv) and kind != "window":
+        kind = "padded"       # padded with no mask or causal; a padded window counts as a window
+    return PERSISTENT[(kind, TILE_D[p.d])]
+
+
 def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, block_n=None,
-                    stages=None, pingpong=None):
+                    stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
     (any strides) or None; slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi;
     seq_len_q / seq_len_kv: int32 [b] lengths when p.has_seq_len_q / p.has_seq_len_kv (padding:
     rows past len_q are written as 0, keys past len_kv are masked). Writes out and lse in place.
 
-    block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); for tuning.
+    block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); persistent (the
+    persistent grid, default ``PERSISTENT`` per mask kind and head dim), dynamic (its tile
+    counter, default on) and head_group (heads per group of its tile order, default: about one
+    wave's worth, ``_work_tile``) likewise; ctas caps the persistent grid's size (tests: a few
+    CTAs then run many work tiles each); for tuning.
     """
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
     pingpong = PINGPONG[td] if pingpong is None else pingpong
+    persistent = _persistent_default(p) if persistent is None else persistent
     band = p.band
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
-    grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
+    n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
+    if persistent:
+        n_sm = _sm_count(q.device.index)
+        grid = (min(ctas or n_sm, n_m * n_bh), )
+        # the tiles of about one wave (n_sm CTAs) share their heads' K/V in L2 (_work_tile)
+        head_group = head_group or max(1, min(n_bh, grid[0] // n_m))
+        counter = _tile_counter(q.device)
+    else:
+        grid = (n_m, n_bh)
+        head_group = 1
+        counter = lse_arg
     launch(
         _attn_fwd_sm90, grid,
         _tma(q, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(out, WG_M), lse_arg, *lse_strides,
         slopes if p.alibi is not None else lse_arg,
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
+        counter, n_m, n_bh, head_group,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
         WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
+        PERSISTENT=bool(persistent), DYNAMIC=True if dynamic is None else bool(dynamic), QSTAGES=QSTAGES[td],
         num_warps=4,
     )
     return out, lse
