@@ -38,9 +38,21 @@ def test_make_problem_memo_returns_fresh_extras_and_still_validates():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: direct-launch test skipped")
 @pytest.mark.parametrize("causal", [False, True])
-def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal):
+def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal, monkeypatch):
     """The second call with the same metadata takes the direct path (a cache entry exists before
-    it); new data, a new layout and a misaligned view must all still give the right answer."""
+    it); new data, a new layout and a misaligned view must all still give the right answer. The
+    Triton kernels' launchers: the Gluon ones are turned off (they would take the d=64 forward)."""
+    from fusedattn import plan as plan_mod
+    monkeypatch.setenv("FUSEDATTN_GLUON", "0")
+    plan_mod._plan_cached.cache_clear()
+    try:
+        _repeat_calls_check(causal)
+    finally:
+        monkeypatch.delenv("FUSEDATTN_GLUON")
+        plan_mod._plan_cached.cache_clear()
+
+
+def _repeat_calls_check(causal):
     torch.manual_seed(0)
     b, h, s, d = 2, 4, 200, 64
 
@@ -309,6 +321,37 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
     assert [len(x.cache) for x in launchers] == entries
     assert all(x.direct_launches > n for x, n in zip(launchers, direct)), "the repeat call went through the JIT"
     check("bhsd")                                        # new strides: same specialization, still right
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")
+def test_persistent_forward_first_launched_inside_a_graph_capture():
+    """The persistent forward's tile counter is never made inside a CUDA-graph capture (it would live in
+    the graph's private pool): a stream's first launch under capture takes the one-tile grid; replays
+    match the eager (persistent) result bit for bit and the reference."""
+    from fusedattn.backends.gluon import fwd_sm90
+    torch.manual_seed(7)
+    mk = lambda: torch.randn(2, 700, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    q, k, v = mk(), mk(), mk()
+    p, _ = make_problem(q, k, v, causal=True)
+    assert fwd_sm90._persistent_default(p), "the test needs a problem whose default grid is persistent"
+    eager = fusedattn.attention_forward(q, k, v, causal=True)[0]
+    # compile the one-tile kernel outside the capture
+    fwd_sm90.launch_fwd_sm90(p, q, k, v, torch.empty_like(eager), None, persistent=False)
+    torch.cuda.synchronize()
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = fusedattn.attention_forward(q, k, v, causal=True)[0]
+    assert (q.device.index, stream.cuda_stream) not in fwd_sm90._COUNTERS
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    gold, _ = attention_reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), causal=True,
+                                  dtype=torch.float64)
+    base, _ = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=True, dtype=torch.bfloat16)
+    assert_error_within(captured.cpu(), gold, base, msg="captured persistent-default forward")
 
 
 def test_launch_delta_interpreter_or_gpu():

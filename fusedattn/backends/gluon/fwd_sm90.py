@@ -1102,10 +1102,15 @@ def _tile_counter(device) -> torch.Tensor:
     """The dynamic persistent grid's tile counter: int32 [1], 0 between launches (each launch
     leaves it 0: ``_next_tile``). One per (device, stream): launches on one stream run one after
     another, so they can share it, launches on two streams may overlap and must not. (Graphs
-    captured on one stream and replayed concurrently on several would share it: not supported.)"""
+    captured on one stream and replayed concurrently on several would share it: not supported.)
+    None when the stream has none yet and is capturing a CUDA graph: made inside the capture, the
+    counter would live in that graph's private memory pool (and its zeroing would be a captured
+    op), so a later launch could reach freed memory; the caller then takes the one-tile grid."""
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     c = _COUNTERS.get(key)
     if c is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
         c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return c
 
@@ -1153,16 +1158,18 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
+    dynamic = True if dynamic is None else bool(dynamic)
+    counter = _tile_counter(q.device) if persistent and dynamic else lse_arg
+    if counter is None:          # first launch on a capturing stream: no counter to share (_tile_counter)
+        persistent, counter = False, lse_arg
     if persistent:
         n_sm = _sm_count(q.device.index)
         grid = (min(ctas or n_sm, n_m * n_bh), )
         # the tiles of about one wave (n_sm CTAs) share their heads' K/V in L2 (_work_tile)
         head_group = head_group or max(1, min(n_bh, grid[0] // n_m))
-        counter = _tile_counter(q.device)
     else:
         grid = (n_m, n_bh)
         head_group = 1
-        counter = lse_arg
     launch(
         _attn_fwd_sm90, grid,
         _tma(q, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(out, WG_M), lse_arg, *lse_strides,
@@ -1176,7 +1183,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
-        PERSISTENT=bool(persistent), DYNAMIC=True if dynamic is None else bool(dynamic), QSTAGES=QSTAGES[td],
+        PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td],
         num_warps=4,
     )
     return out, lse
