@@ -85,12 +85,9 @@ _BWD_DQ_SM90 = {
 # The Gluon sm_90 forward (backends/gluon/fwd_sm90.py: TMA producer warp, two consumer warpgroups,
 # QK^T and PV in flight under the softmax) at d = d_v in 128, 224, 256, fp16/bf16, no mask or causal.
 # H100 (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128, 1.31-1.41x at d224/256; at d64
-# 0.67-0.99x, so d64 stays on Triton.
+# 0.67-0.99x, so d64 stays on Triton (session 7: the persistent Gluon grid on the fp16 d64 anchor, eager
+# bench, 172 TFLOP/s against the Triton kernel's 343; bench/NOTES.md 38).
 _GLUON_FWD_DIMS = (128, 224, 256)
-# ... and at d=64 with no mask (no band, padding or ALiBi): the persistent Gluon grid (session 7,
-# bench/GLUON_NOTES.md) measured 365 TFLOP/s on b8 h12 s1024 against 343 for the Triton kernel (causal:
-# 221 against 235, so Triton keeps it)
-_GLUON_FWD_DIMS_UNMASKED = (64, 128, 224, 256)
 # Gluon backward (bench/GLUON_NOTES.md "Backward"): the dQ pass, then the Gluon dK/dV pass where it takes the
 # call, else the Triton one (functional._run_gluon_backward). d = d_v = 128: on the H100 the dQ pass runs
 # 1.12-1.26x and the dK/dV pass 1.03-1.29x our Triton passes. At d=64 they measured 0.90-0.92x (dQ) and
@@ -119,7 +116,7 @@ def choose_backend(backend: str, device_type: str) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype, device_type: str,
-                 short: bool, grouped: bool, unmasked: bool = False) -> Plan:
+                 short: bool, grouped: bool) -> Plan:
     backend = choose_backend(backend, device_type)
     if backend == "cpu":
         return Plan("cpu", None, None, None)
@@ -134,13 +131,10 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
         bwd = _BWD_SM90_GQA_D128 if grouped else bwd
     # where the Gluon forward is the faster choice; what it can compute is its own supports() at launch
     gluon = os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v
-    fwd_dims = _GLUON_FWD_DIMS_UNMASKED if unmasked else _GLUON_FWD_DIMS
-    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon and d in fwd_dims, gluon and d in _GLUON_BWD_DIMS)
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon and d in _GLUON_FWD_DIMS, gluon and d in _GLUON_BWD_DIMS)
 
 
 def plan(problem, backend: str = "auto") -> Plan:
     """The plan for ``problem``; cached on its static key, whether s_q is short and whether K/V heads are shared."""
     return _plan_cached(problem.static_key(), backend, problem.d, problem.d_v, problem.dtype,
-                        problem.device_type, problem.s_q <= _SHORT_ROWS, problem.group > 1,
-                        problem.band is None and problem.alibi is None
-                        and not (problem.has_seq_len_q or problem.has_seq_len_kv))
+                        problem.device_type, problem.s_q <= _SHORT_ROWS, problem.group > 1)
