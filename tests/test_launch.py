@@ -13,6 +13,22 @@ from fusedattn.testing import assert_error_within
 from conftest import HAS_CUDA
 
 
+def _check_against_reference(q, k, v, do, got, low, msg, **kw):
+    """Assert the 2x rule (fusedattn.testing.assert_error_within) for got = (out or None, dq, dk, dv)
+    against the float64 reference of attention(q, k, v, **kw) with upstream gradient do; ``low`` is
+    the same-precision baseline's dtype. Tensors in kw go to the CPU with the inputs."""
+    kw = {key: val.cpu() if isinstance(val, torch.Tensor) else val for key, val in kw.items()}
+    refs = {}
+    for dt in (torch.float64, low):
+        rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+        ro, _ = attention_reference(rq, rk, rv, dtype=dt, **kw)
+        ro.backward(do.cpu().to(dt))
+        refs[dt] = (ro, rq.grad, rk.grad, rv.grad)
+    for name, g, gold, base in zip(("out", "dq", "dk", "dv"), got, refs[torch.float64], refs[low]):
+        if g is not None:
+            assert_error_within(g.detach().cpu(), gold, base, msg=f"{name} {msg}")
+
+
 def test_pow2_and_cdiv_match_triton():
     import triton
     for n in list(range(1, 300)) + [1023, 1024, 1025]:
@@ -61,15 +77,8 @@ def _repeat_calls_check(causal):
         out = fusedattn.attention(qs, ks, vs, causal=causal)
         do = torch.randn_like(out)
         out.backward(do)
-        refs = {}
-        for dt in (torch.float64, torch.float16):
-            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-            ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=causal)
-            ro.backward(do.cpu().to(dt))
-            refs[dt] = (ro, rq.grad, rk.grad, rv.grad)
-        for name, got, gold, base in zip(("out", "dq", "dk", "dv"), (out, qs.grad, ks.grad, vs.grad),
-                                         refs[torch.float64], refs[torch.float16]):
-            assert_error_within(got.detach().cpu(), gold, base, msg=f"{name} causal={causal}")
+        _check_against_reference(q, k, v, do, (out, qs.grad, ks.grad, vs.grad), torch.float16, f"causal={causal}",
+                                 causal=causal)
 
     bshd = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2)  # noqa: E731
     check(bshd(), bshd(), bshd())
@@ -149,14 +158,7 @@ def test_plain_backward_args_remembered_interpreter_or_gpu():
         do = torch.randn(shape_q, device=device)
         out, stats = fusedattn.attention_forward(q, k, v, causal=True, return_stats=True, backend="triton")
         got = fusedattn.attention_backward(q, k, v, out, do, stats, causal=True, backend="triton")[:3]
-        refs = {}
-        for dt in (torch.float64, torch.float32):
-            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-            ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=True)
-            ro.backward(do.cpu().to(dt))
-            refs[dt] = (rq.grad, rk.grad, rv.grad)
-        for name, g, gold, base in zip(("dq", "dk", "dv"), got, refs[torch.float64], refs[torch.float32]):
-            assert_error_within(g.cpu(), gold, base, msg=name)
+        _check_against_reference(q, k, v, do, (None, *got), torch.float32, "plain backward", causal=True)
     assert any(key[0].s_q == 70 and key[0].s_kv == 45 for key in bwd._PLAIN_ARGS)
 
 
@@ -227,16 +229,7 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
                                         slopes=extras["slopes"], seq_len_q=extras["seq_len_q"],
                                         seq_len_kv=extras["seq_len_kv"])
     assert calls == ["launch_dq_sm90"] + ["launch_dkdv_sm90"] * gluon_dkdv, calls
-    refs = {}
-    for dt in (torch.float64, torch.bfloat16):
-        rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-        ro, _ = attention_reference(rq, rk, rv, dtype=dt, **{key: val.cpu() if isinstance(val, torch.Tensor) else val
-                                                            for key, val in kw.items()})
-        ro.backward(do.cpu().to(dt))
-        refs[dt] = (rq.grad, rk.grad, rv.grad)
-    for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],
-                                     refs[torch.bfloat16]):
-        assert_error_within(got.cpu(), gold, base, msg=f"{name} route={route}")
+    _check_against_reference(q, k, v, do, (None, qs.grad, ks.grad, vs.grad), torch.bfloat16, f"route={route}", **kw)
 
 
 @pytest.mark.gpu
@@ -268,15 +261,8 @@ def test_nondeterministic_backward_routing(causal, monkeypatch):
             torch.use_deterministic_algorithms(False)
         fused = not (deterministic or (deterministic is None and torch_flag)) and not causal
         assert calls == (["launch_bwd_fused_sm90"] if fused else ["launch_dq_sm90", "launch_dkdv_sm90"]), calls
-        refs = {}
-        for dt in (torch.float64, torch.bfloat16):
-            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-            ro, _ = attention_reference(rq, rk, rv, dtype=dt, causal=causal)
-            ro.backward(do.cpu().to(dt))
-            refs[dt] = (rq.grad, rk.grad, rv.grad)
-        for name, got, gold, base in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), refs[torch.float64],
-                                         refs[torch.bfloat16]):
-            assert_error_within(got.cpu(), gold, base, msg=f"{name} causal={causal} deterministic={deterministic}")
+        _check_against_reference(q, k, v, do, (None, qs.grad, ks.grad, vs.grad), torch.bfloat16,
+                                 f"causal={causal} deterministic={deterministic}", causal=causal)
 
 
 @pytest.mark.gpu
@@ -292,7 +278,6 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
     d, kw = GLUON_ROUTES[route]
     kw = {key: torch.tensor(val, dtype=torch.int32, device="cuda") if isinstance(val, list) else val
           for key, val in kw.items()}
-    ref_kw = {key: val.cpu() if isinstance(val, torch.Tensor) else val for key, val in kw.items()}
     torch.manual_seed(6)
 
     def check(layout):
@@ -303,15 +288,8 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
         out = fusedattn.attention(qs, ks, vs, deterministic=True, **kw)
         do = torch.randn_like(out)
         out.backward(do)
-        refs = {}
-        for dt in (torch.float64, torch.bfloat16):
-            rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
-            ro, _ = attention_reference(rq, rk, rv, dtype=dt, **ref_kw)
-            ro.backward(do.cpu().to(dt))
-            refs[dt] = (ro, rq.grad, rk.grad, rv.grad)
-        for name, got, gold, base in zip(("out", "dq", "dk", "dv"), (out, qs.grad, ks.grad, vs.grad),
-                                         refs[torch.float64], refs[torch.bfloat16]):
-            assert_error_within(got.detach().cpu(), gold, base, msg=f"{name} route={route} layout={layout}")
+        _check_against_reference(q, k, v, do, (out, qs.grad, ks.grad, vs.grad), torch.bfloat16,
+                                 f"route={route} layout={layout}", **kw)
 
     check("bshd")
     launchers = [_LAUNCHERS[fwd_sm90._attn_fwd_sm90], _LAUNCHERS[bwd_dq_sm90._attn_bwd_dq_sm90]]

@@ -150,6 +150,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..triton.launch import _current_raw_stream
 from .launch import Tma, launch
 
 LOG2E = 1.4426950408889634
@@ -281,21 +282,10 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
 @gluon.jit
 def _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producers' K/V stream (forward, dQ pass): K and V of key tile t_lo + j into ring slot
-    j % STAGES once the consumers freed it, K and V on separate ready/empty barriers."""
-    for j in range(n_tiles):
-        slot = j % STAGES
-        # the slot's empty barrier completes once per reuse; its first use waits on the parity
-        # of the phase before the barrier's first one, which counts as complete (no wait)
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
-                                        v_smem.index(slot))
+    """The producers' K/V stream of one work tile (forward, dQ pass): ``_kv_ring_loads_at`` from ring
+    slot 0."""
+    _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
+                      n_tiles, 0, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -732,12 +722,15 @@ def _take_tile(slot, ready, phase):
 @gluon.jit
 def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
                       n_tiles, ring0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """``_kv_ring_loads`` continuing a ring stream in which ring0 tiles went before (persistent
-    grid): key tile t_lo + j goes to slot (ring0 + j) % STAGES."""
+    """The producers' K/V stream: K and V of key tile t_lo + j into ring slot (ring0 + j) % STAGES once
+    the consumers freed it, K and V on separate ready/empty barriers. ring0: the tiles that went
+    through the ring before (0 for a one-tile grid; the persistent grid's count so far)."""
     for j in range(n_tiles):
         it = ring0 + j
         slot = it % STAGES
-        phase = ((it // STAGES) & 1) ^ 1      # a fresh barrier's "previous" phase counts as complete
+        # the slot's empty barrier completes once per reuse; its first use waits on the parity
+        # of the phase before the barrier's first one, which counts as complete (no wait)
+        phase = ((it // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
@@ -1106,7 +1099,8 @@ def _tile_counter(device) -> torch.Tensor:
     None when the stream has none yet and is capturing a CUDA graph: made inside the capture, the
     counter would live in that graph's private memory pool (and its zeroing would be a captured
     op), so a later launch could reach freed memory; the caller then takes the one-tile grid."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    # the raw stream handle, as the launcher gets it (a torch Stream object costs ~8 us a launch)
+    key = (device.index, _current_raw_stream(device.index))
     c = _COUNTERS.get(key)
     if c is None:
         if torch.cuda.is_current_stream_capturing():
