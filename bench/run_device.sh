@@ -9,6 +9,9 @@
 #   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
 #   probe          bench/padding_probe.py --profile: the padded config pass by pass, host time and profile
+#   fwd-ab         bench/fwd_ab.py: the Gluon forward against fusedattn/backends/gluon/fwd_base.py where
+#                  present (the command puts the commit to compare against there), else alone
+#   fused-sweep    bench/gluon_fused_sweep.py: single-pass vs two-pass backward at d=128
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
 #   bench-quick    the same with --quick (fewer repetitions)
@@ -148,6 +151,10 @@ for part in "${PARTS[@]}"; do
                            --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
         probe)         run_part probe python3 bench/padding_probe.py --profile ;;
+        fwd-ab)        if [ -f fusedattn/backends/gluon/fwd_base.py ]; then
+                           run_part fwd-ab python3 bench/fwd_ab.py --baseline fwd_base
+                       else run_part fwd-ab python3 bench/fwd_ab.py; fi ;;
+        fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
         bench-quick)   bench_part bench-quick --quick ;;

@@ -302,34 +302,42 @@ def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constex
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col,
+def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col, alibi_shift,
                   MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Online-softmax update for one score tile s (raw q.k, fp32, wgmma accumulator layout).
 
     Returns (p, m_new, l_new, alpha): p = exp2(t - m_new) (0 where masked) with t the base-2
     logit, and alpha = exp2(m_old - m_new), the factor that moves O and l onto the new running
-    max. ALiBi: t = s * qk_scale + alibi_col[j], the column half of slope * (j - i) measured
-    from the warpgroup's first row (the row half is constant per row, so it cancels in the
-    softmax; the consumer takes it out of the LSE at the end).
+    max. ALiBi: t = s * qk_scale + alibi_col[c] + alibi_shift for the tile's column c, i.e. the
+    column half of slope * (j - i) measured from the warpgroup's first row (the row half is
+    constant per row, so it cancels in the softmax; the consumer takes it out of the LSE at the
+    end), split into a loop-invariant vector (slope * c, ``_alibi_cols``) and the tile's scalar
+    (slope * (n0 - row0)); the scalar joins the per-row max instead of every score.
+    Instruction counts per thread and [64, 128] tile (tools/gluon_check.py): one FMA per score
+    for the exponent where the logit is a scaled score, one add more with ALiBi.
     """
     BLOCK_N: gl.constexpr = s.shape[1]
     if MASKED:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         if HAS_ALIBI:
-            s2 = gl.where(keep, s * qk_scale + alibi_col[None, :], float("-inf"))
+            t = gl.where(keep, s * qk_scale + alibi_col[None, :], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(t, 1) + alibi_shift)
+            # a row with no key yet keeps m = -inf; exponents then use 0 so no inf - inf arises
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(t - (m_safe - alibi_shift)[:, None])
         else:
-            s2 = gl.where(keep, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s2, 1))
-        # a row with no key yet keeps m = -inf; exponents then use 0 so no inf - inf arises
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s2 - m_safe[:, None])
+            # masked raw scores: -inf * qk_scale stays -inf, so the exponent is one FMA as below
+            s = gl.where(keep, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - m_safe[:, None])
     elif HAS_ALIBI:
         # one FMA per score for the logit, one subtract for the exponent
-        s2 = s * qk_scale + alibi_col[None, :]
-        m_new = gl.maximum(m_i, gl.max(s2, 1))
+        t = s * qk_scale + alibi_col[None, :]
+        m_new = gl.maximum(m_i, gl.max(t, 1) + alibi_shift)
         m_safe = m_new
-        p = gl.exp2(s2 - m_new[:, None])
+        p = gl.exp2(t - (m_new - alibi_shift)[:, None])
     else:
         # every key valid: the max of the raw scores times the (positive) scale, and one FMA
         # per score for the exponent
@@ -342,12 +350,37 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
 
 
 @gluon.jit
-def _alibi_cols(slope2, n0, row0, like):
-    """slope * (j - row0) in base 2 for the keys j of the tile at n0 (ALiBi's column half), in
-    the column layout of the score tile ``like``."""
+def _pack_p(p, dtype: gl.constexpr):
+    """P [64, BLOCK_N] fp32 -> [64, BLOCK_N // 2] int32, columns 2c and 2c + 1 as one 16-bit pair
+    (2c in the low half): the registers the PV wgmma takes its A operand in. The softmax carries
+    P across a step in this form (module docstring, [Note] packed P): carried as 16-bit values,
+    ptxas swapped the halves of every pair twice per step (64 PRMT per thread in the d128 loop)."""
+    lo, hi = p.reshape([p.shape[0], p.shape[1] // 2, 2]).split()
+    if dtype == gl.bfloat16:
+        pk = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
+                                       is_pure=True, pack=1)
+    else:
+        pk = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=gl.int32,
+                                       is_pure=True, pack=1)
+    return pk
+
+
+@gluon.jit
+def _unpack_p(pk, dtype: gl.constexpr, layout: gl.constexpr):
+    """``_pack_p``'s pairs as the 16-bit [64, BLOCK_N] A operand (``layout``) of the PV wgmma; the
+    halves are taken apart and joined back in the same registers (no instructions)."""
+    lo = (pk & 0xFFFF).to(gl.int16).to(dtype, bitcast=True)
+    hi = (pk >> 16).to(gl.int16).to(dtype, bitcast=True)
+    p = gl.join(lo, hi).reshape([pk.shape[0], pk.shape[1] * 2])
+    return gl.convert_layout(p, layout)
+
+
+@gluon.jit
+def _alibi_cols(slope2, like):
+    """slope * c in base 2 for the columns c of a score tile ``like`` (in its column layout): the
+    loop-invariant half of ALiBi's column term (``_softmax_tile``)."""
     BLOCK_N: gl.constexpr = like.shape[1]
-    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, like.type.layout))
-    return slope2 * (cols - row0).to(gl.float32)
+    return slope2 * gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, like.type.layout)).to(gl.float32)
 
 
 @gluon.jit
@@ -357,8 +390,8 @@ def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, pin, turn, turn0,
+def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk, alpha, m_i, l_i, zero_s,
+              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, pin, turn, turn0,
               WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
               STAGES: gl.constexpr, PINGPONG: gl.constexpr):
@@ -393,25 +426,25 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     # O (relative to the max before tile j-1) onto tile j-1's max, while QK^T runs
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    p = _unpack_p(pk, q_view.dtype, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     o_tok = warpgroup_mma(p, _kv_view(v_smem, prev, BLOCK_N, HEAD_D), o, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG))
     # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
     n0 = kv0 + j * BLOCK_N
-    alibi_col = 0.0
+    alibi_shift = 0.0
     if HAS_ALIBI:
-        alibi_col = _alibi_cols(slope2, n0, row0, zero_s)
+        alibi_shift = slope2 * (n0 - row0).to(gl.float32)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right,
-                                           alibi_col, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+                                           alibi_col, alibi_shift, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     mbarrier.arrive(v_empty.index(prev))
-    # 16-bit P in the register A-operand layout of the PV wgmma (no data movement)
-    p = gl.convert_layout(p_new.to(q_view.dtype), p.type.layout)
-    return o, p, alpha, m_i, l_i
+    # 16-bit P, packed in the registers of the PV wgmma's A operand
+    return o, _pack_p(p_new, q_view.dtype), alpha, m_i, l_i
 
 
 @gluon.jit
@@ -501,9 +534,12 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 
         # prologue: tile t_lo (always through the masked path; it may be partial or empty)
         kv0 = t_lo * BLOCK_N
+        # ALiBi's column term: slope * c (loop-invariant, c the column in a tile) + slope * (n0 - row0)
         alibi_col = 0.0
+        alibi_shift = 0.0
         if HAS_ALIBI:
-            alibi_col = _alibi_cols(slope2, kv0, row0, zero_s)
+            alibi_col = _alibi_cols(slope2, zero_s)
+            alibi_shift = slope2 * (kv0 - row0).to(gl.float32)
         slot0 = ring0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (ring0 // STAGES) & 1)
         s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
@@ -517,8 +553,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 tma.store_wait(0)
                 mbarrier.arrive(q_free)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
-                                           alibi_col, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
-        p = gl.convert_layout(p.to(dtype), p_layout)
+                                           alibi_col, alibi_shift, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+        pk = _pack_p(p, dtype)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
         # mask-free middle, the masked right edge. The loops run over the ring's own count, with
@@ -526,19 +562,19 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         kvr = kv0 - ring0 * BLOCK_N
         turn_r = turn0 - ring0
         for j in range(ring0 + 1, ring0 + t_a - t_lo):
-            o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+            o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, pin, turn, turn_r, WG, True,
+                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, WG, True,
                                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
-            o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+            o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, pin, turn, turn_r, WG, False,
+                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, WG, False,
                                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
-            o, p, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, p,
+            o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, pin, turn, turn_r, WG, True,
+                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, WG, True,
                                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
 
         # last PV product
@@ -552,6 +588,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
             # after both warpgroups' PV products, v_empty, so the zeros stay until both are done.)
             _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
+        p = _unpack_p(pk, dtype, p_layout)
         o_tok = warpgroup_mma(p, _kv_view(v_smem, slot, BLOCK_N, HEAD_D), o, is_async=True)
         o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
         mbarrier.arrive(v_empty.index(slot))
