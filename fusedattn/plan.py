@@ -84,10 +84,12 @@ _BWD_DQ_SM90 = {
 }
 # The Gluon sm_90 forward (backends/gluon/fwd_sm90.py: TMA producer warp, two consumer warpgroups,
 # QK^T and PV in flight under the softmax) at d = d_v in 128, 224, 256, fp16/bf16, no mask or causal.
-# H100 (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128, 1.31-1.41x at d224/256; at d64
-# 0.67-0.99x, so d64 stays on Triton (session 7: the persistent Gluon grid on the fp16 d64 anchor, eager
-# bench, 172 TFLOP/s against the Triton kernel's 343; bench/NOTES.md 38).
+# H100 (bench/GLUON_NOTES.md): 1.22-1.33x the Triton forward at d128, 1.31-1.41x at d224/256. d64 only
+# for plain calls (no band, lengths or ALiBi): session 8 (bench/fwd_ab.py, packed P), fp16 b8 h12 s1k
+# eager 368 against Triton's 344 TFLOP/s (CUDA graphs 343 / 325), but causal 164 / 229 (graphs 212 /
+# 235): short causal rows are the Triton kernel's (bench/NOTES.md 39).
 _GLUON_FWD_DIMS = (128, 224, 256)
+_GLUON_FWD_PLAIN_DIMS = (64, )
 # Gluon backward (bench/GLUON_NOTES.md "Backward"): the dQ pass, then the Gluon dK/dV pass where it takes the
 # call, else the Triton one (functional._run_gluon_backward). d = d_v = 128: on the H100 the dQ pass runs
 # 1.12-1.26x and the dK/dV pass 1.03-1.29x our Triton passes. At d=64 they measured 0.90-0.92x (dQ) and
@@ -116,7 +118,7 @@ def choose_backend(backend: str, device_type: str) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype, device_type: str,
-                 short: bool, grouped: bool) -> Plan:
+                 short: bool, grouped: bool, plain: bool) -> Plan:
     backend = choose_backend(backend, device_type)
     if backend == "cpu":
         return Plan("cpu", None, None, None)
@@ -131,10 +133,13 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
         bwd = _BWD_SM90_GQA_D128 if grouped else bwd
     # where the Gluon forward is the faster choice; what it can compute is its own supports() at launch
     gluon = os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v
-    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon and d in _GLUON_FWD_DIMS, gluon and d in _GLUON_BWD_DIMS)
+    gluon_fwd = gluon and (d in _GLUON_FWD_DIMS or (plain and d in _GLUON_FWD_PLAIN_DIMS))
+    return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon_fwd, gluon and d in _GLUON_BWD_DIMS)
 
 
 def plan(problem, backend: str = "auto") -> Plan:
-    """The plan for ``problem``; cached on its static key, whether s_q is short and whether K/V heads are shared."""
+    """The plan for ``problem``; cached on its static key, whether s_q is short, whether K/V heads are shared
+    and whether the call is plain (no band, per-batch lengths or ALiBi)."""
+    plain = problem.band is None and not (problem.has_seq_len_q or problem.has_seq_len_kv) and problem.alibi is None
     return _plan_cached(problem.static_key(), backend, problem.d, problem.d_v, problem.dtype,
-                        problem.device_type, problem.s_q <= _SHORT_ROWS, problem.group > 1)
+                        problem.device_type, problem.s_q <= _SHORT_ROWS, problem.group > 1, plain)

@@ -377,3 +377,29 @@ def test_launch_bwd_dkdv_only_with_a_given_delta(kw):
     bwd.launch_bwd(p, pl, q, k, v, out, do, lse, extras, dq, dk, dv, False, delta=delta)
     assert torch.isnan(dq).all(), "dQ was written by a dK/dV-only launch"
     assert torch.equal(dk, full[1]) and torch.equal(dv, full[2])
+
+
+def test_planner_routes_d64_forward_to_gluon_only_for_plain_calls(monkeypatch):
+    """plan.py: at d=64 the Gluon forward takes plain calls (no band, lengths or ALiBi), where it
+    measured faster than the Triton kernel; causal, windowed, padded and ALiBi calls stay on Triton,
+    while d=128 takes Gluon for all of them. The planner itself, on problems that say CUDA (no GPU
+    needed: plan() reads only the description)."""
+    import dataclasses
+    from fusedattn import plan as plan_mod
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("FUSEDATTN_GLUON", raising=False)
+    plan_mod._plan_cached.cache_clear()
+    try:
+        lens = torch.tensor([30, 64], dtype=torch.int32)
+        cases = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(8, 0)),
+                 "padded": dict(seq_len_q=lens, seq_len_kv=lens), "alibi": dict(alibi=True)}
+        for d in (64, 128):
+            q, k, v = (torch.randn(2, 4, 64, d, dtype=torch.bfloat16) for _ in range(3))
+            for name, kw in cases.items():
+                p, _ = make_problem(q, k, v, **kw)
+                route = plan_mod.plan(dataclasses.replace(p, device_type="cuda"))
+                want = d == 128 or name == "plain"
+                assert route.backend == "triton" and route.fwd_gluon == want, \
+                    f"d={d} {name}: {route}, expected fwd_gluon={want}"
+    finally:
+        plan_mod._plan_cached.cache_clear()

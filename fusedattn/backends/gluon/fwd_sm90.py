@@ -181,15 +181,18 @@ PINGPONG = {64: False, 128: False, 256: False}
 SUPPORTED_DIMS = (64, 128, 224, 256)
 # (mask kind, tile width) -> launch_fwd_sm90 takes the persistent grid (module docstring, [Note]
 # persistent grid); mask kinds: "none", "causal" (either alignment), "window" (any other band),
-# "padded" (per-batch lengths with no mask or causal); never with ALiBi (``_persistent_default``). From the H100
-# (bench/gluon_sweep.py --persistent, two runs, TFLOP/s one-tile grid -> persistent): d64 +19..21%
-# (no mask and causal); d256 causal +8..9%; d128 no mask -2..+7% at 2k and +4% at 8k, causal 2k
-# +1.5..3.5% (16k and GQA 4k: -4..+3%, within the runs' spread), padded +1..7%. Off: d256 no mask
-# (-2.4 / +4%: no gain shown), windows (+4..9% measured at d128, but their persistent kernels
-# reload a spilled register inside the consumer loops), padded d64/d256 (not measured; d256 spills).
+# "padded" (per-batch lengths with no mask or causal); with ALiBi only at tile width 128
+# (``_persistent_default``). From the H100 (bench/gluon_sweep.py --persistent, two runs, TFLOP/s
+# one-tile grid -> persistent): d64 +19..21% (no mask and causal); d256 causal +8..9%; d128 no mask
+# -2..+7% at 2k and +4% at 8k, causal 2k +1.5..3.5% (16k and GQA 4k: -4..+3%, within the runs'
+# spread), padded +1..7%. Session 8 (bench/fwd_ab.py, packed P): d128 window (1024, 0) 433 -> 468,
+# ALiBi causal 2k 402 -> 445; their persistent kernels no longer spill (window) or spill 4-20 bytes
+# (ALiBi; 728 before the loop-invariant column term), tools/gluon_check.py spills. Off: d256 no mask
+# (-2.4 / +4%: no gain shown), d256 windows / padding (they spill), d64 windows and padding (not
+# measured).
 PERSISTENT = {(kind, td): False for kind in ("none", "causal", "window", "padded") for td in (64, 128, 256)}
 PERSISTENT.update({("none", 64): True, ("causal", 64): True, ("none", 128): True, ("causal", 128): True,
-                   ("causal", 256): True, ("padded", 128): True})
+                   ("window", 128): True, ("causal", 256): True, ("padded", 128): True})
 # (tile width) -> Q slots per consumer warpgroup on the persistent grid. Two let the next work
 # tile's Q load under the current one (Q 2 x 2 x 64 x D x 2 bytes: 64 KB at d=128, with the K/V
 # ring 192 KB); at 256-wide tiles two would need 256 KB, so the next Q waits for the last output.
@@ -302,7 +305,7 @@ def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constex
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col, alibi_shift,
+def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col, slope2, row0,
                   MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """Online-softmax update for one score tile s (raw q.k, fp32, wgmma accumulator layout).
 
@@ -312,16 +315,23 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
     column half of slope * (j - i) measured from the warpgroup's first row (the row half is
     constant per row, so it cancels in the softmax; the consumer takes it out of the LSE at the
     end), split into a loop-invariant vector (slope * c, ``_alibi_cols``) and the tile's scalar
-    (slope * (n0 - row0)); the scalar joins the per-row max instead of every score.
+    (slope * (n0 - row0)); the scalar joins the per-row max instead of every score. The scalar is
+    computed here, next to its uses, and the logit is an explicit FMA: the compiler fuses a product
+    into an add (an FMA) only within one basic block, so a product computed across a branch (the
+    persistent grid's prologue has one) would round differently on the two grids, whose outputs
+    must agree bit for bit.
     Instruction counts per thread and [64, 128] tile (tools/gluon_check.py): one FMA per score
     for the exponent where the logit is a scaled score, one add more with ALiBi.
     """
     BLOCK_N: gl.constexpr = s.shape[1]
+    alibi_shift = 0.0
+    if HAS_ALIBI:
+        alibi_shift = slope2 * (n0 - row0).to(gl.float32)
     if MASKED:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         if HAS_ALIBI:
-            t = gl.where(keep, s * qk_scale + alibi_col[None, :], float("-inf"))
+            t = gl.where(keep, gl.fma(s, qk_scale, alibi_col[None, :]), float("-inf"))
             m_new = gl.maximum(m_i, gl.max(t, 1) + alibi_shift)
             # a row with no key yet keeps m = -inf; exponents then use 0 so no inf - inf arises
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -334,7 +344,7 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
             p = gl.exp2(s * qk_scale - m_safe[:, None])
     elif HAS_ALIBI:
         # one FMA per score for the logit, one subtract for the exponent
-        t = s * qk_scale + alibi_col[None, :]
+        t = gl.fma(s, qk_scale, alibi_col[None, :])
         m_new = gl.maximum(m_i, gl.max(t, 1) + alibi_shift)
         m_safe = m_new
         p = gl.exp2(t - (m_new - alibi_shift)[:, None])
@@ -432,13 +442,10 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         mbarrier.arrive(turn.index(1 - WG))
     # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
     n0 = kv0 + j * BLOCK_N
-    alibi_shift = 0.0
-    if HAS_ALIBI:
-        alibi_shift = slope2 * (n0 - row0).to(gl.float32)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right,
-                                           alibi_col, alibi_shift, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+                                           alibi_col, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
@@ -536,10 +543,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         kv0 = t_lo * BLOCK_N
         # ALiBi's column term: slope * c (loop-invariant, c the column in a tile) + slope * (n0 - row0)
         alibi_col = 0.0
-        alibi_shift = 0.0
         if HAS_ALIBI:
             alibi_col = _alibi_cols(slope2, zero_s)
-            alibi_shift = slope2 * (kv0 - row0).to(gl.float32)
         slot0 = ring0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (ring0 // STAGES) & 1)
         s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
@@ -553,7 +558,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 tma.store_wait(0)
                 mbarrier.arrive(q_free)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
-                                           alibi_col, alibi_shift, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+                                           alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
         pk = _pack_p(p, dtype)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
@@ -1147,9 +1152,9 @@ def _tile_counter(device) -> torch.Tensor:
 
 
 def _persistent_default(p) -> bool:
-    """Whether ``launch_fwd_sm90`` takes the persistent grid when not told (``PERSISTENT``; never
-    with ALiBi, whose persistent kernels spill in the consumer loops: tools/gluon_check.py)."""
-    if p.alibi is not None:
+    """Whether ``launch_fwd_sm90`` takes the persistent grid when not told (``PERSISTENT``; with
+    ALiBi only at tile width 128, the one measured: tools/gluon_check.py spills, bench/fwd_ab.py)."""
+    if p.alibi is not None and TILE_D[p.d] != 128:
         return False
     band = p.band
     if band is None:
