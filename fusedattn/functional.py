@@ -66,6 +66,10 @@ def _gluon_kernels(what: str, *names: str):
         return None
 
 
+# keys from which a causal backward takes the single-pass kernel (above: 4k and 16k gained, 2k lost)
+_FUSED_CAUSAL_MIN_KEYS = 4096
+
+
 def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=None) -> bool:
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
     pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
@@ -79,10 +83,12 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     dq_pass, dkdv_pass, fused = mods
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if not deterministic and p.band is None and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
-        # H100 (bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two passes with no mask, 0.92-1.04x
-        # under a causal mask (so those keep the two passes); delta comes from the kernel that also
-        # zeroes its fp32 dQ accumulator (out=)
+    causal_long = p.band is not None and p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
+    if not deterministic and (p.band is None or causal_long) and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
+        # H100 (bench/gluon_fused_sweep.py, bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two
+        # passes with no mask; under a causal mask 1.00 / 1.07x at 16k and 1.04 / 1.02x at GQA 4k (two
+        # runs), 0.92 / 0.97x at 2k (which keeps the two passes); delta comes from the kernel that also
+        # zeroes its fp32 dQ accumulator (out=). fused.supports refuses every band but causal.
         from .backends.triton.args import aligned
         fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=aligned(out))
         return True

@@ -235,12 +235,17 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon backward is Hopper-only (compute capability 9.x): GPU test skipped")
-@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
-def test_nondeterministic_backward_routing(causal, monkeypatch):
+@pytest.mark.parametrize("mask", ["plain", "causal", "causal_long"])
+def test_nondeterministic_backward_routing(mask, monkeypatch):
     """deterministic=False at d128 with no mask takes the single-pass backward (counted), with a causal
-    mask the two passes; True never takes it, nor the default (None) under
-    torch.use_deterministic_algorithms(True). Gradients pass the reference rule."""
+    mask the two passes below functional._FUSED_CAUSAL_MIN_KEYS keys and the single pass from there
+    ("causal_long": the threshold lowered under this test's 517 keys); True never takes it, nor the
+    default (None) under torch.use_deterministic_algorithms(True). Gradients pass the reference rule."""
+    from fusedattn import functional
     from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90, bwd_fused_sm90
+    causal = mask != "plain"
+    if mask == "causal_long":
+        monkeypatch.setattr(functional, "_FUSED_CAUSAL_MIN_KEYS", 512)
     calls = []
     for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90"),
                       (bwd_fused_sm90, "launch_bwd_fused_sm90")):
@@ -259,7 +264,7 @@ def test_nondeterministic_backward_routing(causal, monkeypatch):
             out.backward(do)
         finally:
             torch.use_deterministic_algorithms(False)
-        fused = not (deterministic or (deterministic is None and torch_flag)) and not causal
+        fused = not (deterministic or (deterministic is None and torch_flag)) and mask != "causal"
         assert calls == (["launch_bwd_fused_sm90"] if fused else ["launch_dq_sm90", "launch_dkdv_sm90"]), calls
         _check_against_reference(q, k, v, do, (None, qs.grad, ks.grad, vs.grad), torch.bfloat16,
                                  f"causal={causal} deterministic={deterministic}", causal=causal)
