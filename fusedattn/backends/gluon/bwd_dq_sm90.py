@@ -135,11 +135,11 @@ def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexp
 
     band = (S_KV, diag, win_left, win_right): row i keeps key j iff j < S_KV and (HAS_LEFT)
     j >= i + diag - win_left and (HAS_RIGHT) j <= i + diag + win_right, as in the forward.
-    ALiBi: slope2 * (j - row0) here (the forward's column half, ``fwd_sm90._alibi_cols``); the row
+    ALiBi: slope2 * (j - row0) here (the forward's column half, ``fwd_sm90._softmax_tile``); the row
     half -slope2 * (i - row0) was folded into lse2 by the consumer."""
     x = s * qk_scale - lse2[:, None]
     if HAS_ALIBI:
-        x = x + _alibi_cols(slope2, n0, row0, s)[None, :]
+        x = x + (_alibi_cols(slope2, s) + slope2 * (n0 - row0).to(gl.float32))[None, :]
     if MASKED:
         S_KV, diag, win_left, win_right = band
         BLOCK_N: gl.constexpr = s.shape[1]
