@@ -49,9 +49,19 @@ bound optional). Tile t_lo (the prologue), the band's left edge [t_lo + 1, t_a) 
 edge and tail [t_b, t_hi) are masked; tiles in [t_a, t_b) are whole for every row of the CTA
 and skip the mask arithmetic. Tiles outside the band are never loaded, so a window costs
 O(s * window). ALiBi (slope * (j - i), slopes from a [h_q] tensor) adds the column half
-slope * (j - row0) (row0: the warpgroup's first row) in the same FMA that scales the scores;
-the row half is constant per row, cancels in the softmax and is taken out of the LSE. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows
->= s_kv) and clips the output store at s_q; LSE rows >= s_q are masked out.
+slope * (j - row0) (row0: the warpgroup's first row): slope * c (c the column within a tile, a
+loop-invariant vector) in the same FMA that scales the scores, and slope * (n0 - row0) (one scalar
+per tile) in the row max; the row half is constant per row, cancels in the softmax and is taken
+out of the LSE. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows >= s_kv) and clips
+the output store at s_q; LSE rows >= s_q are masked out.
+
+[Note] packed P. The loop is issue-bound at d128 (per tile and thread about as many instructions
+as the tensor cores take cycles), so its instruction count is its speed. P crosses a step (made
+in step j, multiplied in step j + 1): carried as 16-bit values, ptxas swapped the halves of each
+packed pair twice (64 PRMT per thread and tile). ``_pack_p`` converts pairs with one
+``cvt.rn.bf16x2.f32`` (``f16x2``) into int32 registers that the loop carries; ``_unpack_p`` views
+them as the wgmma's A operand without instructions (SASS: 528 -> 464 per mask-free step,
+bench/NOTES.md 39).
 
 [Note] empty rows (causal bottom-right with s_q > s_kv: rows with no key): m = -inf and l = 0;
 exponents use m_safe (0 where m is -inf), so no inf - inf arises; such rows write output 0 and
