@@ -24,6 +24,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusedattn.backends.gluon import fwd_sm90 as NEW  # noqa: E402
 from fusedattn.backends.triton.fwd import launch_fwd  # noqa: E402
+from fusedattn.bench import _band_pairs  # noqa: E402
 from fusedattn.plan import plan  # noqa: E402
 from fusedattn.problem import make_problem  # noqa: E402
 
@@ -45,13 +46,11 @@ VARIANTS = {"alibi-b4-s2k-d128-c": {"tile": dict(persistent=False), "pers": dict
 
 
 def work(cfg) -> float:
+    """Forward FLOPs of the unmasked work (``fusedattn.bench``'s count: causal half, the band of a window)."""
     b, hq, _, s, d, _, kw, lens = cfg
-    def pairs(n):
-        if "window" in kw:
-            w = kw["window"][0]
-            return w * (w + 1) / 2 + (n - w) * (w + 1)
-        return n * n / 2 if kw.get("causal") else float(n * n)
-    return 4.0 * hq * d * sum(pairs(n) for n in (lens or [s] * b))
+    window = kw["window"][0] if "window" in kw else 0
+    causal = kw.get("causal", False) or bool(window)
+    return 4.0 * hq * d * sum(_band_pairs(n, n, causal, window) for n in (lens or [s] * b))
 
 
 def main():

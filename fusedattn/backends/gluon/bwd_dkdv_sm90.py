@@ -90,7 +90,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
-from .fwd_sm90 import LOG2E, TILE_D, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
+from .fwd_sm90 import LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
 from .launch import launch
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
@@ -194,7 +194,7 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
         lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
         if HAS_ALIBI:
-            slope2 = gl.load(SLOPES + head) * 1.4426950408889634
+            slope2 = _alibi_slope2(SLOPES, head)
         for i in range(t_hi - t_lo):
             t = t_hi - 1 - i if REVERSE else t_lo + i
             slot = it % STAGES
@@ -212,7 +212,7 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
                                             do_smem.index(slot))
-            lse2 = lse2 * 1.4426950408889634
+            lse2 = lse2 * LOG2E_C
             if HAS_ALIBI:
                 lse2 = lse2 + slope2 * (rows - t * BLOCK_M).to(gl.float32)     # ALiBi's row half (_pt_tile)
             lse_smem.index(slot).store(lse2)
@@ -338,7 +338,7 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     it = 0
     for g in range(GROUP):
         if HAS_ALIBI:
-            slope2 = gl.load(SLOPES + kv_head * GROUP + g) * 1.4426950408889634
+            slope2 = _alibi_slope2(SLOPES, kv_head * GROUP + g)
         if HAS_RIGHT:
             for t in range(t_lo, t_wg):
                 slot = it % STAGES
@@ -491,7 +491,7 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     for g in range(GROUP):
         if WG == 0:
             if HAS_ALIBI:
-                slope2 = gl.load(SLOPES + kv_head * GROUP + g) * 1.4426950408889634
+                slope2 = _alibi_slope2(SLOPES, kv_head * GROUP + g)
             for t in range(t_lo, t_a):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
                                  empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True,

@@ -87,7 +87,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .fwd_sm90 import (LOG2E, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _fwd_problem_ok, _is_sm90,
+from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _fwd_problem_ok, _is_sm90,
                        _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
                        _zero_landed_rows)
 from .launch import launch
@@ -103,7 +103,6 @@ SUPPORTED_DIMS = (64, 128, 224, 256)
 SPLIT = {64: False, 128: False, 256: False}
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 
 
 @gluon.jit

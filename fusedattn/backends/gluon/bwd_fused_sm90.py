@@ -136,7 +136,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_init, warpgroup_mma_wait)
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
@@ -414,39 +414,26 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         # BLOCK_M, 128]), S_Q
         acc_rows = (S_Q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
+        # masked [lo0, hi0), mask-free [t_a, t_b), masked [lo2, hi2): the band's left edge first, or with
+        # REVERSE the last query tile first (module docstring, "Switches": Order)
+        lo0, hi0, lo2, hi2 = t_lo, t_a, t_b, t_hi
         if REVERSE:
-            # last query tile first (module docstring, "Switches": Order)
-            it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-                t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-                band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-            it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-                t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-                band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-            it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-                t_lo, t_a, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-                band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-        else:
-            it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-                t_lo, t_a, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-                band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-            it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-                t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-                band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-            it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-                t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-                band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+            lo0, hi0, lo2, hi2 = t_b, t_hi, t_lo, t_a
+        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+            lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+            q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
+            band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+            t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+            q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
+            band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+            lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+            q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
+            band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC)
     if DEFER_DK:
         # the last step's dK (its Q/dO slot and dS buffer are not released: nothing is loaded or stored
         # into them again)

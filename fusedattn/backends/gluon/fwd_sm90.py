@@ -165,6 +165,7 @@ from .launch import Tma, launch
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+LOG2E_C: gl.constexpr = gl.constexpr(LOG2E)
 
 WG_M = 64          # query rows per consumer warpgroup (one wgmma M)
 BLOCK_M = 2 * WG_M  # query rows per CTA (two consumer warpgroups)
@@ -393,6 +394,12 @@ def _unpack_p(pk, dtype: gl.constexpr, layout: gl.constexpr):
     hi = (pk >> 16).to(gl.int16).to(dtype, bitcast=True)
     p = gl.join(lo, hi).reshape([pk.shape[0], pk.shape[1] * 2])
     return gl.convert_layout(p, layout)
+
+
+@gluon.jit
+def _alibi_slope2(SLOPES, head):
+    """ALiBi's slope of ``head`` (fp32 [h_q] tensor, natural units) in base 2, the kernels' exponent base."""
+    return gl.load(SLOPES + head) * LOG2E_C
 
 
 @gluon.jit
@@ -879,7 +886,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
             BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
         slope2 = 0.0
         if HAS_ALIBI:
-            slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
+            slope2 = _alibi_slope2(SLOPES, head)
         row0 = start_m + WG * WG_M
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
         stage = q_smem.index(qs)
@@ -907,7 +914,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
         len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
         if HAS_ALIBI:
-            slope2 = gl.load(SLOPES + head) * 1.4426950408889634
+            slope2 = _alibi_slope2(SLOPES, head)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                    len_q, slope2, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q)
         if QSTAGES == 1:
@@ -999,7 +1006,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
         slope2 = 0.0
         if HAS_ALIBI:
-            slope2 = gl.load(SLOPES + head) * 1.4426950408889634     # base 2
+            slope2 = _alibi_slope2(SLOPES, head)
 
         q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
