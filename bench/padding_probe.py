@@ -1,12 +1,14 @@
 """Where the padded (per-batch lengths) attention spends its time, pass by pass, on the GPU.
 
-    python3 bench/padding_probe.py [--profile]
+    python3 bench/padding_probe.py [--profile] [--split]
 
 The bench's padding config (b4 h32 s2048 d128 bf16 causal, lengths 2048/1536/1024/512) against the
 same problem unpadded: each Gluon pass launched directly (forward, delta, dQ, dK/dV) and the
 functional calls, as do_bench medians (eager: host launch cost included) and do_bench_cudagraph
 (GPU time only), in ms. --profile: also the host time to enqueue one padded functional forward and
 backward (no sync; a call is host-bound when this exceeds its GPU time) and the top of a cProfile of each.
+--split: the padded call against the same sequences run one by one unpadded (b1, s = each length): the
+time a padded call would take if padding cost nothing beyond the shorter sequences themselves.
 """
 import cProfile
 import os
@@ -96,7 +98,46 @@ def host_profile():
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def split_lengths():
+    """CUDA-graph ms of the padded functional forward / backward against the sum over its sequences
+    of the unpadded calls at each sequence's own length (b = 1), and the TFLOP/s of each."""
+    b, h, s, d = 4, 32, 2048, 128
+    lens = [2048, 1536, 1024, 512]
+    torch.manual_seed(0)
+
+    def calls(q, k, v, do, **kw):
+        out, stats = fusedattn.attention_forward(q, k, v, return_stats=True, **kw)
+        return (lambda: fusedattn.attention_forward(q, k, v, return_stats=True, **kw),
+                lambda: fusedattn.attention_backward(q, k, v, out, do, stats, **kw))
+
+    def timed(fwd, bwd):
+        fwd(), bwd()
+        torch.cuda.synchronize()
+        return do_bench_cudagraph(fwd, rep=100), do_bench_cudagraph(bwd, rep=100)
+
+    mk = lambda n, L: torch.randn(n, L, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    flops = sum(4 * h * L * L * d / 2 for L in lens)
+    t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    pf, pb = timed(*calls(mk(b, s), mk(b, s), mk(b, s), mk(b, s), causal=True, seq_len_q=t, seq_len_kv=t))
+    sf = sb = 0.0
+    for L in lens:
+        f, bw = timed(*calls(mk(1, L), mk(1, L), mk(1, L), mk(1, L), causal=True))
+        print(f"split    s={L:5d} fwd {f:.4f} ms ({4 * h * L * L * d / 2 / f * 1e-9:.0f})  "
+              f"bwd {bw:.4f} ms ({2.5 * 4 * h * L * L * d / 2 / bw * 1e-9:.0f})")
+        sf, sb = sf + f, sb + bw
+    full_f, full_b = timed(*calls(mk(b, s), mk(b, s), mk(b, s), mk(b, s), causal=True))
+    full = 4 * b * h * s * s * d / 2
+    for name, pt, st, ft, k in (("fwd", pf, sf, full_f, 1.0), ("bwd", pb, sb, full_b, 2.5)):
+        print(f"{name}: padded {pt:.4f} ms ({k * flops / pt * 1e-9:.0f}), one by one {st:.4f} ms "
+              f"({k * flops / st * 1e-9:.0f}), unpadded full s {ft:.4f} ms ({k * full / ft * 1e-9:.0f}); "
+              f"padded / full {k * flops / pt / (k * full / ft):.2f}, one by one / full "
+              f"{k * flops / st / (k * full / ft):.2f}")
+
+
 if __name__ == "__main__":
-    main()
+    if "--split" in sys.argv:
+        split_lengths()
+    else:
+        main()
     if "--profile" in sys.argv:
         host_profile()

@@ -9,8 +9,10 @@
 #   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
 #   probe          bench/padding_probe.py --profile: the padded config pass by pass, host time and profile
+#   split          bench/padding_probe.py --split: the padded config against its sequences run one by one
 #   fwd-ab         bench/fwd_ab.py: the Gluon forward against fusedattn/backends/gluon/fwd_base.py where
 #                  present (the command puts the commit to compare against there), else alone
+#                  (FWD_AB_ARGS: extra arguments, e.g. "--configs window-b2-s8k-d128")
 #   fused-sweep    bench/gluon_fused_sweep.py: single-pass vs two-pass backward at d=128
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
@@ -151,9 +153,10 @@ for part in "${PARTS[@]}"; do
                            --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
         probe)         run_part probe python3 bench/padding_probe.py --profile ;;
+        split)         run_part split python3 bench/padding_probe.py --split ;;
         fwd-ab)        if [ -f fusedattn/backends/gluon/fwd_base.py ]; then
-                           run_part fwd-ab python3 bench/fwd_ab.py --baseline fwd_base
-                       else run_part fwd-ab python3 bench/fwd_ab.py; fi ;;
+                           run_part fwd-ab python3 bench/fwd_ab.py --baseline fwd_base ${FWD_AB_ARGS:-}
+                       else run_part fwd-ab python3 bench/fwd_ab.py ${FWD_AB_ARGS:-}; fi ;;
         fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
