@@ -309,32 +309,38 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")
-def test_persistent_forward_first_launched_inside_a_graph_capture():
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
+def test_persistent_forward_first_launched_inside_a_graph_capture(causal):
     """The persistent forward's tile counter is never made inside a CUDA-graph capture (it would live in
-    the graph's private pool): a stream's first launch under capture takes the one-tile grid; replays
-    match the eager (persistent) result bit for bit and the reference."""
+    the graph's private pool): a stream's first launch under capture takes the one-tile grid (causal)
+    or the persistent grid's static hand-out (equal tiles); replays match the eager (dynamic
+    persistent) result bit for bit and the reference."""
     from fusedattn.backends.gluon import fwd_sm90
+    from fusedattn.backends.gluon.launch import _LAUNCHERS
     torch.manual_seed(7)
     mk = lambda: torch.randn(2, 700, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
     q, k, v = mk(), mk(), mk()
-    p, _ = make_problem(q, k, v, causal=True)
+    p, _ = make_problem(q, k, v, causal=causal)
     assert fwd_sm90._persistent_default(p), "the test needs a problem whose default grid is persistent"
-    eager = fusedattn.attention_forward(q, k, v, causal=True)[0]
-    # compile the one-tile kernel outside the capture
-    fwd_sm90.launch_fwd_sm90(p, q, k, v, torch.empty_like(eager), None, persistent=False)
+    eager = fusedattn.attention_forward(q, k, v, causal=causal)[0]
+    # compile the kernel the capture will take outside it
+    grid = dict(persistent=False) if causal else dict(persistent=True, dynamic=False)
+    fwd_sm90.launch_fwd_sm90(p, q, k, v, torch.empty_like(eager), None, **grid)
     torch.cuda.synchronize()
+    compiled = len(_LAUNCHERS[fwd_sm90._attn_fwd_sm90].cache)
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        captured = fusedattn.attention_forward(q, k, v, causal=True)[0]
+        captured = fusedattn.attention_forward(q, k, v, causal=causal)[0]
     assert (q.device.index, stream.cuda_stream) not in fwd_sm90._COUNTERS
+    assert len(_LAUNCHERS[fwd_sm90._attn_fwd_sm90].cache) == compiled, "the capture took another grid"
     captured.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
-    gold, _ = attention_reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), causal=True,
+    gold, _ = attention_reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), causal=causal,
                                   dtype=torch.float64)
-    base, _ = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=True, dtype=torch.bfloat16)
-    assert_error_within(captured.cpu(), gold, base, msg="captured persistent-default forward")
+    base, _ = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=causal, dtype=torch.bfloat16)
+    assert_error_within(captured.cpu(), gold, base, msg=f"captured persistent-default forward, causal={causal}")
 
 
 def test_launch_delta_interpreter_or_gpu():

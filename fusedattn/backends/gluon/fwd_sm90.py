@@ -1221,8 +1221,15 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
     dynamic = True if dynamic is None else bool(dynamic)
     counter = _tile_counter(q.device) if persistent and dynamic else lse_arg
-    if counter is None:          # first launch on a capturing stream: no counter to share (_tile_counter)
-        persistent, counter = False, lse_arg
+    if counter is None:
+        # first launch on a capturing stream: no counter to share (_tile_counter). Equal work tiles (no
+        # band, no lengths) keep the persistent grid with the static hand-out (tile + nprog), which
+        # needs no counter and balances equal tiles as well; the others take the one-tile grid
+        counter = lse_arg
+        if band is None and not (p.has_seq_len_q or p.has_seq_len_kv):
+            dynamic = False
+        else:
+            persistent = False
     if persistent:
         n_sm = _sm_count(q.device.index)
         grid = (min(ctas or n_sm, n_m * n_bh), )
