@@ -1165,7 +1165,8 @@ def _tile_counter(device) -> torch.Tensor:
     captured on one stream and replayed concurrently on several would share it: not supported.)
     None when the stream has none yet and is capturing a CUDA graph: made inside the capture, the
     counter would live in that graph's private memory pool (and its zeroing would be a captured
-    op), so a later launch could reach freed memory; the caller then takes the one-tile grid."""
+    op), so a later launch could reach freed memory; the caller then takes the static hand-out (equal
+    tiles) or the one-tile grid."""
     # the raw stream handle, as the launcher gets it (a torch Stream object costs ~8 us a launch)
     key = (device.index, _current_raw_stream(device.index))
     c = _COUNTERS.get(key)
