@@ -8,7 +8,9 @@ functional calls, as do_bench medians (eager: host launch cost included) and do_
 (GPU time only), in ms. --profile: also the host time to enqueue one padded functional forward and
 backward (no sync; a call is host-bound when this exceeds its GPU time) and the top of a cProfile of each.
 --split: the padded call against the same sequences run one by one unpadded (b1, s = each length): the
-time a padded call would take if padding cost nothing beyond the shorter sequences themselves.
+time a padded call would take if padding cost nothing beyond the shorter sequences themselves. (Under
+graph capture the causal and padded forwards take the one-tile grid, fwd_sm90._tile_counter: the
+forward columns compare one-tile grids.)
 """
 import cProfile
 import os
