@@ -35,31 +35,63 @@ def host_ms(fn, n=200):
 
 
 def launch_cost(q, k, v, causal):
-    """Host time of one forward launch through JITFunction (binder, cache key, launcher) vs
-    calling the cached compiled kernel's launcher directly with the same arguments."""
-    from fusedattn.backends.triton import fwd as fwd_mod
+    """Host time of the forward's kernel launch, whichever kernel takes it (Triton or Gluon):
+    through our ``Launcher`` (key built, cache hit, direct launch), through the JIT, and the
+    compiled kernel's launcher alone with the same arguments; beside the whole call and the
+    layers above the launch (make_problem, plan, the Gluon forward's supports)."""
+    from fusedattn.backends.triton import launch as launch_mod
     seen = {}
-    jit = fwd_mod._attn_fwd
-    orig = jit.run
+    orig = launch_mod.Launcher.__call__
 
-    def spy(*a, grid, warmup, **kw):
-        seen.update(args=a, grid=grid, kw=kw)
-        seen["kernel"] = orig(*a, grid=grid, warmup=warmup, **kw)
-        return seen["kernel"]
-    jit.run = spy
-    fwd_mod._FWD.cache.clear()        # else the call launches directly and never reaches jit.run
-    fusedattn.attention(q, k, v, causal=causal)
-    jit.run = orig
-    kern, grid, kw = seen["kernel"], seen["grid"], seen["kw"]
-    values = list(seen["args"]) + [kw[n] for n in jit.arg_names[len(seen["args"]):]]
+    def spy(self, key, grid, *args, **kwargs):
+        seen.update(launcher=self, key=key, grid=grid, args=args, kwargs=kwargs)
+        return orig(self, key, grid, *args, **kwargs)
+    launch_mod.Launcher.__call__ = spy
+    try:
+        fusedattn.attention(q, k, v, causal=causal)
+    finally:
+        launch_mod.Launcher.__call__ = orig
+    launcher, key, grid, args, kwargs = (seen[n] for n in ("launcher", "key", "grid", "args", "kwargs"))
+    compiled, tail, device = launcher.cache[key]
+    jit_args = [launcher.jit_arg(a) for a in args] if launcher.jit_arg else list(args)
     stream = torch.cuda.current_stream().cuda_stream
     g = tuple(grid) + (1,) * (3 - len(grid))
-    via_jit = lambda: jit[grid](*seen["args"], **kw)  # noqa: E731
-    direct = lambda: kern.run(g[0], g[1], g[2], stream, kern.function, kern.packed_metadata, None, None, None,  # noqa
-                              *values)
-    full = lambda: fusedattn.attention(q, k, v, causal=causal)  # noqa: E731
-    for name, fn in (("fusedattn.attention", full), ("JIT launch only", via_jit), ("compiled launcher only", direct)):
+    p, _ = make_problem(q, k, v, causal=causal)
+    steps = [
+        ("fusedattn.attention", lambda: fusedattn.attention(q, k, v, causal=causal)),
+        ("make_problem", lambda: make_problem(q, k, v, causal=causal)),
+        ("plan", lambda: plan(p)),
+        ("Launcher (key + direct)", lambda: launcher(key, grid, *args, **kwargs)),
+        ("JIT launch", lambda: launcher.kernel[grid](*jit_args, **kwargs)),
+        ("compiled launcher only", lambda: compiled.run(g[0], g[1], g[2], stream, compiled.function,
+                                                        compiled.packed_metadata, None, None, None,
+                                                        *args, *tail)),
+        ("torch.empty_like(q)", lambda: torch.empty_like(q)),
+    ]
+    if launcher.jit_arg is not None:       # a Gluon launch: its key is built on every call
+        steps.insert(4, ("signature key only", lambda: launch_mod_key(args, kwargs)))
+    print(f"forward kernel: {launcher.kernel.fn.__name__}, {len(args)} positional arguments", flush=True)
+    try:
+        from fusedattn.backends.gluon import fwd_sm90
+        o = torch.empty_like(q)
+        steps.append(("gluon supports()", lambda: fwd_sm90.supports(p, q, k, v, o)))
+    except Exception as exc:  # noqa: BLE001 - no Gluon on this Triton
+        print(f"(no Gluon forward: {exc})")
+    for name, fn in steps:
         print(f"{name:28s} host enqueue {host_ms(fn) * 1e3:7.1f} us", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        fusedattn.attention(q, k, v, causal=causal)
+    prof.disable()
+    torch.cuda.synchronize()
+    print("cProfile of 500 eager forwards (no grad):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+def launch_mod_key(args, kwargs):
+    from fusedattn.backends.gluon.launch import signature_key
+    return signature_key(args, kwargs)
 
 
 class _NoOp(torch.autograd.Function):
@@ -95,6 +127,12 @@ def main():
     kern = lambda: launch_bwd(p, pl, qd, kd, vd, o2, do, lse.squeeze(-1), extras, dq, dk, dv, False)  # noqa
     run_bwd = lambda: _run_backward(p, extras, pl, qd, kd, vd, o2, do, lse[..., 0])  # noqa: E731
     api_bwd = lambda: fusedattn.attention_backward(qd, kd, vd, o2, do, lse, causal=args.causal)  # noqa: E731
+    # the host's own speed, to compare runs: pure Python, and one small PyTorch call
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(1_000_000):
+        total += i
+    print(f"{'host: 1M Python adds':28s} {(time.perf_counter() - t0) * 1e3:7.1f} ms", flush=True)
     noop_out = _NoOp.apply(q, k, v)
     engine = lambda: torch.autograd.grad(noop_out, (q, k, v), do, retain_graph=True)  # noqa: E731
     print(f"{'autograd engine, no-op bwd':28s} host enqueue {host_ms(engine) * 1e3:7.1f} us", flush=True)
