@@ -52,7 +52,7 @@ def launch_cost(q, k, v, causal):
     finally:
         launch_mod.Launcher.__call__ = orig
     launcher, key, grid, args, kwargs = (seen[n] for n in ("launcher", "key", "grid", "args", "kwargs"))
-    compiled, tail, device = launcher.cache[key]
+    compiled, tail, device, fast = launcher.cache[key]
     jit_args = [launcher.jit_arg(a) for a in args] if launcher.jit_arg else list(args)
     stream = torch.cuda.current_stream().cuda_stream
     g = tuple(grid) + (1,) * (3 - len(grid))
@@ -71,10 +71,18 @@ def launch_cost(q, k, v, causal):
     if launcher.jit_arg is not None:       # a Gluon launch: its key is built on every call
         steps.insert(4, ("signature key only", lambda: launch_mod_key(args, kwargs)))
     print(f"forward kernel: {launcher.kernel.fn.__name__}, {len(args)} positional arguments", flush=True)
+    if fast is not None:
+        steps.insert(5, ("direct C launch (cached TMA)", lambda: fast(g[0], g[1], g[2], stream, args)))
     try:
         from fusedattn.backends.gluon import fwd_sm90
+        from fusedattn.functional import _run_forward
         o = torch.empty_like(q)
-        steps.append(("gluon supports()", lambda: fwd_sm90.supports(p, q, k, v, o)))
+        p, extras = make_problem(q, k, v, causal=causal)
+        pl = plan(p)
+        steps += [("attention_forward", lambda: fusedattn.attention_forward(q, k, v, causal=causal)),
+                  ("_run_forward", lambda: _run_forward(p, extras, pl, q, k, v, o, None)),
+                  ("gluon supports()", lambda: fwd_sm90.supports(p, q, k, v, o)),
+                  ("launch_fwd_sm90", lambda: fwd_sm90.launch_fwd_sm90(p, q, k, v, o, None))]
     except Exception as exc:  # noqa: BLE001 - no Gluon on this Triton
         print(f"(no Gluon forward: {exc})")
     for name, fn in steps:

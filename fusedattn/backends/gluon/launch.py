@@ -1,5 +1,5 @@
-"""Gluon kernel launches with less host time: the compiled kernel is cached per argument signature
-and TMA descriptors are plain tuples on the repeat path.
+"""Gluon kernel launches with less host time: the compiled kernel is cached per argument signature,
+TMA descriptors are plain tuples on the repeat path, and their encoded form is kept per tensor.
 
 Through ``kernel[grid](...)`` a Gluon launch binds and specializes every argument, builds the
 specialization string of each TMA descriptor and looks the kernel up; the Gluon
@@ -8,9 +8,13 @@ host an eager padded forward spent 0.29 ms of host time for 0.18 ms of GPU time,
 backward 0.62 ms for 0.56 ms (bench/NOTES.md 30), so those calls were host-bound.
 
 :class:`Tma` holds a descriptor's fields. :func:`launch` keys the kernel's cache on what the JIT
-specializes on (:func:`signature_key`); a repeat signature calls the compiled kernel's launcher
-directly (``backends.triton.launch.Launcher``), whose C side builds the ``CUtensorMap`` from the
-tuple's base, shape and strides; a new signature goes through the JIT once, with real descriptors.
+specializes on (:func:`signature_key`); a new signature goes through the JIT once, with real
+descriptors. A repeat signature calls the kernel's C launcher directly (:func:`_direct`): Triton's
+Python launcher would encode every descriptor anew (``make_tensordesc_arg``: a ``CUtensorMap``
+from base, shape, strides and the kernel's box and swizzle) and allocate empty scratch on every
+call; the direct path encodes a (base pointer, shape, strides) once and reuses it (bench/NOTES.md
+45: the d64 forward's eager calls were host-bound). Where the compiled launcher is not the one
+this was written against (Triton 3.6's), the launch goes through its ``run`` as before.
 The callers' ``supports`` has checked TMA's rules (``fwd_sm90._tma_ready``) on every tensor.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ class Tma(NamedTuple):
     the JIT specializes on the base's dtype, block_shape and layout."""
     base: torch.Tensor
     shape: Any                  # sizes, outermost first
-    strides: Any                # element strides, the last 1
+    strides: tuple              # element strides, the last 1
     block_shape: tuple          # the box one TMA copy moves
     layout: Any                 # the shared-memory layout (NVMMASharedLayout) of a box
     padding: str = "zero"
@@ -41,39 +45,88 @@ class Tma(NamedTuple):
                                 self.padding)
 
 
-def _tma_key(a):
-    # the layout by identity: layouts are built once and kept (``fwd_sm90._smem_layout``), and a
-    # frozen dataclass's hash rebuilds a tuple of its fields on every call
-    return a.base.dtype, a.block_shape, id(a.layout)
-
-
-def _int_key(a):
-    # the JIT's integer specializations: the width, == 1, divisible by 16
-    return a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31
-
-
-_ARG_KEYS = {
-    Tma: _tma_key,
-    torch.Tensor: lambda a: (a.dtype, a.data_ptr() % 16 == 0),
-    bool: lambda a: a,
-    int: _int_key,
-    float: lambda a: float,
-}
+_Tensor = torch.Tensor
+_INT32 = (-2 ** 31, 2 ** 31)
 
 
 def signature_key(args, kwargs) -> tuple:
     """The cache key of one launch: what the JIT specializes on for each positional argument (a
-    tensor's dtype and 16-byte alignment, an integer's value class, a descriptor's dtype, box and
-    layout) and the values of the keyword ones (constexprs and launch options; the call site fixes
-    their order)."""
-    try:
-        return tuple(_ARG_KEYS[type(a)](a) for a in args), tuple(kwargs.items())
-    except KeyError as exc:
-        raise TypeError(f"fusedattn: unexpected kernel argument type {exc}") from None
+    tensor's dtype and 16-byte alignment, an integer's value class: == 1, divisible by 16, width;
+    a descriptor's dtype, box and layout) and the values of the keyword ones (constexprs and launch
+    options; the call site fixes their order). One pass with the common types first: this runs on
+    every launch (~20 arguments)."""
+    key = []
+    add = key.append
+    lo, hi = _INT32
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            add((a == 1, a % 16 == 0, lo <= a < hi))
+        elif kind is Tma:
+            # the layout by identity: layouts are built once and kept (``fwd_sm90._smem_layout``),
+            # and a frozen dataclass's hash rebuilds a tuple of its fields on every call
+            add((a.base.dtype, a.block_shape, id(a.layout)))
+        elif kind is _Tensor:
+            add((a.dtype, a.data_ptr() % 16 == 0))
+        elif kind is bool:
+            add(a)
+        elif kind is float:
+            add(float)
+        else:
+            raise TypeError(f"fusedattn: unexpected kernel argument type {kind}")
+    return tuple(key), tuple(kwargs.items())
 
 
 def _jit_arg(a):
     return a.descriptor() if isinstance(a, Tma) else a
+
+
+_ENCODED_MAX = 64      # encoded descriptors kept per compiled kernel (a full table is cleared)
+
+
+def _direct(compiled, tail, args):
+    """A launch of ``compiled`` through its C launcher with each TMA descriptor encoded once per
+    (base pointer, shape, strides): a callable ``(grid_x, grid_y, grid_z, stream, args)``, or None
+    where the compiled launcher is not laid out as Triton 3.6's (``CudaLauncher`` whose ``launch``
+    wraps the C function to expand descriptors) or needs scratch memory."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    run = compiled.run
+    wrapper = getattr(run, "launch", None)
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or closure is None or getattr(run, "global_scratch_size", 1) or getattr(
+            run, "profile_scratch_size", 1):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
+    c_launch, metas, positions = cells.get("launcher"), cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
+    tma_positions = {i for i, a in enumerate(args) if type(a) is Tma}
+    if (c_launch is None or not metas or any(m is None for m in metas) or positions != tma_positions
+            or len(metas) != len(tma_positions)):
+        return None
+    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None)
+    encoded = {}
+
+    def encode(a, meta, slot):
+        # the CUtensorMap holds the base address: a repeat (pointer, shape, strides) encodes the same
+        key = (a.base.data_ptr(), a.shape, a.strides, a.padding, slot)
+        hit = encoded.get(key)
+        if hit is None:
+            if len(encoded) >= _ENCODED_MAX:
+                encoded.clear()
+            hit = encoded[key] = make_tensordesc_arg(a, meta)
+        return hit
+
+    def go(grid_x, grid_y, grid_z, stream, args):
+        final = []
+        slot = 0
+        for a in args:
+            if type(a) is Tma:
+                final.extend(encode(a, metas[slot], slot))
+                slot += 1
+            else:
+                final.append(a)
+        c_launch(grid_x, grid_y, grid_z, stream, *head, *final, *tail)
+    return go
 
 
 _LAUNCHERS: dict = {}
@@ -84,5 +137,5 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     :class:`Tma` tuples; a repeat signature skips the JIT (see the module docstring)."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
-        launcher = _LAUNCHERS[kernel] = Launcher(kernel, jit_arg=_jit_arg)
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel, jit_arg=_jit_arg, direct=_direct)
     launcher(signature_key(args, kwargs), grid, *args, **kwargs)

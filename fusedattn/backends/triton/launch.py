@@ -54,11 +54,15 @@ def cdiv(a: int, b: int) -> int:
 class Launcher:
     """A @triton.jit kernel with a per-key cache of its compiled form (see the module docstring)."""
 
-    def __init__(self, kernel, jit_arg=None):
+    def __init__(self, kernel, jit_arg=None, direct=None):
         """jit_arg: maps each positional argument to what the JIT takes, on the JIT path only (the
-        direct path passes arguments as given: Gluon's TMA tuples, ``backends.gluon.launch``)."""
+        direct path passes arguments as given: Gluon's TMA tuples, ``backends.gluon.launch``).
+        direct: ``direct(compiled, tail, args)`` -> a callable ``(grid_x, grid_y, grid_z, stream,
+        args)`` that launches ``compiled`` with less host time than its ``run``, or None (then
+        ``run`` launches); asked once per key, after the JIT's launch."""
         self.kernel = kernel
         self.jit_arg = jit_arg
+        self.direct = direct
         self.names = kernel.arg_names
         self.cache: dict = {}
         self.direct_launches = 0      # calls that skipped the JIT (tests check the path is taken)
@@ -68,12 +72,15 @@ class Launcher:
         (constexprs) by name plus launch options (num_warps, num_stages)."""
         entry = self.cache.get(key) if key is not None else None
         if entry is not None and _no_launch_hooks():
-            compiled, tail, device = entry
+            compiled, tail, device, fast = entry
             if _current_device() == device:
                 self.direct_launches += 1
                 g = grid + (1,) * (3 - len(grid))
-                compiled.run(g[0], g[1], g[2], _current_raw_stream(device), compiled.function,
-                             compiled.packed_metadata, None, None, None, *args, *tail)
+                if fast is not None:
+                    fast(g[0], g[1], g[2], _current_raw_stream(device), args)
+                else:
+                    compiled.run(g[0], g[1], g[2], _current_raw_stream(device), compiled.function,
+                                 compiled.packed_metadata, None, None, None, *args, *tail)
                 return
         compiled = self.kernel[grid](*(map(self.jit_arg, args) if self.jit_arg else args), **kwargs)
         if hasattr(compiled, "result"):       # an asynchronous compile's future
@@ -85,4 +92,5 @@ class Launcher:
                      for i, name in enumerate(self.names) if i >= len(args))
         if len(self.cache) >= _MAX_ENTRIES:
             self.cache.clear()
-        self.cache[key] = (compiled, tail, _current_device())
+        fast = self.direct(compiled, tail, args) if self.direct is not None else None
+        self.cache[key] = (compiled, tail, _current_device(), fast)
