@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..triton.launch import Launcher
+from ..triton.launch import Launcher, c_launch, direct_c
 
 __all__ = ["Tma", "launch", "signature_key"]
 
@@ -88,22 +88,22 @@ def _direct(compiled, tail, args):
     """A launch of ``compiled`` through its C launcher with each TMA descriptor encoded once per
     (base pointer, shape, strides): a callable ``(grid_x, grid_y, grid_z, stream, args)``, or None
     where the compiled launcher is not laid out as Triton 3.6's (``CudaLauncher`` whose ``launch``
-    wraps the C function to expand descriptors) or needs scratch memory."""
+    wraps the C function in ``wrap_handle_tensordesc``'s ``inner``, whose closure holds the C
+    function, the descriptors' positions and their box/swizzle metadata) or needs scratch memory."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
-    run = compiled.run
-    wrapper = getattr(run, "launch", None)
-    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
-    if code is None or closure is None or getattr(run, "global_scratch_size", 1) or getattr(
-            run, "profile_scratch_size", 1):
+    found = c_launch(compiled)
+    if found is None:
         return None
+    wrapper, head = found
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or closure is None:
+        return direct_c(compiled, tail, args)       # no descriptor among the arguments
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
-    c_launch, metas, positions = cells.get("launcher"), cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
+    c_function, metas, positions = cells.get("launcher"), cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
     tma_positions = {i for i, a in enumerate(args) if type(a) is Tma}
-    if (c_launch is None or not metas or any(m is None for m in metas) or positions != tma_positions
+    if (c_function is None or not metas or any(m is None for m in metas) or positions != tma_positions
             or len(metas) != len(tma_positions)):
         return None
-    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-            compiled.packed_metadata, None, None, None)
     encoded = {}
 
     def encode(a, meta, slot):
@@ -125,7 +125,7 @@ def _direct(compiled, tail, args):
                 slot += 1
             else:
                 final.append(a)
-        c_launch(grid_x, grid_y, grid_z, stream, *head, *final, *tail)
+        c_function(grid_x, grid_y, grid_z, stream, *head, *final, *tail)
     return go
 
 

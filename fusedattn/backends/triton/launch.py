@@ -51,15 +51,43 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def c_launch(compiled):
+    """``(launch, head)``: the compiled kernel's launch function as Triton 3.6's ``CudaLauncher``
+    keeps it (the C function, or a Python wrapper of it that expands TMA descriptors) and the
+    arguments it takes between the stream and the kernel's own; None where the launcher is laid out
+    otherwise or needs scratch memory. ``CudaLauncher.__call__`` allocates the (empty) scratch
+    through two nested functions on every launch; calling ``launch`` skips that."""
+    run = getattr(compiled, "run", None)
+    launch = getattr(run, "launch", None)
+    if launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+            None, None, None)
+    return launch, head
+
+
+def direct_c(compiled, tail, args):
+    """:class:`Launcher`'s default ``direct``: kernels without TMA descriptors, whose ``launch`` is the C
+    function itself, are called through it with the arguments as given (else None: ``run`` launches)."""
+    found = c_launch(compiled)
+    if found is None or hasattr(found[0], "__code__"):      # a Python wrapper: TMA descriptors to expand
+        return None
+    launch, head = found
+
+    def go(grid_x, grid_y, grid_z, stream, args):
+        launch(grid_x, grid_y, grid_z, stream, *head, *args, *tail)
+    return go
+
+
 class Launcher:
     """A @triton.jit kernel with a per-key cache of its compiled form (see the module docstring)."""
 
-    def __init__(self, kernel, jit_arg=None, direct=None):
+    def __init__(self, kernel, jit_arg=None, direct=direct_c):
         """jit_arg: maps each positional argument to what the JIT takes, on the JIT path only (the
         direct path passes arguments as given: Gluon's TMA tuples, ``backends.gluon.launch``).
         direct: ``direct(compiled, tail, args)`` -> a callable ``(grid_x, grid_y, grid_z, stream,
-        args)`` that launches ``compiled`` with less host time than its ``run``, or None (then
-        ``run`` launches); asked once per key, after the JIT's launch."""
+        args)`` that launches ``compiled`` with less host time than its ``run``, or returns None (then
+        ``run`` launches); asked once per key, after the JIT's launch (default :func:`direct_c`)."""
         self.kernel = kernel
         self.jit_arg = jit_arg
         self.direct = direct
