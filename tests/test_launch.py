@@ -419,3 +419,67 @@ def test_planner_routes_d64_forward_to_gluon_only_for_plain_calls(monkeypatch):
                     f"d={d} {name}: {route}, expected fwd_gluon={want}"
     finally:
         plan_mod._plan_cached.cache_clear()
+
+
+def test_direct_c_launch_passes_what_tritons_launcher_would():
+    """launch.direct_c / gluon launch._direct against Triton's own wrapper (``wrap_handle_tensordesc``)
+    around a stand-in C launch function: the same final argument list, TMA descriptors encoded once
+    per (base pointer, shape, strides) and again for a new base or new strides. Runs without a GPU
+    (the encoding is a stand-in too); the GPU tests check the real launches."""
+    from types import SimpleNamespace
+
+    import triton.backends.nvidia.driver as driver
+
+    from fusedattn.backends.gluon.fwd_sm90 import _tma
+    from fusedattn.backends.gluon.launch import _direct
+    from fusedattn.backends.triton.launch import direct_c
+
+    encodings = []
+
+    def encode(arg, meta):          # stands in for the CUtensorMap: records what it was built from
+        encodings.append((arg.base.data_ptr(), tuple(arg.strides)))
+        return [("map", arg.base.data_ptr(), meta["swizzle"]), *arg.shape, *arg.strides]
+
+    class CFunction:                # a builtin-like callable (no __code__), recording its arguments
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, *args):
+            self.calls.append(args)
+
+    signature = {"desc": "tensordesc<fp16[1, 1, 64, 64]>", "ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    c_function = CFunction()
+    orig = driver.make_tensordesc_arg
+    driver.make_tensordesc_arg = encode
+    try:
+        wrapper = driver.wrap_handle_tensordesc(c_function, signature, [{"swizzle": 128}])
+        run = SimpleNamespace(launch=wrapper, global_scratch_size=0, profile_scratch_size=0,
+                              launch_cooperative_grid=False, launch_pdl=False)
+        compiled = SimpleNamespace(run=run, function=7, packed_metadata=("meta",))
+        x = torch.zeros(2, 3, 64, 64, dtype=torch.float16)
+        y = torch.zeros(2, 3, 64, 64, dtype=torch.float16)
+        lse = torch.zeros(4)
+        tail = (64, )
+        go = _direct(compiled, tail, (_tma(x, 64), lse, 5))
+        assert go is not None
+        for t in (x, x, y, x.transpose(1, 2).contiguous().transpose(1, 2)):
+            args = (_tma(t, 64), lse, 5)
+            go(1, 2, 3, 99, args)
+            wrapper(1, 2, 3, 99, 7, False, False, None, None, ("meta",), None, None, None, *args, *tail)
+            ours, theirs = c_function.calls[-2:]
+            assert ours == theirs
+        # x twice: one encoding for our path (its repeat was cached), four for the wrapper's; then y
+        # and x's new strides are new encodings for both
+        assert len(encodings) == 3 + 4
+        # no descriptor among the arguments: direct_c calls the C function itself (a Python wrapper
+        # is left to run, as is a kernel that needs scratch memory)
+        plain = SimpleNamespace(run=SimpleNamespace(launch=c_function, global_scratch_size=0, profile_scratch_size=0,
+                                                    launch_cooperative_grid=True, launch_pdl=False),
+                                function=8, packed_metadata=("m2",))
+        direct_c(plain, (1, ), (lse, 3))(4, 5, 6, 77, (lse, 3))
+        assert c_function.calls[-1] == (4, 5, 6, 77, 8, True, False, None, None, ("m2",), None, None, None, lse, 3, 1)
+        assert direct_c(compiled, tail, (lse, 3)) is None
+        plain.run.global_scratch_size = 16
+        assert direct_c(plain, (1, ), (lse, 3)) is None
+    finally:
+        driver.make_tensordesc_arg = orig
