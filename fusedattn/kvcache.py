@@ -234,7 +234,7 @@ class _Call:
             raise InvalidArgumentError(f"softcap must be >= 0 (0 = off), got {softcap}")
         self.scale, self.softcap = attn_scale, softcap
         self.causal, self.window, self.alibi = bool(causal), window, alibi
-        self.band = make_band(self.causal, "bottom_right", window)
+        self.band = make_band(self.causal, "bottom_right", window, self.s_q, self.cap)
         self.slopes = None
         if isinstance(alibi, torch.Tensor):
             if tuple(alibi.shape) != (self.h_q,) or not alibi.is_floating_point():

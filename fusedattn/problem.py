@@ -78,8 +78,13 @@ class Band:
         return self.left is None and self.right is None
 
 
-def make_band(causal: bool, causal_alignment: str, window) -> Optional[Band]:
-    """Translate the functional door's ``causal`` / ``window`` into one Band (or None)."""
+def make_band(causal: bool, causal_alignment: str, window, s_q: Optional[int] = None,
+              s_kv: Optional[int] = None) -> Optional[Band]:
+    """Translate the functional door's ``causal`` / ``window`` into one Band (or None).
+
+    With the sizes given, a bound of at least s_q + s_kv keys keeps every key it could reach under
+    either alignment, so it becomes unbounded (None): the kernels compute ``i + off - left`` and
+    ``i + off + right`` in int32, where a window of ~2^31 keys would overflow."""
     if causal_alignment not in ALIGNMENTS:
         raise InvalidArgumentError(
             f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
@@ -100,6 +105,10 @@ def make_band(causal: bool, causal_alignment: str, window) -> Optional[Band]:
         left, right = bounds
     if causal:
         right = 0 if right is None else min(right, 0)
+    if s_q is not None and s_kv is not None:
+        reach = s_q + s_kv      # |i + off - j| < s_q + s_kv for every row i and key j, off in either alignment
+        left = None if left is not None and left >= reach else left
+        right = None if right is not None and right >= reach else right
     if left is None and right is None:
         return None
     return Band(causal_alignment, left, right)
@@ -311,7 +320,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
     if not math.isfinite(attn_scale) or attn_scale <= 0:
         raise InvalidArgumentError(f"attn_scale must be finite and > 0, got {attn_scale}")
 
-    band = make_band(bool(causal), causal_alignment, window)
+    band = make_band(bool(causal), causal_alignment, window, s_q, s_kv)
     extras = {
         "page_table_k": tables.get("page_table_k"),
         "page_table_v": tables.get("page_table_v"),

@@ -174,3 +174,25 @@ def test_alibi_slopes_match_seed_formula():
         return slopes
     for h in (1, 4, 6, 12, 32):
         torch.testing.assert_close(fusedattn.alibi_slopes(h), get_alibi_slopes(h).float())
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_window_wider_than_every_key_is_unbounded(alignment, target):
+    """A window bound of at least s_q + s_kv keeps every key it could reach, so the problem carries
+    it as unbounded (no int32 arithmetic near 2^31 in the kernels): the outputs match the unbounded
+    call's bit for bit, and a bound one key short of that width stays a real bound."""
+    from fusedattn.problem import make_problem
+    device, backend = target
+    q, k, v, _ = make_inputs(device, torch.float32, s_q=20, s_kv=33)
+    wide = {"window": (2 ** 31 - 1, 2 ** 40), "causal": True, "causal_alignment": alignment}
+    p, _ = make_problem(q, k, v, **wide)
+    assert p.band is not None and p.band.left is None and p.band.right == 0
+    assert make_problem(q, k, v, window=(53, 53), causal_alignment=alignment)[0].band is None
+    short = make_problem(q, k, v, window=(52, 52), causal_alignment=alignment)[0].band
+    assert (short.left, short.right) == (52, 52)
+    got = fusedattn.attention(q, k, v, backend=backend, **wide)
+    want = fusedattn.attention(q, k, v, backend=backend, causal=True, causal_alignment=alignment)
+    assert torch.equal(got, want)
+    plain = fusedattn.attention(q, k, v, backend=backend)
+    assert torch.equal(fusedattn.attention(q, k, v, backend=backend, window=(2 ** 33, 2 ** 33),
+                                           causal_alignment=alignment), plain)
