@@ -53,7 +53,8 @@ def bench(fn, rep=250):
 
 VARIANTS = {"sepz": dict(sepz=True), "dqfst": dict(dq_first=True), "dqlast": dict(dq_first=False),
             "lin": dict(heavy_first=False), "defer": dict(defer_dk=True, dq_first=True), "st2": dict(stages=2), "st3": dict(stages=3), "flat": dict(flat=True),
-            "atom": dict(dq_atomic=True), "atom3": dict(dq_atomic=True, stages=3), "order": "flip"}
+            "atom": dict(dq_atomic=True), "atom3": dict(dq_atomic=True, stages=3), "rot": dict(rotate=True),
+            "order": "flip"}
 
 
 def _variant_kw(name, causal):

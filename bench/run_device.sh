@@ -14,6 +14,7 @@
 #                  present (the command puts the commit to compare against there), else alone
 #                  (FWD_AB_ARGS: extra arguments, e.g. "--configs window-b2-s8k-d128")
 #   fused-sweep    bench/gluon_fused_sweep.py: single-pass vs two-pass backward at d=128
+#                  (FUSED_SWEEP_ARGS: extra arguments, e.g. "--variants=rot")
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
 #   bench-quick    the same with --quick (fewer repetitions)
@@ -157,7 +158,7 @@ for part in "${PARTS[@]}"; do
         fwd-ab)        if [ -f fusedattn/backends/gluon/fwd_base.py ]; then
                            run_part fwd-ab python3 bench/fwd_ab.py --baseline fwd_base ${FWD_AB_ARGS:-}
                        else run_part fwd-ab python3 bench/fwd_ab.py ${FWD_AB_ARGS:-}; fi ;;
-        fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ;;
+        fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ${FUSED_SWEEP_ARGS:-} ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
         bench-quick)   bench_part bench-quick --quick ;;

@@ -132,7 +132,9 @@ VARIANTS = {"stages2": dict(stages=2), "stages3": dict(stages=3), "nolag": dict(
             "via_out_defer": dict(via_out=True, defer_dk=True, dq_first=True, lag=False), "atomic": dict(dq_atomic=True, lag=False),
             "via_out_atomic": dict(via_out=True, dq_atomic=True, lag=False),
             "atomic_dqfirst_stages2": dict(dq_atomic=True, lag=False, dq_first=True, stages=2),
-            "heavy_first": dict(heavy_first=True), "grid_order": dict(heavy_first=False)}
+            "heavy_first": dict(heavy_first=True), "grid_order": dict(heavy_first=False),
+            "rotate": dict(rotate=True), "rotate_forward": dict(rotate=True, reverse=False),
+            "rotate_lag": dict(rotate=True, lag=True)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

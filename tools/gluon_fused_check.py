@@ -2,7 +2,7 @@
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
                                       [flat|swizzled] [p16|p32] [dqfirst|dqlast]
-                                      [defer|nodefer] [atomic|tma]
+                                      [defer|nodefer] [atomic|tma] [rotate]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
@@ -50,7 +50,7 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
                  P16_DS=m.P16_DS if p16_ds is None else p16_ds,
                  DQ_FIRST=m.DQ_FIRST[causal] if dq_first is None else dq_first,
                  DEFER_DK=m.DEFER_DK[causal] if defer_dk is None else defer_dk,
-                 DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
+                 DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic, ROTATE=m.ROTATE[causal],
                  CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
     const.update(over)
     for k in const:
@@ -77,7 +77,8 @@ def main():
                       p16_ds=True if "p16" in flags else False if "p32" in flags else None,
                       dq_first=True if "dqfirst" in flags else False if "dqlast" in flags else None,
                       defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,
-                      dq_atomic=True if "atomic" in flags else False if "tma" in flags else None)
+                      dq_atomic=True if "atomic" in flags else False if "tma" in flags else None,
+                      **({"ROTATE": True} if "rotate" in flags else {}))
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

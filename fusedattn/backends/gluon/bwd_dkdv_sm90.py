@@ -173,11 +173,14 @@ def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS
 def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
                    q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, batch,
                    kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
-                   HAS_SEQ_Q: gl.constexpr, REVERSE: gl.constexpr = False):
+                   HAS_SEQ_Q: gl.constexpr, REVERSE: gl.constexpr = False, ROTATE: gl.constexpr = False, t_a=0,
+                   t_b=0, rot=0):
     """Load warp: K and V once (every 64-key tile of the CTA), then Q_i and dO_i (TMA) and the tile's
     lse2 = lse * log2 e and delta rows (plain loads; +inf and 0 for rows >= len_q, the sequence's
     length, S_Q unpadded) of every (head of the group, query tile). REVERSE: each head's query tiles
-    last-first (the single-pass backward under a causal mask, ``bwd_fused_sm90``)."""
+    last-first (the single-pass backward under a causal mask, ``bwd_fused_sm90``). ROTATE: the mask-free
+    tiles [t_a, t_b) of each head start ``rot`` tiles into their order and wrap around (``bwd_fused_sm90``,
+    "Switches": Rotate; ``_tile_loop`` visits them in the same order)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -197,6 +200,12 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
             slope2 = _alibi_slope2(SLOPES, head)
         for i in range(t_hi - t_lo):
             t = t_hi - 1 - i if REVERSE else t_lo + i
+            if ROTATE:
+                # position j in the mask-free run (it follows the masked tiles before it in this order)
+                j = i - (t_hi - t_b) if REVERSE else i - (t_a - t_lo)
+                if (j >= 0) & (j < t_b - t_a):
+                    j = (j + rot) % (t_b - t_a)      # the load warp: a division per tile is cheap here
+                    t = t_b - 1 - j if REVERSE else t_a + j
             slot = it % STAGES
             rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
             # issued before the slot wait: their latency hides under it

@@ -166,6 +166,9 @@ DQ_ATOMIC = {False: False, True: False}  # causal -> atomics
 # program ids remapped so that heavy CTAs (low key blocks under a causal mask) start first, in chunks of about
 # one wave of CTAs (docstring, "Switches": Heavy first)
 HEAVY_FIRST = {False: False, True: True}  # causal -> heavy first
+# each CTA's mask-free query tiles start at its key block's index into their order and wrap around, so the CTAs
+# of a head reduce into different dQ tiles at a time (docstring, "Switches": Rotate)
+ROTATE = {False: False, True: False}     # causal -> rotate
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -353,10 +356,21 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
                band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr,
-               DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr):
-    """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE)."""
-    for i in range(hi - lo):
-        t = hi - 1 - i if REVERSE else lo + i
+               DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr = False,
+               rot=0):
+    """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE); ROTATE: starting ``rot``
+    tiles into that order and wrapping around (the producer's order, ``_dkdv_producer``)."""
+    n = hi - lo
+    start = 0
+    if ROTATE:
+        start = rot % gl.maximum(n, 1)       # one division per run; the loop wraps with a compare
+    for i in range(n):
+        j = i
+        if ROTATE:
+            j = i + start
+            if j >= n:
+                j = j - n
+        t = hi - 1 - j if REVERSE else lo + j
         dk, dv, ds_keep, prev_head, prev_row = _fused_step(
             it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready, do_ready,
             l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band, qk_scale, batch,
@@ -370,7 +384,8 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     kv_bar, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done, dk_desc, dv_desc, dq_desc,
                     DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles, qk_scale, sm_scale,
                     HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, REVERSE: gl.constexpr, P16_DS: gl.constexpr,
-                    LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+                    LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                    ROTATE: gl.constexpr, rot):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
     (LAG: each one a tile late, the last one after the loop)."""
     WG_N: gl.constexpr = k_smem.shape[3]
@@ -428,7 +443,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
             t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot)
         it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
             lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
@@ -464,7 +479,8 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                          stride_lh, stride_lm, DELTA, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, CHUNK,
                          STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, REVERSE: gl.constexpr,
                          P16_DS: gl.constexpr, LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr,
-                         DQ_ATOMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                         DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -533,17 +549,17 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC)),
+                           DQ_ATOMIC, ROTATE, pid_n)),
         (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC)),
+                           DQ_ATOMIC, ROTATE, pid_n)),
         # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in)
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
                           DELTA, DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES, False,
-                          False, REVERSE)),
+                          False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -638,7 +654,7 @@ def _problem_ok(p) -> bool:
 
 def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=None, dq_acc=None, stages=None,
                           reverse=None, flat=None, p16_ds=None, lag=None, dq_first=None, defer_dk=None,
-                          dq_atomic=None, heavy_first=None):
+                          dq_atomic=None, heavy_first=None, rotate=None):
     """dQ, dK, dV of attention on Hopper in one pass (plus preparing dQ's fp32 accumulator and converting
     it), written in place.
 
@@ -652,8 +668,8 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
     * out None: delta holds rowsum(dO * O) already (the caller's delta pass) and dq_acc is zeroed here.
 
     dq_acc: optional fp32 scratch of b*h_q*acc_rows(s_q)*128 elements. Tuning: stages, reverse, flat, p16_ds, lag,
-    dq_first, defer_dk, dq_atomic, heavy_first override ``STAGES``, ``REVERSE``, ``DQ_FLAT``, ``P16_DS``,
-    ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``."""
+    dq_first, defer_dk, dq_atomic, heavy_first, rotate override ``STAGES``, ``REVERSE``, ``DQ_FLAT``, ``P16_DS``,
+    ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``."""
     if dq_acc is None:
         dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), HEAD_D), dtype=torch.float32, device=q.device)
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), HEAD_D)
@@ -665,7 +681,7 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
         dq_acc.zero_()
     launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, reverse=reverse, flat=flat,
                   p16_ds=p16_ds, lag=lag, dq_first=dq_first, defer_dk=defer_dk, dq_atomic=dq_atomic,
-                  heavy_first=heavy_first)
+                  heavy_first=heavy_first, rotate=rotate)
     launch_convert(p, dq_acc, dq)
     return dq, dk, dv
 
@@ -683,7 +699,7 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
 
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
-                  p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None):
+                  p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
     [b, h_q, acc_rows(s_q), 128]; its rows >= s_q are scratch)."""
     band = p.band
@@ -709,7 +725,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         REVERSE=REVERSE[causal] if reverse is None else reverse, P16_DS=P16_DS if p16_ds is None else p16_ds,
         LAG=LAG[causal] if lag is None else lag, DQ_FIRST=dq_first, DEFER_DK=defer_dk,
         DQ_ATOMIC=DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
-        CONSUMER_REGS=CONSUMER_REGS,
+        ROTATE=ROTATE[causal] if rotate is None else rotate, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )
 
