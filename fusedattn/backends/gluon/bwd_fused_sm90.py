@@ -96,6 +96,13 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
   H100: -3..-7%: off.
 * Ring depth (``STAGES``): 3 under a causal mask (231584 bytes of shared memory, at the limit): vs 2, 2k
   +1.5/+0.9/+2.9/+3.4% (runs 1-4), GQA 4k -0.9/-1.2/+2.1/+1.8%; without a mask 2 (3: -4 to -5%, runs 1-3).
+* Rotate (``ROTATE``): each CTA's mask-free query tiles start ``pid_n`` (its key block) tiles into their
+  order and wrap around, so the CTAs of a head reduce into different dQ tiles at a time instead of all into
+  the same one (REVERSE lines them up). Prediction: fewer same-address TMA reduce-adds in L2, a gain at 16k
+  causal if those serialize (~1.5 TB/s of reduce traffic there). H100 (session 10, whole backward vs the
+  defaults, same run): 2k causal -2.2%, 16k causal -2.4%, GQA 4k -1.0%, 8k no mask -3.6%: the shared tile
+  is the cheaper one (its Q/dO and dQ lines are hot in L2); the wrap also costs 6-10 instructions and 5
+  spill accesses per step. Off.
 * Host (``out=``): delta and the dq_acc zeroing in one kernel (``_delta_zero``) instead of the delta pass
   and torch's zero_: the same bytes, one launch fewer; measured even (runs 1-3, -1..+2%, within noise).
 
