@@ -7,7 +7,9 @@ the compiled kernel's own launcher (bench/overhead.py, bench/NOTES.md 16). At d=
 whole forward kernel runs in 74 us, so eager calls were host-bound.
 
 :class:`Launcher` keeps, per caller-given *key*, the compiled kernel the JIT chose the
-first time and afterwards calls its launcher directly. The contract: equal keys must
+first time and afterwards launches it directly: through the C launch function itself where
+Triton's launcher is laid out as 3.6's (:func:`direct_c`; its Python ``CudaLauncher.__call__``
+costs a few us more per launch, bench/NOTES.md 45), else through that launcher. The contract: equal keys must
 mean equal values for every argument that is not a tensor and equal dtypes and 16-byte
 alignment for every tensor argument; then the JIT would pick the same compiled kernel.
 Callers build keys from the problem (shapes, strides, scalars), so this holds by
