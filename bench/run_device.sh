@@ -13,6 +13,7 @@
 #   fwd-ab         bench/fwd_ab.py: the Gluon forward against fusedattn/backends/gluon/fwd_base.py where
 #                  present (the command puts the commit to compare against there), else alone
 #                  (FWD_AB_ARGS: extra arguments, e.g. "--configs window-b2-s8k-d128")
+#   ncu-fused      Nsight Compute on the single-pass backward at 16k causal (bench/profile_fused.py)
 #   fused-sweep    bench/gluon_fused_sweep.py: single-pass vs two-pass backward at d=128
 #                  (FUSED_SWEEP_ARGS: extra arguments, e.g. "--variants=rot")
 #   demo           python3 -m fusedattn demo
@@ -158,6 +159,10 @@ for part in "${PARTS[@]}"; do
         fwd-ab)        if [ -f fusedattn/backends/gluon/fwd_base.py ]; then
                            run_part fwd-ab python3 bench/fwd_ab.py --baseline fwd_base ${FWD_AB_ARGS:-}
                        else run_part fwd-ab python3 bench/fwd_ab.py ${FWD_AB_ARGS:-}; fi ;;
+        ncu-fused)     run_part ncu-fused ncu --clock-control none --kernel-name regex:_attn_bwd_fused --launch-skip 1 \
+                           --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                           --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+                           python3 bench/profile_fused.py ;;
         fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ${FUSED_SWEEP_ARGS:-} ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
