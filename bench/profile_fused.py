@@ -4,7 +4,7 @@
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \\
         --section WarpStateStats python3 bench/profile_fused.py [b h s] [--no-causal]
 Default: the 16k causal anchor (b1 h32 s16384 d128 bf16), the d128 fwd+bwd row furthest behind cuDNN
-(bench/NOTES.md 46). Run with ``run_device.sh ncu-fused``.
+(bench/NOTES.md 47). Run with ``run_device.sh ncu-fused``.
 """
 import sys
 

@@ -1053,24 +1053,27 @@ def _tma_strides(t):
     return tuple(s if n > 1 else t.shape[-1] for n, s in zip(t.shape[:-1], t.stride()[:-1])) + (1, )
 
 
-_READY = {}     # (shape, strides, element size) -> whether TMA's stride rules hold (every call asks)
+_GEOMETRY = {}  # (shape, strides, dtype) -> _geometry (supports and the launch ask on every call)
+
+
+def _geometry(t):
+    """(whether t's strides meet TMA's rules, its 4-D TMA strides), cached per shape, strides and dtype."""
+    key = (t.shape, t.stride(), t.dtype)
+    g = _GEOMETRY.get(key)
+    if g is None:
+        shape, strides, size = t.shape, key[1], t.element_size()
+        ready = strides[-1] == 1 and all(
+            n <= 1 or (s > 0 and s % 8 == 0 and s * size < 2 ** 40) for n, s in zip(shape[:-1], strides[:-1]))
+        if len(_GEOMETRY) >= 1024:
+            _GEOMETRY.clear()
+        g = _GEOMETRY[key] = (ready, _tma_strides(t))
+    return g
 
 
 def _tma_ready(t) -> bool:
     """TMA's rules for a 2-byte tensor: 16-byte aligned base, unit last stride, other strides
     (of dims that are stepped) positive multiples of 8 elements below 2^40 bytes."""
-    if t is None or not t.is_cuda or t.data_ptr() % 16 != 0:
-        return False
-    key = (t.shape, t.stride(), t.element_size())
-    ready = _READY.get(key)
-    if ready is None:
-        shape, strides, size = key
-        ready = strides[-1] == 1 and all(
-            n <= 1 or (s > 0 and s % 8 == 0 and s * size < 2 ** 40) for n, s in zip(shape[:-1], strides[:-1]))
-        if len(_READY) >= 1024:
-            _READY.clear()
-        _READY[key] = ready
-    return ready
+    return t is not None and t.is_cuda and t.data_ptr() % 16 == 0 and _geometry(t)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1145,22 +1148,12 @@ def _smem_layout(rows, d, dtype):
     return _LAYOUTS[key]
 
 
-_GEOMETRY = {}  # (shape, strides, dtype, box rows) -> a Tma's fields after its base (every launch asks)
-
-
 def _tma(t, rows) -> Tma:
     """4-D TMA descriptor arguments of t with box [1, 1, rows, tile width] (for ``launch.launch``); the
     box may be wider than t's last dim (d=224 on 256-wide tiles): TMA zero-fills the columns past it
     and clips stores."""
-    key = (t.shape, t.stride(), t.dtype, rows)
-    fields = _GEOMETRY.get(key)
-    if fields is None:
-        d = TILE_D[t.shape[-1]]
-        fields = (t.shape, _tma_strides(t), (1, 1, rows, d), _smem_layout(rows, d, t.dtype))
-        if len(_GEOMETRY) >= 1024:
-            _GEOMETRY.clear()
-        _GEOMETRY[key] = fields
-    return Tma(t, *fields)
+    d = TILE_D[t.shape[-1]]
+    return Tma(t, t.shape, _geometry(t)[1], (1, 1, rows, d), _smem_layout(rows, d, t.dtype))
 
 
 def _desc(t, rows) -> TensorDescriptor:
