@@ -56,7 +56,7 @@ def launch_cost(q, k, v, causal):
     jit_args = [launcher.jit_arg(a) for a in args] if launcher.jit_arg else list(args)
     stream = torch.cuda.current_stream().cuda_stream
     g = tuple(grid) + (1,) * (3 - len(grid))
-    p, _ = make_problem(q, k, v, causal=causal)
+    p, extras = make_problem(q, k, v, causal=causal)
     steps = [
         ("fusedattn.attention", lambda: fusedattn.attention(q, k, v, causal=causal)),
         ("make_problem", lambda: make_problem(q, k, v, causal=causal)),
@@ -77,7 +77,6 @@ def launch_cost(q, k, v, causal):
         from fusedattn.backends.gluon import fwd_sm90
         from fusedattn.functional import _run_forward
         o = torch.empty_like(q)
-        p, extras = make_problem(q, k, v, causal=causal)
         pl = plan(p)
         steps += [("attention_forward", lambda: fusedattn.attention_forward(q, k, v, causal=causal)),
                   ("_run_forward", lambda: _run_forward(p, extras, pl, q, k, v, o, None)),
