@@ -4,7 +4,7 @@
 #   bash bench/run_device.sh [PART ...] [-- EXTRA BENCH ARGS]
 #
 # PARTS, run in the order given (default: tests demo bench-quick):
-#   tests          python3 -m pytest -q tests -m gpu           (the GPU tests; TEST_PATHS narrows them)
+#   tests          python3 -m pytest -q tests -m gpu           (the GPU tests; TEST_PATHS and TEST_K narrow them)
 #   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~770 s together)
 #   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
@@ -141,7 +141,8 @@ report_env
 
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" ;;
+        tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" \
+                           ${TEST_K:+-k "$TEST_K"} ;;
         # the full GPU suite no longer fits one 600 s call: the Gluon tests alone took 572 s for 904 of 914
         # with 16 workers (session 5); the Gluon forward's (530) and backward passes' (384) halves fit one each
         tests-gluon)   run_part tests-gluon python3 -m pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py \

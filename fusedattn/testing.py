@@ -144,7 +144,9 @@ class HopperCase:
     """One configuration for a Gluon sm_90 kernel test; ``repro(nodeid)`` rebuilds it.
 
     mode: "none" or the causal alignment; window: (left, right) with -1 unbounded (aligned by
-    ``mode``, top-left when "none"); alibi: the paper's slopes for h_q heads."""
+    ``mode``, top-left when "none"); alibi: the paper's slopes for h_q heads; dropout: p, with
+    the seed and counter offset derived from ``seed`` (an offset past 2^32 when seed is odd, so
+    the counter's high word is exercised)."""
 
     seed: int
     b: int
@@ -158,6 +160,7 @@ class HopperCase:
     layout: str
     window: Optional[Tuple[int, int]] = None
     alibi: bool = False
+    dropout: float = 0.0
 
     def kwargs(self):
         kw = dict(causal=self.mode != "none", causal_alignment="top_left" if self.mode == "none" else self.mode)
@@ -165,6 +168,9 @@ class HopperCase:
             kw["window"] = self.window
         if self.alibi:
             kw["alibi"] = True
+        if self.dropout:
+            kw.update(dropout_p=self.dropout, dropout_seed=self.seed * 7919 + (self.seed % 2) * 2 ** 40,
+                      dropout_offset=(self.seed % 2) * (2 ** 32 + 5) + 11)
         return kw
 
     def repro(self, nodeid):

@@ -391,3 +391,33 @@ def test_gluon_fwd_persistent_repeat():
                 torch.cuda.current_stream().synchronize()
                 assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"launch {it} (b={b}, s={s})"
 
+
+
+# ------------------------------------------------------------------------------------------------
+# dropout (fwd_sm90 ``_drop``, backends/gluon/dropout.py): the reference drops exactly the CPU
+# path's mask, so a wrong keep bit anywhere shows up as an error far past the rule's bound
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_fwd_dropout_random(seed, request):
+    """Dropout p in (0.1, 0.5) on random geometries (every head dim, any mask, sometimes a window,
+    ALiBi or padding), on both grids; seeds and counter offsets past 2^32 on odd cases."""
+    rng = random.Random(seed)
+    case = _random_case(9000 + seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(case, d=(64, 128, 224, 256)[seed % 4], dropout=rng.choice([0.1, 0.25, 0.5]),
+                               alibi=rng.random() < 0.3, window=window)
+    lens = (None, None)
+    if seed % 3 == 0:
+        case = dataclasses.replace(case, b=max(case.b, 2))
+        lens = pad_case(case, "both", 9000 + seed)
+    persistent = dict(persistent=True, ctas=3) if seed % 2 else None
+    run_case(case, request.node.nodeid, write_lse=seed % 4 != 1, lens=lens, persistent=persistent)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gluon_fwd_dropout_lengths(mode, request):
+    """Dropout at d=128 on lengths that leave partial tiles both ways, GQA 2, BSHD."""
+    case = HopperCase(seed=9100 + MODES.index(mode), b=2, h_q=4, h_kv=2, s_q=1000, s_kv=333, d=128,
+                      dtype="bfloat16", mode=mode, layout="bshd", dropout=0.2)
+    run_case(case, request.node.nodeid)
+    run_case(dataclasses.replace(case, s_q=200, s_kv=1000, seed=case.seed + 50), request.node.nodeid)

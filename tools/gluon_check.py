@@ -36,7 +36,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
-                persistent=False, dynamic=True):
+                persistent=False, dynamic=True, dropout=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -53,12 +53,13 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",
-           "HEAD_GROUP": "i32"}
+           "HEAD_GROUP": "i32", "DROP_SEED": "i64", "DROP_OFFSET": "i64", "DROP_THRESHOLD": "i32",
+           "DROP_RESCALE": "fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
-                 PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d])
+                 PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
@@ -126,10 +127,10 @@ def main():
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
     block_n = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
-    extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static"
+    extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static", "dropout"
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
                     alibi="alibi" in extra, seq_q="seq_q" in extra, seq_kv="seq_kv" in extra,
-                    persistent="persistent" in extra, dynamic="static" not in extra)
+                    persistent="persistent" in extra, dynamic="static" not in extra, dropout="dropout" in extra)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

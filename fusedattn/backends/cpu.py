@@ -54,15 +54,22 @@ def dropout_threshold(p: float) -> int:
 def dropout_keep_chunk(seed, offset, h_q, s_q, s_kv, p, rows, cols, b, device):
     """Keep-mask [b, h_q, len(rows), len(cols)] of the (rows, cols) window of the global mask.
 
-    As the kernels: keys 8g..8g+7 share one Philox call at counter
-    ``offset + (bh * s_q + row) * ceil(s_kv / 8) + g``; key 8g + 2w + h takes 16-bit half h of word w.
+    As the kernels (``backends/gluon/dropout.py`` says why this grouping): rows {r, r + 8} and keys
+    {k, k + 1, k + 8, k + 9} (r with bit 3 clear, k with bits 0 and 3 clear) share one Philox call
+    at counter ``offset + (bh * RQ + (r >> 4) * 8 + (r & 7)) * KQ + (k >> 4) * 4 + ((k & 7) >> 1)``,
+    RQ = ceil(s_q / 16) * 8, KQ = ceil(s_kv / 16) * 4; (row, key) takes 16-bit half (key bit 0)
+    of word 2 * (row bit 3) + (key bit 3).
     """
     bh = torch.arange(b * h_q, device=device, dtype=torch.int64).view(b, h_q, 1, 1)
+    rows = rows.view(1, 1, -1, 1).to(torch.int64)
     cols = cols.view(1, 1, 1, -1).to(torch.int64)
-    counter = offset + (bh * s_q + rows.view(1, 1, -1, 1).to(torch.int64)) * ((s_kv + 7) // 8) + cols // 8
-    words = torch.stack(philox_randint4x(seed, counter), dim=-1)           # [..., 4]
-    r = torch.gather(words, -1, ((cols % 8) // 2).expand(words.shape[:-1]).unsqueeze(-1)).squeeze(-1)
-    r = (r >> (16 * (cols % 2))) & 0xFFFF
+    row_group = (rows >> 4) * 8 + (rows & 7)
+    key_group = (cols >> 4) * 4 + ((cols & 7) >> 1)
+    counter = offset + (bh * ((s_q + 15) // 16 * 8) + row_group) * ((s_kv + 15) // 16 * 4) + key_group
+    words = torch.stack(philox_randint4x(seed, counter), dim=-1)           # [b, h, rows, cols, 4]
+    word = (2 * ((rows >> 3) & 1) + ((cols >> 3) & 1)).expand(words.shape[:-1])
+    r = torch.gather(words, -1, word.unsqueeze(-1)).squeeze(-1)
+    r = (r >> (16 * (cols & 1))) & 0xFFFF
     return r >= dropout_threshold(p)
 
 

@@ -160,7 +160,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..cpu import dropout_threshold
 from ..triton.launch import _current_raw_stream
+from . import dropout
 from .launch import Tma, launch
 
 LOG2E = 1.4426950408889634
@@ -425,11 +427,22 @@ def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
 
 
 @gluon.jit
+def _drop(p, drop, row0, n0):
+    """Dropout on the probabilities p [64, BLOCK_N] of rows row0.., keys n0..: the dropped ones set
+    to 0 (``dropout.keep``, the same mask as every other path); the kept ones are scaled by
+    1 / (1 - p) in the epilogue (``_fwd_write``), once per row instead of once per score."""
+    layout: gl.constexpr = p.type.layout
+    BLOCK_N: gl.constexpr = p.shape[1]
+    keep = dropout.keep(drop, row0, n0, layout, BLOCK_N, True)
+    return gl.where(keep, p, 0.0)
+
+
+@gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, pin, turn, turn0,
+              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, pin, turn, turn0, drop,
               WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
-              STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+              DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
     overlapped with this tile's softmax.
 
@@ -441,7 +454,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     kv0 is then the key offset of the work tile's first tile minus ring0 * BLOCK_N (ring0: the
     tiles that went through the ring before it), so that n0 = kv0 + j * BLOCK_N is still the
     tile's first key. turn0 + j - 1 counts the ping-pong steps taken before this one (turn0 = 0
-    on the one-tile grid).
+    on the one-tile grid). DROPOUT: the PV product takes P with the dropped scores zeroed
+    (``_drop``); l keeps the sum of them all.
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
@@ -473,6 +487,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
                                            alibi_col, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
+    if DROPOUT:
+        p_new = _drop(p_new, drop, row0, n0)
     o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
     mbarrier.arrive(v_empty.index(prev))
     # 16-bit P, packed in the registers of the PV wgmma's A operand
@@ -523,9 +539,9 @@ def _zero_landed_rows(tile, tile_ready, other, other_ready, phase, n_valid):
 @gluon.jit
 def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, pin,
                 ring0, turn0, q_free, release, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left,
-                win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                win_right, slope2, qk_scale, drop, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """The online softmax of one consumer warpgroup's 64 query rows (``rows``, first ``row0``, Q in
     ``q_view`` [64, HEAD_D]) over key tiles [t_lo, t_hi) (``_kv_range``); key tile t_lo + j sits in
     ring slot (ring0 + j) % STAGES (ring0: the K/V tiles of earlier work tiles; 0 on the one-tile
@@ -584,6 +600,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 mbarrier.arrive(q_free)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
                                            alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+        if DROPOUT:
+            p = _drop(p, drop, row0, kv0)
         pk = _pack_p(p, dtype)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
@@ -594,18 +612,18 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         for j in range(ring0 + 1, ring0 + t_a - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, WG, True,
-                                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
+                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, drop, WG,
+                                              True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, WG, False,
-                                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
+                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, drop, WG,
+                                              False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, WG, True,
-                                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, PINGPONG)
+                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, drop, WG,
+                                              True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
 
         # last PV product
         last = ring0 + t_hi - t_lo - 1
@@ -627,11 +645,13 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
+               len_q, slope2, rescale, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+               DROPOUT: gl.constexpr):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
-    with plain stores. Returns with the TMA store in flight (the caller waits: tma.store_wait)."""
+    with plain stores. Returns with the TMA store in flight (the caller waits: tma.store_wait).
+    DROPOUT: O is scaled by rescale = 1 / (1 - p), the kept probabilities' factor."""
     WG_M: gl.constexpr = stage.shape[2]
     HEAD_D: gl.constexpr = stage.shape[3]
     o_layout: gl.constexpr = o.type.layout
@@ -641,6 +661,8 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
     if HAS_SEQ_Q:
         ok = ok & (gl.convert_layout(rows, row_o) < len_q)
     inv_l = gl.where(ok, 1.0 / gl.where(ok, l_o, 1.0), 0.0)
+    if DROPOUT:
+        inv_l = inv_l * rescale
     out = o * inv_l[:, None]
     if HAS_SEQ_Q:
         # rows >= len_q ran on padding rows of Q, which may hold NaN or inf (0 * NaN is NaN)
@@ -664,9 +686,9 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
 @gluon.jit
 def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                   o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT: gl.constexpr,
-                  HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
-                  HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
+                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop, rescale,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
+                  HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
@@ -682,10 +704,10 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     o, m_i, l_i = _fwd_attend(WG, q_smem.reshape([WG_M, HEAD_D]), q_bar, k_smem, v_smem, k_ready, k_empty, v_ready,
                               v_empty, turn, pin, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
-                              len_kv, diag, win_left, win_right, slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI,
-                              HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, BLOCK_N, STAGES, PINGPONG)
+                              len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
+                              HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q)
+               len_q, slope2, rescale, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
     tma.store_wait(0)
 
 
@@ -863,11 +885,12 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
 def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                              k_empty, v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
                              SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale, win_left,
-                             win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
-                             PINGPONG: gl.constexpr):
+                             DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             QSTAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -897,14 +920,15 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
             slope2 = _alibi_slope2(SLOPES, head)
         row0 = start_m + WG * WG_M
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+        drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD)
         stage = q_smem.index(qs)
         # with 2 Q slots, the previous tile's slot is released during this one (_fwd_attend)
         prev_free = q_empty.index((i + QSTAGES - 1) % QSTAGES)
         o, m_i, l_i = _fwd_attend(WG, stage.reshape([WG_M, HEAD_D]), None, k_smem, v_smem, k_ready, k_empty,
                                   v_ready, v_empty, turn, pin, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
-                                  slope2, qk_scale, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV, BLOCK_N,
-                                  STAGES, PINGPONG)
+                                  slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
+                                  DROPOUT, BLOCK_N, STAGES, PINGPONG)
         if PADDED:
             if (QSTAGES == 2) & (i > 0) & (n_tiles == 0):
                 # an empty tile ran no QK^T, so _fwd_attend released nothing
@@ -924,7 +948,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, head)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-                   len_q, slope2, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q)
+                   len_q, slope2, DROP_RESCALE, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -940,17 +964,19 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
 @gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                    REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                   PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2):
+                   PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
+                   DROPOUT: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
     nprog) or, DYNAMIC, from the tile counter COUNTER (int32, 0 at launch, left 0); QSTAGES Q
     slots per consumer warpgroup (1 or 2). COUNTER, N_M, N_BH and HEAD_GROUP are unused by the
-    one-tile grid."""
+    one-tile grid. DROPOUT: Philox seed and counter offset (int64), threshold p * 2^16 and
+    1 / (1 - p) (``dropout.py``); unused otherwise."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -990,13 +1016,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             (_fwd_consumer_persistent, (0, q_smem0, tile_smem, k_smem, v_smem, q_ready0, q_empty, k_ready, k_empty,
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
-                                        win_left, win_right, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE,
-                                        REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
+                                        win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
             (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
-                                        win_left, win_right, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE,
-                                        REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
+                                        win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
             (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                         q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                         H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, HAS_LEFT,
@@ -1015,6 +1043,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, head)
+        drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD)
 
         q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
@@ -1026,14 +1055,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
             (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
-                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale,
-                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES,
-                             PINGPONG)),
+                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
+                             DROP_RESCALE, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                             BLOCK_N, STAGES, PINGPONG)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
-                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale,
-                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES,
-                             PINGPONG)),
+                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
+                             DROP_RESCALE, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                             BLOCK_N, STAGES, PINGPONG)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, BLOCK_N, STAGES,
@@ -1129,12 +1158,13 @@ def _problem_ok(p, dims) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _fwd_problem_ok(p, dims) -> bool:
-    """The forward also takes sliding windows (any band), ALiBi (slopes in the kernel) and
-    padding (per-batch lengths); ``_problem_ok``, the backward's filter too, refuses those."""
-    if (p.alibi is None and not p.has_seq_len_q and not p.has_seq_len_kv
+    """The forward also takes sliding windows (any band), ALiBi (slopes in the kernel), padding
+    (per-batch lengths) and dropout; ``_problem_ok``, the backward's filter too, refuses those."""
+    if (p.alibi is None and not p.has_seq_len_q and not p.has_seq_len_kv and not p.has_dropout
             and (p.band is None or (p.band.left is None and p.band.right == 0))):
         return _problem_ok(p, dims)
-    plain = dataclasses.replace(p, alibi=None, band=None, has_seq_len_q=False, has_seq_len_kv=False)
+    plain = dataclasses.replace(p, alibi=None, band=None, has_seq_len_q=False, has_seq_len_kv=False, dropout_p=0.0,
+                                dropout_seed=0, dropout_offset=0)
     return _problem_ok(plain, dims)
 
 
@@ -1258,13 +1288,15 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
+        *((p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p))
+          if p.has_dropout else (0, 0, 0, 1.0)),
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
         WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
-        PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td],
+        PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
         num_warps=4,
     )
     return out, lse

@@ -90,7 +90,7 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
                        offs_m, offs_dv, row_end, D_V, MASKED, not EVEN_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, key_start, S_Q, S_KV, dropout_threshold,
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, start_m, key_start, S_Q, S_KV, dropout_threshold,
                                 BLOCK_M, BLOCK_N_KEYS, False)
             dv = tl.dot(tl.where(keep, p_t * dropout_rescale, 0.0).to(do.dtype), do, dv,
                         input_precision=DOT_PRECISION)
@@ -217,6 +217,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
     """Accumulate dQ [rows, d] of one query tile over key blocks [start, end)."""
     rows = offs_m[:, None]
     BLOCK_M_ROWS: tl.constexpr = offs_m.shape[0]
+    row0 = tl.min(offs_m, 0)                                  # first row of the tile (a multiple of BLOCK_M)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         cols = offs_n[None, :]
@@ -233,7 +234,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, start_n, S_Q, S_KV, dropout_threshold,
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, row0, start_n, S_Q, S_KV, dropout_threshold,
                                 BLOCK_M_ROWS, BLOCK_N, True)
             dp = tl.where(keep, dp * dropout_rescale, 0.0)
         ds = p * (dp - delta[:, None])

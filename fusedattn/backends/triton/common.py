@@ -223,33 +223,34 @@ def scores_base2(qk, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, offs_m, start_n, S_Q, S_KV, threshold,
+def _halves(w):
+    """A uint32 word's two 16-bit halves as a new last dim (low half first)."""
+    return tl.join(w & 0xFFFF, w >> 16)
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, row0, key0, S_Q, S_KV, threshold,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_LAST: tl.constexpr):
     """Which probabilities of a tile survive dropout: a pure function of (seed, offset, b*h_q+head, row, col).
 
-    Keys come in groups of 8: one Philox call (tl.randint4x) at the 64-bit counter
-    ``offset + (bh * S_Q + row) * ceil(S_KV / 8) + col // 8`` gives 4 random words, and key
-    8g + 2w + h takes 16-bit half h (0: low, 1: high) of word w: an eighth of the Philox work of
-    one call per element (16 random bits per key, as FlashAttention uses 8). Keep iff that half
-    >= threshold = p * 2^16. Independent of tile sizes (BLOCK_N is a multiple of 8 and start_n
-    of BLOCK_N), so the backward regenerates the forward's mask;
-    ``backends.cpu.dropout_keep_chunk`` mirrors it. KEYS_LAST: tile [rows, keys] (forward, dQ),
-    else [keys, rows] (dK/dV).
+    Rows {r, r + 8} x keys {k, k + 1, k + 8, k + 9} share one Philox call (tl.randint4x), whose
+    four words give eight 16-bit values; ``backends/cpu.py`` ``dropout_keep_chunk`` defines the
+    counters and which value each (row, key) takes, and ``backends/gluon/dropout.py`` says why this
+    grouping. Keep iff the value >= threshold = p * 2^16. row0 and key0 (the tile's first row and
+    key) are multiples of 16, as are BLOCK_M and BLOCK_N, so the mask does not depend on tile sizes
+    and the backward regenerates the forward's. KEYS_LAST: tile [rows, keys] (forward, dQ), else
+    [keys, rows] (dK/dV).
     """
-    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)
-    row_ctr = (bh.to(tl.int64) * S_Q + offs_m) * ((S_KV + 7) // 8)
-    if KEYS_LAST:
-        ctr = offset + row_ctr[:, None] + groups[None, :]                                   # [M, N/8]
-    else:
-        ctr = offset + groups[:, None] + row_ctr[None, :]                                   # [N/8, M]
+    row_groups = row0 // 2 + tl.arange(0, BLOCK_M // 2)                  # (row >> 4) * 8 + (row & 7)
+    key_groups = key0 // 4 + tl.arange(0, BLOCK_N // 4)                  # (key >> 4) * 4 + ((key & 7) >> 1)
+    ctr = (offset + (bh.to(tl.int64) * ((S_Q + 15) // 16 * 8) + row_groups[:, None]) * ((S_KV + 15) // 16 * 4)
+           + key_groups[None, :])                                                           # [M/2, N/4]
     w0, w1, w2, w3 = tl.randint4x(seed, ctr)
-    # join appends its axis last, so joins build the key axes outermost first:
-    # r[..., i, j, k] = half k of word 2i + j, i.e. key 8g + 4i + 2j + k
-    lo0, lo1, lo2, lo3 = w0 & 0xFFFF, w1 & 0xFFFF, w2 & 0xFFFF, w3 & 0xFFFF
-    hi0, hi1, hi2, hi3 = w0 >> 16, w1 >> 16, w2 >> 16, w3 >> 16
-    r = tl.join(tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3)), tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3)))
-    if KEYS_LAST:
-        r = tl.reshape(r, [BLOCK_M, BLOCK_N])                                              # [M, N/8, 2, 2, 2]
-    else:
-        r = tl.reshape(tl.permute(r, (0, 2, 3, 4, 1)), [BLOCK_N, BLOCK_M])                # [N/8, M, 2, 2, 2]
+    # join appends its axis last: x[g, k, h, b, a] = half h of word 2a + b of row group g, key group k
+    x = tl.join(tl.join(_halves(w0), _halves(w1)), tl.join(_halves(w2), _halves(w3)))
+    # g = 8u + v, k = 4u' + q -> (u, a, v, u', b, q, h): row 16u + 8a + v, key 16u' + 8b + 2q + h
+    x = tl.reshape(x, [BLOCK_M // 16, 8, BLOCK_N // 16, 4, 2, 2, 2])
+    r = tl.reshape(tl.permute(x, (0, 6, 1, 2, 5, 3, 4)), [BLOCK_M, BLOCK_N])
+    if not KEYS_LAST:
+        r = tl.trans(r)
     return r.to(tl.int32) >= threshold

@@ -80,7 +80,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         acc = acc * alpha[:, None]
         m_i = m_new
         if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, offs_m, start_n, S_Q, S_KV, dropout_threshold,
+            keep = dropout_keep(dropout_seed, dropout_offset, bh, start_m, start_n, S_Q, S_KV, dropout_threshold,
                                 BLOCK_M, BLOCK_N, True)
             p = tl.where(keep, p, 0.0)
         if USE_TMA:
