@@ -165,8 +165,8 @@ def test_gluon_dq_deterministic(mode, request):
 
 
 def test_gluon_dq_supports():
-    """What the kernel takes (windows, ALiBi, d 224/256) and refuses (padding, bias, softcap, other
-    head dims, fp32, misaligned bases, d != d_v)."""
+    """What the kernel takes (windows, ALiBi, d 224/256) and refuses (padding, bias, softcap, dropout,
+    other head dims, fp32, misaligned bases, d != d_v)."""
     from fusedattn.backends.gluon.bwd_dq_sm90 import supports
 
     def check(expect, what, q, k, v, **kw):
@@ -186,6 +186,8 @@ def test_gluon_dq_supports():
           seq_len_kv=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
     check(False, "softcap", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), softcap=30.0)
+    check(False, "dropout (the Triton backward regenerates the mask)", mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          mk(1, 2, 64, 128), dropout_p=0.1)
     check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
     check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)

@@ -408,7 +408,7 @@ def test_gluon_fwd_dropout_random(seed, request):
                                alibi=rng.random() < 0.3, window=window)
     lens = (None, None)
     if seed % 3 == 0:
-        case = dataclasses.replace(case, b=max(case.b, 2))
+        case = dataclasses.replace(case, b=4)
         lens = pad_case(case, "both", 9000 + seed)
     persistent = dict(persistent=True, ctas=3) if seed % 2 else None
     run_case(case, request.node.nodeid, write_lse=seed % 4 != 1, lens=lens, persistent=persistent)

@@ -53,7 +53,7 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",
-           "HEAD_GROUP": "i32", "DROP_SEED": "i64", "DROP_OFFSET": "i64", "DROP_THRESHOLD": "i32",
+           "HEAD_GROUP": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32",
            "DROP_RESCALE": "fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,

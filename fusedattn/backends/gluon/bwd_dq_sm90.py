@@ -389,8 +389,9 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 
 def _bwd_problem_ok(p, dims) -> bool:
     """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi,
-    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached)."""
-    return _fwd_problem_ok(p, dims)
+    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached), but not dropout (the Triton
+    backward regenerates the forward's mask)."""
+    return not p.has_dropout and _fwd_problem_ok(p, dims)
 
 
 def _padding_ok(p, seq_len_q, seq_len_kv) -> bool:

@@ -86,9 +86,11 @@ def state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD):
     OFFSET: int64 kernel arguments; a group's Philox counter is
     OFFSET + (bh * RQ + row group) * KQ + key group with RQ = ceil(S_Q / 16) * 8 and
     KQ = ceil(S_KV / 16) * 4 (``backends/cpu.py`` ``dropout_keep_chunk``)."""
+    # the JIT types a small int argument int32 (and 1 as a constant): widen both first
+    seed = gl.to_tensor(SEED).to(gl.int64)
     kq = (S_KV + 15) // 16 * 4
-    base = OFFSET + bh.to(gl.int64) * ((S_Q + 15) // 16 * 8) * kq
-    return ((SEED & 0xFFFFFFFF).to(gl.uint32), (SEED >> 32).to(gl.uint32), base, kq, THRESHOLD)
+    base = gl.to_tensor(OFFSET).to(gl.int64) + bh.to(gl.int64) * ((S_Q + 15) // 16 * 8) * kq
+    return ((seed & 0xFFFFFFFF).to(gl.uint32), (seed >> 32).to(gl.uint32), base, kq, THRESHOLD)
 
 
 @gluon.jit
