@@ -159,8 +159,8 @@ def test_gluon_dkdv_deterministic(mode, d):
 
 
 def test_gluon_dkdv_supports():
-    """What the kernel takes (windows, ALiBi) and refuses (padding, bias, other head dims, fp32, d != d_v,
-    misaligned bases)."""
+    """What the kernel takes (windows, ALiBi) and refuses (padding, bias, dropout, other head dims, fp32,
+    d != d_v, misaligned bases)."""
     from fusedattn.backends.gluon.bwd_dkdv_sm90 import supports
 
     def check(expect, what, q, k, v, **kw):
@@ -179,6 +179,8 @@ def test_gluon_dkdv_supports():
     check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
           seq_len_q=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
+    check(False, "dropout (the Triton dK/dV pass has it)", mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          mk(1, 2, 64, 128), dropout_p=0.1)
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
     check(True, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
     check(True, "d=224 BSHD, causal", *(mk(1, 64, 2, 224).transpose(1, 2) for _ in range(3)), causal=True)

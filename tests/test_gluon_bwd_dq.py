@@ -3,8 +3,8 @@
 dQ against float64 autograd of the reference by FlashAttention's rule (error at most 2x PyTorch's
 same-precision error plus a small floor) and against our Triton backward's dQ, on seeded cases:
 head dims 64/128/224/256, fp16/bf16, causal top-left / bottom-right / none, sliding windows and
-ALiBi, lengths in {1, 17, 129, 300, 1000} with s_q != s_kv both ways, GQA 1/4/MQA, BSHD and other
-strided layouts.
+ALiBi, dropout, lengths in {1, 17, 129, 300, 1000} with s_q != s_kv both ways, GQA 1/4/MQA, BSHD
+and other strided layouts.
 dQ lives in a NaN-guarded buffer: an unwritten element stays NaN, a stray write outside the tensor
 is caught. Plus bitwise determinism and what ``supports`` refuses. Every failure message carries a
 one-line repro. GPU-only: skipped (visibly) elsewhere.
@@ -152,6 +152,18 @@ def test_gluon_dq_alibi_random(seed, request):
     run_case(case, request.node.nodeid, write_delta=seed % 2 == 0)
 
 
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_dq_dropout_random(seed, request):
+    """Dropout (``_drop_dp``: dP masked with the forward's mask and rescaled) on random geometry,
+    every head dim, any mask, sometimes a window or ALiBi; seeds and counter offsets past 2^32 on
+    odd cases (HopperCase)."""
+    rng = random.Random(seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(random_case(8000 + seed), d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3,
+                               window=window, dropout=rng.choice([0.1, 0.3, 0.5]))
+    run_case(case, request.node.nodeid, write_delta=seed % 2 == 0)
+
+
 @pytest.mark.parametrize("mode", ["none", "top_left"])
 def test_gluon_dq_deterministic(mode, request):
     """Two launches on the same inputs give bitwise equal dQ (one writer per element, no atomics)."""
@@ -165,7 +177,7 @@ def test_gluon_dq_deterministic(mode, request):
 
 
 def test_gluon_dq_supports():
-    """What the kernel takes (windows, ALiBi, d 224/256) and refuses (padding, bias, softcap, dropout,
+    """What the kernel takes (windows, ALiBi, dropout, d 224/256) and refuses (padding, bias, softcap,
     other head dims, fp32, misaligned bases, d != d_v)."""
     from fusedattn.backends.gluon.bwd_dq_sm90 import supports
 
@@ -186,8 +198,7 @@ def test_gluon_dq_supports():
           seq_len_kv=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
     check(False, "softcap", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), softcap=30.0)
-    check(False, "dropout (the Triton backward regenerates the mask)", mk(1, 2, 64, 128), mk(1, 2, 64, 128),
-          mk(1, 2, 64, 128), dropout_p=0.1)
+    check(True, "dropout", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), dropout_p=0.1)
     check(False, "fp32", *(mk(1, 2, 64, 64, dt=torch.float32) for _ in range(3)))
     check(False, "d_v != d", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 64))
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)

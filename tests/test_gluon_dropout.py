@@ -29,7 +29,7 @@ def _kernel():
     def keep_tile(OUT, SEED, OFFSET, bh, m0, n0, S_Q, S_KV, THRESHOLD, N: gl.constexpr, KEYS_LAST: gl.constexpr):
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, N, 16])
-        drop = dropout.state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD)
+        drop = dropout.state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD, 1.0)
         kept = dropout.keep(drop, m0, n0, layout, N, KEYS_LAST)
         m = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         n = gl.arange(0, N, layout=gl.SliceLayout(0, layout))

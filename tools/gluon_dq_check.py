@@ -26,7 +26,7 @@ from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 
 def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False,
-               write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False):
+               write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False, dropout=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     td = fwd_sm90.TILE_D[d]
@@ -41,12 +41,13 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
            "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "SLOPES": "*fp32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
-           "win_left": "i32", "win_right": "i32"}
+           "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32",
+           "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, REVERSE_M=causal and not window,
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
                  SPLIT=split, WRITE_DELTA=write_delta and not (seq_q or seq_kv), D=d, HAS_SEQ_Q=seq_q,
-                 HAS_SEQ_KV=seq_kv)
+                 HAS_SEQ_KV=seq_kv, DROPOUT=dropout)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)
@@ -59,10 +60,10 @@ def main():
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     block_n = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "0" else None
     stages = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "0" else None
-    flags = set(sys.argv[6:])     # any of: split, window (a two-sided band), alibi, seq_q, seq_kv (padding)
+    flags = set(sys.argv[6:])     # any of: split, window (a two-sided band), alibi, seq_q, seq_kv (padding), dropout
     k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages, split="split" in flags,
                    window="window" in flags, alibi="alibi" in flags, seq_q="seq_q" in flags,
-                   seq_kv="seq_kv" in flags)
+                   seq_kv="seq_kv" in flags, dropout="dropout" in flags)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

@@ -90,6 +90,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _fwd_problem_ok, _is_sm90,
                        _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
                        _zero_landed_rows)
+from . import dropout
+from ..cpu import dropout_threshold
 from .launch import launch
 
 WG_M = 64           # query rows per consumer warpgroup
@@ -149,10 +151,21 @@ def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexp
 
 
 @gluon.jit
+def _drop_dp(dp, drop, row0, n0):
+    """dP [64, BLOCK_N] (rows row0.., keys n0..) under dropout: the forward's output is
+    (P * keep / (1 - p)) V, so the gradient reaching P is dP * keep / (1 - p) (``dropout.keep``,
+    the forward's mask; drop[5] = 1 / (1 - p)). delta = rowsum(dO * O) needs no change."""
+    layout: gl.constexpr = dp.type.layout
+    BLOCK_N: gl.constexpr = dp.shape[1]
+    kept = dropout.keep(drop, row0, n0, layout, BLOCK_N, True)
+    return gl.where(kept, dp * drop[5], 0.0)
+
+
+@gluon.jit
 def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale,
-             lse2, delta, rows, band, slope2, row0, pin, pin_p, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+             lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
              HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-             HAS_SEQ_KV: gl.constexpr):
+             HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
     """Key tile j (j > t_lo, the CTA's first tile): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped
     with dS_j. Tile j sits in ring slot (j - t_lo) % STAGES.
 
@@ -161,6 +174,8 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
 
     SPLIT: wait for S_j alone first and compute P_j under dP_j (and the dQ product), then wait
     for dP_j; otherwise wait for both, then P_j and dS_j under the dQ product alone.
+
+    DROPOUT: dP_j as the gradient of the dropped, rescaled P (``_drop_dp``).
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
@@ -189,6 +204,8 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
         s, dp = warpgroup_mma_wait(1, deps=(s_tok, dp_tok))
         p = _p_tile(s, qk_scale, lse2, rows, j * BLOCK_N, band, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
     mbarrier.arrive(v_empty.index(slot))
+    if DROPOUT:
+        dp = _drop_dp(dp, drop, row0, j * BLOCK_N)
     ds_new = p * (dp - delta[:, None])
     # depends on every dS of the tile: keeps the elementwise work ahead of the wait (docstring)
     pin.store(gl.sum(ds_new, 1))
@@ -201,10 +218,10 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, O, stride_ob, stride_oh, stride_om, batch,
-                 head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale, HAS_LEFT: gl.constexpr,
+                 head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale, drop, HAS_LEFT: gl.constexpr,
                  HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                  SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-                 HAS_SEQ_KV: gl.constexpr):
+                 HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64) over key tiles
     tiles = (t_lo, t_a, t_b, t_hi, n_tiles) (``fwd_sm90._cta_tiles``); D: the true head dim.
     Padding (HAS_SEQ_Q / HAS_SEQ_KV): keys past len_kv (band[0]) are masked and their K/V rows
@@ -274,6 +291,8 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         mbarrier.arrive(v_empty.index(0))
         p = _p_tile(s, qk_scale, lse2, rows, t_lo * BLOCK_N, band, slope2, row0, True, HAS_LEFT, HAS_RIGHT,
                     HAS_ALIBI)
+        if DROPOUT:
+            dp = _drop_dp(dp, drop, row0, t_lo * BLOCK_N)
         ds = p * (dp - delta[:, None])
         ds = gl.convert_layout(ds.to(dtype), ds_layout)
 
@@ -281,16 +300,16 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         # and the tail past S_KV (masked)
         for j in range(t_lo + 1, t_a):
             dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
-                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT,
-                              HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV)
+                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, True,
+                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT)
         for j in range(t_a, t_b):
             dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
-                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, False, HAS_LEFT,
-                              HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV)
+                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, False,
+                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT)
         for j in range(gl.maximum(t_b, t_lo + 1), t_hi):
             dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
-                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, True, HAS_LEFT,
-                              HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV)
+                              zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, True,
+                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT)
 
         # last dQ product
         last = (t_hi - 1 - t_lo) % STAGES
@@ -313,11 +332,11 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
                       O, stride_ob, stride_oh, stride_om, SLOPES, SEQ_Q, SEQ_KV,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-                      HAS_SEQ_KV: gl.constexpr):
+                      HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -347,6 +366,9 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     if HAS_ALIBI:
         slope2 = gl.load(SLOPES + head) * LOG2E_C
     delta_base = DELTA + bh.to(gl.int64) * S_Q
+    drop = 0
+    if DROPOUT:
+        drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD, DROP_RESCALE)
 
     q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
     q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
@@ -372,13 +394,13 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
                         stride_om, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale,
-                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
-                        HAS_SEQ_KV)),
+                        drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
+                        HAS_SEQ_KV, DROPOUT)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
                         stride_om, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale,
-                        HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
-                        HAS_SEQ_KV)),
+                        drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
+                        HAS_SEQ_KV, DROPOUT)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
                         k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, tiles[0], tiles[4],
                         BLOCK_N, STAGES, PADDED)),
@@ -389,9 +411,14 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 
 def _bwd_problem_ok(p, dims) -> bool:
     """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi,
-    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached), but not dropout (the Triton
-    backward regenerates the forward's mask)."""
+    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached), but not dropout, which only the dQ
+    pass has (``_dq_problem_ok``; the Triton dK/dV pass then regenerates the forward's mask)."""
     return not p.has_dropout and _fwd_problem_ok(p, dims)
+
+
+def _dq_problem_ok(p, dims) -> bool:
+    """This pass's filter: ``_bwd_problem_ok`` and dropout (``_drop_dp``)."""
+    return _fwd_problem_ok(p, dims)
 
 
 def _padding_ok(p, seq_len_q, seq_len_kv) -> bool:
@@ -409,7 +436,7 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
     not with padding, whose caller computes delta). slopes: fp32 [h_q] ALiBi slopes (natural units)
     when p.alibi. seq_len_q / seq_len_kv: int32 [b] lengths when the problem has them."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
-    if not (_bwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+    if not (_dq_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
@@ -454,11 +481,13 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
         lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
         seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
+        *((p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p))
+          if p.has_dropout else (0, 0, 0, 1.0)),
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first, as the forward
         REVERSE_M=has_right and not has_left, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         SPLIT=split, WRITE_DELTA=out is not None, D=p.d, HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
-        num_warps=4,
+        DROPOUT=p.has_dropout, num_warps=4,
     )
     return dq

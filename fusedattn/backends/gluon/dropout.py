@@ -80,9 +80,10 @@ def _keep_halves(w, threshold):
 
 
 @gluon.jit
-def state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD):
+def state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD, RESCALE):
     """The dropout state ``keep`` takes for one (batch, query head) bh = batch * h_q + head: a tuple
-    (seed low word, seed high word, counter base, key groups per row group, threshold). SEED and
+    (seed low word, seed high word, counter base, key groups per row group, threshold, 1 / (1 - p)
+    as RESCALE). SEED and
     OFFSET: int64 kernel arguments; a group's Philox counter is
     OFFSET + (bh * RQ + row group) * KQ + key group with RQ = ceil(S_Q / 16) * 8 and
     KQ = ceil(S_KV / 16) * 4 (``backends/cpu.py`` ``dropout_keep_chunk``)."""
@@ -90,7 +91,7 @@ def state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD):
     seed = gl.to_tensor(SEED).to(gl.int64)
     kq = (S_KV + 15) // 16 * 4
     base = gl.to_tensor(OFFSET).to(gl.int64) + bh.to(gl.int64) * ((S_Q + 15) // 16 * 8) * kq
-    return ((seed & 0xFFFFFFFF).to(gl.uint32), (seed >> 32).to(gl.uint32), base, kq, THRESHOLD)
+    return ((seed & 0xFFFFFFFF).to(gl.uint32), (seed >> 32).to(gl.uint32), base, kq, THRESHOLD, RESCALE)
 
 
 @gluon.jit
@@ -99,7 +100,11 @@ def keep(drop, m0, n0, layout: gl.constexpr, N: gl.constexpr, KEYS_LAST: gl.cons
     whose element (m, n) is (row m0 + m, key n0 + n) if KEYS_LAST, else (key m0 + m, row n0 + n);
     m0 and n0 are multiples of 16, ``drop`` is ``state``'s tuple. The row and key group indices are
     (row >> 4) * 8 + (row & 7) and (key >> 4) * 4 + ((key & 7) >> 1)."""
-    seed_lo, seed_hi, base, kq, threshold = drop
+    seed_lo = drop[0]
+    seed_hi = drop[1]
+    base = drop[2]
+    kq = drop[3]
+    threshold = drop[4]
     GL: gl.constexpr = _group_layout(N, KEYS_LAST)
     INNER: gl.constexpr = 4 if KEYS_LAST else 8
     u = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, GL))))

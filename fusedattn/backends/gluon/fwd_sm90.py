@@ -922,7 +922,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
         drop = 0
         if DROPOUT:
-            drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD)
+            drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD, DROP_RESCALE)
         stage = q_smem.index(qs)
         # with 2 Q slots, the previous tile's slot is released during this one (_fwd_attend)
         prev_free = q_empty.index((i + QSTAGES - 1) % QSTAGES)
@@ -1047,7 +1047,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             slope2 = _alibi_slope2(SLOPES, head)
         drop = 0
         if DROPOUT:
-            drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD)
+            drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD, DROP_RESCALE)
 
         q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
