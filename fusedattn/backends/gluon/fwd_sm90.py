@@ -140,6 +140,12 @@ d64 b8 h12 s1k +19..21% (causal 184 -> 221, no mask 302 -> 366), d256 causal s4k
 (one head group) lost 33% at 2k (L2: every wave then reads 132 heads' K/V); head groups of 4 or 16
 were not better than the default beyond the spread.
 
+[Note] dropout (compile-time ``DROPOUT``): after a tile's softmax the dropped probabilities are
+zeroed (``_drop``: the keep-mask of ``dropout.py``, the same one the Triton kernels and the CPU
+path make, built by the threads that hold the scores from one Philox call per 2 x 4 group); l sums
+them all, and the epilogue scales O by 1 / (1 - p). The Philox words cost more issue slots than the
+tile's two matmuls, so the dropout forward is integer-issue-bound (bench/NOTES.md 48).
+
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
 d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
