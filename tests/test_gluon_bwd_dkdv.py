@@ -137,6 +137,19 @@ def test_gluon_dkdv_alibi_random(seed, request):
     run_case(case, request.node.nodeid)
 
 
+@pytest.mark.parametrize("seed", range(16), ids=lambda s: f"case{s}")
+def test_gluon_dkdv_dropout_random(seed, request):
+    """Dropout (the SPLIT variant at every head dim: warpgroup 0 makes the mask, warpgroup 1 reads
+    it from the exchanged P^T's sign) on random geometry (GQA/MQA: the Philox counter follows the
+    query head), any mask, sometimes a window or ALiBi; seeds and offsets past 2^32 on odd cases."""
+    rng = random.Random(seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(random_hopper_case(6500 + seed, (1, 17, 129, 300, 1000)),
+                               d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3, window=window,
+                               dropout=rng.choice([0.1, 0.3, 0.5]))
+    run_case(case, request.node.nodeid)
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("mode", ["none", "top_left"])
 def test_gluon_dkdv_stages(mode, stages, request):
@@ -159,7 +172,7 @@ def test_gluon_dkdv_deterministic(mode, d):
 
 
 def test_gluon_dkdv_supports():
-    """What the kernel takes (windows, ALiBi) and refuses (padding, bias, dropout, other head dims, fp32,
+    """What the kernel takes (windows, ALiBi, dropout) and refuses (padding, bias, other head dims, fp32,
     d != d_v, misaligned bases)."""
     from fusedattn.backends.gluon.bwd_dkdv_sm90 import supports
 
@@ -179,8 +192,7 @@ def test_gluon_dkdv_supports():
     check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
           seq_len_q=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))
-    check(False, "dropout (the Triton dK/dV pass has it)", mk(1, 2, 64, 128), mk(1, 2, 64, 128),
-          mk(1, 2, 64, 128), dropout_p=0.1)
+    check(True, "dropout", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), dropout_p=0.1)
     check(False, "d=96", mk(1, 2, 64, 96), mk(1, 2, 64, 96), mk(1, 2, 64, 96))
     check(True, "d=256", mk(1, 2, 64, 256), mk(1, 2, 64, 256), mk(1, 2, 64, 256))
     check(True, "d=224 BSHD, causal", *(mk(1, 64, 2, 224).transpose(1, 2) for _ in range(3)), causal=True)

@@ -184,6 +184,7 @@ def test_gluon_fused_supports():
           mk(1, 1, 64, 128, dt=torch.float16), causal=True, causal_alignment="bottom_right")
     check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
     check(False, "ALiBi", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), alibi=True)
+    check(False, "dropout", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), dropout_p=0.1)
     check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
           seq_len_q=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))

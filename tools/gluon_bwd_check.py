@@ -27,7 +27,7 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
 def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, dv_first=None, window=False,
-                 alibi=False, seq_q=False, seq_kv=False, **over):
+                 alibi=False, seq_q=False, seq_kv=False, dropout=False, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = m.TILE_D[d]             # d=224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the same as 256
@@ -42,12 +42,13 @@ def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=No
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
            "SLOPES": "*fp32", "SEQ_Q": "*i32", "SEQ_KV": "*i32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
-           "qk_scale": "fp32", "sm_scale": "fp32", "win_left": "i32", "win_right": "i32"}
+           "qk_scale": "fp32", "sm_scale": "fp32", "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32",
+           "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32"}
     const = dict(STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window, BOTTOM_RIGHT=bottom_right,
-                 HAS_ALIBI=alibi, SPLIT=m.SPLIT[d],
+                 HAS_ALIBI=alibi, SPLIT=m.SPLIT[d] or dropout,
                  DV_FIRST=m.DV_FIRST if dv_first is None else dv_first,
                  CONSUMER_REGS=m.CONSUMER_REGS,
-                 PRODUCER_REGS=m.PRODUCER_REGS, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv)
+                 PRODUCER_REGS=m.PRODUCER_REGS, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv, DROPOUT=dropout)
     const.update(over)
     for k in const:
         sig[k] = "constexpr"
@@ -62,7 +63,8 @@ def main():
     stages = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "-" else None
     flags = set(sys.argv[5:])
     k = compile_dkdv(d, causal, dtype, stages=stages, dv_first="dv_first" in flags, window="window" in flags,
-                     alibi="alibi" in flags, seq_q="seq_q" in flags, seq_kv="seq_kv" in flags)
+                     alibi="alibi" in flags, seq_q="seq_q" in flags, seq_kv="seq_kv" in flags,
+                     dropout="dropout" in flags)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

@@ -89,7 +89,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
+from . import dropout
+from ..cpu import dropout_threshold
+from .bwd_dq_sm90 import _dq_problem_ok, _padding_ok
 from .fwd_sm90 import LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
 from .launch import launch
 
@@ -390,10 +392,16 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
 
 @gluon.jit
 def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
-               x_empty, dv, zero_s, keys, band, slope2, qk_scale, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
+               x_empty, dv, zero_s, keys, key0, band, slope2, qk_scale, drop, MASKED: gl.constexpr,
+               HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
-               HAS_SEQ_Q: gl.constexpr):
-    """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO."""
+               HAS_SEQ_Q: gl.constexpr, DROPOUT: gl.constexpr):
+    """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO.
+
+    DROPOUT (``drop``: ``dropout.state`` of this query head): the keep bit (``dropout.keep`` on the
+    transposed tile, the forward's mask) rides in the exchanged P^T's sign, ps = P kept, -P dropped
+    (P >= 0; -0.0 keeps its sign in fp16), and dV accumulates max(ps, 0)^T dO, the kept P without
+    1 / (1 - p) (applied once at the end)."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = k_view.shape[1]
     col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
@@ -413,11 +421,16 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
     lse2 = lse_smem.index(slot).load(col_layout)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     p = _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+    if DROPOUT:
+        s_layout: gl.constexpr = zero_s.type.layout
+        p = gl.where(dropout.keep(drop, key0, t * BLOCK_M, s_layout, BLOCK_M, False), p, -p)
     # P^T for warpgroup 1 (fp16 whatever the input dtype: 11 bits for dS = P (dP - delta)) into
     # slot xs once its previous P^T (tile it - 2) has been read. The arrive follows a warpgroup
     # barrier (Gluon's lowering), so all 128 threads' stores are in before warpgroup 1 reads.
     # DV_FIRST: issue dV += P^T dO first and do the exchange under it.
     px = p.to(gl.float16)
+    if DROPOUT:
+        p = gl.maximum(p, 0.0)
     p16 = gl.convert_layout(p.to(k_view.dtype), a_layout)
     if not DV_FIRST:
         mbarrier.wait(x_empty.index(xs), ((it // 2) & 1) ^ 1)
@@ -436,10 +449,14 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
 
 @gluon.jit
 def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
-                x_empty, dk, zero_s, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
+                x_empty, dk, zero_s, keep_scale, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+                DROPOUT: gl.constexpr):
     """Warpgroup 1, one query tile: dP^T, P^T from exchange slot it % 2, dS^T, dK += dS^T Q.
 
-    No mask: P^T is already 0 where a row must not see a key, so dS^T is too."""
+    No mask: P^T is already 0 where a row must not see a key, so dS^T is too. DROPOUT: the
+    exchanged ps carries the keep bit in its sign (``_p_dv_step``), and with r = 1 / (1 - p),
+    dS = P * (dP * keep * r - delta) = r * (max(ps, 0) * dP - |ps| * delta * keep_scale) with
+    keep_scale = 1 - p; dK accumulates it without r (applied once at the end)."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = v_view.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
@@ -462,7 +479,10 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
     mbarrier.wait(x_ready.index(xs), (it // 2) & 1)
     p = x_smem.index(xs).load(s_layout).to(gl.float32)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
-    ds = p * (dp - delta[None, :])
+    if DROPOUT:
+        ds = gl.maximum(p, 0.0) * dp - gl.abs(p) * (delta * keep_scale)[None, :]
+    else:
+        ds = p * (dp - delta[None, :])
     mbarrier.arrive(x_empty.index(xs))
     ds16 = gl.convert_layout(ds.to(v_view.dtype), a_layout)
     mbarrier.wait(q_ready.index(slot), phase)
@@ -475,11 +495,14 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
 @gluon.jit
 def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar,
                     q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch, kv_head,
-                    n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, HAS_LEFT: gl.constexpr,
+                    n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
-                    HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr):
+                    HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warpgroup WG of the SPLIT variant, keys [n0, n0 + 64): WG 0 computes P^T and dV,
-    WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers."""
+    WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers.
+    DROPOUT (any tile width: the Philox words need the registers a second accumulator would take):
+    drop_args = (seed, offset, threshold, 1 / (1 - p), S_Q, S_KV, bh of the group's first query head);
+    warpgroup 0 makes the mask, warpgroup 1 reads it from the sign of the exchanged P^T."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -497,36 +520,45 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     t_lo, t_a, t_b, t_hi = tiles
     slope2 = qk_scale * 0.0
     it = 0     # position in the producer's sequence of (head, query tile): ring slot and phases
+    keep_scale = qk_scale * 0.0 + 1.0
+    if DROPOUT:
+        keep_scale = 1.0 / drop_args[3]
     for g in range(GROUP):
         if WG == 0:
             if HAS_ALIBI:
                 slope2 = _alibi_slope2(SLOPES, kv_head * GROUP + g)
+            drop = 0
+            if DROPOUT:
+                seed, offset, threshold, rescale, s_q, s_kv, bh0 = drop_args
+                drop = dropout.state(seed, offset, bh0 + g, s_q, s_kv, threshold, rescale)
             for t in range(t_lo, t_a):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, True,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
                 it += 1
             for t in range(t_a, t_b):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, False,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, False,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
                 it += 1
             for t in range(t_b, t_hi):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q)
+                                 empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, True,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
                 it += 1
         else:
             # the mask is in P^T already: one loop over every tile
             for t in range(t_lo, t_hi):
                 acc = _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready,
-                                  empty, x_ready, x_empty, acc, zero_s, STAGES, HAS_SEQ_Q)
+                                  empty, x_ready, x_empty, acc, zero_s, keep_scale, STAGES, HAS_SEQ_Q, DROPOUT)
                 it += 1
 
     # epilogue through the warpgroup's own operand tile (WG 0 reads only K, WG 1 only V, so the
     # other warpgroup may still be running); TMA clips keys >= S_KV and, at d=224, columns >= 224
     if HAS_SEQ_KV:
         acc = _zero_key_rows(acc, n0, len_kv)
+    if DROPOUT:
+        acc = acc * drop_args[3]      # the loops left out 1 / (1 - p)
     if WG == 0:
         _store_acc(acc, k_smem.index(0), dv_desc, batch, kv_head, n0)
     else:
@@ -545,10 +577,11 @@ def _store_acc(acc, tile, desc, batch, kv_head, n0):
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
                         DELTA, SLOPES, SEQ_Q, SEQ_KV, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left,
-                        win_right, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                        win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, STAGES: gl.constexpr,
+                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr,
                         DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr):
+                        HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -575,6 +608,10 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         t_b = gl.minimum(t_b, t_hi)
     tiles = (t_lo, t_a, t_b, t_hi)
     band = (diag, win_left, win_right)
+    gl.static_assert(SPLIT or not DROPOUT, "dropout runs the SPLIT variant (_split_consumer)")
+    drop_args = 0
+    if DROPOUT:
+        drop_args = (DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, S_Q, S_KV, batch * H_Q + kv_head * GROUP)
 
     k_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [N_KV, 1, 1, WG_N, HEAD_D], v_desc.layout)
@@ -607,12 +644,12 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         gl.warp_specialize([
             (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
                                q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
-                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, HAS_LEFT,
-                               HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV)),
+                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
+                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
             (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
                                q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
-                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, HAS_LEFT,
-                               HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV)),
+                               kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
+                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh,
                               stride_lm, DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi,
@@ -657,9 +694,10 @@ def supports(p, q, k, v, grad_out, dk, dv, *, slopes=None, seq_len_q=None, seq_l
 
 @functools.lru_cache(maxsize=256)
 def _problem_ok(p) -> bool:
-    """The forward's filter (no mask, causal, sliding windows, ALiBi, padding; plain inputs, fp16/bf16, d = d_v)
-    at this pass's head dims, and row offsets b * h_q * s_q (the lse/delta rows) that fit int32."""
-    return _bwd_problem_ok(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
+    """The forward's filter (no mask, causal, sliding windows, ALiBi, padding, dropout; plain inputs,
+    fp16/bf16, d = d_v) at this pass's head dims, and row offsets b * h_q * s_q (the lse/delta rows)
+    that fit int32."""
+    return _dq_problem_ok(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
 
 
 def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, seq_len_q=None, seq_len_kv=None,
@@ -680,17 +718,21 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     td = TILE_D[p.d]
     stages = stages or STAGES[td, band is not None]
     assert delta.is_contiguous() and delta.dtype == torch.float32
-    block_n = WG_N if SPLIT[td] else BLOCK_N
+    # dropout takes the SPLIT variant at every tile width (``_split_consumer``)
+    split = SPLIT[td] or p.has_dropout
+    block_n = WG_N if split else BLOCK_N
     grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
     launch(
         _attn_bwd_dkdv_sm90, grid,
         _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N), _tma(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
+        *((p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p))
+          if p.has_dropout else (0, 0, 0, 1.0)),
         STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
-        SPLIT=SPLIT[td], DV_FIRST=DV_FIRST if dv_first is None else dv_first,
+        SPLIT=split, DV_FIRST=DV_FIRST if dv_first is None else dv_first,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_SEQ_Q=p.has_seq_len_q,
-        HAS_SEQ_KV=p.has_seq_len_kv, num_warps=4,
+        HAS_SEQ_KV=p.has_seq_len_kv, DROPOUT=p.has_dropout, num_warps=4,
     )
     return dk, dv

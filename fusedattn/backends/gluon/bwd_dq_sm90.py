@@ -411,8 +411,8 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 
 def _bwd_problem_ok(p, dims) -> bool:
     """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi,
-    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached), but not dropout, which only the dQ
-    pass has (``_dq_problem_ok``; the Triton dK/dV pass then regenerates the forward's mask)."""
+    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached), but not dropout: the single-pass
+    kernel has none; the dQ and dK/dV passes add it (``_dq_problem_ok``, ``bwd_dkdv_sm90._problem_ok``)."""
     return not p.has_dropout and _fwd_problem_ok(p, dims)
 
 
