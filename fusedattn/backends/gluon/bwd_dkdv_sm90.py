@@ -75,6 +75,14 @@ the other. Shared memory: K + V 64 KB, 2 x (Q + dO) 128 KB, exchange 16 KB, lse/
 214512 bytes (the limit is 232448; a third ring stage would need 64 KB more). Twice as many CTAs
 stream Q and dO as at d=128 (64 keys per CTA instead of 128): 64 KB of L2 reads per 8.4 MFLOP.
 
+[Note] dropout (``DROPOUT``) runs the SPLIT variant at every head dim: warpgroup 0 makes the
+keep-mask (``dropout.keep`` on the transposed tile: the forward's mask, one Philox call per 2 rows
+x 4 keys, each made twice since keys k and k + 1 sit in neighbouring lanes here) and sends it to
+warpgroup 1 in the sign of the exchanged P^T (P kept, -P dropped); both accumulate without
+1 / (1 - p) and scale once at the end. With dK and dV in one warpgroup the Philox words spilled
+(~150 local accesses per step at d128, tools/gluon_bwd_check.py); one accumulator per warpgroup
+leaves them room.
+
 [Note] status (SPLIT, keep current): no-GPU compile (tools/gluon_bwd_check.py 256|224): consumer
 loops spill-free (60-76 bytes of ptxas spills, all in the producer warp and the prologue); H100,
 two runs of bench/gluon_dkdv_sweep.py --wide: 2.5-3.1x the Triton dK/dV pass (d256 causal 562-575
