@@ -159,8 +159,11 @@ def test_gluon_dq_dropout_random(seed, request):
     odd cases (HopperCase)."""
     rng = random.Random(seed)
     window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
-    case = dataclasses.replace(random_case(8000 + seed), d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3,
-                               window=window, dropout=rng.choice([0.1, 0.3, 0.5]))
+    case = random_case(8000 + seed)
+    # no single-key case: its exact gradient cancels to 0, which a delta taken from the 16-bit
+    # output misses by O's rounding (test_gluon_bwd_dkdv.py's dropout test says more)
+    case = dataclasses.replace(case, s_kv=max(case.s_kv, 17), d=(64, 128, 224, 256)[seed % 4],
+                               alibi=rng.random() < 0.3, window=window, dropout=rng.choice([0.1, 0.3, 0.5]))
     run_case(case, request.node.nodeid, write_delta=seed % 2 == 0)
 
 
