@@ -400,16 +400,16 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
 
 @gluon.jit
 def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
-               x_empty, dv, zero_s, keys, band, slope2, qk_scale, mx, MASKED: gl.constexpr,
+               x_empty, dv, zero_s, keys, key0, band, slope2, qk_scale, drop, MASKED: gl.constexpr,
                HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
                HAS_SEQ_Q: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO.
 
-    DROPOUT: the keep-mask of the tile comes from warpgroup 1 (``_dp_dk_step``) as +-1 in slot it % 2
-    of mx = (mask tiles, ready, empty barriers), made while this warpgroup runs S^T and the
-    exponentials; dV accumulates (P * keep)^T dO, without 1 / (1 - p) (applied once at the end).
-    Warpgroup 1 still gets the whole P^T."""
+    DROPOUT (``drop``: ``dropout.state`` of this query head): the keep bit (``dropout.keep`` on the
+    transposed tile, the forward's mask) rides in the exchanged P^T's sign, ps = P kept, -P dropped
+    (P >= 0; -0.0 keeps its sign in fp16), and dV accumulates max(ps, 0)^T dO, the kept P without
+    1 / (1 - p) (applied once at the end)."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = k_view.shape[1]
     col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
@@ -429,18 +429,16 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
     lse2 = lse_smem.index(slot).load(col_layout)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     p = _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+    if DROPOUT:
+        s_layout: gl.constexpr = zero_s.type.layout
+        p = gl.where(dropout.keep(drop, key0, t * BLOCK_M, s_layout, BLOCK_M, False), p, -p)
     # P^T for warpgroup 1 (fp16 whatever the input dtype: 11 bits for dS = P (dP - delta)) into
     # slot xs once its previous P^T (tile it - 2) has been read. The arrive follows a warpgroup
     # barrier (Gluon's lowering), so all 128 threads' stores are in before warpgroup 1 reads.
     # DV_FIRST: issue dV += P^T dO first and do the exchange under it.
     px = p.to(gl.float16)
     if DROPOUT:
-        s_layout: gl.constexpr = zero_s.type.layout
-        m_smem, m_ready, m_empty = mx
-        mbarrier.wait(m_ready.index(xs), (it // 2) & 1)
-        sign = m_smem.index(xs).load(s_layout)
-        mbarrier.arrive(m_empty.index(xs))
-        p = gl.where(sign.to(gl.float32) > 0.0, p, 0.0)
+        p = gl.maximum(p, 0.0)
     p16 = gl.convert_layout(p.to(k_view.dtype), a_layout)
     if not DV_FIRST:
         mbarrier.wait(x_empty.index(xs), ((it // 2) & 1) ^ 1)
@@ -459,17 +457,14 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
 
 @gluon.jit
 def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
-                x_empty, dk, zero_s, key0, drop, mx, keep_scale, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+                x_empty, dk, zero_s, keep_scale, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
                 DROPOUT: gl.constexpr):
     """Warpgroup 1, one query tile: dP^T, P^T from exchange slot it % 2, dS^T, dK += dS^T Q.
 
-    No mask: P^T is already 0 where a row must not see a key, so dS^T is too. DROPOUT (``drop``:
-    ``dropout.state`` of this query head, keys from key0): this warpgroup makes the tile's
-    keep-mask (``dropout.keep`` on the transposed tile, the forward's mask) under dP^T and hands it
-    to warpgroup 0 as +-1 through mx (``_p_dv_step``), so the Philox words and the exponentials run
-    in different warpgroups; with r = 1 / (1 - p), dS = P * (dP * keep * r - delta) =
-    r * P * (dP * keep - delta * keep_scale), keep_scale = 1 - p; dK accumulates it without r
-    (applied once at the end)."""
+    No mask: P^T is already 0 where a row must not see a key, so dS^T is too. DROPOUT: the
+    exchanged ps carries the keep bit in its sign (``_p_dv_step``), and with r = 1 / (1 - p),
+    dS = P * (dP * keep * r - delta) = r * (max(ps, 0) * dP - |ps| * delta * keep_scale) with
+    keep_scale = 1 - p; dK accumulates it without r (applied once at the end)."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = v_view.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
@@ -486,12 +481,6 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
 
     mbarrier.wait(do_ready.index(slot), phase)
     dp_tok = warpgroup_mma(v_view, do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if DROPOUT:
-        kept = dropout.keep(drop, key0, t * BLOCK_M, s_layout, BLOCK_M, False)
-        m_smem, m_ready, m_empty = mx
-        mbarrier.wait(m_empty.index(xs), ((it // 2) & 1) ^ 1)
-        m_smem.index(xs).store(gl.where(kept, 1.0, -1.0).to(gl.float16))
-        mbarrier.arrive(m_ready.index(xs))
     mbarrier.wait(l_ready.index(slot), phase)
     delta = delta_smem.index(slot).load(col_layout)
     # P^T arrives from warpgroup 0 while dP^T runs
@@ -499,7 +488,7 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
     p = x_smem.index(xs).load(s_layout).to(gl.float32)
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     if DROPOUT:
-        ds = p * (gl.where(kept, dp, 0.0) - (delta * keep_scale)[None, :])
+        ds = gl.maximum(p, 0.0) * dp - gl.abs(p) * (delta * keep_scale)[None, :]
     else:
         ds = p * (dp - delta[None, :])
     mbarrier.arrive(x_empty.index(xs))
@@ -513,7 +502,7 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
 
 @gluon.jit
 def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar,
-                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, mx, dk_desc, dv_desc, SLOPES, batch, kv_head,
+                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch, kv_head,
                     n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
                     HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
@@ -521,7 +510,7 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers.
     DROPOUT (any tile width: the Philox words need the registers a second accumulator would take):
     drop_args = (seed, offset, threshold, 1 / (1 - p), S_Q, S_KV, bh of the group's first query head);
-    warpgroup 1 makes the mask and hands it to warpgroup 0 through mx (mask tiles, ready, empty)."""
+    warpgroup 0 makes the mask, warpgroup 1 reads it from the sign of the exchanged P^T."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -546,31 +535,30 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         if WG == 0:
             if HAS_ALIBI:
                 slope2 = _alibi_slope2(SLOPES, kv_head * GROUP + g)
-            for t in range(t_lo, t_a):
-                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, mx, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
-                it += 1
-            for t in range(t_a, t_b):
-                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, mx, False,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
-                it += 1
-            for t in range(t_b, t_hi):
-                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
-                                 empty, x_ready, x_empty, acc, zero_s, keys, band, slope2, qk_scale, mx, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
-                it += 1
-        else:
             drop = 0
             if DROPOUT:
                 seed, offset, threshold, rescale, s_q, s_kv, bh0 = drop_args
                 drop = dropout.state(seed, offset, bh0 + g, s_q, s_kv, threshold, rescale)
-            # the band mask is in P^T already: one loop over every tile
+            for t in range(t_lo, t_a):
+                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                 empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, True,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
+                it += 1
+            for t in range(t_a, t_b):
+                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                 empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, False,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
+                it += 1
+            for t in range(t_b, t_hi):
+                acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
+                                 empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, True,
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
+                it += 1
+        else:
+            # the mask is in P^T already: one loop over every tile
             for t in range(t_lo, t_hi):
                 acc = _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready,
-                                  empty, x_ready, x_empty, acc, zero_s, n0, drop, mx, keep_scale, STAGES, HAS_SEQ_Q,
-                                  DROPOUT)
+                                  empty, x_ready, x_empty, acc, zero_s, keep_scale, STAGES, HAS_SEQ_Q, DROPOUT)
                 it += 1
 
     # epilogue through the warpgroup's own operand tile (WG 0 reads only K, WG 1 only V, so the
@@ -661,23 +649,13 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         for i in gl.static_range(2):
             mbarrier.init(x_ready.index(i), count=1)
             mbarrier.init(x_empty.index(i), count=1)
-        mx = 0
-        if DROPOUT:
-            # the keep-mask, warpgroup 1 -> 0: two [keys, rows] tiles of +-1 (fp16) with ready/empty barriers
-            m_smem = gl.allocate_shared_memory(gl.float16, [2, WG_N, BLOCK_M], x_smem.type.layout)
-            m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            m_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(m_ready.index(i), count=1)
-                mbarrier.init(m_empty.index(i), count=1)
-            mx = (m_smem, m_ready, m_empty)
         gl.warp_specialize([
             (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
-                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, mx, dk_desc, dv_desc, SLOPES, batch,
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
                                kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
                                HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
             (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
-                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, mx, dk_desc, dv_desc, SLOPES, batch,
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
                                kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
                                HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
