@@ -104,7 +104,8 @@ def _spills(args):
 def spill_survey():
     """Spills of the persistent grid's kernels (fwd_sm90 [Note] persistent grid: register pressure)
     and of the one-tile grid's: head dims x masks (none, causal top-left / bottom-right, window,
-    ALiBi, window + ALiBi) x LSE or not x ping-pong, and the padded ones (q, kv, both; windowed)."""
+    ALiBi, window + ALiBi) x LSE or not x ping-pong, the padded ones (q, kv, both; windowed) and
+    dropout."""
     from concurrent.futures import ProcessPoolExecutor
     cases = []
     for persistent in (True, False):
@@ -112,7 +113,7 @@ def spill_survey():
             for causal, br in ((False, False), (True, False), (True, True)):
                 for extra in ({}, dict(write_lse=False), dict(pingpong=True), dict(window=True), dict(alibi=True),
                               dict(window=True, alibi=True), dict(seq_q=True), dict(seq_kv=True),
-                              dict(seq_q=True, seq_kv=True), dict(seq_kv=True, window=True)):
+                              dict(seq_q=True, seq_kv=True), dict(seq_kv=True, window=True), dict(dropout=True)):
                     cases.append(dict(d=d, causal=causal, bottom_right=br, persistent=persistent, **extra))
     with ProcessPoolExecutor(os.cpu_count()) as ex:
         for args, rep in ex.map(_spills, cases):

@@ -1231,8 +1231,12 @@ def _tile_counter(device) -> torch.Tensor:
 
 def _persistent_default(p) -> bool:
     """Whether ``launch_fwd_sm90`` takes the persistent grid when not told (``PERSISTENT``; with
-    ALiBi only at tile width 128, the one measured: tools/gluon_check.py spills, bench/fwd_ab.py)."""
+    ALiBi only at tile width 128, the one measured: tools/gluon_check.py spills, bench/fwd_ab.py;
+    with dropout not at tile width 256, where its persistent consumer spills 192 bytes and the
+    one-tile grid's none)."""
     if p.alibi is not None and TILE_D[p.d] != 128:
+        return False
+    if p.has_dropout and TILE_D[p.d] == 256:
         return False
     band = p.band
     if band is None:
