@@ -98,8 +98,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from . import dropout
-from ..cpu import dropout_threshold
-from .bwd_dq_sm90 import _dq_problem_ok, _padding_ok
+from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
 from .fwd_sm90 import LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
 from .launch import launch
 
@@ -705,7 +704,7 @@ def _problem_ok(p) -> bool:
     """The forward's filter (no mask, causal, sliding windows, ALiBi, padding, dropout; plain inputs,
     fp16/bf16, d = d_v) at this pass's head dims, and row offsets b * h_q * s_q (the lse/delta rows)
     that fit int32."""
-    return _dq_problem_ok(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
+    return _bwd_problem_ok(p, SUPPORTED_DIMS) and p.b * p.h_q * p.s_q < 2 ** 31
 
 
 def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, seq_len_q=None, seq_len_kv=None,
@@ -735,8 +734,7 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
         _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N), _tma(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
-        *((p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p))
-          if p.has_dropout else (0, 0, 0, 1.0)),
+        *dropout.kernel_args(p),
         STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         SPLIT=split, DV_FIRST=DV_FIRST if dv_first is None else dv_first,

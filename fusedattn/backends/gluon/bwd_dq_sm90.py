@@ -91,7 +91,6 @@ from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _band_keep, _cta_til
                        _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
                        _zero_landed_rows)
 from . import dropout
-from ..cpu import dropout_threshold
 from .launch import launch
 
 WG_M = 64           # query rows per consumer warpgroup
@@ -332,7 +331,8 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
                       O, stride_ob, stride_oh, stride_om, SLOPES, SEQ_Q, SEQ_KV,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
-                      DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
@@ -411,13 +411,7 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 
 def _bwd_problem_ok(p, dims) -> bool:
     """The backward passes' filter: the forward's features (no mask, causal, sliding windows, ALiBi,
-    padding) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached), but not dropout: the single-pass
-    kernel has none; the dQ and dK/dV passes add it (``_dq_problem_ok``, ``bwd_dkdv_sm90._problem_ok``)."""
-    return not p.has_dropout and _fwd_problem_ok(p, dims)
-
-
-def _dq_problem_ok(p, dims) -> bool:
-    """This pass's filter: ``_bwd_problem_ok`` and dropout (``_drop_dp``)."""
+    padding, dropout) at ``dims`` (``fwd_sm90._fwd_problem_ok``, cached)."""
     return _fwd_problem_ok(p, dims)
 
 
@@ -436,7 +430,7 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
     not with padding, whose caller computes delta). slopes: fp32 [h_q] ALiBi slopes (natural units)
     when p.alibi. seq_len_q / seq_len_kv: int32 [b] lengths when the problem has them."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
-    if not (_dq_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
+    if not (_bwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if p.alibi is not None and not _slopes_ok(p, slopes):
         return False
@@ -481,8 +475,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
         lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
         seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
-        *((p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p))
-          if p.has_dropout else (0, 0, 0, 1.0)),
+        *dropout.kernel_args(p),
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first, as the forward

@@ -640,8 +640,8 @@ def _dq_box(flat):
 def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
     """True when this kernel computes the whole backward of ``p`` on these tensors: sm_90, fp16/bf16,
     d = d_v = 128, no mask or causal (either alignment); no windows, ALiBi, padding, bias, dropout,
-    softcap (``bwd_dq_sm90._bwd_problem_ok`` minus windows and ALiBi); TMA-ready q, k, v, grad_out, dk,
-    dv; dq any strides with unit last stride."""
+    softcap (``bwd_dq_sm90._bwd_problem_ok`` minus windows, ALiBi, padding and dropout); TMA-ready q,
+    k, v, grad_out, dk, dv; dq any strides with unit last stride."""
     if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
     if not (isinstance(dq, torch.Tensor) and dq.dtype == p.dtype and dq.stride(-1) == 1 and dq.is_cuda):
@@ -654,7 +654,7 @@ def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
 def _problem_ok(p) -> bool:
     if p.alibi is not None or not (p.band is None or (p.band.left is None and p.band.right == 0)):
         return False
-    if p.has_seq_len_q or p.has_seq_len_kv:      # padding: no per-sequence lengths here
+    if p.has_seq_len_q or p.has_seq_len_kv or p.has_dropout:      # no per-sequence lengths, no dropout here
         return False
     return _bwd_problem_ok(p, (128, )) and p.d == 128 and p.b * p.h_q * p.s_q < 2 ** 31
 

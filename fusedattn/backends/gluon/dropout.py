@@ -22,6 +22,8 @@ at compile time, ``assert_trivial``: it costs no instruction).
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..cpu import dropout_threshold
+
 # Philox4x32 constants (triton/language/random.py)
 _KEY_A = gl.constexpr(0x9E3779B9)
 _KEY_B = gl.constexpr(0xBB67AE85)
@@ -79,12 +81,19 @@ def _keep_halves(w, threshold):
     return gl.join((w & 0xFFFF) >= threshold.to(gl.uint32), w >= (threshold.to(gl.uint32) << 16))
 
 
+def kernel_args(p) -> tuple:
+    """The four dropout arguments of the Gluon kernels for problem ``p``: (DROP_SEED, DROP_OFFSET,
+    DROP_THRESHOLD = p * 2^16, DROP_RESCALE = 1 / (1 - p)); placeholders without dropout."""
+    if not p.has_dropout:
+        return 0, 0, 0, 1.0
+    return p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p)
+
+
 @gluon.jit
 def state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD, RESCALE):
     """The dropout state ``keep`` takes for one (batch, query head) bh = batch * h_q + head: a tuple
     (seed low word, seed high word, counter base, key groups per row group, threshold, 1 / (1 - p)
-    as RESCALE). SEED and
-    OFFSET: int64 kernel arguments; a group's Philox counter is
+    as RESCALE), from ``kernel_args``'s four. A group's Philox counter is
     OFFSET + (bh * RQ + row group) * KQ + key group with RQ = ceil(S_Q / 16) * 8 and
     KQ = ceil(S_KV / 16) * 4 (``backends/cpu.py`` ``dropout_keep_chunk``)."""
     # the JIT types a small int argument int32 (and 1 as a constant): widen both first

@@ -166,7 +166,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..cpu import dropout_threshold
 from ..triton.launch import _current_raw_stream
 from . import dropout
 from .launch import Tma, launch
@@ -651,13 +650,13 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, rescale, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+               len_q, slope2, drop, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
                DROPOUT: gl.constexpr):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
     with plain stores. Returns with the TMA store in flight (the caller waits: tma.store_wait).
-    DROPOUT: O is scaled by rescale = 1 / (1 - p), the kept probabilities' factor."""
+    DROPOUT: O is scaled by drop[5] = 1 / (1 - p) (``dropout.state``), the kept probabilities' factor."""
     WG_M: gl.constexpr = stage.shape[2]
     HEAD_D: gl.constexpr = stage.shape[3]
     o_layout: gl.constexpr = o.type.layout
@@ -668,7 +667,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
         ok = ok & (gl.convert_layout(rows, row_o) < len_q)
     inv_l = gl.where(ok, 1.0 / gl.where(ok, l_o, 1.0), 0.0)
     if DROPOUT:
-        inv_l = inv_l * rescale
+        inv_l = inv_l * drop[5]
     out = o * inv_l[:, None]
     if HAS_SEQ_Q:
         # rows >= len_q ran on padding rows of Q, which may hold NaN or inf (0 * NaN is NaN)
@@ -692,7 +691,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
 @gluon.jit
 def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                   o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop, rescale,
+                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
@@ -713,7 +712,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, rescale, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
+               len_q, slope2, drop, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
     tma.store_wait(0)
 
 
@@ -956,7 +955,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, head)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-                   len_q, slope2, DROP_RESCALE, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
+                   len_q, slope2, drop, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -972,7 +971,8 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
 @gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
-                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                    REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
@@ -1066,12 +1066,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                             DROP_RESCALE, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                             DROP_RESCALE, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
@@ -1302,8 +1302,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
-        *((p.dropout_seed, p.dropout_offset, dropout_threshold(p.dropout_p), 1.0 / (1.0 - p.dropout_p))
-          if p.has_dropout else (0, 0, 0, 1.0)),
+        *dropout.kernel_args(p),
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
