@@ -779,6 +779,10 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# alternatives timed on the masked configs' unmasked problems too, for their own masked / unmasked ratio
+NO_MASK_ALSO = ("cuDNN frontend",)
+
+
 class Bench:
     """Runs configs, keeps the cells, writes CSV rows as they come."""
 
@@ -800,8 +804,10 @@ class Bench:
             self._run_backend(cfg, col, prepare, passes, sets)
             _free_memory()
         if cfg.table == "masked":
-            self._run_backend(cfg.unmasked(), "ours (no mask)", prepare_ours, passes,
-                              sets, store_as=cfg)
+            # each library's mask cost on its own kernels: ours and cuDNN's on the same problem unmasked
+            for col, prepare in [("ours", prepare_ours)] + [b for b in backends if b[0] in NO_MASK_ALSO]:
+                self._run_backend(cfg.unmasked(), f"{col} (no mask)", prepare, passes, sets, store_as=cfg)
+                _free_memory()
         self._check_ours(cfg, sets[0])
         self._derive_total(cfg)
         del sets
@@ -942,7 +948,8 @@ def fmt_cell(cell: Optional[Cell], cfg: Config) -> str:
 
 
 def _best_alternative(row: Dict[str, Cell]) -> Optional[float]:
-    alts = [c.value for name, c in row.items() if not name.startswith("ours") and c.status == "ok"]
+    alts = [c.value for name, c in row.items()
+            if not name.startswith("ours") and not name.endswith("(no mask)") and c.status == "ok"]
     return max(alts) if alts else None
 
 
@@ -956,11 +963,13 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
     """The markdown table of one group of configs (all share a table kind)."""
     kind = cfgs[0].table
     cols = list(columns)
+    no_mask = []             # (name, masked column, its no-mask column) for the masked table's ratios
     if kind == "masked":
+        no_mask = [(c.split()[0], c, f"{c} (no mask)") for c in ["ours"] + [c for c in cols if c in NO_MASK_ALSO]]
         cols.insert(1, "ours (no mask)")
+        cols += [base for _, _, base in no_mask[1:]]
     head = ["config"] + ([] if kind == "decode" else ["pass"]) + cols + ["ours/best"]
-    if kind == "masked":
-        head.append("ours/no-mask")
+    head += [f"{name}/no-mask" for name, _, _ in no_mask]
     if kind == "decode":
         head.append("ours/copy")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -975,9 +984,9 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
             cells = [cfg.label] + ([] if kind == "decode" else [p])
             cells += [fmt_cell(row.get(c), cfg) for c in cols]
             cells.append(_ratio(row.get("ours"), _best_alternative(row)))
-            if kind == "masked":
-                base = row.get("ours (no mask)")
-                cells.append(_ratio(row.get("ours"), base.value if base and base.status == "ok" else None))
+            for _, col, base_col in no_mask:
+                base = row.get(base_col)
+                cells.append(_ratio(row.get(col), base.value if base and base.status == "ok" else None))
             if kind == "decode":
                 cells.append(_ratio(row.get("ours"), copy_tbs))
             lines.append("| " + " | ".join(cells) + " |")

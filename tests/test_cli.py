@@ -97,3 +97,21 @@ def test_bench_config_names_are_unique_and_filterable():
                                       "decode-b8-h32-kv16384-d128-bf16-paged16",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-contig",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64"]
+
+
+def test_masked_table_gives_each_library_its_own_mask_cost():
+    """The masked table's ratios: ours/best never counts an alternative's no-mask run as an
+    alternative, and ours/no-mask and cuDNN/no-mask divide each library by its own unmasked run."""
+    from fusedattn import bench
+
+    cfg = bench.masked_configs()[0]
+    b = bench.Bench(bench.parse_args(["--configs", "masked"]))
+    for col, value in (("ours", 300.0), ("ours (no mask)", 500.0), ("cuDNN frontend", 250.0),
+                       ("cuDNN frontend (no mask)", 600.0)):
+        b._store(cfg, "fwd", col, bench.Cell("ok", 1.0, value))
+    table = bench.render_table(b, [cfg], ["ours", "cuDNN frontend"], None)
+    head, row = table_rows(table)
+    cells = dict(zip(head, row))
+    assert cells["cuDNN frontend (no mask)"] == "600" and cells["ours (no mask)"] == "500"
+    assert cells["ours/best"] == "1.20"            # 300 / 250, not 300 / 600
+    assert cells["ours/no-mask"] == "0.60" and cells["cuDNN/no-mask"] == "0.42"

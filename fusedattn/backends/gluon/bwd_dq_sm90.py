@@ -151,13 +151,15 @@ def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexp
 
 @gluon.jit
 def _drop_dp(dp, drop, row0, n0):
-    """dP [64, BLOCK_N] (rows row0.., keys n0..) under dropout: the forward's output is
-    (P * keep / (1 - p)) V, so the gradient reaching P is dP * keep / (1 - p) (``dropout.keep``,
-    the forward's mask; drop[5] = 1 / (1 - p)). delta = rowsum(dO * O) needs no change."""
+    """dP [64, BLOCK_N] (rows row0.., keys n0..) under dropout, less its factor 1 / (1 - p): the
+    forward's output is (P * keep / (1 - p)) V, so the gradient reaching P is dP * keep / (1 - p)
+    (``dropout.keep``, the forward's mask). dS = P (dP keep / (1 - p) - delta) is made as
+    P (dP keep - delta (1 - p)) and dQ scaled by 1 / (1 - p) once at the end: one multiply per
+    score less. delta = rowsum(dO * O) is the same with or without dropout."""
     layout: gl.constexpr = dp.type.layout
     BLOCK_N: gl.constexpr = dp.shape[1]
     kept = dropout.keep(drop, row0, n0, layout, BLOCK_N, True)
-    return gl.where(kept, dp * drop[5], 0.0)
+    return gl.where(kept, dp, 0.0)
 
 
 @gluon.jit
@@ -263,6 +265,11 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         delta = gl.convert_layout(d_rows, row_s)
     else:
         delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
+    dq_scale = sm_scale
+    if DROPOUT:
+        # 1 / (1 - p) leaves the loop (``_drop_dp``): delta * (1 - p) in dS, dQ * 1 / (1 - p) at the end
+        delta = delta / drop[5]
+        dq_scale = sm_scale * drop[5]
     q_view = q_smem.reshape([WG_M, HEAD_D])
     do_view = do_smem.reshape([WG_M, HEAD_D])
 
@@ -322,7 +329,7 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         dq = gl.where((dq_rows < len_q)[:, None], dq, 0.0)
     # epilogue: dQ * scale through this warpgroup's Q half (its QK^T products are all done);
     # the TMA store clips rows >= S_Q
-    q_view.store((dq * sm_scale).to(dtype))
+    q_view.store((dq * dq_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [batch, head, row0, 0], q_smem)
     tma.store_wait(0)

@@ -10,8 +10,10 @@ Why that grouping: in the accumulator layout of a [64, N] wgmma tile (one warpgr
 along M) each thread holds rows {m, m + 8} and columns {2q, 2q + 1} + 8i. So in a score tile S
 [rows, keys] (forward, dQ pass) a group's eight elements share one thread: a thread makes exactly
 the words it needs, an eighth of a Philox call per score, and no thread waits on another. In the
-dK/dV pass's S^T [keys, rows] keys k and k + 1 sit in neighbouring lanes, so both lanes make the
-group's words and each uses half of them (a quarter of a call per score there).
+dK/dV pass's S^T [keys, rows] keys k and k + 1 sit in lanes L and L + 4, which hold the same
+groups; each of the two makes every other one (rows r and r + 1 alternate) and they swap the
+16-bit halves the other needs with one shuffle per two words, so there too a thread makes an
+eighth of a call per score (``_keep_t``).
 
 How a tile is built (``keep``): the words are computed on a 4-D tensor of groups in a layout that
 puts each group on the thread that holds its elements; the 16-bit halves and the words join as
@@ -37,20 +39,14 @@ def _group_layout(n, keys_last):
 
     keys_last (S [rows, keys]): dims (u, v, u', q) of row 16u + 8a + v and key 16u' + 8b + 2q + h,
     one group each; q in lanes 0-1, v in lanes 2-4, u in the warps, u' in registers.
-    Else (S^T [keys, rows]): dims (u, v, u', v') of key 16u + 8a + v and row 16u' + 8b + v'; v'
-    bit 0 and u' in registers, v' bits 1-2 in lanes 0-1, v in lanes 2-4, u in the warps.
+    Else (S^T [keys, rows], ``_keep_t``): dims (u, v, u', w) of key 16u + 8a + v and row
+    16u' + 8b + 2w + (v & 1): the groups a lane makes, every other row of those it holds; w in
+    lanes 0-1, v in lanes 2-4, u in the warps, u' in registers.
     """
     u_bits = (n // 16).bit_length() - 1
     regs = [[0, 0, 1 << i, 0] for i in range(u_bits)]
-    if keys_last:
-        inner = 4
-        lanes = [[0, 0, 0, 1], [0, 0, 0, 2]]
-    else:
-        inner = 8
-        regs = [[0, 0, 0, 1]] + regs
-        lanes = [[0, 0, 0, 2], [0, 0, 0, 4]]
-    lanes = lanes + [[0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
-    return gl.DistributedLinearLayout(regs, lanes, [[1, 0, 0, 0], [2, 0, 0, 0]], [], [4, 8, n // 16, inner])
+    lanes = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [[1, 0, 0, 0], [2, 0, 0, 0]], [], [4, 8, n // 16, 4])
 
 
 @gluon.jit
@@ -104,6 +100,52 @@ def state(SEED, OFFSET, bh, S_Q, S_KV, THRESHOLD, RESCALE):
 
 
 @gluon.jit
+def _prmt(a, b, selector):
+    """PTX prmt.b32: bytes of the pair (b, a) picked by ``selector``'s four nibbles (uint32)."""
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, selector],
+                                     dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _swap_lanes4(x):
+    """x of lane L ^ 4 (uint32): the partner that holds the same rows and the other key of a pair."""
+    return gl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;", "=r,r", [x],
+                                     dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _keep_t(w0, w1, w2, w3, odd, threshold):
+    """S^T's keep bits from the words of the groups a lane made (rows 2w + odd, ``_group_layout``),
+    as dims (u, v, u', w) + (a, b, row bit 0): key bit 3, row bit 3, row bit 0.
+
+    A lane with key parity ``odd`` needs half ``odd`` of every word of both rows 2w and 2w + 1: it
+    packs the halves it keeps (words 0 and 1, 2 and 3: key bit 3 in the 16-bit position) and the
+    halves its partner (lane ^ 4, the other parity) needs, which the partner made for the other row;
+    one shuffle per packed pair swaps them."""
+    keep_sel = gl.where(odd, 0x7632, 0x5410).to(gl.uint32)       # the high halves, or the low halves
+    give_sel = gl.where(odd, 0x5410, 0x7632).to(gl.uint32)
+    own01 = _prmt(w0, w1, keep_sel)
+    own23 = _prmt(w2, w3, keep_sel)
+    got01 = _swap_lanes4(_prmt(w0, w1, give_sel))
+    got23 = _swap_lanes4(_prmt(w2, w3, give_sel))
+    # the even row's words are the lane's own if its parity is even, else its partner's
+    even01 = gl.where(odd, got01, own01)
+    even23 = gl.where(odd, got23, own23)
+    odd01 = gl.where(odd, own01, got01)
+    odd23 = gl.where(odd, own23, got23)
+    return gl.join(_keep_packed(even01, even23, threshold), _keep_packed(odd01, odd23, threshold))
+
+
+@gluon.jit
+def _keep_packed(x01, x23, threshold):
+    """Keep bits of two words of packed 16-bit values (key bit 3 = the half, row bit 3 = the word)
+    as dims + (key bit 3, row bit 3)."""
+    t_lo = threshold.to(gl.uint32)
+    t_hi = t_lo << 16
+    return gl.join(gl.join((x01 & 0xFFFF) >= t_lo, x01 >= t_hi), gl.join((x23 & 0xFFFF) >= t_lo, x23 >= t_hi))
+
+
+@gluon.jit
 def keep(drop, m0, n0, layout: gl.constexpr, N: gl.constexpr, KEYS_LAST: gl.constexpr):
     """Keep-mask [64, N] (bool, in ``layout``: a one-warpgroup wgmma accumulator layout) of the tile
     whose element (m, n) is (row m0 + m, key n0 + n) if KEYS_LAST, else (key m0 + m, row n0 + n);
@@ -115,18 +157,19 @@ def keep(drop, m0, n0, layout: gl.constexpr, N: gl.constexpr, KEYS_LAST: gl.cons
     kq = drop[3]
     threshold = drop[4]
     GL: gl.constexpr = _group_layout(N, KEYS_LAST)
-    INNER: gl.constexpr = 4 if KEYS_LAST else 8
     u = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, GL))))
     v = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, GL))))
     u2 = gl.arange(0, N // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(1, GL))))
-    v2 = gl.arange(0, INNER, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(1, GL))))
+    v2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(1, GL))))
     if KEYS_LAST:
         rows = (m0 // 2 + 8 * u[:, None] + v[None, :])[:, :, None, None]                  # [4, 8, 1, 1]
         keys = (n0 // 4 + 4 * u2[:, None] + v2[None, :])[None, None, :, :]                 # [1, 1, N/16, 4]
+        ctr = base + rows.to(gl.int64) * kq + keys
     else:
-        keys = (m0 // 4 + 4 * u[:, None] + (v // 2)[None, :])[:, :, None, None]            # [4, 8, 1, 1]
-        rows = (n0 // 2 + 8 * u2[:, None] + v2[None, :])[None, None, :, :]                 # [1, 1, N/16, 8]
-    ctr = base + rows.to(gl.int64) * kq + keys
+        keys = (m0 // 4 + 4 * u[:, None] + (v // 2)[None, :])[:, :, None, None]           # [4, 8, 1, 1]
+        rows = (n0 // 2 + 8 * u2[:, None] + 2 * v2[None, :])[None, None, :, :]            # [1, 1, N/16, 4]
+        odd = (v % 2)[None, :, None, None]
+        ctr = base + (rows + odd).to(gl.int64) * kq + keys
     w0, w1, w2, w3 = philox4x32(seed_lo, seed_hi, (ctr & 0xFFFFFFFF).to(gl.uint32), (ctr >> 32).to(gl.uint32))
     if KEYS_LAST:
         # dims (u, v, u', q) + (h, b, a) -> (u, a, v, u', b, q, h): row 16u + 8a + v, key 16u' + 8b + 2q + h
@@ -134,12 +177,7 @@ def keep(drop, m0, n0, layout: gl.constexpr, N: gl.constexpr, KEYS_LAST: gl.cons
                     gl.join(_keep_halves(w2, threshold), _keep_halves(w3, threshold)))
         x = x.permute((0, 6, 1, 2, 5, 3, 4))
     else:
-        # key bit 0 (v bit 0) picks the half; word 2 * (row bit 3 = b) + (key bit 3 = a):
-        # dims (u, v, u', v') + (a, b) -> (u, a, v, u', b, v')
-        # per thread the half is fixed: value >= threshold iff (w & mask) >= threshold << shift
-        shift = ((v % 2) * 16).to(gl.uint32)[None, :, None, None]
-        mask = gl.full([1, 8, 1, 1], 0xFFFF, gl.uint32, GL) << shift
-        t = threshold.to(gl.uint32) << shift
-        x = gl.join(gl.join((w0 & mask) >= t, (w1 & mask) >= t), gl.join((w2 & mask) >= t, (w3 & mask) >= t))
-        x = x.permute((0, 4, 1, 2, 5, 3))
+        # dims (u, v, u', w) + (a, b, c) -> (u, a, v, u', b, w, c): key 16u + 8a + v, row 16u' + 8b + 2w + c
+        x = _keep_t(w0, w1, w2, w3, odd != 0, threshold)
+        x = x.permute((0, 4, 1, 2, 5, 3, 6))
     return gl.convert_layout(x.reshape([64, N]), layout, assert_trivial=True)
