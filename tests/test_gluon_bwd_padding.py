@@ -4,8 +4,9 @@ Per-batch lengths seq_len_q / seq_len_kv (0, 1, full and odd ones) on q, kv or b
 alignment (bottom-right from each sequence's own lengths), sliding windows and ALiBi, head dims
 64-256, GQA, strided layouts. The padding rows of Q, K, V and dO are overwritten with NaN before
 the passes run (in-bounds memory that TMA loads: the kernels must neither use it nor let 0 * NaN
-reach a valid row); delta comes from the separate delta pass, as ``functional._run_gluon_backward``
-launches it, so its padding rows are NaN too. dQ, dK, dV live in NaN-filled guarded buffers and are
+reach a valid row); delta comes from the separate delta pass, or (``write_delta``, banded problems
+as ``functional._run_gluon_backward`` launches them) from the dQ pass into a NaN-filled buffer,
+so its padding rows are NaN too; its valid rows must be finite. dQ, dK, dV live in NaN-filled guarded buffers and are
 checked against float64 autograd of the reference (computed on the clean inputs) by FlashAttention's
 rule; their padding rows must be exactly 0. Every failure message carries a one-line repro.
 GPU-only: skipped (visibly) elsewhere.
@@ -37,11 +38,12 @@ def reference_grads(q, k, v, do, dtype, **kw):
     return tuple(t.grad.cpu() for t in (qs, ks, vs))
 
 
-def run_padded(case, lens, nodeid):
-    """Both Gluon passes on ``case`` padded with lens = (len_q list | None, len_kv list | None)."""
+def run_padded(case, lens, nodeid, write_delta=False):
+    """Both Gluon passes on ``case`` padded with lens = (len_q list | None, len_kv list | None); delta
+    by the dQ pass (``out=``) when write_delta, else by the separate delta pass."""
     from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_dq_sm90
     from fusedattn.backends.triton.bwd import launch_delta
-    msg = case.repro(nodeid) + f" lens={lens}"
+    msg = case.repro(nodeid) + f" lens={lens} write_delta={write_delta}"
     dt = getattr(torch, case.dtype)
     gen = torch.Generator().manual_seed(case.seed)
     q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
@@ -70,8 +72,18 @@ def run_padded(case, lens, nodeid):
     assert bwd_dkdv_sm90.supports(p, q.view, k.view, v.view, do.view, dk, dv, **opts), \
         f"the dK/dV pass refused a case it should run. {msg}"
     delta = torch.full((case.b * case.h_q, case.s_q), float("nan"), device="cuda")
-    launch_delta(p, out, do.view, delta)
-    bwd_dq_sm90.launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dq, **opts)
+    if write_delta:
+        assert bwd_dq_sm90.supports(p, q.view, k.view, v.view, do.view, dq, out=out, **opts), \
+            f"the dQ pass refused to compute delta. {msg}"
+        bwd_dq_sm90.launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dq, out=out, **opts)
+        torch.cuda.synchronize()
+        rows = delta.view(case.b, case.h_q, case.s_q).cpu()
+        for bi, length in enumerate(lens[0] or [case.s_q] * case.b):
+            assert rows[bi, :, :max(length, 0)].isfinite().all(), \
+                f"delta of batch entry {bi}: valid rows not written or not finite. {msg}"
+    else:
+        launch_delta(p, out, do.view, delta)
+        bwd_dq_sm90.launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dq, **opts)
     bwd_dkdv_sm90.launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dk, dv, **opts)
     torch.cuda.synchronize()
 
@@ -92,7 +104,9 @@ def test_gluon_bwd_padding(mode, side, d, request):
     s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
     case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=d, dtype="bfloat16", mode=mode,
                       layout="bshd")
-    run_padded(case, pad_case(case, side, seed), request.node.nodeid)
+    # delta by the dQ pass (as the package launches banded problems) on two of the three sides
+    write_delta = mode != "none" and PAD_SIDES.index(side) != 1
+    run_padded(case, pad_case(case, side, seed), request.node.nodeid, write_delta=write_delta)
 
 
 PAD_WINDOWS = ((37, 0), (200, 0), (64, 64), (-1, 90))
@@ -107,7 +121,7 @@ def test_gluon_bwd_padding_window_alibi(mode, window, alibi, request):
     s_q, s_kv = PAD_SHAPES[seed % len(PAD_SHAPES)]
     case = HopperCase(seed=seed, b=4, h_q=4, h_kv=2, s_q=s_q, s_kv=s_kv, d=128, dtype="bfloat16", mode=mode,
                       layout="bshd", window=window, alibi=alibi)
-    run_padded(case, pad_case(case, "both", seed), request.node.nodeid)
+    run_padded(case, pad_case(case, "both", seed), request.node.nodeid, write_delta=True)
 
 
 @pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
@@ -118,4 +132,5 @@ def test_gluon_bwd_padding_random(seed, request):
     case = random_hopper_case(9500 + seed, (1, 17, 129, 300, 1000))
     window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
     case = dataclasses.replace(case, b=4, d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3, window=window)
-    run_padded(case, pad_case(case, PAD_SIDES[seed % 3], 9500 + seed), request.node.nodeid)
+    run_padded(case, pad_case(case, PAD_SIDES[seed % 3], 9500 + seed), request.node.nodeid,
+               write_delta=case.mode != "none" or window is not None)

@@ -46,7 +46,7 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, REVERSE_M=causal and not window,
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
-                 SPLIT=split, WRITE_DELTA=write_delta and not (seq_q or seq_kv), D=d, HAS_SEQ_Q=seq_q,
+                 SPLIT=split, WRITE_DELTA=write_delta, D=d, HAS_SEQ_Q=seq_q,
                  HAS_SEQ_KV=seq_kv, DROPOUT=dropout)
     for k in const:
         sig[k] = "constexpr"

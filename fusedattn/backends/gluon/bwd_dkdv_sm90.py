@@ -77,7 +77,8 @@ stream Q and dO as at d=128 (64 keys per CTA instead of 128): 64 KB of L2 reads 
 
 [Note] dropout (``DROPOUT``) runs the SPLIT variant at every head dim: warpgroup 0 makes the
 keep-mask (``dropout.keep`` on the transposed tile: the forward's mask, one Philox call per 2 rows
-x 4 keys, each made twice since keys k and k + 1 sit in neighbouring lanes here) and sends it to
+x 4 keys; keys k and k + 1 sit in lanes L and L ^ 4 here, which split the calls and swap halves
+by shuffle) and sends it to
 warpgroup 1 in the sign of the exchanged P^T (P kept, -P dropped); both accumulate without
 1 / (1 - p) and scale once at the end. With dK and dV in one warpgroup the Philox words spilled
 (~150 local accesses per step at d128, tools/gluon_bwd_check.py); one accumulator per warpgroup

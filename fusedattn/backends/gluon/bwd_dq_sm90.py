@@ -59,7 +59,10 @@ contiguous [b * h_q, s_q].
 delta: read from the caller's buffer, or (``launch_dq_sm90(..., out=O)``, ``WRITE_DELTA``) computed
 here as rowsum(dO * O) and written into it, like the Triton dQ pass since it runs first and feeds
 the dK/dV pass (one launch fewer). Each warpgroup reads its 64 O rows once with plain 16-byte
-loads (issued before the Q/dO barrier wait) and its dO rows from the shared-memory tile.
+loads (issued before the Q/dO barrier wait) and its dO rows from the shared-memory tile. With
+padding a CTA with no key tile to visit never loads dO: it writes delta = 0 (its rows' outputs are
+0); rows past len_q get rowsum(dO * O) of whatever the padding holds, as the separate delta pass
+gives them (the dK/dV pass never uses them).
 
 Variants (constexpr / keyword, for tuning): ``SPLIT`` waits for S_j alone first and computes P_j
 under dP_j and the dQ product (a second pin keeps the exponentials there), then waits for dP_j;
@@ -248,19 +251,28 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     pin_p = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    t_lo, t_a, t_b, t_hi, n_tiles = tiles
+    # with padding a CTA may have nothing to compute (n_tiles = 0, ``fwd_sm90._cta_tiles``): it keeps
+    # dq = 0 and never loads Q or dO. Without padding this is a compile-time True.
+    compute = True
+    if HAS_SEQ_Q or HAS_SEQ_KV:
+        compute = n_tiles > 0
     if WRITE_DELTA:
         # delta = rowsum(dO * O) for this warpgroup's rows, written for the dK/dV pass: O read once
-        # from global memory (16-byte vectors), dO from the shared-memory tile of this pass
+        # from global memory (16-byte vectors), dO from the shared-memory tile of this pass; 0 where
+        # the CTA has nothing to compute (every key of its rows masked: their output is 0)
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         r = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, ld))
         c = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld))
-        o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-        # columns past D (d=224 on a 256-wide tile) are not O's: read as 0, like TMA's zero-filled dO
-        o = gl.load(o_base + r.to(gl.int64)[:, None] * stride_om + c[None, :],
-                    mask=(r < S_Q)[:, None] & (c < D)[None, :], other=0.0)
-        mbarrier.wait(q_bar, 0)
-        do_t = do_smem.reshape([WG_M, HEAD_D]).load(ld)
-        d_rows = gl.sum(o.to(gl.float32) * do_t.to(gl.float32), 1)
+        d_rows = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, ld))
+        if compute:
+            o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+            # columns past D (d=224 on a 256-wide tile) are not O's: read as 0, like TMA's zero-filled dO
+            o = gl.load(o_base + r.to(gl.int64)[:, None] * stride_om + c[None, :],
+                        mask=(r < S_Q)[:, None] & (c < D)[None, :], other=0.0)
+            mbarrier.wait(q_bar, 0)
+            do_t = do_smem.reshape([WG_M, HEAD_D]).load(ld)
+            d_rows = gl.sum(o.to(gl.float32) * do_t.to(gl.float32), 1)
         gl.store(DELTA + r, d_rows, mask=r < S_Q)
         delta = gl.convert_layout(d_rows, row_s)
     else:
@@ -273,13 +285,7 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     q_view = q_smem.reshape([WG_M, HEAD_D])
     do_view = do_smem.reshape([WG_M, HEAD_D])
 
-    t_lo, t_a, t_b, t_hi, n_tiles = tiles
     dq = gl.zeros([WG_M, HEAD_D], gl.float32, dq_layout)
-    # with padding a CTA may have nothing to compute (n_tiles = 0, ``fwd_sm90._cta_tiles``): it keeps
-    # dq = 0. Without padding this is a compile-time True.
-    compute = True
-    if HAS_SEQ_Q or HAS_SEQ_KV:
-        compute = n_tiles > 0
     if compute:
         if not WRITE_DELTA:
             mbarrier.wait(q_bar, 0)
@@ -349,8 +355,6 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     BLOCK_M: gl.constexpr = 2 * WG_M
     dtype: gl.constexpr = q_desc.dtype
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
-    # delta needs dO in shared memory, which a padded CTA with nothing to compute never loads
-    gl.static_assert(not (PADDED and WRITE_DELTA), "padding: delta must come from the caller")
 
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
@@ -433,8 +437,8 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
     """True when this kernel computes the dQ of ``p`` on these tensors (sm_90, fp16/bf16, d = d_v
     in ``SUPPORTED_DIMS``, no mask, causal, sliding windows, ALiBi and padding as the forward has
     them, TMA-ready strides). The problem half is cached.
-    out: the forward's output, when the caller wants delta computed by this pass (unit last stride;
-    not with padding, whose caller computes delta). slopes: fp32 [h_q] ALiBi slopes (natural units)
+    out: the forward's output, when the caller wants delta computed by this pass (unit last
+    stride). slopes: fp32 [h_q] ALiBi slopes (natural units)
     when p.alibi. seq_len_q / seq_len_kv: int32 [b] lengths when the problem has them."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
     if not (_bwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
@@ -443,9 +447,8 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
         return False
     if not _padding_ok(p, seq_len_q, seq_len_kv):
         return False
-    padded = p.has_seq_len_q or p.has_seq_len_kv
-    if out is not None and (padded or not (isinstance(out, torch.Tensor) and out.dtype == p.dtype and out.is_cuda
-                                           and out.stride(-1) == 1 and out.shape == grad_out.shape)):
+    if out is not None and not (isinstance(out, torch.Tensor) and out.dtype == p.dtype and out.is_cuda
+                                and out.stride(-1) == 1 and out.shape == grad_out.shape):
         return False
     return all(isinstance(t, torch.Tensor) and t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, grad_out, dq))
 
@@ -460,13 +463,11 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     shape as grad_out, unit last stride) is given, computed here and written into it (for the
     dK/dV pass; no separate preprocess launch). slopes: fp32 [h_q] when p.alibi. seq_len_q /
     seq_len_kv: int32 [b] when p has them (padding: dQ rows past len_q are written as 0, keys past
-    len_kv are ignored; delta must then come from the caller). block_n / stages / split override
+    len_kv are ignored). block_n / stages / split override
     ``TILES`` / ``SPLIT`` (tuning).
     """
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
-    if out is not None and (p.has_seq_len_q or p.has_seq_len_kv):
-        raise ValueError("padding: pass delta computed by the caller, not out")
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
