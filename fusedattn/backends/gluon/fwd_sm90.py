@@ -49,10 +49,10 @@ bound optional). Tile t_lo (the prologue), the band's left edge [t_lo + 1, t_a) 
 edge and tail [t_b, t_hi) are masked; tiles in [t_a, t_b) are whole for every row of the CTA
 and skip the mask arithmetic. Tiles outside the band are never loaded, so a window costs
 O(s * window). ALiBi (slope * (j - i), slopes from a [h_q] tensor) adds the column half
-slope * (j - row0) (row0: the warpgroup's first row): slope * c (c the column within a tile, a
-loop-invariant vector) in the same FMA that scales the scores, and slope * (n0 - row0) (one scalar
-per tile) in the row max; the row half is constant per row, cancels in the softmax and is taken
-out of the LSE. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows >= s_kv) and clips
+slope * (j - row0) (row0: the warpgroup's first row): slope * c (c the column within a tile,
+loop-invariant) through the tensor cores in bf16 ([Note] ALiBi by wgmma), in fp16 in the same FMA
+that scales the scores, and slope * (n0 - row0) (one scalar per tile) in the row max; the row half
+is constant per row, cancels in the softmax and is taken out of the LSE. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows >= s_kv) and clips
 the output store at s_q; LSE rows >= s_q are masked out.
 
 [Note] packed P. The loop is issue-bound at d128 (per tile and thread about as many instructions
@@ -62,6 +62,15 @@ packed pair twice (64 PRMT per thread and tile). ``_pack_p`` converts pairs with
 ``cvt.rn.bf16x2.f32`` (``f16x2``) into int32 registers that the loop carries; ``_unpack_p`` views
 them as the wgmma's A operand without instructions (SASS: 528 -> 464 per mask-free step,
 bench/NOTES.md 39).
+
+[Note] ALiBi by wgmma. The loop is issue-bound, so ALiBi's one add per score (the column term
+slope * c / scale) cost its forward 0.89 of the unmasked speed, the instruction ratio of the loops
+(538 / 475 mask-free, 819 / 741 masked). The term is a rank-1 update of the score tile, so one more
+k = 16 wgmma per tile adds it: A [64, 16] holds 1 in columns 0-2, B [BLOCK_N, 16] holds
+slope * c / scale in three bf16 parts (hi, mid, lo: 24 bits, as exact as the fp32 product) in
+columns 0-2 (``_alibi_fill``, per warpgroup, 6 KB of shared memory at BLOCK_N 128). The tensor
+cores have room for 1/8 more QK^T work; the loops are 476 / 749 (SASS, tools/gluon_check.py). fp16
+keeps the FMA: slope * c / scale may pass its 65504.
 
 [Note] empty rows (causal bottom-right with s_q > s_kv: rows with no key): m = -inf and l = 0;
 exponents use m_safe (0 where m is -inf), so no inf - inf arises; such rows write output 0 and
@@ -332,7 +341,8 @@ def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constex
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right, alibi_col, slope2, row0,
-                  MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
+                  MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                  COL_IN_S: gl.constexpr = False):
     """Online-softmax update for one score tile s (raw q.k, fp32, wgmma accumulator layout).
 
     Returns (p, m_new, l_new, alpha): p = exp2(t - m_new) (0 where masked) with t the base-2
@@ -348,6 +358,8 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
     must agree bit for bit.
     Instruction counts per thread and [64, 128] tile (tools/gluon_check.py): one FMA per score
     for the exponent where the logit is a scaled score, one add more with ALiBi.
+    COL_IN_S: the scores hold the loop-invariant column term already (``_alibi_by_mma``): the
+    logit is s * qk_scale again, one FMA per score as without ALiBi.
     """
     BLOCK_N: gl.constexpr = s.shape[1]
     alibi_shift = 0.0
@@ -356,7 +368,12 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
     if MASKED:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
-        if HAS_ALIBI:
+        if COL_IN_S:
+            s = gl.where(keep, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + alibi_shift)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s * qk_scale - (m_safe - alibi_shift)[:, None])
+        elif HAS_ALIBI:
             t = gl.where(keep, gl.fma(s, qk_scale, alibi_col[None, :]), float("-inf"))
             m_new = gl.maximum(m_i, gl.max(t, 1) + alibi_shift)
             # a row with no key yet keeps m = -inf; exponents then use 0 so no inf - inf arises
@@ -368,6 +385,10 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             p = gl.exp2(s * qk_scale - m_safe[:, None])
+    elif COL_IN_S:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + alibi_shift)
+        m_safe = m_new
+        p = gl.exp2(s * qk_scale - (m_new - alibi_shift)[:, None])
     elif HAS_ALIBI:
         # one FMA per score for the logit, one subtract for the exponent
         t = gl.fma(s, qk_scale, alibi_col[None, :])
@@ -425,6 +446,49 @@ def _alibi_cols(slope2, like):
     return slope2 * gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, like.type.layout)).to(gl.float32)
 
 
+@gluon.constexpr_function
+def _alibi_by_mma(has_alibi, dtype):
+    """Whether ALiBi's loop-invariant column term goes through the tensor cores ([Note] ALiBi by
+    wgmma): bf16, whose 8-bit exponent holds any slope * c / scale; fp16 keeps the FMA."""
+    return bool(has_alibi) and dtype == gl.bfloat16
+
+
+@gluon.jit
+def _alibi_operands(dtype: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BY_MMA: gl.constexpr):
+    """Shared memory for ALiBi's column term as one k = 16 wgmma ([Note] ALiBi by wgmma): A [WG_M, 16]
+    and B [BLOCK_N, 16] (``_alibi_fill``), or (0, 0) when not BY_MMA."""
+    if BY_MMA:
+        a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+        return (gl.allocate_shared_memory(dtype, [WG_M, 16], a_layout),
+                gl.allocate_shared_memory(dtype, [BLOCK_N, 16], a_layout))
+    else:
+        return (0, 0)
+
+
+@gluon.jit
+def _alibi_fill(bias, slope2, qk_scale):
+    """Write ALiBi's operands for slope2 (base 2): A = 1 in columns 0-2, B row c = slope2 * c / qk_scale
+    as three 16-bit parts (hi, mid, lo: 24 bits, the fp32 product's precision) in columns 0-2, zeros
+    elsewhere, so that A B^T adds slope2 * c / qk_scale to score column c."""
+    a = bias[0]
+    b = bias[1]
+    WG_M: gl.constexpr = a.shape[0]
+    BLOCK_N: gl.constexpr = b.shape[0]
+    dtype: gl.constexpr = b.dtype
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])
+    k = gl.arange(0, 16, layout=gl.SliceLayout(0, layout))[None, :]
+    c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)).to(gl.float32)[:, None]
+    col = (slope2 / qk_scale) * c
+    hi = col.to(dtype).to(gl.float32)
+    mid = (col - hi).to(dtype).to(gl.float32)
+    lo = col - hi - mid
+    b.store(gl.where(k == 0, hi, gl.where(k == 1, mid, gl.where(k == 2, lo, 0.0))).to(dtype))
+    r = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))[:, None]
+    a.store(gl.where((k < 3) & (r >= 0), 1.0, 0.0).to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
 @gluon.jit
 def _kv_view(ring, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
     """One K or V slot of a ring [STAGES, 1, 1, BLOCK_N, HEAD_D] as a 2-D [BLOCK_N, HEAD_D] tile."""
@@ -444,8 +508,8 @@ def _drop(p, drop, row0, n0):
 
 @gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, pin, turn, turn0, drop,
-              WG: gl.constexpr,
+              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, bias, pin, turn, turn0,
+              drop, WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
               DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
@@ -464,6 +528,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
+    BY_MMA: gl.constexpr = _alibi_by_mma(HAS_ALIBI, q_view.dtype)
     o_layout: gl.constexpr = o.type.layout
     slot = j % STAGES
     prev = (j - 1) % STAGES
@@ -477,6 +542,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
+    if BY_MMA:
+        s_tok = warpgroup_mma(bias[0], bias[1].permute((1, 0)), s_tok, is_async=True)
     # O (relative to the max before tile j-1) onto tile j-1's max, while QK^T runs
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
@@ -489,7 +556,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right,
-                                           alibi_col, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+                                           alibi_col, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA)
     # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
     if DROPOUT:
@@ -543,7 +610,7 @@ def _zero_landed_rows(tile, tile_ready, other, other_ready, phase, n_valid):
 
 @gluon.jit
 def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, pin,
-                ring0, turn0, q_free, release, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left,
+                bias, ring0, turn0, q_free, release, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left,
                 win_right, slope2, qk_scale, drop, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
@@ -589,12 +656,17 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         kv0 = t_lo * BLOCK_N
         # ALiBi's column term: slope * c (loop-invariant, c the column in a tile) + slope * (n0 - row0)
         alibi_col = 0.0
-        if HAS_ALIBI:
+        BY_MMA: gl.constexpr = _alibi_by_mma(HAS_ALIBI, dtype)
+        if BY_MMA:
+            _alibi_fill(bias, slope2, qk_scale)
+        elif HAS_ALIBI:
             alibi_col = _alibi_cols(slope2, zero_s)
         slot0 = ring0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (ring0 // STAGES) & 1)
         s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
+        if BY_MMA:
+            s_tok = warpgroup_mma(bias[0], bias[1].permute((1, 0)), s_tok, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot0))
         if q_free is not None:
@@ -604,7 +676,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 tma.store_wait(0)
                 mbarrier.arrive(q_free)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
-                                           alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI)
+                                           alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA)
         if DROPOUT:
             p = _drop(p, drop, row0, kv0)
         pk = _pack_p(p, dtype)
@@ -617,17 +689,20 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         for j in range(ring0 + 1, ring0 + t_a - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, drop, WG,
+                                              win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
+                                              WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, drop, WG,
+                                              win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
+                                              WG,
                                               False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
-                                              win_left, win_right, slope2, alibi_col, pin, turn, turn_r, drop, WG,
+                                              win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
+                                              WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
 
         # last PV product
@@ -707,8 +782,9 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     row0 = start_m + WG * WG_M
     rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))   # global query row of each accumulator row
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bias = _alibi_operands(q_smem.dtype, WG_M, BLOCK_N, _alibi_by_mma(HAS_ALIBI, q_smem.dtype))
     o, m_i, l_i = _fwd_attend(WG, q_smem.reshape([WG_M, HEAD_D]), q_bar, k_smem, v_smem, k_ready, k_empty, v_ready,
-                              v_empty, turn, pin, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
+                              v_empty, turn, pin, bias, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
@@ -910,6 +986,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                                                        instr_shape=[16, BLOCK_N, 16])
     total = N_M * N_BH
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bias = _alibi_operands(q_smem.dtype, WG_M, BLOCK_N, _alibi_by_mma(HAS_ALIBI, q_smem.dtype))
     i = 0          # work tiles done by this CTA
     ring = 0       # K/V tiles consumed so far (the ring's count)
     steps = 0      # ping-pong turns taken so far (one per key tile after each work tile's first)
@@ -932,7 +1009,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         # with 2 Q slots, the previous tile's slot is released during this one (_fwd_attend)
         prev_free = q_empty.index((i + QSTAGES - 1) % QSTAGES)
         o, m_i, l_i = _fwd_attend(WG, stage.reshape([WG_M, HEAD_D]), None, k_smem, v_smem, k_ready, k_empty,
-                                  v_ready, v_empty, turn, pin, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
+                                  v_ready, v_empty, turn, pin, bias, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
                                   slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
                                   DROPOUT, BLOCK_N, STAGES, PINGPONG)
