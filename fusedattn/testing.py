@@ -144,7 +144,8 @@ class HopperCase:
     """One configuration for a Gluon sm_90 kernel test; ``repro(nodeid)`` rebuilds it.
 
     mode: "none" or the causal alignment; window: (left, right) with -1 unbounded (aligned by
-    ``mode``, top-left when "none"); alibi: the paper's slopes for h_q heads; dropout: p, with
+    ``mode``, top-left when "none"); alibi: True (the paper's slopes for h_q heads) or a tuple of
+    h_q slopes (a user's [h_q] tensor on the GPU); dropout: p, with
     the seed and counter offset derived from ``seed`` (an offset past 2^32 when seed is odd, so
     the counter's high word is exercised)."""
 
@@ -159,14 +160,16 @@ class HopperCase:
     mode: str
     layout: str
     window: Optional[Tuple[int, int]] = None
-    alibi: bool = False
+    alibi: object = False        # bool, or a tuple of h_q slopes
     dropout: float = 0.0
 
     def kwargs(self):
         kw = dict(causal=self.mode != "none", causal_alignment="top_left" if self.mode == "none" else self.mode)
         if self.window is not None:
             kw["window"] = self.window
-        if self.alibi:
+        if isinstance(self.alibi, tuple):
+            kw["alibi"] = torch.tensor(self.alibi, dtype=torch.float32, device="cuda")
+        elif self.alibi:
             kw["alibi"] = True
         if self.dropout:
             kw.update(dropout_p=self.dropout, dropout_seed=self.seed * 7919 + (self.seed % 2) * 2 ** 40,

@@ -189,6 +189,18 @@ def test_gluon_fwd_window_alibi(mode, window, alibi, request):
     run_case(case, request.node.nodeid)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gluon_fwd_alibi_user_slopes(dtype, mode, request):
+    """A user's slopes from 0.001 to 9.5 (slope * c / scale up to ~14000: bf16 takes the column term
+    through the tensor cores in three parts, fwd_sm90 [Note] ALiBi by wgmma; fp16 through the FMA),
+    both grids (the persistent one bit-identical to the one-tile grid)."""
+    seed = 3900 + 10 * MODES.index(mode) + (dtype == "float16")
+    case = HopperCase(seed=seed, b=2, h_q=4, h_kv=2, s_q=700, s_kv=900, d=128, dtype=dtype, mode=mode,
+                      layout="bshd", alibi=(0.001, 0.37, 3.0, 9.5))
+    run_case(case, request.node.nodeid, persistent=dict(persistent=True))
+
+
 @pytest.mark.parametrize("seed", range(16), ids=lambda s: f"case{s}")
 def test_gluon_fwd_alibi_random(seed, request):
     """ALiBi (the paper's slopes for odd head counts too) with or without a mask, random geometry,
