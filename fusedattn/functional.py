@@ -99,7 +99,7 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     # delta = rowsum(dO * O) by the dQ pass (WRITE_DELTA) only under a band: with no band every dQ
     # program has the same long loop, and computing delta in its prologue cost 3-9% of the pass (H100,
     # bench/gluon_dq_sweep.py --variants: 8k 624 -> 685 TFLOP/s reading it), so a separate
-    # bandwidth-bound kernel is cheaper (padded problems too)
+    # bandwidth-bound kernel is cheaper there; padded or not, a band takes WRITE_DELTA
     write_delta = p.band is not None and dq_pass.supports(p, q, k, v, grad_out, dq, out=out, **opts)
     if not (write_delta or dq_pass.supports(p, q, k, v, grad_out, dq, **opts)):
         return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -160,7 +160,7 @@ class HopperCase:
     mode: str
     layout: str
     window: Optional[Tuple[int, int]] = None
-    alibi: object = False        # bool, or a tuple of h_q slopes
+    alibi: Union[bool, Tuple[float, ...]] = False
     dropout: float = 0.0
 
     def kwargs(self):

@@ -133,16 +133,9 @@ def _keep_t(w0, w1, w2, w3, odd, threshold):
     even23 = gl.where(odd, got23, own23)
     odd01 = gl.where(odd, own01, got01)
     odd23 = gl.where(odd, own23, got23)
-    return gl.join(_keep_packed(even01, even23, threshold), _keep_packed(odd01, odd23, threshold))
-
-
-@gluon.jit
-def _keep_packed(x01, x23, threshold):
-    """Keep bits of two words of packed 16-bit values (key bit 3 = the half, row bit 3 = the word)
-    as dims + (key bit 3, row bit 3)."""
-    t_lo = threshold.to(gl.uint32)
-    t_hi = t_lo << 16
-    return gl.join(gl.join((x01 & 0xFFFF) >= t_lo, x01 >= t_hi), gl.join((x23 & 0xFFFF) >= t_lo, x23 >= t_hi))
+    # per packed word: key bit 3 is the 16-bit half (``_keep_halves``), row bit 3 the word
+    return gl.join(gl.join(_keep_halves(even01, threshold), _keep_halves(even23, threshold)),
+                   gl.join(_keep_halves(odd01, threshold), _keep_halves(odd23, threshold)))
 
 
 @gluon.jit

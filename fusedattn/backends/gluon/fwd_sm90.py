@@ -52,8 +52,9 @@ O(s * window). ALiBi (slope * (j - i), slopes from a [h_q] tensor) adds the colu
 slope * (j - row0) (row0: the warpgroup's first row): slope * c (c the column within a tile,
 loop-invariant) through the tensor cores in bf16 ([Note] ALiBi by wgmma), in fp16 in the same FMA
 that scales the scores, and slope * (n0 - row0) (one scalar per tile) in the row max; the row half
-is constant per row, cancels in the softmax and is taken out of the LSE. TMA zero-fills rows past the tensor (Q rows >= s_q, K/V rows >= s_kv) and clips
-the output store at s_q; LSE rows >= s_q are masked out.
+is constant per row, cancels in the softmax and is taken out of the LSE. TMA zero-fills rows past
+the tensor (Q rows >= s_q, K/V rows >= s_kv) and clips the output store at s_q; LSE rows >= s_q
+are masked out.
 
 [Note] packed P. The loop is issue-bound at d128 (per tile and thread about as many instructions
 as the tensor cores take cycles), so its instruction count is its speed. P crosses a step (made
@@ -458,9 +459,10 @@ def _alibi_operands(dtype: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constex
     """Shared memory for ALiBi's column term as one k = 16 wgmma ([Note] ALiBi by wgmma): A [WG_M, 16]
     and B [BLOCK_N, 16] (``_alibi_fill``), or (0, 0) when not BY_MMA."""
     if BY_MMA:
-        a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-        return (gl.allocate_shared_memory(dtype, [WG_M, 16], a_layout),
-                gl.allocate_shared_memory(dtype, [BLOCK_N, 16], a_layout))
+        # 16 16-bit columns: 32-byte rows, so the 32-byte swizzle
+        layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+        return (gl.allocate_shared_memory(dtype, [WG_M, 16], layout),
+                gl.allocate_shared_memory(dtype, [BLOCK_N, 16], layout))
     else:
         return (0, 0)
 
@@ -484,9 +486,19 @@ def _alibi_fill(bias, slope2, qk_scale):
     lo = col - hi - mid
     b.store(gl.where(k == 0, hi, gl.where(k == 1, mid, gl.where(k == 2, lo, 0.0))).to(dtype))
     r = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))[:, None]
-    a.store(gl.where((k < 3) & (r >= 0), 1.0, 0.0).to(dtype))
+    a.store(gl.where((k < 3) & (r >= 0), 1.0, 0.0).to(dtype))      # r >= 0: broadcast to [WG_M, 16]
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _qk_mma(q_view, k_tile, zero_s, bias, BY_MMA: gl.constexpr):
+    """Issue S = Q K^T for one key tile ([BLOCK_N, HEAD_D] shared memory) as async wgmmas, plus
+    ALiBi's column term (A B^T, ``_alibi_fill``) when BY_MMA; returns the in-flight accumulator."""
+    s_tok = warpgroup_mma(q_view, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if BY_MMA:
+        s_tok = warpgroup_mma(bias[0], bias[1].permute((1, 0)), s_tok, is_async=True)
+    return s_tok
 
 
 @gluon.jit
@@ -540,10 +552,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         # for step j of warpgroup 0.
         mbarrier.wait(turn.index(WG), ((turn0 + j - 1) & 1) ^ (1 - WG))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
-                          use_acc=False, is_async=True)
-    if BY_MMA:
-        s_tok = warpgroup_mma(bias[0], bias[1].permute((1, 0)), s_tok, is_async=True)
+    s_tok = _qk_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA)
     # O (relative to the max before tile j-1) onto tile j-1's max, while QK^T runs
     o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
@@ -663,10 +672,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
             alibi_col = _alibi_cols(slope2, zero_s)
         slot0 = ring0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (ring0 // STAGES) & 1)
-        s_tok = warpgroup_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D).permute((1, 0)), zero_s,
-                              use_acc=False, is_async=True)
-        if BY_MMA:
-            s_tok = warpgroup_mma(bias[0], bias[1].permute((1, 0)), s_tok, is_async=True)
+        s_tok = _qk_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot0))
         if q_free is not None:
