@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import warnings
-
 import torch
 
+from .backends import compat
 from .backends import cpu as cpu_backend
 from .plan import plan
 from .problem import InvalidArgumentError, InvalidTypeError, make_problem
@@ -55,15 +54,44 @@ def _stats_view(stats, p, device, name="stats"):
 
 @functools.lru_cache(maxsize=None)
 def _gluon_kernels(what: str, *names: str):
-    """The Gluon sm_90 modules ``backends.gluon.<name>`` (a tuple), or None where this Triton has no
-    (compatible) Gluon: the portable Triton kernels then run ``what`` ("forward", "backward"), with
-    one warning."""
+    """The Gluon sm_90 modules ``backends.gluon.<name>`` (a tuple). On a Triton we do not support, None
+    where they fail to import (the portable Triton kernels then run ``what``, with one warning); on a
+    supported one the failure is raised, never hidden."""
+    if what in _gluon_off:
+        return None
     try:
         return tuple(importlib.import_module(f"{__package__}.backends.gluon.{name}") for name in names)
     except Exception as exc:  # noqa: BLE001 - an experimental dialect may be missing or changed
-        warnings.warn(f"fusedattn: Gluon {what} unavailable ({type(exc).__name__}: {exc}); using the "
-                      "portable Triton kernels", RuntimeWarning, stacklevel=3)
+        if compat.SUPPORTED:
+            raise
+        _turn_gluon_off(what, exc)
         return None
+
+
+_gluon_off: set = set()      # passes ("forward", "backward") whose Gluon kernels failed on an unsupported Triton
+
+
+def _turn_gluon_off(what: str, exc: BaseException) -> None:
+    _gluon_off.add(what)
+    compat.warn_once(f"gluon-{what}", f"the Gluon {what} kernels failed on {compat.unsupported_note()} "
+                                      f"({type(exc).__name__}: {str(exc)[:200]}); the portable Triton "
+                                      "kernels run it from now on")
+
+
+def _gluon_ran(what: str, launch) -> bool:
+    """``launch()`` (which returns whether a Gluon kernel took the call). On a supported Triton its
+    errors propagate (a test failure, never hidden); on another, a compile or launch error turns the
+    Gluon kernels of ``what`` off for the process (one warning) and returns False, so the caller runs
+    the portable kernels, which overwrite whatever the failed launch left."""
+    if what in _gluon_off:
+        return False
+    if compat.SUPPORTED:
+        return launch()
+    try:
+        return launch()
+    except Exception as exc:  # noqa: BLE001
+        _turn_gluon_off(what, exc)
+        return False
 
 
 # keys from which a causal backward takes the single-pass kernel (above: 4k and 16k gained, 2k lost)
@@ -130,8 +158,8 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         gluon = _gluon_kernels("forward", "fwd_sm90")
         fwd_sm90 = gluon[0] if gluon is not None else None
         lens = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
-        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, **lens):
-            fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, **lens)
+        if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, **lens) and _gluon_ran(
+                "forward", lambda: fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, **lens) or True):
             return
     from .backends.triton.fwd import launch_fwd
     launch_fwd(p, pl.fwd, q, k, v, out, lse, extras)
@@ -224,7 +252,8 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
     elif pl.backend == "cpu":
         dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     elif not (pl.bwd_gluon and not need_dbias
-                   and _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic)):
+                   and _gluon_ran("backward", lambda: _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out,
+                                                                          lse, dq, dk, dv, deterministic))):
         from .backends.triton.bwd import launch_bwd
         dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None

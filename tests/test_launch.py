@@ -5,7 +5,7 @@ import torch
 
 import fusedattn
 from fusedattn.backends.triton import bwd, fwd
-from fusedattn.backends.triton.launch import cdiv, pow2
+from fusedattn.backends.triton.launch import _UNASKED, cdiv, pow2
 from fusedattn.problem import make_problem
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
@@ -89,8 +89,9 @@ def _repeat_calls_check(causal):
     check(bshd(), bshd(), bshd())                       # direct launches, new data
     assert [len(x.cache) for x in launchers] == entries
     assert all(x.direct_launches > n for x, n in zip(launchers, direct)), "the repeat call went through the JIT"
-    # on Triton 3.6 through the C launch function itself (launch.direct_c)
-    assert all(entry[3] is not None for x in launchers for entry in x.cache.values()), "no direct C launch"
+    # through the C launch function itself (compat.direct_launch, after its self-check)
+    assert all(entry[3] is not None and entry[3] is not _UNASKED for x in launchers for entry in x.cache.values()), \
+        "no direct C launch"
     bhsd = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)  # noqa: E731
     check(bhsd(), bhsd(), bhsd())                       # new strides: a new key
     assert len(fwd._FWD.cache) == entries[0] + 1
@@ -164,34 +165,56 @@ def test_plain_backward_args_remembered_interpreter_or_gpu():
     assert any(key[0].s_q == 70 and key[0].s_kv == 45 for key in bwd._PLAIN_ARGS)
 
 
-def test_gluon_import_failure_falls_back_with_a_warning(monkeypatch):
+@pytest.mark.parametrize("what, names", [("forward", ("fwd_sm90", )),
+                                         ("backward", ("bwd_dq_sm90", "bwd_dkdv_sm90"))])
+def test_gluon_import_failure_falls_back_only_on_an_unsupported_triton(what, names, monkeypatch):
+    """Issue 23: on a Triton outside 3.6-3.9 a Gluon module that fails to import turns that pass's Gluon
+    kernels off with one warning naming the version; on a supported Triton the failure is raised."""
     import sys
 
     from fusedattn import functional
-    from fusedattn.backends import gluon
+    from fusedattn.backends import compat, gluon
     functional._gluon_kernels.cache_clear()
-    monkeypatch.delattr(gluon, "fwd_sm90", raising=False)                          # as if never imported
-    monkeypatch.setitem(sys.modules, "fusedattn.backends.gluon.fwd_sm90", None)   # import raises ImportError
+    monkeypatch.delattr(gluon, names[0], raising=False)                           # as if never imported
+    monkeypatch.setitem(sys.modules, f"fusedattn.backends.gluon.{names[0]}", None)  # import raises ImportError
+    monkeypatch.setattr(functional, "_gluon_off", set())
+    monkeypatch.setattr(compat, "_warned", set())
     try:
-        with pytest.warns(RuntimeWarning, match="Gluon forward unavailable"):
-            assert functional._gluon_kernels("forward", "fwd_sm90") is None
+        monkeypatch.setattr(compat, "SUPPORTED", True)
+        with pytest.raises(ImportError):
+            functional._gluon_kernels(what, *names)
+        monkeypatch.setattr(compat, "SUPPORTED", False)
+        with pytest.warns(RuntimeWarning, match=f"Gluon {what} kernels failed on Triton .* outside"):
+            assert functional._gluon_kernels(what, *names) is None
+        assert what in functional._gluon_off
     finally:
         functional._gluon_kernels.cache_clear()
 
 
-def test_gluon_backward_import_failure_falls_back_with_a_warning(monkeypatch):
-    import sys
-
+def test_gluon_launch_failure_falls_back_only_on_an_unsupported_triton(monkeypatch):
+    """A Gluon launch that raises (a compile error on a Triton we do not know): on a supported Triton the
+    error propagates; on another the pass falls back (False: the caller runs the portable kernel), with
+    one warning, and later calls skip Gluon without trying."""
     from fusedattn import functional
-    from fusedattn.backends import gluon
-    functional._gluon_kernels.cache_clear()
-    monkeypatch.delattr(gluon, "bwd_dq_sm90", raising=False)
-    monkeypatch.setitem(sys.modules, "fusedattn.backends.gluon.bwd_dq_sm90", None)
-    try:
-        with pytest.warns(RuntimeWarning, match="Gluon backward unavailable"):
-            assert functional._gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90") is None
-    finally:
-        functional._gluon_kernels.cache_clear()
+    from fusedattn.backends import compat
+    monkeypatch.setattr(functional, "_gluon_off", set())
+    monkeypatch.setattr(compat, "_warned", set())
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("CompilationError stand-in")
+
+    monkeypatch.setattr(compat, "SUPPORTED", True)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        functional._gluon_ran("forward", broken)
+    assert functional._gluon_ran("forward", lambda: True) is True
+    monkeypatch.setattr(compat, "SUPPORTED", False)
+    with pytest.warns(RuntimeWarning, match="Gluon forward kernels failed"):
+        assert functional._gluon_ran("forward", broken) is False
+    assert functional._gluon_ran("forward", broken) is False          # off now: not tried again
+    assert len(calls) == 2
+    assert functional._gluon_ran("backward", lambda: True) is True     # the other pass is untouched
 
 
 # (d, attention kwargs): no mask and causal take both Gluon passes at d=128; a window with ALiBi and the
@@ -306,8 +329,9 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
     check("bshd")                                        # new data: direct launches
     assert [len(x.cache) for x in launchers] == entries
     assert all(x.direct_launches > n for x, n in zip(launchers, direct)), "the repeat call went through the JIT"
-    # on Triton 3.6 the repeat launches call the C launcher with cached TMA encodings (launch._direct)
-    assert all(entry[3] is not None for x in launchers for entry in x.cache.values()), "no direct C launch"
+    # the repeat launches call the C launcher with cached TMA encodings (compat.direct_launch)
+    assert all(entry[3] is not None and entry[3] is not _UNASKED for x in launchers for entry in x.cache.values()), \
+        "no direct C launch"
     check("bhsd")                                        # new strides: same specialization, re-encoded, still right
 
 
@@ -421,22 +445,32 @@ def test_planner_routes_d64_forward_to_gluon_only_for_plain_calls(monkeypatch):
         plan_mod._plan_cached.cache_clear()
 
 
-def test_direct_c_launch_passes_what_tritons_launcher_would():
-    """launch.direct_c / gluon launch._direct against Triton's own wrapper (``wrap_handle_tensordesc``)
-    around a stand-in C launch function: the same final argument list, TMA descriptors encoded once
-    per (base pointer, shape, strides) and again for a new base or new strides. Runs without a GPU
-    (the encoding is a stand-in too); the GPU tests check the real launches."""
+def _same_sequence(call):
+    """A launch call with its kernel-argument sequence (3.7+: the last argument) as a list: the C launcher
+    reads a tuple and a list alike (PySequence_Fast)."""
+    return tuple(list(a) if isinstance(a, (tuple, list)) and i == len(call) - 1 else a for i, a in enumerate(call))
+
+
+def test_direct_launch_passes_what_tritons_launcher_would(monkeypatch):
+    """compat.direct_launch against Triton's own descriptor wrapper (``wrap_handle_tensordesc``) around a
+    stand-in C launch function, in the installed Triton's launcher layout (3.6: flat arguments; 3.7+: one
+    tuple beside the argument annotations): the same final arguments as Triton's ``CudaLauncher.__call__``
+    passes, TMA descriptors encoded once per (base pointer, shape, strides) and again for a new base or
+    new strides. Runs without a GPU (the encoding is a stand-in, the self-check is taken as passed); the
+    GPU tests check the real launches and the self-check."""
     from types import SimpleNamespace
 
     import triton.backends.nvidia.driver as driver
 
+    from fusedattn.backends import compat, selfcheck
     from fusedattn.backends.gluon.fwd_sm90 import _tma
     from fusedattn.backends.gluon.launch import _direct
     from fusedattn.backends.triton.launch import direct_c
 
+    monkeypatch.setattr(selfcheck, "_RESULT", {"plain": True, "tma": True})
     encodings = []
 
-    def encode(arg, meta):          # stands in for the CUtensorMap: records what it was built from
+    def encode(arg, meta, *rest):   # stands in for the CUtensorMap: records what it was built from
         encodings.append((arg.base.data_ptr(), tuple(arg.strides)))
         return [("map", arg.base.data_ptr(), meta["swizzle"]), *arg.shape, *arg.strides]
 
@@ -447,39 +481,78 @@ def test_direct_c_launch_passes_what_tritons_launcher_would():
         def __call__(self, *args):
             self.calls.append(args)
 
+    generic = compat.TRITON_VERSION[:2] >= (3, 7)
+    layout = dict(arg_annotations=("annotations", ), kernel_signature=b"sig") if generic else {}
+
+    def triton_call(launch, grid, stream, compiled, args, tail):
+        """What CudaLauncher.__call__ hands its ``launch`` (no scratch, no hooks), in this Triton's layout."""
+        run = compiled.run
+        if generic:
+            return launch(*grid, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                          compiled.packed_metadata, None, None, None, None, None, run.arg_annotations,
+                          run.kernel_signature, (*args, *tail))
+        return launch(*grid, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                      compiled.packed_metadata, None, None, None, *args, *tail)
+
     signature = {"desc": "tensordesc<fp16[1, 1, 64, 64]>", "ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}
     c_function = CFunction()
-    orig = driver.make_tensordesc_arg
-    driver.make_tensordesc_arg = encode
-    try:
-        wrapper = driver.wrap_handle_tensordesc(c_function, signature, [{"swizzle": 128}])
-        run = SimpleNamespace(launch=wrapper, global_scratch_size=0, profile_scratch_size=0,
-                              launch_cooperative_grid=False, launch_pdl=False)
-        compiled = SimpleNamespace(run=run, function=7, packed_metadata=("meta",))
-        x = torch.zeros(2, 3, 64, 64, dtype=torch.float16)
-        y = torch.zeros(2, 3, 64, 64, dtype=torch.float16)
-        lse = torch.zeros(4)
-        tail = (64, )
-        go = _direct(compiled, tail, (_tma(x, 64), lse, 5))
-        assert go is not None
-        for t in (x, x, y, x.transpose(1, 2).contiguous().transpose(1, 2)):
-            args = (_tma(t, 64), lse, 5)
-            go(1, 2, 3, 99, args)
-            wrapper(1, 2, 3, 99, 7, False, False, None, None, ("meta",), None, None, None, *args, *tail)
-            ours, theirs = c_function.calls[-2:]
-            assert ours == theirs
-        # x twice: one encoding for our path (its repeat was cached), four for the wrapper's; then y
-        # and x's new strides are new encodings for both
-        assert len(encodings) == 3 + 4
-        # no descriptor among the arguments: direct_c calls the C function itself (a Python wrapper
-        # is left to run, as is a kernel that needs scratch memory)
-        plain = SimpleNamespace(run=SimpleNamespace(launch=c_function, global_scratch_size=0, profile_scratch_size=0,
-                                                    launch_cooperative_grid=True, launch_pdl=False),
-                                function=8, packed_metadata=("m2",))
-        direct_c(plain, (1, ), (lse, 3))(4, 5, 6, 77, (lse, 3))
-        assert c_function.calls[-1] == (4, 5, 6, 77, 8, True, False, None, None, ("m2",), None, None, None, lse, 3, 1)
-        assert direct_c(compiled, tail, (lse, 3)) is None
-        plain.run.global_scratch_size = 16
-        assert direct_c(plain, (1, ), (lse, 3)) is None
-    finally:
-        driver.make_tensordesc_arg = orig
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    wrapper = driver.wrap_handle_tensordesc(c_function, signature, [{"swizzle": 128}])
+    run = SimpleNamespace(launch=wrapper, global_scratch_size=0, profile_scratch_size=0,
+                          launch_cooperative_grid=False, launch_pdl=False, **layout)
+    compiled = SimpleNamespace(run=run, function=7, packed_metadata=("meta",),
+                               metadata=SimpleNamespace(tensordesc_meta=[{"swizzle": 128}]))
+    x = torch.zeros(2, 3, 64, 64, dtype=torch.float16)
+    y = torch.zeros(2, 3, 64, 64, dtype=torch.float16)
+    lse = torch.zeros(4)
+    tail = (64, )
+    go = _direct(compiled, tail, (_tma(x, 64), lse, 5))
+    assert go is not None
+    for t in (x, x, y, x.transpose(1, 2).contiguous().transpose(1, 2)):
+        args = (_tma(t, 64), lse, 5)
+        go(1, 2, 3, 99, args)
+        triton_call(wrapper, (1, 2, 3), 99, compiled, args, tail)
+        ours, theirs = map(_same_sequence, c_function.calls[-2:])
+        assert ours == theirs
+    # x twice: one encoding for our path (its repeat was cached), four for the wrapper's; then y
+    # and x's new strides are new encodings for both
+    assert len(encodings) == 3 + 4
+    # no descriptor among the arguments: the C function itself is called
+    plain = SimpleNamespace(run=SimpleNamespace(launch=c_function, global_scratch_size=0, profile_scratch_size=0,
+                                                launch_cooperative_grid=True, launch_pdl=False, **layout),
+                            function=8, packed_metadata=("m2",), metadata=SimpleNamespace(tensordesc_meta=None))
+    direct_c(plain, (1, ), (lse, 3))(4, 5, 6, 77, (lse, 3))
+    triton_call(c_function, (4, 5, 6), 77, plain, (lse, 3), (1, ))
+    assert _same_sequence(c_function.calls[-1]) == _same_sequence(c_function.calls[-2])
+    assert direct_c(compiled, tail, (lse, 3)) is None        # descriptor metadata but no descriptor argument
+    plain.run.global_scratch_size = 16                        # scratch to allocate per launch: Triton's path
+    assert direct_c(plain, (1, ), (lse, 3)) is None
+    plain.run.global_scratch_size = 0
+    plain.run.launch = lambda *a: None                        # a Python function is not a C launcher we know
+    assert direct_c(plain, (1, ), (lse, 3)) is None
+    monkeypatch.setattr(selfcheck, "_RESULT", {"plain": False, "tma": False})
+    plain.run.launch = c_function
+    assert direct_c(plain, (1, ), (lse, 3)) is None           # the self-check failed: Triton's path
+
+
+def test_direct_launch_is_off_on_an_unknown_triton(monkeypatch):
+    """A Triton newer than the newest we support keeps the public launch path and says so once."""
+    from types import SimpleNamespace
+
+    from fusedattn.backends import compat
+    monkeypatch.setattr(compat, "TRITON_VERSION", (3, 10, 0))
+    monkeypatch.setattr(compat, "SUPPORTED", False)
+    monkeypatch.setattr(compat, "_warned", set())
+    run = SimpleNamespace(launch=print, arg_annotations=(), kernel_signature=b"", global_scratch_size=0,
+                          profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False)
+    compiled = SimpleNamespace(run=run, function=1, packed_metadata=(), metadata=SimpleNamespace())
+    with pytest.warns(RuntimeWarning, match="direct launch path is off"):
+        assert compat.direct_launch(compiled, (), ()) is None
+    assert compat.direct_launch(compiled, (), ()) is None      # once
+
+
+def test_compat_version_parsing():
+    from fusedattn.backends.compat import _version
+    assert _version("3.9.0") == (3, 9, 0)
+    assert _version("3.10.0+git1a2b3c") == (3, 10, 0)
+    assert _version("3.6") == (3, 6, 0)

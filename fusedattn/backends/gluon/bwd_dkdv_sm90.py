@@ -98,6 +98,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..compat import tma_load, tma_store
 from . import dropout
 from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
 from .fwd_sm90 import LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
@@ -198,9 +199,9 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for h in gl.static_range(N_KV):
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, k_smem.index(h))
+        tma_load(k_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, k_smem.index(h))
     for h in gl.static_range(N_KV):
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, v_smem.index(h))
+        tma_load(v_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, v_smem.index(h))
     it = 0
     for g in range(GROUP):
         head = kv_head * GROUP + g
@@ -226,10 +227,10 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
             # first use of a slot: the phase before a fresh barrier's first counts as complete
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot),
+            tma_load(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot),
                                             q_smem.index(slot))
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
+            tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
                                             do_smem.index(slot))
             lse2 = lse2 * LOG2E_C
             if HAS_ALIBI:
@@ -389,8 +390,8 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     v_view.store(dv.to(dtype))
     k_view.store((dk * sm_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
-    tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
+    tma_store(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
+    tma_store(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
     tma.store_wait(0)
 
 
@@ -578,7 +579,7 @@ def _store_acc(acc, tile, desc, batch, kv_head, n0):
     """acc (fp32 [64, HEAD_D]) -> 16-bit shared tile [1, 1, 64, HEAD_D] -> TMA store at key n0."""
     tile.reshape([acc.shape[0], acc.shape[1]]).store(acc.to(tile.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [batch, kv_head, n0, 0], tile)
+    tma_store(desc, [batch, kv_head, n0, 0], tile)
     tma.store_wait(0)
 
 

@@ -90,6 +90,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..compat import tma_load, tma_store
 from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _fwd_problem_ok, _is_sm90,
                        _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
                        _zero_landed_rows)
@@ -122,11 +123,11 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do
         load_q = n_tiles > 0
     if load_q:
         mbarrier.expect(q_bar.index(0), nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
-        tma.async_copy_global_to_shared(do_desc, [batch, head, start_m, 0], q_bar.index(0), do_smem0)
+        tma_load(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+        tma_load(do_desc, [batch, head, start_m, 0], q_bar.index(0), do_smem0)
         mbarrier.expect(q_bar.index(1), nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
-        tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), do_smem1)
+        tma_load(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+        tma_load(do_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), do_smem1)
     _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
                    BLOCK_N, STAGES)
 
@@ -337,7 +338,7 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     # the TMA store clips rows >= S_Q
     q_view.store((dq * dq_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [batch, head, row0, 0], q_smem)
+    tma_store(dq_desc, [batch, head, row0, 0], q_smem)
     tma.store_wait(0)
 
 @gluon.jit

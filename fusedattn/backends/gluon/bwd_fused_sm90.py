@@ -38,7 +38,7 @@ one tile ahead of the other. The staging tile is single-buffered per warpgroup: 
 (``cp.async.bulk.wait_group.read``, then a warpgroup barrier from the membar pass) before it is
 rewritten, one tile later; its two 32-column halves are separate allocations, since the membar pass
 put a warpgroup barrier between the stores to two slices of one. Triton 3.6's Gluon has the TMA reduce
-in its builder (``create_async_tma_reduce``) but no wrapper: ``_tma_reduce_add``.
+in its builder (``create_async_tma_reduce``) but no wrapper; 3.8+ has ``tma.async_atomic_add``: ``compat.tma_reduce_add``.
 
 Host side (``launch_bwd_fused_sm90``): with ``out=`` one small Triton kernel (``_delta_zero``) computes
 delta = rowsum(dO * O) and zeroes dq_acc (fp32 [b, h_q, s_q rounded up to 64 (``acc_rows``), 128],
@@ -138,14 +138,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..compat import COMPILE_OPTIONS, tma_reduce_add, tma_store
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok
 from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
@@ -178,15 +177,6 @@ HEAVY_FIRST = {False: False, True: True}  # causal -> heavy first
 ROTATE = {False: False, True: False}     # causal -> rotate
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """global[box at coord] += shared src (TMA bulk reduce, ``cp.reduce.async.bulk.tensor .add``);
-    completion is tracked like a TMA store (``tma.store_wait``). Triton 3.6's Gluon has the op
-    (``ttng.async_tma_reduce``) in its builder but no wrapper."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -231,15 +221,15 @@ def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_A
         if DQ_BOX == DQ_N:
             dq_lo.index(WG).reshape([BLOCK_M, DQ_N]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_lo.index(WG))
+            tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_lo.index(WG))
         else:
             halves = dq.reshape([BLOCK_M, 2, DQ_BOX]).permute((0, 2, 1))
             lo, hi = gl.split(halves)
             dq_lo.index(WG).reshape([BLOCK_M, DQ_BOX]).store(lo)
             dq_hi.index(WG).reshape([BLOCK_M, DQ_BOX]).store(hi)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_lo.index(WG))
-            _tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N + DQ_BOX], dq_hi.index(WG))
+            tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_lo.index(WG))
+            tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N + DQ_BOX], dq_hi.index(WG))
 
 
 @gluon.jit
@@ -471,13 +461,13 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     # dV through this warpgroup's V tile (only it reads V_WG); TMA clips keys >= S_KV
     v_view.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
+    tma_store(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
     # dK through its K tile once the other warpgroup's dQ products (they read both K tiles) are done
     mbarrier.arrive(done)
     mbarrier.wait(done, 0)
     k_view.store((dk * sm_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
+    tma_store(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
     tma.store_wait(0)
 
 
@@ -702,7 +692,8 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
     block = 64
     _delta_zero[(triton.cdiv(p.s_q, block), p.b * p.h_q)](
         out, grad_out, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0),
-        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=HEAD_D, num_warps=4)
+        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=HEAD_D, num_warps=4,
+        **COMPILE_OPTIONS)
 
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
@@ -733,7 +724,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         LAG=LAG[causal] if lag is None else lag, DQ_FIRST=dq_first, DEFER_DK=defer_dk,
         DQ_ATOMIC=DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
         ROTATE=ROTATE[causal] if rotate is None else rotate, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, **COMPILE_OPTIONS,
     )
 
 
@@ -742,4 +733,4 @@ def launch_convert(p, dq_acc, dq):
     block = 64
     _dq_convert[(triton.cdiv(p.s_q, block), p.b * p.h_q)](
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
-        D=HEAD_D, num_warps=4)
+        D=HEAD_D, num_warps=4, **COMPILE_OPTIONS)

@@ -176,6 +176,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..compat import cta_barrier, tma_load, tma_store
 from ..triton.launch import _current_raw_stream
 from . import dropout
 from .launch import Tma, launch
@@ -303,9 +304,9 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
     if load_q:
         # coordinates are [batch, head, row, column] of the 4-D views
         mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+        tma_load(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+        tma_load(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
     _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
                    BLOCK_N, STAGES)
 
@@ -488,7 +489,7 @@ def _alibi_fill(bias, slope2, qk_scale):
     r = gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))[:, None]
     a.store(gl.where((k < 3) & (r >= 0), 1.0, 0.0).to(dtype))      # r >= 0: broadcast to [WG_M, 16]
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
 
 
 @gluon.jit
@@ -600,7 +601,7 @@ def _zero_rows_from(tile, n_valid, other=None):
             y = other.load(layout)
             other.store(gl.where(r[:, None] < n_valid, y, gl.zeros_like(y)))
         fence_async_shared()
-        gl.thread_barrier()
+        cta_barrier()
 
 
 @gluon.jit
@@ -755,7 +756,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
         out = gl.where(ok[:, None], out, 0.0)
     stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, head, row0, 0], stage)
+    tma_store(o_desc, [batch, head, row0, 0], stage)
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores; 0 for empty rows and rows >= len_q
         ok_s = l_i > 0.0
@@ -909,11 +910,11 @@ def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready,
         phase = ((it // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
+        tma_load(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
                                         k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
+        tma_load(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
                                         v_smem.index(slot))
 
 
@@ -947,10 +948,10 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
         if n_tiles > 0:
             # coordinates are [batch, head, row, column] of the 4-D views
             mbarrier.expect(q_ready0.index(qs), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, start_m, 0], q_ready0.index(qs),
+            tma_load(q_desc, [batch, head, start_m, 0], q_ready0.index(qs),
                                             q_smem0.index(qs))
             mbarrier.expect(q_ready1.index(qs), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + WG_M, 0], q_ready1.index(qs),
+            tma_load(q_desc, [batch, head, start_m + WG_M, 0], q_ready1.index(qs),
                                             q_smem1.index(qs))
         else:
             mbarrier.arrive(q_ready0.index(qs))

@@ -13,8 +13,8 @@ descriptors. A repeat signature calls the kernel's C launcher directly (:func:`_
 Python launcher would encode every descriptor anew (``make_tensordesc_arg``: a ``CUtensorMap``
 from base, shape, strides and the kernel's box and swizzle) and allocate empty scratch on every
 call; the direct path encodes a (base pointer, shape, strides) once and reuses it (bench/NOTES.md
-45: the d64 forward's eager calls were host-bound). Where the compiled launcher is not the one
-this was written against (Triton 3.6's), the launch goes through its ``run`` as before.
+45: the d64 forward's eager calls were host-bound). Where ``compat.direct_launch`` does not know
+this Triton's launcher, or its self-check failed, the launch goes through Triton's ``run``.
 The callers' ``supports`` has checked TMA's rules (``fwd_sm90._tma_ready``) on every tensor.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..triton.launch import Launcher, c_launch, direct_c
+from .. import compat
+from ..triton.launch import Launcher
 
 __all__ = ["Tma", "launch", "signature_key"]
 
@@ -38,6 +39,7 @@ class Tma(NamedTuple):
     block_shape: tuple          # the box one TMA copy moves
     layout: Any                 # the shared-memory layout (NVMMASharedLayout) of a box
     padding: str = "zero"
+    round_f32_to_tf32: bool = False     # read by Triton 3.7+'s descriptor encoder; fp32 stays fp32
 
     def descriptor(self) -> TensorDescriptor:
         """The checked Gluon descriptor (for the JIT's first launch of a signature)."""
@@ -81,52 +83,10 @@ def _jit_arg(a):
     return a.descriptor() if isinstance(a, Tma) else a
 
 
-_ENCODED_MAX = 64      # encoded descriptors kept per compiled kernel (a full table is cleared)
-
-
 def _direct(compiled, tail, args):
-    """A launch of ``compiled`` through its C launcher with each TMA descriptor encoded once per
-    (base pointer, shape, strides): a callable ``(grid_x, grid_y, grid_z, stream, args)``, or None
-    where the compiled launcher is not laid out as Triton 3.6's (``CudaLauncher`` whose ``launch``
-    wraps the C function in ``wrap_handle_tensordesc``'s ``inner``, whose closure holds the C
-    function, the descriptors' positions and their box/swizzle metadata) or needs scratch memory."""
-    from triton.backends.nvidia.driver import make_tensordesc_arg
-    found = c_launch(compiled)
-    if found is None:
-        return None
-    wrapper, head = found
-    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
-    if code is None or closure is None:
-        return direct_c(compiled, tail, args)       # no descriptor among the arguments
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure)))
-    c_function, metas, positions = cells.get("launcher"), cells.get("tensordesc_meta"), cells.get("tensordesc_indices")
-    tma_positions = {i for i, a in enumerate(args) if type(a) is Tma}
-    if (c_function is None or not metas or any(m is None for m in metas) or positions != tma_positions
-            or len(metas) != len(tma_positions)):
-        return None
-    encoded = {}
-
-    def encode(a, meta, slot):
-        # the CUtensorMap holds the base address: a repeat (pointer, shape, strides) encodes the same
-        key = (a.base.data_ptr(), a.shape, a.strides, a.padding, slot)
-        hit = encoded.get(key)
-        if hit is None:
-            if len(encoded) >= _ENCODED_MAX:
-                encoded.clear()
-            hit = encoded[key] = make_tensordesc_arg(a, meta)
-        return hit
-
-    def go(grid_x, grid_y, grid_z, stream, args):
-        final = []
-        slot = 0
-        for a in args:
-            if type(a) is Tma:
-                final.extend(encode(a, metas[slot], slot))
-                slot += 1
-            else:
-                final.append(a)
-        c_function(grid_x, grid_y, grid_z, stream, *head, *final, *tail)
-    return go
+    """The fast launch of ``compiled`` (``compat.direct_launch``), each TMA descriptor encoded once per
+    (base pointer, shape, strides)."""
+    return compat.direct_launch(compiled, tail, args, tuple(i for i, a in enumerate(args) if type(a) is Tma))
 
 
 _LAUNCHERS: dict = {}

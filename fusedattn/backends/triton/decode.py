@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..compat import COMPILE_OPTIONS
 from .args import LOG2E_PY
 from .common import LN2, load_tile, scores_base2
 
@@ -478,7 +479,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
         HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
         SPLIT=split, WRITE_LSE=lse is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw, **COMPILE_OPTIONS,
     )
     if split:
         rows = b * h_q * s_q
@@ -487,6 +488,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
             o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides,
             rows, h_q, s_q, d_v, num_splits,
             BLOCK_R=block_r, BLOCK_DV=triton.next_power_of_2(d_v), WRITE_LSE=lse is not None, num_warps=4,
+            **COMPILE_OPTIONS,
         )
 
 
@@ -542,7 +544,7 @@ def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap):
         h_kv, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
-        num_warps=1,
+        num_warps=1, **COMPILE_OPTIONS,
     )
 
 
@@ -555,5 +557,6 @@ def launch_validate(seq_len_kv, page_table, num_pages, page_size, s_q, cap, need
     _validate_kv[(b,)](
         seq_len_kv, pt, codes, *(page_table.stride() if paged else (0, 0)), s_q, cap, num_pages,
         NEED_ROOM=need_room, PAGED=paged, PAGE_SIZE=page_size if paged else 1, BLOCK_P=256, num_warps=1,
+        **COMPILE_OPTIONS,
     )
     return codes

@@ -8,8 +8,9 @@ whole forward kernel runs in 74 us, so eager calls were host-bound.
 
 :class:`Launcher` keeps, per caller-given *key*, the compiled kernel the JIT chose the
 first time and afterwards launches it directly: through the C launch function itself where
-Triton's launcher is laid out as 3.6's (:func:`direct_c`; its Python ``CudaLauncher.__call__``
-costs a few us more per launch, bench/NOTES.md 45), else through that launcher. The contract: equal keys must
+``compat.direct_launch`` knows this Triton's launcher and its self-check passed (Triton's Python
+``CudaLauncher.__call__`` costs a few us more per launch, bench/NOTES.md 45), else through that
+launcher (``compat.public_launch``). The contract: equal keys must
 mean equal values for every argument that is not a tensor and equal dtypes and 16-byte
 alignment for every tensor argument; then the JIT would pick the same compiled kernel.
 Callers build keys from the problem (shapes, strides, scalars), so this holds by
@@ -25,8 +26,10 @@ import torch
 from triton import knobs
 
 from ...plan import interpreting
+from .. import compat
 
 _MAX_ENTRIES = 512     # per kernel; a full cache is cleared (keys are cheap to rebuild)
+_UNASKED = object()    # a cache entry whose fast path is built on its first repeat call
 
 # the raw current device and stream, as Triton's own launcher gets them (torch.cuda.current_stream
 # builds a Python Stream object: ~8 us per launch on the H100 machine's host, bench/overhead.py)
@@ -53,32 +56,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def c_launch(compiled):
-    """``(launch, head)``: the compiled kernel's launch function as Triton 3.6's ``CudaLauncher``
-    keeps it (the C function, or a Python wrapper of it that expands TMA descriptors) and the
-    arguments it takes between the stream and the kernel's own; None where the launcher is laid out
-    otherwise or needs scratch memory. ``CudaLauncher.__call__`` allocates the (empty) scratch
-    through two nested functions on every launch; calling ``launch`` skips that."""
-    run = getattr(compiled, "run", None)
-    launch = getattr(run, "launch", None)
-    if launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-        return None
-    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
-            None, None, None)
-    return launch, head
-
-
 def direct_c(compiled, tail, args):
-    """:class:`Launcher`'s default ``direct``: kernels without TMA descriptors, whose ``launch`` is the C
-    function itself, are called through it with the arguments as given (else None: ``run`` launches)."""
-    found = c_launch(compiled)
-    if found is None or hasattr(found[0], "__code__"):      # a Python wrapper: TMA descriptors to expand
-        return None
-    launch, head = found
-
-    def go(grid_x, grid_y, grid_z, stream, args):
-        launch(grid_x, grid_y, grid_z, stream, *head, *args, *tail)
-    return go
+    """:class:`Launcher`'s default ``direct``: the compiled kernel's C launcher called with the arguments
+    as given (``compat.direct_launch``; None where this Triton's launcher is not one it knows)."""
+    return compat.direct_launch(compiled, tail, args)
 
 
 class Launcher:
@@ -89,7 +70,8 @@ class Launcher:
         direct path passes arguments as given: Gluon's TMA tuples, ``backends.gluon.launch``).
         direct: ``direct(compiled, tail, args)`` -> a callable ``(grid_x, grid_y, grid_z, stream,
         args)`` that launches ``compiled`` with less host time than its ``run``, or returns None (then
-        ``run`` launches); asked once per key, after the JIT's launch (default :func:`direct_c`)."""
+        ``run`` launches); asked once per key, on its first repeat call (default :func:`direct_c`), so
+        the fast path's one-time self-check (``backends.selfcheck``) stays out of a process's first call."""
         self.kernel = kernel
         self.jit_arg = jit_arg
         self.direct = direct
@@ -106,13 +88,16 @@ class Launcher:
             if _current_device() == device:
                 self.direct_launches += 1
                 g = grid + (1,) * (3 - len(grid))
+                if fast is _UNASKED:
+                    fast = self.direct(compiled, tail, args) if self.direct is not None else None
+                    self.cache[key] = (compiled, tail, device, fast)
                 if fast is not None:
                     fast(g[0], g[1], g[2], _current_raw_stream(device), args)
                 else:
-                    compiled.run(g[0], g[1], g[2], _current_raw_stream(device), compiled.function,
-                                 compiled.packed_metadata, None, None, None, *args, *tail)
+                    compat.public_launch(compiled, g[0], g[1], g[2], _current_raw_stream(device), args, tail)
                 return
-        compiled = self.kernel[grid](*(map(self.jit_arg, args) if self.jit_arg else args), **kwargs)
+        compiled = self.kernel[grid](*(map(self.jit_arg, args) if self.jit_arg else args), **kwargs,
+                                     **compat.COMPILE_OPTIONS)
         if hasattr(compiled, "result"):       # an asynchronous compile's future
             compiled = compiled.result()
         if key is None or interpreting() or compiled is None or not hasattr(compiled, "packed_metadata"):
@@ -122,5 +107,4 @@ class Launcher:
                      for i, name in enumerate(self.names) if i >= len(args))
         if len(self.cache) >= _MAX_ENTRIES:
             self.cache.clear()
-        fast = self.direct(compiled, tail, args) if self.direct is not None else None
-        self.cache[key] = (compiled, tail, _current_device(), fast)
+        self.cache[key] = (compiled, tail, _current_device(), _UNASKED)

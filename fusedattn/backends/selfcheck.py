@@ -1,0 +1,125 @@
+"""The launch fast path's check at first use: a probe kernel launched through Triton's public path and
+through :func:`compat.direct_launch` must give the same results before any real kernel takes the fast path.
+
+The fast path calls the C launcher the JIT would call, with arguments laid out as this Triton's launcher
+lays them out (``compat``). Versions we support are checked here on every process's first fast launch, so
+a Triton whose launcher changed under the same attribute names, or a layout we got wrong, turns the fast
+path off (one warning) instead of making a wrong call. Two probes, one per kind of fast launch:
+
+* ``_probe`` (Triton): a pointer, an ``i32``, an ``i64`` past 2^32, an ``fp32``, a ``bool``, an integer equal
+  to 1 (which the JIT folds into a constant), ``None`` and a trailing ``constexpr``: every argument kind our
+  kernels pass.
+* ``_probe_tma`` (Gluon, Hopper only): a TMA descriptor in, scalars between, a TMA descriptor out.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import compat
+
+_BIG = 2 ** 33 + 5          # an int64 argument: a wrong slot width or order shows in the result
+_RESULT: dict = {}          # kind ("plain" | "tma") -> bool
+
+
+@triton.jit
+def _probe(out, x, n, big, scale, flag, one, nothing, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    keep = offs < n
+    v = tl.load(x + offs, mask=keep, other=0.0)
+    r = v * scale + n + (big % 1000) + one * 7 + flag * 3
+    if nothing is not None:
+        r = r + 1000.0
+    tl.store(out + offs, r, mask=keep)
+
+
+def _check_plain(device) -> bool:
+    x = torch.randn(64, device=device)
+    n, scale = 37, 1.5
+    outs = []
+    for fast in (False, True):
+        out = torch.full_like(x, float("nan"))
+        args = (out, x, n, _BIG, scale, True, 1, None)
+        compiled = _probe[(1, )](*args, BLOCK=64, **compat.COMPILE_OPTIONS)
+        if fast:
+            out.fill_(float("nan"))
+            go = compat.direct_launch(compiled, (64, ), args, _checking=True)
+            if go is None:
+                return False
+            go(1, 1, 1, torch.cuda.current_stream(device).cuda_stream, args)
+        outs.append(out)
+    torch.cuda.synchronize(device)
+    expected = x[:n] * scale + n + _BIG % 1000 + 7 + 3
+    return (torch.equal(outs[0], outs[1]) and bool(torch.allclose(outs[1][:n], expected))
+            and bool(outs[1][n:].isnan().all()))
+
+
+def _gluon_probe():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+    @gluon.jit
+    def _probe_tma(src, dst, row, scale, ROWS: gl.constexpr, COLS: gl.constexpr):
+        smem = gl.allocate_shared_memory(src.dtype, [ROWS, COLS], src.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, ROWS * COLS * 2)
+        compat.tma_load(src, [row, 0], bar, smem)
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        v = smem.load(layout)
+        smem.store((v.to(gl.float32) * scale).to(src.dtype))
+        fence_async_shared()
+        compat.tma_store(dst, [0, 0], smem)
+        tma.store_wait(0)
+    return _probe_tma
+
+
+def _check_tma(device) -> bool:
+    from triton.experimental.gluon import language as gl
+
+    from .gluon.launch import Tma
+    rows, cols = 16, 64
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float16)
+    kernel = _gluon_probe()
+    src = torch.randn(3 * rows, cols, device=device, dtype=torch.float16)
+    row, scale = rows, 2.0
+    outs = []
+    for fast in (False, True):
+        dst = torch.full((rows, cols), float("nan"), device=device, dtype=torch.float16)
+        descs = [Tma(t, tuple(t.shape), tuple(t.stride()), (rows, cols), layout) for t in (src, dst)]
+        compiled = kernel[(1, )](descs[0].descriptor(), descs[1].descriptor(), row, scale, rows, cols, num_warps=4,
+                                 **compat.COMPILE_OPTIONS)
+        if fast:
+            dst.fill_(float("nan"))
+            args = (descs[0], descs[1], row, scale)
+            go = compat.direct_launch(compiled, (rows, cols), args, descriptor_positions=(0, 1), _checking=True)
+            if go is None:
+                return False
+            go(1, 1, 1, torch.cuda.current_stream(device).cuda_stream, args)
+        outs.append(dst)
+    torch.cuda.synchronize(device)
+    return torch.equal(outs[0], outs[1]) and torch.equal(outs[1], src[row:row + rows] * 2)
+
+
+def fast_launch_ok(with_descriptors: bool) -> bool:
+    """Whether the fast path passed its probe in this process (runs the probe on the first ask)."""
+    kind = "tma" if with_descriptors else "plain"
+    ok = _RESULT.get(kind)
+    if ok is None:
+        _RESULT[kind] = False           # a probe that fails half way leaves the fast path off
+        try:
+            device = torch.cuda.current_device()
+            ok = _check_tma(device) if with_descriptors else _check_plain(device)
+        except Exception as exc:        # any failure of the probe means: do not take the fast path
+            ok = False
+            compat.warn_once(f"probe-{kind}", f"the direct launch self-check raised {type(exc).__name__}: {exc}")
+        if not ok:
+            compat.warn_once(f"fast-{kind}", f"the direct launch path ({kind}) did not pass its self-check on "
+                                         f"Triton {triton.__version__}; kernels launch through Triton's own "
+                                         "launcher")
+        _RESULT[kind] = ok
+    return ok

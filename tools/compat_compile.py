@@ -1,0 +1,57 @@
+"""Compile every Gluon sm_90 kernel (and a few portable Triton variants) for sm_90 with no GPU, on
+whichever Triton is installed: the first check of a new Triton release before any device time.
+
+    python tools/compat_compile.py          # prints one line per kernel: ok / the compile error
+
+Measured use (2026-11-25): found the Triton 3.9 Gluon break (``tma.async_copy_*`` removed) on a CPU machine.
+"""
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import triton  # noqa: E402
+
+import aot_check  # noqa: E402
+import gluon_bwd_check  # noqa: E402
+import gluon_check  # noqa: E402
+import gluon_dq_check  # noqa: E402
+import gluon_fused_check  # noqa: E402
+
+CASES = [
+    ("gluon fwd d128 causal", lambda: gluon_check.compile_fwd(128, True, "bf16")),
+    ("gluon fwd d64 plain", lambda: gluon_check.compile_fwd(64, False, "fp16")),
+    ("gluon fwd d256 window alibi", lambda: gluon_check.compile_fwd(256, True, "bf16", window=True, alibi=True)),
+    ("gluon fwd d128 padded dropout", lambda: gluon_check.compile_fwd(128, False, "bf16", seq_q=True, seq_kv=True,
+                                                                       dropout=True)),
+    ("gluon fwd d128 persistent", lambda: gluon_check.compile_fwd(128, True, "bf16", persistent=True)),
+    ("gluon dq d128 causal", lambda: gluon_dq_check.compile_dq(128, True, "bf16")),
+    ("gluon dq d256", lambda: gluon_dq_check.compile_dq(256, False, "fp16")),
+    ("gluon dkdv d128 causal", lambda: gluon_bwd_check.compile_dkdv(128, True, "bf16")),
+    ("gluon dkdv d256 dropout", lambda: gluon_bwd_check.compile_dkdv(256, False, "bf16", dropout=True)),
+    ("gluon fused d128 causal", lambda: gluon_fused_check.compile_fused(True, "bf16")),
+    ("gluon fused d128", lambda: gluon_fused_check.compile_fused(False, "bf16")),
+    ("triton fwd d64", lambda: aot_check.fwd_variant(64, 64, 64, 4, 3)),
+    ("triton bwd d64", lambda: aot_check.bwd_variants(64, (64, 64, 4, 3), (64, 64, 4, 3))),
+]
+
+
+def main():
+    failed = 0
+    for name, fn in CASES:
+        t = time.time()
+        try:
+            fn()
+            print(f"ok    {name} ({time.time() - t:.1f} s)", flush=True)
+        except Exception as exc:  # noqa: BLE001 -- report every case
+            failed += 1
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip().splitlines()[-1]
+            print(f"FAIL  {name}: {last[:300]}", flush=True)
+    print(f"Triton {triton.__version__}: {len(CASES) - failed} compiled, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
