@@ -24,6 +24,13 @@
 #   bench-graphs   the two small d=64 anchors under --cuda-graphs (launch-bound sizes)
 #   stash          copy .whl/*.whl.part-* to /tmp/whlparts and stop (first half of a split
 #                  wheel; the next call, while the machine is warm, carries the rest)
+#   warmup         python3 -m fusedattn warmup (compile the common configurations' kernels, timed)
+#   coldstart      python3 -m fusedattn bench --cold-start (first call of a fresh process, empty and warm
+#                  cache, beside torch's cuDNN and FlexAttention)
+#   tests-sample   the whole GPU suite, every FUSEDATTN_TEST_SAMPLE-th test of each file (default 4)
+#
+# Another Triton: carry .triton/triton-VERSION-slim.tar.xz (../shared/tools/pack-triton.sh VERSION .triton)
+# and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own).
 # Extra args after `--` go to every bench part (e.g. `-- --only b4-h32kv8 --pass fwd`).
 #
 # Wheels carried in .whl/ (bench/fetch_wheels.sh; name `.whl` in the call's carry) are
@@ -61,6 +68,20 @@ stash_parts() {
     ls -l /tmp/whlparts | tee -a "$LOG"
 }
 
+use_packed_triton() {
+    # A Triton packed by ../shared/tools/pack-triton.sh and carried in .triton/ replaces the machine's.
+    local pack
+    pack=$(ls .triton/triton-*-slim.tar.xz 2>/dev/null | head -1)
+    [ -n "$pack" ] || return 0
+    local ver
+    ver=$(basename "$pack" | sed 's/^triton-//; s/-slim.tar.xz$//')
+    mkdir -p "/tmp/triton-$ver"
+    [ -d "/tmp/triton-$ver/triton" ] || tar -xJf "$pack" -C "/tmp/triton-$ver"
+    export TRITON_SITE="/tmp/triton-$ver"
+    export TRITON_CACHE_DIR="/tmp/triton-cache-$ver"
+    say "using the carried Triton $ver ($pack)"
+}
+
 install_wheels() {
     # Joins split wheels (NAME.whl.part-aa, -ab ...) kept by an earlier `stash` and carried now.
     local joined=/tmp/whljoined wheels=()
@@ -76,12 +97,12 @@ install_wheels() {
     wheels=(.whl/*.whl "$joined"/*.whl)
     local present=()
     for w in "${wheels[@]}"; do [ -f "$w" ] && present+=("$w"); done
-    export PYTHONPATH="$PWD"
+    export PYTHONPATH="${TRITON_SITE:+$TRITON_SITE:}$PWD"
     if [ ${#present[@]} -gt 0 ]; then
         say "installing ${#present[@]} carried wheels into /tmp/site"
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site "${present[@]}" 2>&1 | tee -a "$LOG"
-        export PYTHONPATH="/tmp/site:$PWD"
+        export PYTHONPATH="${TRITON_SITE:+$TRITON_SITE:}/tmp/site:$PWD"
         # PYTHONPATH skips .pth files; fusedattn.bench adds this folder as a site dir (FA4 needs it).
         export FUSEDATTN_EXTRA_SITE=/tmp/site
     fi
@@ -136,6 +157,7 @@ bench_part() {   # bench_part PART ARGS...: the bench with a CSV and plot of its
 
 say "parts: ${PARTS[*]}; bench args: ${BENCH_ARGS[*]:-none}; deadline ${DEADLINE} s"
 if [ "${PARTS[0]}" = "stash" ]; then stash_parts; exit 0; fi
+use_packed_triton
 install_wheels
 report_env
 
@@ -180,6 +202,10 @@ for part in "${PARTS[@]}"; do
         bench-prefill) bench_part bench-prefill --quick --configs prefill ;;
         bench-graphs)  bench_part bench-graphs --cuda-graphs --configs anchors --only b8-h12-s1024 ;;
         stash)         stash_parts ;;
+        warmup)        run_part warmup python3 -m fusedattn warmup ;;
+        coldstart)     run_part coldstart python3 -m fusedattn bench --cold-start ;;
+        tests-sample)  FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-4} run_part tests-sample python3 -m pytest -q \
+                           -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ${TEST_K:+-k "$TEST_K"} ;;
         *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;
     esac
 done

@@ -10,12 +10,14 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-USAGE = """usage: fusedattn {demo,bench} [options]
+USAGE = """usage: fusedattn {demo,bench,warmup} [options]
 
   demo     run the seeds' examples (basic, causal, GQA, BSHD), check them against
            torch.nn.functional.scaled_dot_product_attention, print a table
   bench    time fusedattn beside PyTorch SDPA backends, FlexAttention, cuDNN frontend
            and FlashAttention-4 (see: fusedattn bench --help)
+  warmup   compile the kernels of the common configurations into Triton's cache, side by side,
+           so no later process stalls on its first call (warmup [anchors masked decode prefill])
 """
 
 
@@ -33,7 +35,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command == "bench":
         from fusedattn import bench
         return bench.main(rest)
-    print(f"fusedattn: unknown command {command!r}; expected 'demo' or 'bench'\n\n{USAGE}", file=sys.stderr)
+    if command == "warmup":
+        from fusedattn.warmup import GROUPS, warmup
+        groups = rest or list(GROUPS)
+        unknown = [g for g in groups if g not in GROUPS]
+        if unknown:
+            print(f"fusedattn warmup: unknown group(s) {unknown}; expected some of {list(GROUPS)}", file=sys.stderr)
+            return 2
+        done = warmup(groups, verbose=True)
+        print(f"fusedattn warmup: {done['configs']} configs, {done['kernels']} kernel compiles, "
+              f"{done['seconds']:.1f} s" + ("" if done["configs"] else " (no CUDA device: nothing to compile)"))
+        return 0
+    print(f"fusedattn: unknown command {command!r}; expected 'demo', 'bench' or 'warmup'\n\n{USAGE}",
+          file=sys.stderr)
     return 2
 
 

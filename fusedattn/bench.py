@@ -1097,6 +1097,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
                    help="start no new config after this many seconds (0 = no limit)")
     p.add_argument("--list", action="store_true", help="print the config names and exit")
+    p.add_argument("--cold-start", action="store_true",
+                   help="only the first call of a fresh process, empty and warm cache, beside torch's cuDNN "
+                        "backend and FlexAttention (fusedattn/coldstart.py)")
     return p.parse_args(argv)
 
 
@@ -1118,6 +1121,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         for c in select_configs(args):
             print(f"{c.name:45s} {c.label}")
+        return 0
+    if args.cold_start:
+        if not torch.cuda.is_available():
+            print("fusedattn bench --cold-start needs a CUDA GPU", file=sys.stderr)
+            return 2
+        from .coldstart import cold_start_table
+        print(cold_start_table())
         return 0
     csv_file = open(args.csv, "w", newline="") if args.csv else None
     bench = Bench(args, csv_file)

@@ -168,7 +168,8 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
 def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
                       seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
                       dropout_p=0.0, dropout_seed=0, dropout_offset=0, page_table_k=None, page_table_v=None,
-                      return_stats=False, backend="auto", out=None, stats_out=None, _keep_problem=None):
+                      return_stats=False, backend="auto", out=None, stats_out=None, _keep_problem=None,
+                      _before_run=None):
     """Forward only, no autograd. Arguments as :func:`attention`.
 
     Returns ``(out, stats)``: out [b,h_q,s_q,d_v] in q.dtype (written into ``out`` when
@@ -182,6 +183,8 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
     pl = plan(p, backend)
     if _keep_problem is not None:
         _keep_problem.extend((p, extras, pl))
+    if _before_run is not None:
+        _before_run(p, extras, pl)
     shape_o = (p.b, p.h_q, p.s_q, p.d_v)
     if out is None:
         out = _like_layout(q, shape_o, q.dtype)
@@ -269,13 +272,41 @@ def _reduce_to_shape(full: torch.Tensor, shape) -> torch.Tensor:
     return full.reshape(shape)
 
 
+_compiled_ahead: set = set()     # problems whose backward kernels were compiled ahead in this process
+
+
+def _compile_backward_ahead(p, extras, pl, q, k, v, deterministic) -> None:
+    """The first forward of a problem under autograd starts compiling its backward's kernels on the compile
+    threads (``backends.triton.launch.compiling_ahead``) before its own kernel compiles, so a process's
+    first training step compiles its kernels side by side, not one after another. The backward runs on
+    placeholders inside ``compiling_ahead``: nothing is launched, nothing written. One try per problem
+    geometry; later calls pay one set lookup."""
+    if pl.backend != "triton" or not q.is_cuda or p.bias == "float":
+        return       # the CPU path and the interpreter compile nothing; a float bias's gradient is a big buffer
+    key = (p.static_key(), p.b, p.h_q, p.h_kv, p.s_q, p.s_kv, q.stride(1) < q.stride(2), deterministic)
+    if key in _compiled_ahead:
+        return
+    if len(_compiled_ahead) > 4096:
+        _compiled_ahead.clear()
+    _compiled_ahead.add(key)
+    from .backends.triton.launch import compiling_ahead
+    out = _like_layout(q, (p.b, p.h_q, p.s_q, p.d_v), q.dtype)
+    lse = torch.empty((p.b, p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    with compiling_ahead():
+        _run_backward(p, extras, pl, q, k, v, out, torch.empty_like(out), lse, deterministic=deterministic)
+
+
 class _Attention(torch.autograd.Function):
     """Eager autograd: saves out and stats, never recomputes the forward."""
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, opts, deterministic=None):
         kept = []
-        out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept, **opts)
+        ahead = None
+        if any(ctx.needs_input_grad[:4]):
+            ahead = functools.partial(_compile_backward_ahead, q=q, k=k, v=v, deterministic=deterministic)
+        out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept,
+                                       _before_run=ahead, **opts)
         ctx.save_for_backward(q, k, v, out, stats, attn_bias)
         ctx.problem = tuple(kept)        # validated once: the backward skips make_problem
         ctx.deterministic = deterministic

@@ -213,6 +213,16 @@ def direct_launch(compiled, tail: tuple, args: tuple, descriptor_positions=(), e
     return go
 
 
+def load_compiled(compiled) -> None:
+    """Load a compiled kernel onto the current device and build its launcher now (Triton does it at the
+    first launch: a module load, and on 3.6 a C compile of the launcher), so a kernel compiled ahead on a
+    worker thread leaves its first launch nothing to do. Best effort: ``_init_handles`` is Triton's
+    private lazy initializer (3.6-3.9); where it is missing the first launch does the work as usual."""
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+
+
 def public_launch(compiled, grid_x: int, grid_y: int, grid_z: int, stream: int, args: tuple, tail: tuple) -> None:
     """Launch ``compiled`` through Triton's own launcher (``CompiledKernel.run``, as the JIT does; the
     same call on 3.6 to 3.9), descriptors as Gluon ``TensorDescriptor`` objects or anything with

@@ -144,7 +144,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..compat import COMPILE_OPTIONS, tma_reduce_add, tma_store
+from ..compat import tma_reduce_add, tma_store
+from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok
 from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
@@ -690,10 +691,9 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
     assert out.stride(-1) == 1 and grad_out.stride(-1) == 1
     block = 64
-    _delta_zero[(triton.cdiv(p.s_q, block), p.b * p.h_q)](
+    jit_launch(_delta_zero, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         out, grad_out, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0),
-        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=HEAD_D, num_warps=4,
-        **COMPILE_OPTIONS)
+        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=HEAD_D, num_warps=4)
 
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
@@ -714,7 +714,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     dq_desc = TensorDescriptor(dq_acc, [p.b, p.h_q, p.s_q, HEAD_D], list(dq_acc.stride()), [1, 1, BLOCK_M, box],
                                layout)
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
-    _attn_bwd_fused_sm90[grid](
+    jit_launch(_attn_bwd_fused_sm90, grid,
         _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
         _desc(dv, WG_N), dq_desc, dq_acc, lse, *lse.stride(), delta,
         p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
@@ -724,13 +724,13 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         LAG=LAG[causal] if lag is None else lag, DQ_FIRST=dq_first, DEFER_DK=defer_dk,
         DQ_ATOMIC=DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
         ROTATE=ROTATE[causal] if rotate is None else rotate, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, **COMPILE_OPTIONS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
     )
 
 
 def launch_convert(p, dq_acc, dq):
     """dq = scale * dq_acc in dq's dtype (dq: any strides with unit last stride)."""
     block = 64
-    _dq_convert[(triton.cdiv(p.s_q, block), p.b * p.h_q)](
+    jit_launch(_dq_convert, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
-        D=HEAD_D, num_warps=4, **COMPILE_OPTIONS)
+        D=HEAD_D, num_warps=4)

@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compat import COMPILE_OPTIONS
 from .args import LOG2E_PY
 from .common import LN2, load_tile, scores_base2
+from .launch import jit_launch
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -295,12 +295,17 @@ def _append_kv(KN, VN, K, V, PT, SEQ_KV,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     h64 = kv_head.to(tl.int64)
+    # A skipped token writes no column: its column bound is 0. The store masks are tensor
+    # comparisons, not ``(offs_d < D) & ok``: Triton's interpreter broadcasts a scalar comparison
+    # (``ok``) as int32 data, and since 3.9 it rejects a mask that is not boolean (same code on GPU).
+    d_end = tl.where(ok, D, 0)
+    dv_end = tl.where(ok, D_V, 0)
     kn = tl.load(KN + b64 * stride_knb + h64 * stride_knh + tok * stride_knm + offs_d * stride_knd,
                  mask=offs_d < D)
-    tl.store(K + k_row + h64 * stride_kh + offs_d * stride_kd, kn, mask=(offs_d < D) & ok)
+    tl.store(K + k_row + h64 * stride_kh + offs_d * stride_kd, kn, mask=offs_d < d_end)
     vn = tl.load(VN + b64 * stride_vnb + h64 * stride_vnh + tok * stride_vnm + offs_dv * stride_vnd,
                  mask=offs_dv < D_V)
-    tl.store(V + v_row + h64 * stride_vh + offs_dv * stride_vd, vn, mask=(offs_dv < D_V) & ok)
+    tl.store(V + v_row + h64 * stride_vh + offs_dv * stride_vd, vn, mask=offs_dv < dv_end)
 
 
 # Bits of the validation kernel's per-batch code
@@ -466,7 +471,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     ptv_strides = page_table_v.stride() if page_table_v is not None else pt_strides
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     grid = (b * h_kv, num_splits, m_tiles)
-    _decode_fwd[grid](
+    jit_launch(_decode_fwd, grid,
         q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
         seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
         out, lse_arg, o_part, lse_part,
@@ -479,16 +484,15 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
         HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
         SPLIT=split, WRITE_LSE=lse is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw, **COMPILE_OPTIONS,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw,
     )
     if split:
         rows = b * h_q * s_q
         block_r = 64 if q.device.type == "cpu" else 16       # the interpreter: fewer, larger programs
-        _decode_combine[(triton.cdiv(rows, block_r),)](
+        jit_launch(_decode_combine, (triton.cdiv(rows, block_r),),
             o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides,
             rows, h_q, s_q, d_v, num_splits,
             BLOCK_R=block_r, BLOCK_DV=triton.next_power_of_2(d_v), WRITE_LSE=lse is not None, num_warps=4,
-            **COMPILE_OPTIONS,
         )
 
 
@@ -537,14 +541,14 @@ def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap):
     d_v = v_new.shape[3]
     paged = page_table is not None
     pt = page_table if paged else k_new
-    _append_kv[(b * h_kv, s_q)](
+    jit_launch(_append_kv, (b * h_kv, s_q),
         k_new, v_new, k_cache, v_cache, pt, seq_len_kv if seq_len_kv is not None else pt,
         *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
         *(page_table.stride() if paged else (0, 0)),
         h_kv, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
-        num_warps=1, **COMPILE_OPTIONS,
+        num_warps=1,
     )
 
 
@@ -554,9 +558,8 @@ def launch_validate(seq_len_kv, page_table, num_pages, page_size, s_q, cap, need
     codes = torch.empty(b, dtype=torch.int32, device=seq_len_kv.device)
     paged = page_table is not None
     pt = page_table if paged else seq_len_kv
-    _validate_kv[(b,)](
+    jit_launch(_validate_kv, (b,),
         seq_len_kv, pt, codes, *(page_table.stride() if paged else (0, 0)), s_q, cap, num_pages,
         NEED_ROOM=need_room, PAGED=paged, PAGE_SIZE=page_size if paged else 1, BLOCK_P=256, num_warps=1,
-        **COMPILE_OPTIONS,
     )
     return codes

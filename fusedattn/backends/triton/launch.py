@@ -19,8 +19,18 @@ as dropout seeds, whose integer width the JIT specializes on).
 
 Under the interpreter, or when a launch hook is installed (profilers), every call goes
 through the JIT.
+
+Compile ahead (:func:`compiling_ahead`): inside that context, on the calling thread, a launch does not
+run; its kernel is compiled for these arguments on a pool of threads (Triton's compiler releases the GIL
+for most of the work), so the kernels of one call, or of a whole set of configurations
+(``fusedattn.warmup``), compile side by side instead of one after another. A later real launch of a
+kernel with a compile in flight waits for it instead of compiling it a second time.
 """
 from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from triton import knobs
@@ -56,6 +66,75 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_ahead = threading.local()          # .active: this thread's launches compile ahead instead of running
+_pending: dict = {}                 # kernel -> futures of its compiles in flight
+_pending_lock = threading.Lock()
+_pool: list = []                    # the compile threads, made on first use
+
+
+def _compile_pool() -> ThreadPoolExecutor:
+    with _pending_lock:
+        if not _pool:
+            _pool.append(ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                                            thread_name_prefix="fusedattn-compile"))
+        return _pool[0]
+
+
+class compiling_ahead:
+    """Context manager: launches made inside it on this thread compile their kernels on the compile
+    threads and return at once (nothing runs on the GPU; outputs are not written). ``wait()`` blocks until
+    every compile started inside has finished and re-raises the first error."""
+
+    def __enter__(self):
+        self.previous = getattr(_ahead, "active", None)
+        self.futures = _ahead.active = []
+        return self
+
+    def __exit__(self, *exc):
+        _ahead.active = self.previous
+        return False
+
+    def wait(self) -> None:
+        for future in self.futures:
+            future.result()
+
+
+def _compile_only(kernel, grid, args, kwargs) -> None:
+    """Start compiling ``kernel`` for these arguments (and load it, so the first launch has nothing
+    left to do) on the compile threads."""
+    def compile_one():
+        compiled = kernel.warmup(*args, grid=grid, **kwargs, **compat.COMPILE_OPTIONS)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        compat.load_compiled(compiled)
+    future = _compile_pool().submit(compile_one)
+    _ahead.active.append(future)
+    with _pending_lock:
+        _pending.setdefault(kernel, []).append(future)
+
+
+def _wait_for_compiles(kernel) -> None:
+    """Before a real launch of ``kernel``: wait for its compiles in flight (the JIT then finds them)."""
+    with _pending_lock:
+        futures = _pending.pop(kernel, ())
+    for future in futures:
+        try:
+            future.result()
+        except Exception:       # noqa: BLE001 -- the launch below compiles again and reports the error itself
+            pass
+
+
+def jit_launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` with :data:`compat.COMPILE_OPTIONS`, or, inside
+    :class:`compiling_ahead`, its compile on the compile threads (returns None then)."""
+    if getattr(_ahead, "active", None) is not None and not interpreting():
+        _compile_only(kernel, grid, args, kwargs)
+        return None
+    if _pending:
+        _wait_for_compiles(kernel)
+    return kernel[grid](*args, **kwargs, **compat.COMPILE_OPTIONS)
+
+
 def direct_c(compiled, tail, args):
     """:class:`Launcher`'s default ``direct``: the compiled kernel's C launcher called with the arguments
     as given (``compat.direct_launch``; None where this Triton's launcher is not one it knows)."""
@@ -83,7 +162,7 @@ class Launcher:
         """Launch ``kernel[grid](*args, **kwargs)``; ``kwargs`` holds the trailing parameters
         (constexprs) by name plus launch options (num_warps, num_stages)."""
         entry = self.cache.get(key) if key is not None else None
-        if entry is not None and _no_launch_hooks():
+        if entry is not None and _no_launch_hooks() and getattr(_ahead, "active", None) is None:
             compiled, tail, device, fast = entry
             if _current_device() == device:
                 self.direct_launches += 1
@@ -96,8 +175,7 @@ class Launcher:
                 else:
                     compat.public_launch(compiled, g[0], g[1], g[2], _current_raw_stream(device), args, tail)
                 return
-        compiled = self.kernel[grid](*(map(self.jit_arg, args) if self.jit_arg else args), **kwargs,
-                                     **compat.COMPILE_OPTIONS)
+        compiled = jit_launch(self.kernel, grid, *(map(self.jit_arg, args) if self.jit_arg else args), **kwargs)
         if hasattr(compiled, "result"):       # an asynchronous compile's future
             compiled = compiled.result()
         if key is None or interpreting() or compiled is None or not hasattr(compiled, "packed_metadata"):

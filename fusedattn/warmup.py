@@ -1,0 +1,58 @@
+"""Compile ahead of the first call: ``fusedattn.warmup()`` / ``python -m fusedattn warmup``.
+
+Compiling the kernels of a forward and backward takes seconds (Triton compiles for this GPU, this
+Triton and these compile-time switches); Triton keeps the results in its on-disk cache (``~/.triton/cache``
+or ``TRITON_CACHE_DIR``), keyed by the GPU architecture, the Triton version and its compiler's source,
+the kernel's source and every compile-time constant and specialization. So a kernel compiled once, by
+any process, is loaded in milliseconds by every later one, and a stale entry (another Triton, another
+kernel source) is never found. Triton writes each entry to a temporary name and renames it into place,
+so processes sharing the cache never read a half-written entry (``tests/test_warmup.py``).
+
+``warmup`` runs the common configurations (the benchmark's: ``shared/ANCHORS.md``'s eight, each mask
+kind, decode and paged prefill) at their real sizes (shapes decide the kernels' specializations) inside
+``backends.triton.launch.compiling_ahead``: nothing runs on the GPU, and every kernel compiles on a pool
+of threads, side by side. Without it, a process's first call compiles only what it needs, its backward's
+kernels side by side with its forward's (``functional._compile_backward_ahead``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional
+
+import torch
+
+GROUPS = ("anchors", "masked", "decode", "prefill")
+
+
+def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None, verbose: bool = False) -> dict:
+    """Compile the kernels of the benchmark's configurations in ``groups`` (forward and backward) for
+    ``device`` (default: the current CUDA device) into Triton's cache. Returns ``{"configs": n,
+    "kernels": compiles started, "seconds": wall time}``; raises the first compile error. On a machine
+    without CUDA (or under the interpreter) there is nothing to compile: returns zeros."""
+    from . import bench
+    from .backends.triton import launch
+    from .plan import interpreting
+    if not torch.cuda.is_available() or interpreting():
+        return {"configs": 0, "kernels": 0, "seconds": 0.0}
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    configs = [cfg for group in groups for cfg in bench.select_configs(_Args(group))]
+    start = time.perf_counter()
+    with launch.compiling_ahead() as ahead:
+        for cfg in configs:
+            inp = bench.make_inputs(cfg, device)
+            runner = bench.prepare_ours(cfg, True)(inp)
+            runner.fwd()
+            if runner.make_bwd is not None:
+                runner.make_bwd()()
+            if verbose:
+                print(f"warmup: {cfg.name}: {len(ahead.futures)} compiles started", flush=True)
+    ahead.wait()
+    return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start}
+
+
+class _Args:
+    """What ``bench.select_configs`` reads."""
+
+    def __init__(self, group: str):
+        self.configs, self.only = group, None
+
