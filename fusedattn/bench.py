@@ -1127,7 +1127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("fusedattn bench --cold-start needs a CUDA GPU", file=sys.stderr)
             return 2
         from .coldstart import cold_start_table
-        print(cold_start_table())
+        print(cold_start_table(args.only or ""))
         return 0
     csv_file = open(args.csv, "w", newline="") if args.csv else None
     bench = Bench(args, csv_file)

@@ -58,14 +58,19 @@ def _run(which: str, cache: str) -> str:
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             return f"{float(line.split()[1]):.2f} s"
-    return "failed: " + (r.stderr.strip().splitlines() or ["?"])[-1][:80]
+    errors = [line for line in r.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
+    return "failed: " + errors[-1].strip()[:100]
 
 
-def cold_start_table() -> str:
-    """The markdown table: first call (forward + backward) in a fresh process, empty and warm cache."""
+def cold_start_table(only: str = "") -> str:
+    """The markdown table: first call (forward + backward) in a fresh process, empty and warm cache;
+    ``only``: comma-separated substrings of the subjects' names (fusedattn, cudnn, flex)."""
     rows = ["| first fwd+bwd call, fresh process (b4 h16 s2048 d128 bf16 causal) | empty cache | warm cache |",
             "|---|---|---|"]
+    keys = [k.strip().lower() for k in only.split(",") if k.strip()]
     for label, which in SUBJECTS:
+        if keys and not any(k in which or k in label.lower() for k in keys):
+            continue
         with tempfile.TemporaryDirectory(prefix="fusedattn-cold-") as cache:
             cold = _run(which, cache)
             warm = _run(which, cache)

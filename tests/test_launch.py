@@ -217,6 +217,17 @@ def test_gluon_launch_failure_falls_back_only_on_an_unsupported_triton(monkeypat
     assert functional._gluon_ran("backward", lambda: True) is True     # the other pass is untouched
 
 
+def _counted(launch, name, calls):
+    """``launch`` that appends ``name`` to ``calls`` when it runs (not when it only compiles ahead)."""
+    from fusedattn.backends.triton import launch as launch_mod
+
+    def counted(*a, **kw):
+        if getattr(launch_mod._ahead, "active", None) is None:
+            calls.append(name)
+        return launch(*a, **kw)
+    return counted
+
+
 # (d, attention kwargs): no mask and causal take both Gluon passes at d=128; a window with ALiBi and the
 # wide head dims take the Gluon dQ pass and, where the Gluon dK/dV pass refuses them, the Triton one
 GLUON_ROUTES = {"plain": (128, dict()), "causal": (128, dict(causal=True, causal_alignment="bottom_right")),
@@ -241,7 +252,7 @@ def test_gluon_backward_is_routed_and_matches_the_reference(route, monkeypatch):
     calls = []
     for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90")):
         orig = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
+        monkeypatch.setattr(mod, name, _counted(orig, name, calls))
     torch.manual_seed(3)
     mk = lambda h, s: torch.randn(2, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
     q, k, v = mk(8, 333), mk(2, 517), mk(2, 517)
@@ -275,7 +286,7 @@ def test_nondeterministic_backward_routing(mask, monkeypatch):
     for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90"),
                       (bwd_fused_sm90, "launch_bwd_fused_sm90")):
         orig = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **kw: (calls.append(_n), _o(*a, **kw))[1])
+        monkeypatch.setattr(mod, name, _counted(orig, name, calls))
     torch.manual_seed(5)
     mk = lambda h, s: torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
     q, k, v = mk(8, 333), mk(2, 517), mk(2, 517)
@@ -556,3 +567,30 @@ def test_compat_version_parsing():
     assert _version("3.9.0") == (3, 9, 0)
     assert _version("3.10.0+git1a2b3c") == (3, 10, 0)
     assert _version("3.6") == (3, 6, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: GPU test skipped")
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_compiled_ahead_is_the_one_launched(d):
+    """functional._compile_backward_ahead: the first forward under autograd starts the backward's compiles
+    on the compile threads (launching nothing); the backward then launches what was compiled (no second
+    compile of the same specialization) and its gradients pass the reference rule."""
+    from fusedattn import functional
+    from fusedattn.backends.triton import launch as launch_mod
+    torch.manual_seed(11)
+    # a geometry no other test uses, so this process compiles it here
+    mk = lambda h, s: torch.randn(3, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2)  # noqa: E731
+    q, k, v = mk(6, 211), mk(3, 389), mk(3, 389)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    before = len(functional._compiled_ahead)
+    out = fusedattn.attention(*leaves, causal=True, causal_alignment="bottom_right")
+    assert len(functional._compiled_ahead) == before + 1, "the first forward did not compile its backward ahead"
+    pending = sum(len(f) for f in launch_mod._pending.values())
+    assert pending > 0, "no backward kernel was compiled ahead"
+    do = torch.randn_like(out)
+    out.backward(do)
+    assert not any(launch_mod._pending.values()), "a compile ahead was left pending after the backward"
+    grads = tuple(t.grad for t in leaves)
+    _check_against_reference(q, k, v, do, (out, *grads), torch.float16, f"compiled ahead d={d}", causal=True,
+                             causal_alignment="bottom_right")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 import warnings
 
 import triton
@@ -112,6 +113,9 @@ cta_barrier = _gluon_barrier()
 # The launch fast path (see the module docstring and backends/triton/launch.py)
 # --------------------------------------------------------------------------------------------------
 
+last_refusal = ""      # why direct_launch last returned None (for the self-check's warning and tests)
+
+
 def _launcher_layout(run) -> str | None:
     """'flat' (3.6: a C launcher compiled per signature, kernel arguments flat), 'generic' (3.7-3.9:
     ``driver.utils.launch``, the arguments as one tuple beside their annotations), or None."""
@@ -152,23 +156,29 @@ def direct_launch(compiled, tail: tuple, args: tuple, descriptor_positions=(), e
     Triton's Python launcher; each descriptor is encoded once per (base pointer, shape, strides). None
     where the fast path does not apply (then the caller launches through ``compiled.run``). ``_checking``:
     called by the self-check itself (which must not wait on its own result)."""
+    global last_refusal
     run = getattr(compiled, "run", None)
     layout = _launcher_layout(run) if run is not None else None
     if layout is None:
         if not SUPPORTED:
             warn_once("launch", f"{unsupported_note()}: the direct launch path is off, kernels launch through "
                                 "Triton's own launcher (a few microseconds more per call)")
+        last_refusal = f"launcher {type(run).__name__} not laid out as known for Triton {triton.__version__}"
         return None
     if (getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
             or getattr(run, "gsan_enabled", False)):
-        return None                         # scratch memory or sanitizer state to set up per launch
+        last_refusal = (f"scratch memory to set up per launch (global {getattr(run, 'global_scratch_size', '?')}, "
+                        f"profile {getattr(run, 'profile_scratch_size', '?')})")
+        return None
     metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or ())
     positions = tuple(descriptor_positions)
     if len(metas) != len(positions) or any(m is None for m in metas):
+        last_refusal = f"{len(metas)} descriptor metadata entries for {len(positions)} descriptor arguments"
         return None
     if not _checking:
         from . import selfcheck
         if not selfcheck.fast_launch_ok(bool(positions)):
+            last_refusal = "the self-check did not pass"
             return None
     encode = _encoder() if positions else None
     encoded: dict = {}
@@ -195,6 +205,7 @@ def direct_launch(compiled, tail: tuple, args: tuple, descriptor_positions=(), e
 
     c_function = _c_function(run, len(positions))
     if c_function is None:
+        last_refusal = f"no C launch function under {type(run.launch).__name__} {getattr(run.launch, '__name__', '')}"
         return None
     function, packed = compiled.function, compiled.packed_metadata
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
@@ -211,6 +222,24 @@ def direct_launch(compiled, tail: tuple, args: tuple, descriptor_positions=(), e
         c_function(grid_x, grid_y, grid_z, stream, function, coop, pdl, packed, None, None, None, None, None,
                    annotations, signature, (*expand(args), *tail))
     return go
+
+
+_with_context = threading.local()
+
+
+def ensure_context(device: int) -> None:
+    """Make the device's primary CUDA context current on this thread, once per thread. Triton 3.7+
+    encodes TMA descriptors (``cuTensorMapEncodeTiled``) before its launcher makes a context current,
+    and PyTorch's autograd threads start with none ("invalid device context" on the backward's first
+    Gluon launch); a runtime call on the device's stream makes the primary context current, as every
+    PyTorch kernel launch does."""
+    done = getattr(_with_context, "devices", None)
+    if done is None:
+        done = _with_context.devices = set()
+    if device not in done:
+        import torch
+        torch.cuda.current_stream(device).query()
+        done.add(device)
 
 
 def load_compiled(compiled) -> None:

@@ -34,7 +34,8 @@ def _probe(out, x, n, big, scale, flag, one, nothing, BLOCK: tl.constexpr):
     tl.store(out + offs, r, mask=keep)
 
 
-def _check_plain(device) -> bool:
+def _check_plain(device) -> str:
+    """'' when the probe's two launches agree, else what went wrong."""
     x = torch.randn(64, device=device)
     n, scale = 37, 1.5
     outs = []
@@ -46,13 +47,27 @@ def _check_plain(device) -> bool:
             out.fill_(float("nan"))
             go = compat.direct_launch(compiled, (64, ), args, _checking=True)
             if go is None:
-                return False
+                return f"no fast path for the probe ({compat.last_refusal})"
             go(1, 1, 1, torch.cuda.current_stream(device).cuda_stream, args)
         outs.append(out)
     torch.cuda.synchronize(device)
     expected = x[:n] * scale + n + _BIG % 1000 + 7 + 3
-    return (torch.equal(outs[0], outs[1]) and bool(torch.allclose(outs[1][:n], expected))
-            and bool(outs[1][n:].isnan().all()))
+    return _compare(outs, expected, n)
+
+
+def _compare(outs, expected, n) -> str:
+    public, fast = outs
+    if not torch.equal(public[:n], expected.to(public.dtype)) and not torch.allclose(public[:n].float(), expected.float()):
+        return f"the public launch itself differs from the expected values (max {_diff(public[:n], expected)})"
+    if not torch.equal(fast[:n], public[:n]):
+        return f"the fast launch wrote other values (max difference {_diff(fast[:n], public[:n])})"
+    if fast[n:].numel() and not bool(fast[n:].isnan().all()):
+        return "the fast launch wrote past the end"
+    return ""
+
+
+def _diff(a, b) -> str:
+    return f"{(a.float() - b.float()).abs().nan_to_num(float('inf')).max().item():.3g}"
 
 
 def _gluon_probe():
@@ -78,7 +93,7 @@ def _gluon_probe():
     return _probe_tma
 
 
-def _check_tma(device) -> bool:
+def _check_tma(device) -> str:
     from triton.experimental.gluon import language as gl
 
     from .gluon.launch import Tma
@@ -98,28 +113,33 @@ def _check_tma(device) -> bool:
             args = (descs[0], descs[1], row, scale)
             go = compat.direct_launch(compiled, (rows, cols), args, descriptor_positions=(0, 1), _checking=True)
             if go is None:
-                return False
+                return f"no fast path for the probe ({compat.last_refusal})"
             go(1, 1, 1, torch.cuda.current_stream(device).cuda_stream, args)
         outs.append(dst)
     torch.cuda.synchronize(device)
-    return torch.equal(outs[0], outs[1]) and torch.equal(outs[1], src[row:row + rows] * 2)
+    return _compare(outs, src[row:row + rows] * 2, rows)
 
 
 def fast_launch_ok(with_descriptors: bool) -> bool:
-    """Whether the fast path passed its probe in this process (runs the probe on the first ask)."""
+    """Whether the fast path passed its probe in this process (runs the probe on the first ask). Asked
+    while a CUDA graph is being captured, it answers False without probing (a probe would launch into
+    the capture) and probes on a later ask."""
     kind = "tma" if with_descriptors else "plain"
     ok = _RESULT.get(kind)
     if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
         _RESULT[kind] = False           # a probe that fails half way leaves the fast path off
         try:
             device = torch.cuda.current_device()
-            ok = _check_tma(device) if with_descriptors else _check_plain(device)
+            compat.ensure_context(device)
+            why = _check_tma(device) if with_descriptors else _check_plain(device)
         except Exception as exc:        # any failure of the probe means: do not take the fast path
-            ok = False
-            compat.warn_once(f"probe-{kind}", f"the direct launch self-check raised {type(exc).__name__}: {exc}")
+            why = f"the probe raised {type(exc).__name__}: {str(exc)[:300]}"
+        ok = not why
         if not ok:
             compat.warn_once(f"fast-{kind}", f"the direct launch path ({kind}) did not pass its self-check on "
-                                         f"Triton {triton.__version__}; kernels launch through Triton's own "
-                                         "launcher")
+                                         f"Triton {triton.__version__} ({why}); kernels launch through Triton's "
+                                         "own launcher")
         _RESULT[kind] = ok
     return ok

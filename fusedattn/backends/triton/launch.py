@@ -132,6 +132,8 @@ def jit_launch(kernel, grid, *args, **kwargs):
         return None
     if _pending:
         _wait_for_compiles(kernel)
+    if not interpreting():
+        compat.ensure_context(_current_device())
     return kernel[grid](*args, **kwargs, **compat.COMPILE_OPTIONS)
 
 
@@ -167,9 +169,13 @@ class Launcher:
             if _current_device() == device:
                 self.direct_launches += 1
                 g = grid + (1,) * (3 - len(grid))
+                compat.ensure_context(device)
                 if fast is _UNASKED:
-                    fast = self.direct(compiled, tail, args) if self.direct is not None else None
-                    self.cache[key] = (compiled, tail, device, fast)
+                    if torch.cuda.is_current_stream_capturing():
+                        fast = None     # the fast path's self-check cannot run inside a capture: ask later
+                    else:
+                        fast = self.direct(compiled, tail, args) if self.direct is not None else None
+                        self.cache[key] = (compiled, tail, device, fast)
                 if fast is not None:
                     fast(g[0], g[1], g[2], _current_raw_stream(device), args)
                 else:
