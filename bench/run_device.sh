@@ -203,7 +203,7 @@ for part in "${PARTS[@]}"; do
         bench-graphs)  bench_part bench-graphs --cuda-graphs --configs anchors --only b8-h12-s1024 ;;
         stash)         stash_parts ;;
         warmup)        run_part warmup python3 -m fusedattn warmup ;;
-        coldstart)     run_part coldstart python3 -m fusedattn bench --cold-start ;;
+        coldstart)     run_part coldstart python3 -m fusedattn bench --cold-start ${COLD_ONLY:+--only "$COLD_ONLY"} ;;
         tests-sample)  FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-4} run_part tests-sample python3 -m pytest -q \
                            -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ${TEST_K:+-k "$TEST_K"} ;;
         *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;

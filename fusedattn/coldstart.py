@@ -5,7 +5,8 @@ Each measurement is a new Python process (``python -c``) that imports torch, mak
 (CUDA context up, synchronized), then times its first forward + backward (b 4, h 16, s 2048, d 128, bf16,
 causal; physically BSHD) to the end of a synchronize. "empty cache" gives the process a new, empty Triton
 cache (and Inductor cache, for Flex); "warm" runs the same again on the cache the first run filled, as a
-user's second process does (or any process after ``fusedattn warmup``).
+user's second process does (or any process after ``fusedattn warmup``). FUSEDATTN_COLD_PROFILE=PREFIX
+writes each child's cProfile (top 40 by cumulative time) to PREFIX-WHICH-PID.txt.
 """
 from __future__ import annotations
 
@@ -36,11 +37,22 @@ else:
     def attn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+import os
+profile = os.environ.get("FUSEDATTN_COLD_PROFILE")
+if profile:
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
 t0 = time.perf_counter()
 out = attn()
 out.backward(torch.ones_like(out))
 torch.cuda.synchronize()
 t1 = time.perf_counter()
+if profile:
+    prof.disable()
+    import pstats
+    with open(f"{profile}-{which}-{os.getpid()}.txt", "w") as f:
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
 print(f"RESULT {t1 - t0:.3f} {t0 - t_import:.3f}")
 """
 
