@@ -36,7 +36,7 @@ import torch
 from triton import knobs
 
 from ...plan import interpreting
-from .. import compat
+from .. import compat, kernel_cache
 
 _MAX_ENTRIES = 512     # per kernel; a full cache is cleared (keys are cheap to rebuild)
 _UNASKED = object()    # a cache entry whose fast path is built on its first repeat call
@@ -126,14 +126,18 @@ def _wait_for_compiles(kernel) -> None:
 
 def jit_launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with :data:`compat.COMPILE_OPTIONS`, or, inside
-    :class:`compiling_ahead`, its compile on the compile threads (returns None then)."""
-    if getattr(_ahead, "active", None) is not None and not interpreting():
+    :class:`compiling_ahead`, its compile on the compile threads (returns None then). The first call
+    installs the checked kernel cache (``backends.kernel_cache``)."""
+    if interpreting():
+        return kernel[grid](*args, **kwargs)
+    if not kernel_cache._installed:
+        kernel_cache.install()
+    if getattr(_ahead, "active", None) is not None:
         _compile_only(kernel, grid, args, kwargs)
         return None
     if _pending:
         _wait_for_compiles(kernel)
-    if not interpreting():
-        compat.ensure_context(_current_device())
+    compat.ensure_context(_current_device())
     return kernel[grid](*args, **kwargs, **compat.COMPILE_OPTIONS)
 
 
