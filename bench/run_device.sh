@@ -28,9 +28,12 @@
 #   coldstart      python3 -m fusedattn bench --cold-start (first call of a fresh process, empty and warm
 #                  cache, beside torch's cuDNN and FlexAttention)
 #   tests-sample   the whole GPU suite, every FUSEDATTN_TEST_SAMPLE-th test of each file (default 4)
+#   tests-gluon-sample   the Gluon kernels' and the launch path's GPU tests, every 16th (FUSEDATTN_TEST_SAMPLE)
 #
 # Another Triton: carry .triton/triton-VERSION-slim.tar.xz (../shared/tools/pack-triton.sh VERSION .triton)
-# and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own).
+# and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own); set
+# TRITON_PACK=VERSION to choose among packs a warm machine still holds. FUSEDATTN_TEST_SAMPLE=N with the
+# tests parts runs every N-th test of each file.
 # Extra args after `--` go to every bench part (e.g. `-- --only b4-h32kv8 --pass fwd`).
 #
 # Wheels carried in .whl/ (bench/fetch_wheels.sh; name `.whl` in the call's carry) are
@@ -70,8 +73,11 @@ stash_parts() {
 
 use_packed_triton() {
     # A Triton packed by ../shared/tools/pack-triton.sh and carried in .triton/ replaces the machine's.
+    # TRITON_PACK=VERSION picks one where a warm machine kept an earlier call's pack too
     local pack
-    pack=$(ls .triton/triton-*-slim.tar.xz 2>/dev/null | head -1)
+    if [ -n "${TRITON_PACK:-}" ]; then pack=.triton/triton-$TRITON_PACK-slim.tar.xz; [ -f "$pack" ] || {
+        say "TRITON_PACK=$TRITON_PACK but $pack was not carried"; exit 1; }
+    else pack=$(ls -t .triton/triton-*-slim.tar.xz 2>/dev/null | head -1); fi
     [ -n "$pack" ] || return 0
     local ver
     ver=$(basename "$pack" | sed 's/^triton-//; s/-slim.tar.xz$//')
@@ -169,6 +175,9 @@ for part in "${PARTS[@]}"; do
         # with 16 workers (session 5); the Gluon forward's (530) and backward passes' (384) halves fit one each
         tests-gluon)   run_part tests-gluon python3 -m pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py \
                            tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-14}" ;;
+        tests-gluon-sample) FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-16} run_part tests-gluon-sample python3 -m \
+                           pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py tests/test_gluon_bwd_dkdv.py \
+                           tests/test_gluon_bwd_fused.py tests/test_launch.py -m gpu -n "${TEST_WORKERS:-14}" ;;
         tests-gluon-fwd) run_part tests-gluon-fwd python3 -m pytest -q -rfEs tests/test_gluon_fwd.py -m gpu \
                            -n "${TEST_WORKERS:-14}" ;;
         tests-gluon-bwd) run_part tests-gluon-bwd python3 -m pytest -q -rfEs tests/test_gluon_bwd_dq.py \
