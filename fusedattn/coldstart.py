@@ -23,9 +23,11 @@ which = sys.argv[1]
 b, h, s, d = 4, 16, 2048, 128
 mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
 q, k, v = mk(), mk(), mk()
-# PyTorch's own first backward imports torch.fx's symbolic shapes (sympy: 2.6 s on the H100 machine, whose
-# site-packages keep no bytecode), whatever the attention: paid here, before the clock, for every subject
-torch.ones(1, device="cuda", requires_grad=True).sum().backward()
+# PyTorch's first backward with an explicit gradient imports torch.fx's symbolic shapes (sympy: 2.65 s of a
+# 3.57 s warm first call on the H100 machine, whose site-packages keep no bytecode), whatever the attention:
+# paid here, before the clock, for every subject (a scalar backward does not import it)
+warm = torch.ones(2, device="cuda", requires_grad=True)
+(warm * 2).backward(torch.ones_like(warm))
 torch.cuda.synchronize()
 t_import = time.perf_counter()
 if which == "fusedattn":
