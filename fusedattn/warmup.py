@@ -41,8 +41,12 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
         for cfg in configs:
             inp = bench.make_inputs(cfg, device)
             runner = bench.prepare_ours(cfg, True)(inp)
-            runner.fwd()
-            if runner.make_bwd is not None:
+            if runner.make_bwd is None:
+                runner.fwd()
+            else:
+                # the forward under autograd compiles the backward's kernels ahead (functional.
+                # _compile_backward_ahead); the backward itself runs on PyTorch's autograd thread,
+                # where launches run: it waits for those compiles and launches on the placeholder data
                 runner.make_bwd()()
             if verbose:
                 print(f"warmup: {cfg.name}: {len(ahead.futures)} compiles started", flush=True)

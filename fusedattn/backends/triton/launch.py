@@ -83,11 +83,14 @@ def _compile_pool() -> ThreadPoolExecutor:
 class compiling_ahead:
     """Context manager: launches made inside it on this thread compile their kernels on the compile
     threads and return at once (nothing runs on the GPU; outputs are not written). ``wait()`` blocks until
-    every compile started inside has finished and re-raises the first error."""
+    every compile started inside has finished and re-raises the first error. Launches on other threads
+    (PyTorch's autograd threads run the backward) are not affected: they run, after waiting for any
+    compile of their kernel in flight."""
 
     def __enter__(self):
         self.previous = getattr(_ahead, "active", None)
-        self.futures = _ahead.active = []
+        # nested inside another: share its list, so the outermost wait() covers every compile
+        self.futures = _ahead.active = self.previous if self.previous is not None else []
         return self
 
     def __exit__(self, *exc):
