@@ -5,8 +5,8 @@ Kernels and launchers import names from here and never test versions themselves.
 * **Gluon's TMA copies.** 3.8 added ``tma.async_load`` / ``async_store`` / ``async_atomic_add``; 3.9
   removed the old ``async_copy_global_to_shared`` / ``async_copy_shared_to_global`` (they raise at compile
   time). :data:`tma_load`, :data:`tma_store` and :data:`tma_reduce_add` are whichever this Triton has
-  (probed by name). 3.6/3.7 have the bulk reduce in their IR builder but no Gluon wrapper: ours is the one
-  private use, and only there.
+  (probed by name). 3.6/3.7 have the bulk reduce in their IR builder but no Gluon wrapper: ours calls
+  the builder (a private API, used here only).
 * **The CTA barrier.** 3.7 renamed Gluon's ``thread_barrier()`` to ``barrier()`` (same lowering, a
   cluster option added): :data:`cta_barrier`.
 * **FMA contraction.** The kernels are written for ``a * b + c`` to become one FMA (the online softmax's
@@ -19,7 +19,13 @@ Kernels and launchers import names from here and never test versions themselves.
   attributes of the layout we know, and (c) a probe kernel launched both ways gave the same results
   (:mod:`.selfcheck`, once per process, on the first fast launch). Anything else goes through Triton's
   own launcher (``CompiledKernel.run``): slower by a few microseconds, never wrong. A Triton newer than
-  the newest we support says once, in a warning, which fast path it turned off.
+  the newest we support says once, in a warning, which fast path it turned off. Finding the C function
+  under Triton's descriptor wrapper reads the wrapper's closure (private, verified by the probe).
+* **TMA descriptors and the CUDA context.** 3.7's encoder reads ``round_f32_to_tf32`` (our ``Tma`` has it)
+  and encodes before its launcher makes a context current, which PyTorch's autograd threads lack:
+  :func:`ensure_context`.
+* **Loading a kernel compiled ahead** (``backends.triton.launch.compiling_ahead``): :func:`load_compiled`
+  calls Triton's private lazy initializer where it exists; elsewhere the first launch does it.
 """
 from __future__ import annotations
 
