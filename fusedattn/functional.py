@@ -168,9 +168,9 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
 def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
                       seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
                       dropout_p=0.0, dropout_seed=0, dropout_offset=0, page_table_k=None, page_table_v=None,
-                      return_stats=False, backend="auto", out=None, stats_out=None, _keep_problem=None,
-                      _before_run=None):
-    """Forward only, no autograd. Arguments as :func:`attention`.
+                      return_stats=False, validate=True, backend="auto", out=None, stats_out=None,
+                      _keep_problem=None, _before_run=None):
+    """Forward only, no autograd. Arguments as :func:`attention` (``validate`` included).
 
     Returns ``(out, stats)``: out [b,h_q,s_q,d_v] in q.dtype (written into ``out`` when
     given), stats fp32 [b,h_q,s_q,1] natural-log log-sum-exp (None unless
@@ -179,7 +179,8 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             dropout_offset=dropout_offset, page_table_k=page_table_k, page_table_v=page_table_v)
+                             dropout_offset=dropout_offset, page_table_k=page_table_k, page_table_v=page_table_v,
+                             validate=validate)
     pl = plan(p, backend)
     if _keep_problem is not None:
         _keep_problem.extend((p, extras, pl))
@@ -198,7 +199,7 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
         lse = stats[..., 0]
     else:
         stats = lse = None
-    if p.s_q > 0:
+    if p.b > 0 and p.s_q > 0:       # an empty output has nothing to launch (no kernel takes an empty grid)
         if p.s_kv == 0:
             out.zero_()
             if lse is not None:
@@ -211,20 +212,20 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
 def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal=False,
                        causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None,
                        attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0, dropout_seed=0,
-                       dropout_offset=0, deterministic=None, backend="auto", dq=None, dk=None, dv=None,
-                       need_dbias=False):
+                       dropout_offset=0, deterministic=None, validate=True, backend="auto", dq=None, dk=None,
+                       dv=None, need_dbias=False):
     """Gradients of attention from the forward's output and stats, no autograd.
 
     q, k, v, out as in :func:`attention`; grad_out like out; stats fp32
     [b,h_q,s_q,1] (the forward's). Returns ``(dq, dk, dv, dbias)``: dq/dk/dv in
     the layout of q/k/v (written into dq/dk/dv when given); dbias fp32 in the
     shape of ``attn_bias`` (summed over its broadcast dims) when ``need_dbias``,
-    else None. deterministic: as in :func:`attention`.
+    else None. deterministic, validate: as in :func:`attention`.
     """
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             dropout_offset=dropout_offset)
+                             dropout_offset=dropout_offset, validate=validate)
     pl = plan(p, backend)
     shape_o = (p.b, p.h_q, p.s_q, p.d_v)
     _check_out("out", out, shape_o, q.dtype, q.device)
@@ -247,7 +248,8 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
     grads = (dq, dk, dv)
     need_dbias = need_dbias and p.bias == "float"
     dbias_full = None
-    if p.s_q == 0 or p.s_kv == 0:
+    if p.b == 0 or p.s_q == 0 or p.s_kv == 0:
+        # no score at all: every gradient is 0 (empty tensors when b == 0), as SDPA gives
         for t in grads:
             t.zero_()
         if need_dbias:
@@ -289,6 +291,13 @@ def _compile_backward_ahead(p, extras, pl, q, k, v, deterministic) -> None:
     if len(_compiled_ahead) > 4096:
         _compiled_ahead.clear()
     _compiled_ahead.add(key)
+    if torch.cuda.is_current_stream_capturing():
+        return       # the placeholders' allocations and fills would join the user's graph
+    # the placeholders (out, dO, dQ, dK, dV) cost about twice the inputs for a moment: only where that is
+    # a small part of the free memory, so a model sized to the card does not run out on its first step
+    placeholder_bytes = 2 * sum(t.numel() * t.element_size() for t in (q, k, v))
+    if placeholder_bytes > torch.cuda.mem_get_info(q.device)[0] // 4:
+        return
     from .backends.triton.launch import compiling_ahead
     out = _like_layout(q, (p.b, p.h_q, p.s_q, p.d_v), q.dtype)
     lse = torch.empty((p.b, p.h_q, p.s_q), dtype=torch.float32, device=q.device)
@@ -335,7 +344,7 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
               seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0,
               dropout_seed=None, dropout_offset=0, deterministic=None, return_stats=False,
-              backend="auto", out=None):
+              validate=True, backend="auto", out=None):
     r"""Fused scaled-dot-product attention: ``softmax(scale * q @ k^T + bias [+ ALiBi], masked) @ v``.
 
     O(s) memory (the FlashAttention algorithm), forward and backward, fp16 / bf16 /
@@ -381,13 +390,21 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             default to False). None (default): ``torch.are_deterministic_algorithms_enabled()``,
             read when the backward runs.
         return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``.
+        validate: check that every ``seq_len_q`` entry is in ``[0, s_q]`` and every ``seq_len_kv``
+            entry in ``[0, s_kv]``, raising a clear error. Cost on a GPU: a device-to-host sync per
+            call (a few microseconds plus the wait for queued work); once per call, the backward
+            reuses the forward's check. It is skipped while a CUDA graph is being captured. With
+            ``validate=False`` nothing is checked on the device, and still nothing is read or
+            written out of bounds: lengths are clamped into ``[0, s_q]`` / ``[0, s_kv]`` (use it to
+            capture trusted metadata in a CUDA graph, or to avoid the sync).
         backend: ``"auto"`` (Triton on CUDA, the CPU path on CPU tensors), ``"triton"`` (on CPU
             tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``), ``"cpu"``.
         out: optional preallocated output ``[b, h_q, s_q, d_v]`` (not with autograd).
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and physical layout, or ``(out, stats)``.
-        A row with no key to attend to gives output 0, never NaN.
+        A row with no key to attend to gives output 0, never NaN. Empty inputs are valid, as in
+        SDPA: b = 0 or s_q = 0 gives an empty output, s_kv = 0 an output of zeros (gradients 0).
 
     Raises:
         ValueError / TypeError (``fusedattn.FusedAttnError``) naming the argument, what was
@@ -407,7 +424,7 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
     opts = dict(attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,
                 seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, alibi=alibi, softcap=softcap,
                 dropout_p=dropout_p, dropout_seed=dropout_seed or 0, dropout_offset=dropout_offset,
-                backend=backend)
+                validate=validate, backend=backend)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias))
     if torch.compiler.is_compiling():

@@ -105,7 +105,10 @@ class compiling_ahead:
 def _compile_only(kernel, grid, args, kwargs) -> None:
     """Start compiling ``kernel`` for these arguments (and load it, so the first launch has nothing
     left to do) on the compile threads."""
+    device = _current_device()
+
     def compile_one():
+        torch.cuda.set_device(device)       # the caller's GPU: the JIT compiles and loads for the current one
         compiled = kernel.warmup(*args, grid=grid, **kwargs, **compat.COMPILE_OPTIONS)
         if hasattr(compiled, "result"):
             compiled = compiled.result()
