@@ -594,3 +594,50 @@ def test_backward_compiled_ahead_is_the_one_launched(d):
     grads = tuple(t.grad for t in leaves)
     _check_against_reference(q, k, v, do, (out, *grads), torch.float16, f"compiled ahead d={d}", causal=True,
                              causal_alignment="bottom_right")
+
+
+def test_compiling_ahead_compiles_on_threads_and_a_launch_waits_for_it(monkeypatch):
+    """backends/triton/launch.compiling_ahead with a stand-in kernel (no GPU): launches inside the context
+    return at once and compile on the compile threads; a later real launch of the same kernel waits for
+    those compiles before it launches; a compile error is re-raised by wait() and left to the real launch."""
+    import threading
+    import time
+
+    from fusedattn.backends import kernel_cache
+    from fusedattn.backends.triton import launch as launch_mod
+    monkeypatch.setattr(launch_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod.compat, "ensure_context", lambda device: None)
+    monkeypatch.setattr(launch_mod.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(kernel_cache, "_installed", True)
+    events, release = [], threading.Event()
+
+    class StandIn:
+        def warmup(self, *args, grid, **kwargs):
+            release.wait(10)
+            if args == ("bad", ):
+                raise RuntimeError("compile error stand-in")
+            events.append(("compiled", threading.current_thread().name, args, kwargs.get("enable_fp_fusion")))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: events.append(("launched", args))
+
+    kernel = StandIn()
+    with launch_mod.compiling_ahead() as ahead:
+        assert launch_mod.jit_launch(kernel, (1, ), 1, 2) is None
+        with launch_mod.compiling_ahead():                   # nested: one list, the outer wait covers it
+            assert launch_mod.jit_launch(kernel, (1, ), 3, 4) is None
+    assert len(ahead.futures) == 2
+    time.sleep(0.05)
+    assert events == [], "a launch inside compiling_ahead ran or compiled on the calling thread"
+    release.set()
+    launch_mod.jit_launch(kernel, (1, ), 1, 2)              # waits for both compiles, then launches
+    assert [e[0] for e in events] == ["compiled", "compiled", "launched"]
+    assert all(e[1].startswith("fusedattn-compile") and e[3] is True for e in events[:2])
+    assert not launch_mod._pending.get(kernel)
+    with launch_mod.compiling_ahead() as bad:
+        launch_mod.jit_launch(kernel, (1, ), "bad")
+    with pytest.raises(RuntimeError, match="stand-in"):
+        bad.wait()
+    launch_mod.jit_launch(kernel, (1, ), "bad")             # the real launch does not inherit the error
+    assert events[-1] == ("launched", ("bad", ))
