@@ -30,10 +30,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .enums import data_type, heur_mode, to_data_type
+from .enums import attention_implementation, data_type, heur_mode, to_data_type
+from .enums import diagonal_alignment as _alignment   # the methods' parameter shadows the name
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .handle import Handle, create_handle
-from .sdpa import SdpaBackwardNode, SdpaNode, invoke, probe
+from .sdpa import Fp8Node, SdpaBackwardNode, SdpaNode, invoke, probe
 from .tensors import tensor
 
 __all__ = ["pygraph"]
@@ -197,16 +198,19 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
     def sdpa(self, q, k, v, is_inference=None, attn_scale=None, bias=None, block_mask=None,
              use_alibi_mask=False, use_padding_mask=False, seq_len_q=None, seq_len_kv=None,
              use_causal_mask=False, use_causal_mask_bottom_right=False, sliding_window_length=None,
-             diagonal_alignment=None, diagonal_band_left_bound=None, diagonal_band_right_bound=None,
-             dropout=None, rng_dump=None, paged_attention_k_table=None, paged_attention_v_table=None,
-             paged_attention_max_seq_len_kv=None, max_total_seq_len_q=None, max_total_seq_len_kv=None,
-             compute_data_type=None, name="", score_mod=None, generate_stats=None, implementation=None,
-             score_max=None, score_sum_exp=None, sink_token=None, unfuse_fma=False, cu_seq_len_q=None,
+             diagonal_alignment=_alignment.TOP_LEFT, diagonal_band_left_bound=None,
+             diagonal_band_right_bound=None, dropout=None, rng_dump=None, paged_attention_k_table=None,
+             paged_attention_v_table=None, paged_attention_max_seq_len_kv=None, max_total_seq_len_q=None,
+             max_total_seq_len_kv=None, compute_data_type=data_type.NOT_SET, name="", score_mod=None,
+             generate_stats=None, implementation=attention_implementation.AUTO, score_max=None,
+             score_sum_exp=None, sink_token=None, unfuse_fma=False, cu_seq_len_q=None,
              cu_seq_len_kv=None, stats_use_log2=False, *, attn_bias=None, dropout_seed=None,
              dropout_offset=None, left_bound=None, right_bound=None, sliding_window=None, fn=None):
         """Scaled dot-product attention: ``softmax(attn_scale * Q K^T + bias [+ ALiBi], masked) V``.
 
-        Args (cuDNN's names and order; all tensors are graph tensors of this graph):
+        Args (cuDNN frontend 1.32's names, order and defaults: ``signatures.CUDNN_SIGNATURES``; every
+        keyword also accepts None, meaning "not given", as cuDNN's ``pygraph`` does; all tensors are
+        graph tensors of this graph):
             q: [b, h_q, s_q, d]. k: [b, h_kv, s_kv, d], v: [b, h_kv, s_kv, d_v]; any strides
                 (BSHD memory seen through ``.transpose(1, 2)`` included). GQA/MQA when
                 ``h_q % h_kv == 0``. With paging, k/v are containers [num_blocks, h_kv, block_size, d].
@@ -315,18 +319,21 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, bias=None, dBias=None,
                       use_alibi_mask=False, use_padding_mask=False, seq_len_q=None, seq_len_kv=None,
                       max_total_seq_len_q=None, max_total_seq_len_kv=None, use_causal_mask=False,
-                      use_causal_mask_bottom_right=False, sliding_window_length=None, diagonal_alignment=None,
-                      diagonal_band_left_bound=None, diagonal_band_right_bound=None, dropout=None,
-                      rng_dump=None, use_deterministic_algorithm=False, compute_data_type=None, name="",
+                      use_causal_mask_bottom_right=False, sliding_window_length=None,
+                      diagonal_alignment=_alignment.TOP_LEFT, diagonal_band_left_bound=None,
+                      diagonal_band_right_bound=None, dropout=None, rng_dump=None,
+                      use_deterministic_algorithm=False, compute_data_type=data_type.NOT_SET, name="",
                       score_mod=None, score_mod_bprop=None, sink_token=None, dSink_token=None, *,
                       attn_bias=None, dropout_seed=None, dropout_offset=None, left_bound=None,
                       right_bound=None, sliding_window=None):
         """Gradients of :meth:`sdpa`: dQ [b, h_q, s_q, d], dK [b, h_kv, s_kv, d], dV [b, h_kv, s_kv, d_v].
 
-        Args: q, k, v as in :meth:`sdpa`; o and dO [b, h_q, s_q, d_v]; stats fp32 [b, h_q, s_q, 1]
+        Args (cuDNN frontend 1.32's names, order and defaults; every keyword also accepts None, meaning
+        "not given"): q, k, v as in :meth:`sdpa`; o and dO [b, h_q, s_q, d_v]; stats fp32 [b, h_q, s_q, 1]
         from the forward (``generate_stats=True``). The mask / bias / dropout arguments must repeat
         the forward's. dBias (a graph tensor shaped like the bias) receives the bias gradient,
-        summed over the dims the bias broadcasts. use_deterministic_algorithm is passed through.
+        summed over the dims the bias broadcasts. use_deterministic_algorithm is passed through
+        (None = cuDNN's default, False).
         max_total_seq_len_q/kv are accepted (cuDNN sizes ragged workspaces with them).
 
         Returns ``[dQ, dK, dV]``, virtual until ``set_output(True)``; dims and strides default to
@@ -355,6 +362,53 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         self._add_node(node)
         return [node.dq, node.dk, node.dv]
 
+    def sdpa_fp8(self, q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, is_inference=None,
+                 attn_scale=None, bias=None, use_alibi_mask=False, use_padding_mask=False, seq_len_q=None,
+                 seq_len_kv=None, use_causal_mask=False, use_causal_mask_bottom_right=False, sliding_window=None,
+                 diagonal_alignment=_alignment.TOP_LEFT, left_bound=None, right_bound=None, dropout=None,
+                 rng_dump=None, paged_attention_k_table=None, paged_attention_v_table=None,
+                 paged_attention_max_seq_len_kv=None, max_total_seq_len_q=None, max_total_seq_len_kv=None,
+                 compute_data_type=data_type.NOT_SET, name="", fn=None, generate_stats=None, score_max=None,
+                 score_sum_exp=None, sink_token=None, unfuse_fma=False, implementation=attention_implementation.AUTO,
+                 cu_seq_len_q=None, cu_seq_len_kv=None, stats_use_log2=False):
+        """cuDNN's FP8 attention, with cuDNN frontend 1.32's signature (every keyword also accepts None).
+
+        fusedattn has no FP8 kernels yet: the operation is recorded and ``validate`` / ``check_support``
+        / ``build`` raise ``cudnnGraphNotSupportedError``. Returns ``[O, Stats, Amax_S, Amax_O]`` as cuDNN
+        does (Stats None unless stats are generated).
+        """
+        args = dict(locals())     # every argument by name: the node records the graph tensors among them
+        del args["self"]
+        return self._fp8_node("sdpa_fp8", args, ("q", "k", "v", "descale_q", "descale_k", "descale_v",
+                                                 "descale_s", "scale_s", "scale_o"),
+                              (("o", "O"), ("stats", "Stats"), ("amax_s", "Amax_S"), ("amax_o", "Amax_O")))
+
+    def sdpa_fp8_backward(self, q, k, v, o, dO, stats, descale_q, descale_k, descale_v, descale_o, descale_dO,
+                          descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=None,
+                          use_padding_mask=False, seq_len_q=None, seq_len_kv=None, use_causal_mask=False,
+                          use_causal_mask_bottom_right=False, diagonal_alignment=_alignment.TOP_LEFT,
+                          left_bound=None, right_bound=None, use_deterministic_algorithm=False, dropout=None,
+                          compute_data_type=data_type.NOT_SET, name="", sink_token=None, dSink_token=None,
+                          max_total_seq_len_q=None, max_total_seq_len_kv=None):
+        """Gradients of :meth:`sdpa_fp8`, with cuDNN frontend 1.32's signature (every keyword also accepts None).
+
+        Not supported yet (no FP8 kernels): ``validate`` / ``check_support`` / ``build`` raise
+        ``cudnnGraphNotSupportedError``. Returns ``[dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP]``.
+        """
+        args = dict(locals())
+        del args["self"]
+        return self._fp8_node("sdpa_fp8_backward", args,
+                              ("q", "k", "v", "o", "dO", "stats", "descale_q", "descale_k", "descale_v",
+                               "descale_o", "descale_dO", "descale_s", "descale_dP", "scale_s", "scale_dQ",
+                               "scale_dK", "scale_dV", "scale_dP"),
+                              tuple((r, r) for r in ("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP")))
+
+    def _fp8_node(self, op, args, required, outputs):
+        self._check_open("add an operation")
+        node = Fp8Node(self, self._node_name(args.pop("name"), op), op, args, required, outputs)
+        self._add_node(node)
+        return node.results
+
     def __getattr__(self, name):
         # cuDNN's graph has many other operations (matmul, conv_fprop, layernorm ...); say plainly
         # that this one is not here rather than a bare AttributeError.
@@ -362,7 +416,8 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
             raise AttributeError(name)
         raise AttributeError(
             f"fusedattn's pygraph has no {name!r}: it implements the SDPA part of cuDNN's graph API "
-            f"(tensor, tensor_like, sdpa, sdpa_backward, sdpa_with_paged_cache, validate ... execute)")
+            f"(tensor, tensor_like, sdpa, sdpa_backward, sdpa_with_paged_cache, sdpa_fp8, sdpa_fp8_backward, "
+            f"validate ... execute)")
 
     # ------------------------------------------------------------------------------------------
     # build steps

@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..problem import NotSupportedError
+from ..problem import MAX_HEAD_DIM, NotSupportedError
 from .enums import data_type, diagonal_alignment, tensor_reordering, torch_dtype_of
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .tensors import tensor
@@ -131,13 +131,12 @@ def parse_band(where, use_causal_mask, use_causal_mask_bottom_right, alignment, 
     if alignment is not None and not isinstance(alignment, diagonal_alignment):
         raise GraphError(f"{where}: diagonal_alignment must be cudnn.diagonal_alignment.TOP_LEFT or "
                          f"BOTTOM_RIGHT, got {alignment!r}")
+    # TOP_LEFT is cuDNN's default alignment, so it cannot contradict use_causal_mask_bottom_right (cuDNN
+    # lets the causal flags set the alignment); an explicit BOTTOM_RIGHT with top-left causal can.
     if use_causal_mask and alignment is diagonal_alignment.BOTTOM_RIGHT:
         raise GraphError(f"{where}: use_causal_mask is top-left aligned but diagonal_alignment="
                          f"BOTTOM_RIGHT; use use_causal_mask_bottom_right=True, or diagonal_alignment="
                          f"BOTTOM_RIGHT with diagonal_band_right_bound=0")
-    if use_causal_mask_bottom_right and alignment is diagonal_alignment.TOP_LEFT:
-        raise GraphError(f"{where}: use_causal_mask_bottom_right contradicts diagonal_alignment=TOP_LEFT; "
-                         f"use use_causal_mask=True for top-left causal")
     if use_causal_mask:
         align = "top_left"
     elif use_causal_mask_bottom_right:
@@ -342,6 +341,19 @@ def _scalar_tensor(t: tensor, role: str, where: str, kinds):
     if t._data_type not in kinds:
         raise GraphError(f"{where}: {role} {t.label()} must be {'/'.join(k.name for k in kinds)}, "
                          f"got {t._data_type.name}")
+
+
+def head_dims_unsupported(d: int, d_v: int, limit=True) -> Optional[str]:
+    """Why fusedattn cannot run head dims ``d`` (q/k) and ``d_v`` (v), or None.
+
+    fusedattn runs multiples of 8 up to ``MAX_HEAD_DIM`` (256). Valid graphs, so "not supported",
+    never bad input. ``limit=False`` checks the multiple of 8 only.
+    """
+    for name, x in (("d (the head dim of q and k)", d), ("d_v (the head dim of v)", d_v)):
+        if x % 8 or (limit and x > MAX_HEAD_DIM):
+            return (f"{name} = {x} is not supported by fusedattn: head dims are multiples of 8 up to "
+                    f"{MAX_HEAD_DIM}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -791,6 +803,12 @@ class SdpaNode(_Node):
                 raise GraphError(f"{w}: Stats {self.stats.label()} must be FLOAT (fp32 log-sum-exp), got "
                                  f"{self.stats._data_type.name}")
         self._check_ragged_outputs()
+        # Last, so malformed graphs report their own error. Where cuDNN refuses (Hopper, cuDNN 9.19):
+        # its validate() wants head dims that are multiples of 8; larger ones than it runs pass
+        # validate and fail at check_support, where `probe` checks our upper limit.
+        why = head_dims_unsupported(d, d_v, limit=False)
+        if why:
+            raise cudnnGraphNotSupportedError(f"{w}: {why}")
 
     def _validate_paging(self, b, kd, vd) -> int:
         w = self.where
@@ -876,6 +894,8 @@ class SdpaBackwardNode(_Node):
                           left_bound=left_bound, right_bound=right_bound, dropout=dropout,
                           dropout_seed=dropout_seed, dropout_offset=dropout_offset, rng_dump=rng_dump,
                           dbias=dBias)
+        if use_deterministic_algorithm is None:
+            use_deterministic_algorithm = False      # cuDNN's pygraph: None = not given = its default
         if not isinstance(use_deterministic_algorithm, bool):
             raise GraphError(f"{w}: use_deterministic_algorithm must be a bool, got {use_deterministic_algorithm!r}")
         self.deterministic = use_deterministic_algorithm
@@ -948,6 +968,11 @@ class SdpaBackwardNode(_Node):
                     f"{w}: {role} {out.label()} is {out._data_type.name} but q is {grad_dt.name}; fusedattn "
                     f"writes gradients in the inputs' data type")
         self._check_ragged_outputs()
+        # Last, so malformed graphs report their own error. cuDNN's backward validate() refuses
+        # head dims it cannot run (multiples of 8 up to 256 on Hopper): so does ours.
+        why = head_dims_unsupported(d, d_v)
+        if why:
+            raise cudnnGraphNotSupportedError(f"{w}: {why}")
 
     def lower(self, ctx) -> Call:
         """The execute-time description of this node (uids, checks, fixed kwargs)."""
@@ -970,6 +995,44 @@ class SdpaBackwardNode(_Node):
                     offset_role="dropout_offset" in self.inputs, ragged_roles=ragged_roles)
         _finish_call(call, self, s_kv)
         return call
+
+
+class Fp8Node(_Node):
+    """``graph.sdpa_fp8`` / ``graph.sdpa_fp8_backward``: cuDNN's FP8 attention, which fusedattn cannot
+    run yet. The call takes cuDNN's arguments (graph tensors are checked and recorded, the outputs
+    are made, so the graph reads as in cuDNN) and ``validate`` (so ``check_support`` / ``build``)
+    raises ``cudnnGraphNotSupportedError``, on which cuDNN code skips the configuration.
+
+    ``args``: every argument of the call by name; ``required``: the ones that must be graph tensors;
+    ``outputs``: (role, cuDNN output name) pairs, with ``stats`` made only when stats are generated.
+    """
+
+    # tensors the op writes rather than reads (cuDNN passes their descriptors as arguments)
+    _WRITTEN = ("rng_dump", "score_max", "score_sum_exp", "dSink_token")
+
+    def __init__(self, graph, name, op_name, args, required, outputs):
+        self.op_name = op_name
+        super().__init__(graph, name)
+        w = self.where
+        for role in required:
+            if args[role] is None:
+                raise GraphError(f"{w}: {role} is required")
+        for role, val in args.items():
+            if role == "dropout" and isinstance(val, (tuple, list)):    # (p, seed, offset) / (mask, scale)
+                for i, x in enumerate(val):
+                    if isinstance(x, (tensor, torch.Tensor)):
+                        self._input(f"dropout_{i}", x, "dropout")
+            elif isinstance(val, (tensor, torch.Tensor)):
+                (self._written if role in self._WRITTEN else self._input)(role, val)
+        # the forward's Stats exist only when stats are generated (cuDNN returns None otherwise)
+        stats = "is_inference" in args and parse_stats_flag(w, args["is_inference"], args["generate_stats"])
+        self.results = [self._new_output(role, cudnn_name) if role != "stats" or stats else None
+                        for role, cudnn_name in outputs]
+
+    def validate(self, ctx):
+        raise cudnnGraphNotSupportedError(
+            f"{self.where}: FP8 attention is not supported by fusedattn yet; use sdpa / sdpa_backward with "
+            f"HALF or BFLOAT16 tensors")
 
 
 def _finish_call(call: Call, node: _Node, s_kv: int):
@@ -1456,6 +1519,17 @@ def _explain(call: Call, t, err: BaseException) -> str:
     return f"this combination of {names} is not supported by fusedattn yet ({err})"
 
 
+def _known_limits(call: Call, device: torch.device) -> Optional[str]:
+    """What fusedattn cannot run in a valid graph, known without running it: head dims past
+    ``MAX_HEAD_DIM`` or not multiples of 8, and DOUBLE off the CPU (the CPU path has it for
+    gradcheck). The functional layer raises InvalidArgument for these, which here is not bad input."""
+    *_, d, d_v = call.dims["_sizes"]
+    why = head_dims_unsupported(d, d_v)
+    if why is None and call.dts["q"] == torch.float64 and device.type != "cpu":
+        why = f"DOUBLE (float64) attention runs on the CPU only in fusedattn; the graph's tensors are on {device}"
+    return why
+
+
 def probe(call: Call, device: torch.device, backend: str) -> None:
     """Raise ``cudnnGraphNotSupportedError`` naming the graph argument(s) the functional layer
     cannot run, by running the call once on tiny inputs (``b = 1``, ``s <= 5``) with the same
@@ -1472,6 +1546,11 @@ def probe(call: Call, device: torch.device, backend: str) -> None:
     except ImportError as e:
         raise cudnnGraphNotSupportedError(
             f"{call.where}: fusedattn.functional is not importable ({e}); the Graph door runs through it") from e
+    why = _known_limits(call, device)
+    if why is not None:
+        # the functional layer would call these invalid arguments; for a valid graph they are limits
+        _PROBE_CACHE[key] = why
+        raise cudnnGraphNotSupportedError(f"{call.where}: {why}")
     try:
         t = _tiny_tensors(call, device, backend)
         err = _try(call, t, call.features)

@@ -35,7 +35,7 @@ from .tensors import tensor
 
 __all__ = ["Graph"]
 
-_OPS = ("sdpa", "sdpa_backward", "sdpa_with_paged_cache")
+_OPS = ("sdpa", "sdpa_backward", "sdpa_with_paged_cache", "sdpa_fp8", "sdpa_fp8_backward")
 _SIGS = {op: inspect.signature(getattr(pygraph, op)) for op in _OPS}
 
 
@@ -143,6 +143,14 @@ class Graph:
     def sdpa_with_paged_cache(self, *args, **kwargs):
         """:meth:`pygraph.sdpa_with_paged_cache` (the seeds' paged spelling) on torch tensors."""
         return self._op("sdpa_with_paged_cache", args, kwargs)
+
+    def sdpa_fp8(self, *args, **kwargs):
+        """:meth:`pygraph.sdpa_fp8` on torch tensors (not supported yet: the build raises)."""
+        return self._op("sdpa_fp8", args, kwargs)
+
+    def sdpa_fp8_backward(self, *args, **kwargs):
+        """:meth:`pygraph.sdpa_fp8_backward` on torch tensors (not supported yet: the build raises)."""
+        return self._op("sdpa_fp8_backward", args, kwargs)
 
     def __getattr__(self, name):
         # tensor, tensor_like, get_workspace_size, execute, key ... are the pygraph's
