@@ -336,7 +336,7 @@ class _Call:
         out_, _ = attention_forward(
             self.q, k, v, attn_scale=self.scale, causal=self.causal, causal_alignment="bottom_right",
             window=self.window, seq_len_kv=lens, alibi=self.alibi, softcap=self.softcap, backend="cpu", out=out,
-            stats_out=stats)
+            stats_out=stats, validate=False)     # lengths: checked by self.validate(), or clamped (validate=False)
         return out_
 
     def run_triton(self, out, lse):
@@ -350,7 +350,8 @@ class _Call:
                 causal_alignment="bottom_right", window=self.window, seq_len_kv=self.seq_len_kv,
                 alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap,
                 page_table_k=table, page_table_v=table, backend="triton", out=out,
-                stats_out=lse.unsqueeze(-1) if lse is not None else None)
+                stats_out=lse.unsqueeze(-1) if lse is not None else None,
+                validate=False)             # lengths: checked by self.validate(), or clamped (validate=False)
             return
         tiles, splits = decode.plan_decode(self.b, self.h_kv, self.g, self.s_q, self.d, self.d_v, self.q.dtype,
                                            self.cap, self.q.device, self.num_splits)

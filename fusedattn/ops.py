@@ -29,20 +29,21 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, seq_len_q: Optional[Tensor], seq_l
              attn_bias: Optional[Tensor], slopes: Optional[Tensor], attn_scale: float, causal: bool,
              causal_alignment: str, win_left: int, win_right: int, softcap: float, dropout_p: float,
              dropout_seed: int, dropout_offset: int, backend: str,
-             deterministic: Optional[bool]) -> tuple[Tensor, Tensor]:
+             deterministic: Optional[bool], validate: bool = True) -> tuple[Tensor, Tensor]:
     """Forward as an op: returns (out [b,h_q,s_q,d_v], stats fp32 [b,h_q,s_q,1]). deterministic is
-    the backward's (kept for it by the autograd context)."""
+    the backward's (kept for it by the autograd context); validate checks the lengths' values."""
     out, stats = attention_forward(
         q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
         window=_window(win_left, win_right), seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
         alibi=slopes if slopes is not None else False, softcap=softcap, dropout_p=dropout_p,
-        dropout_seed=dropout_seed, dropout_offset=dropout_offset, return_stats=True, backend=backend)
+        dropout_seed=dropout_seed, dropout_offset=dropout_offset, return_stats=True, validate=validate,
+        backend=backend)
     return out, stats
 
 
 @attn_fwd.register_fake
 def _(q, k, v, seq_len_q, seq_len_kv, attn_bias, slopes, attn_scale, causal, causal_alignment,
-      win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, deterministic):
+      win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, deterministic, validate=True):
     b, h_q, s_q, _ = q.shape
     out = _like_layout(q, (b, h_q, s_q, v.shape[-1]), q.dtype)
     return out, q.new_empty((b, h_q, s_q, 1), dtype=torch.float32)
@@ -53,15 +54,17 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, sta
              seq_len_q: Optional[Tensor], seq_len_kv: Optional[Tensor], attn_bias: Optional[Tensor],
              slopes: Optional[Tensor], attn_scale: float, causal: bool, causal_alignment: str, win_left: int,
              win_right: int, softcap: float, dropout_p: float, dropout_seed: int, dropout_offset: int,
-             backend: str, deterministic: Optional[bool], need_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward as an op: (dq, dk, dv, dbias); dbias is empty unless ``need_dbias``."""
+             backend: str, deterministic: Optional[bool], need_dbias: bool,
+             validate: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward as an op: (dq, dk, dv, dbias); dbias is empty unless ``need_dbias``. The autograd
+    backward passes validate=False: the forward op checked the same lengths."""
     dq, dk, dv, dbias = attention_backward(
         q, k, v, out, grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out, stats,
         attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
         window=_window(win_left, win_right), seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
         alibi=slopes if slopes is not None else False, softcap=softcap, dropout_p=dropout_p,
         dropout_seed=dropout_seed, dropout_offset=dropout_offset, backend=backend, need_dbias=need_dbias,
-        deterministic=deterministic)
+        deterministic=deterministic, validate=validate)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dbias
@@ -70,7 +73,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, grad_out: Tensor, sta
 @attn_bwd.register_fake
 def _(q, k, v, out, grad_out, stats, seq_len_q, seq_len_kv, attn_bias, slopes, attn_scale, causal,
       causal_alignment, win_left, win_right, softcap, dropout_p, dropout_seed, dropout_offset, backend, deterministic,
-      need_dbias):
+      need_dbias, validate=True):
     dbias = (attn_bias.new_empty(attn_bias.shape, dtype=torch.float32) if need_dbias and attn_bias is not None
              else q.new_empty((0,), dtype=torch.float32))
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias     # as _run_backward
@@ -78,7 +81,7 @@ def _(q, k, v, out, grad_out, stats, seq_len_q, seq_len_kv, attn_bias, slopes, a
 
 _FWD_INPUTS = ("q", "k", "v", "seq_len_q", "seq_len_kv", "attn_bias", "slopes", "attn_scale", "causal",
                "causal_alignment", "win_left", "win_right", "softcap", "dropout_p", "dropout_seed",
-               "dropout_offset", "backend", "deterministic")
+               "dropout_offset", "backend", "deterministic", "validate")
 
 
 def _setup_context(ctx, inputs, output):
@@ -86,7 +89,7 @@ def _setup_context(ctx, inputs, output):
     out, stats = output
     ctx.save_for_backward(named["q"], named["k"], named["v"], out, stats, named["seq_len_q"],
                           named["seq_len_kv"], named["attn_bias"], named["slopes"])
-    ctx.scalars = tuple(named[n] for n in _FWD_INPUTS[7:])
+    ctx.scalars = tuple(named[n] for n in _FWD_INPUTS[7:-1])      # attn_scale .. deterministic (not validate)
     ctx.mark_non_differentiable(stats)      # as in eager: the log-sum-exp carries no gradient
     ctx.bias_float = named["attn_bias"] is not None and named["attn_bias"].is_floating_point()
 
@@ -95,7 +98,8 @@ def _backward(ctx, grad_out, _grad_stats):
     q, k, v, out, stats, seq_len_q, seq_len_kv, attn_bias, slopes = ctx.saved_tensors
     need_dbias = ctx.bias_float and ctx.needs_input_grad[5]
     dq, dk, dv, dbias = torch.ops.fusedattn.attn_bwd(q, k, v, out, grad_out, stats, seq_len_q, seq_len_kv,
-                                                     attn_bias, slopes, *ctx.scalars, need_dbias)
+                                                     attn_bias, slopes, *ctx.scalars, need_dbias,
+                                                     False)     # validate: the forward op checked these lengths
     dbias = dbias.to(attn_bias.dtype) if need_dbias else None
     return (dq, dk, dv, None, None, dbias) + (None,) * (len(_FWD_INPUTS) - 6)
 
@@ -115,4 +119,4 @@ def attention_op(q, k, v, attn_bias, opts, deterministic=None):
         q, k, v, opts["seq_len_q"], opts["seq_len_kv"], attn_bias, slopes, float(scale), bool(opts["causal"]),
         opts["causal_alignment"], int(left), int(right), float(opts["softcap"]), float(opts["dropout_p"]),
         int(opts["dropout_seed"]), int(opts["dropout_offset"]), opts["backend"],
-        None if deterministic is None else bool(deterministic))
+        None if deterministic is None else bool(deterministic), bool(opts["validate"]))

@@ -34,6 +34,7 @@ __all__ = [
     "Band",
     "AttentionProblem",
     "make_problem",
+    "check_seq_len_values",
     "IO_DTYPES",
     "MAX_HEAD_DIM",
 ]
@@ -138,7 +139,37 @@ def _seq_lens(name: str, t, b: int, device) -> Optional[torch.Tensor]:
         raise InvalidArgumentError(f"{name} must have shape [{b}] or [{b}, 1, 1, 1] (batch {b}), got {tuple(t.shape)}")
     if t.device != device:
         raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}")
-    return t.reshape(b).to(torch.int32).contiguous()
+    t = t.reshape(b)
+    if t.dtype == torch.int64:
+        # a plain cast wraps 2**32 + 3 to 3 (which validation would then pass): saturate first
+        t = t.clamp(-1, 2 ** 31 - 1)
+    return t.to(torch.int32).contiguous()
+
+
+def check_seq_len_values(extras, s_q: int, s_kv: int, device) -> None:
+    """Every ``seq_len_q`` entry in [0, s_q] and ``seq_len_kv`` entry in [0, s_kv] (``validate=True``).
+
+    Reading the values waits for the device: one device-to-host copy for both tensors (their
+    min and max). Skipped while a CUDA graph is being captured, where a sync is an error; the
+    kernels and the CPU path clamp lengths into range whether or not this ran.
+    """
+    named = [(name, extras[name], sym, s) for name, sym, s in (("seq_len_q", "s_q", s_q), ("seq_len_kv", "s_kv", s_kv))
+             if extras[name] is not None and extras[name].numel()]
+    if not named or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return
+    bounds = torch.stack([m for _, t, _, _ in named for m in torch.aminmax(t)]).tolist()     # the one sync
+    for j, (name, t, sym, s) in enumerate(named):
+        lo, hi = bounds[2 * j], bounds[2 * j + 1]
+        if lo >= 0 and hi <= s:
+            continue
+        vals = t.tolist()                   # the error path only: find the first bad entry
+        bad = [i for i, n in enumerate(vals) if not 0 <= n <= s]
+        i, n = bad[0], vals[bad[0]]
+        what = "is negative" if n < 0 else f"exceeds {sym} = {s}"
+        raise InvalidArgumentError(
+            f"{name}[{i}] = {n} {what}; expected every entry in [0, {sym}] = [0, {s}]"
+            + (f" ({len(bad)} of {len(vals)} entries are out of range)" if len(bad) > 1 else "")
+            + ". Pass validate=False to skip this check (then lengths are clamped into range).")
 
 
 @dataclass(frozen=True)
@@ -209,14 +240,15 @@ _SCALARS = (type(None), bool, int, float, str)
 def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left",
                  window=None, seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False,
                  softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
-                 page_table_k=None, page_table_v=None):
+                 page_table_k=None, page_table_v=None, validate=True):
     """Validate the inputs of one attention call and describe it.
 
     Returns ``(problem, extras)`` where ``extras`` holds the normalized run-time
     tensors: ``seq_len_q``/``seq_len_kv`` as int32 ``[b]``, ``bias`` as a
     ``[b, h_q, s_q, s_kv]`` expanded view (strides 0 where broadcast),
     ``slopes`` as fp32 ``[h_q]``.
-    Raises InvalidArgumentError / InvalidTypeError naming the argument.
+    Raises InvalidArgumentError / InvalidTypeError naming the argument. ``validate`` also checks the
+    values of ``seq_len_q`` / ``seq_len_kv`` (:func:`check_seq_len_values`: a device sync).
 
     Calls with no optional tensor but per-batch lengths, no user slopes and no dropout are
     remembered by their metadata (shapes, dtypes, devices, scalar options, the lengths' shapes and
@@ -224,7 +256,7 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
     costs a dict lookup instead of ~20-60 us (the eager padded and ALiBi calls were host-bound on
     the H100, bench/NOTES.md). The length tensors themselves are normalized anew on every call.
     """
-    key = None
+    key = hit = None
     if (attn_bias is None and (alibi is False or alibi is True)
             and page_table_k is None and page_table_v is None and not dropout_p
             and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -241,24 +273,27 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
             hit = _PLAIN.get(key)
         except TypeError:           # an unhashable window entry: validate (and reject) below
             hit = key = None
-        if hit is not None:
-            extras = dict(hit[1])
-            b = q.shape[0]
-            if seq_len_q is not None:
-                extras["seq_len_q"] = _seq_lens("seq_len_q", seq_len_q, b, q.device)
-            if seq_len_kv is not None:
-                extras["seq_len_kv"] = _seq_lens("seq_len_kv", seq_len_kv, b, q.device)
-            return hit[0], extras
-    problem, extras = _make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
-                                    window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
-                                    alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                    dropout_offset=dropout_offset, page_table_k=page_table_k,
-                                    page_table_v=page_table_v)
-    if key is not None:
-        if len(_PLAIN) >= _PLAIN_MAX:
-            _PLAIN.clear()
-        # the lengths are the caller's tensors: never kept (normalized per call above)
-        _PLAIN[key] = (problem, dict(extras, seq_len_q=None, seq_len_kv=None))
+    if hit is not None:
+        problem, extras = hit[0], dict(hit[1])
+        b = q.shape[0]
+        if seq_len_q is not None:
+            extras["seq_len_q"] = _seq_lens("seq_len_q", seq_len_q, b, q.device)
+        if seq_len_kv is not None:
+            extras["seq_len_kv"] = _seq_lens("seq_len_kv", seq_len_kv, b, q.device)
+    else:
+        problem, extras = _make_problem(
+            q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,
+            seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias, alibi=alibi, softcap=softcap,
+            dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+            page_table_k=page_table_k, page_table_v=page_table_v)
+        if key is not None:
+            if len(_PLAIN) >= _PLAIN_MAX:
+                _PLAIN.clear()
+            # the lengths are the caller's tensors: never kept (normalized per call above)
+            _PLAIN[key] = (problem, dict(extras, seq_len_q=None, seq_len_kv=None))
+    # the lengths' values change call to call (never part of the cache key): checked on every call
+    if validate:
+        check_seq_len_values(extras, problem.s_q, problem.s_kv, q.device)
     return problem, extras
 
 
@@ -308,8 +343,9 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
             raise InvalidArgumentError(
                 f"{name} = {dim}; supported: a multiple of 8 from 8 to {MAX_HEAD_DIM} (64, 80, 96, 128, 224, 256 ...)")
-    if b == 0 or h_q == 0:
-        raise InvalidArgumentError(f"q has an empty batch or head dim: shape {tuple(q.shape)}")
+    if h_q == 0:
+        # b == 0 is valid (an empty output, as SDPA gives); the GQA mapping needs heads
+        raise InvalidArgumentError(f"q has no heads (h_q = 0): shape {tuple(q.shape)}")
 
     if attn_scale is None:
         attn_scale = 1.0 / math.sqrt(d)
