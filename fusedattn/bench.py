@@ -957,7 +957,9 @@ def _best_alternative(row: Dict[str, Cell]) -> Optional[float]:
 def _ratio(num: Optional[Cell], den: Optional[float]) -> str:
     if num is None or num.status != "ok" or not den:
         return "-"
-    return f"{num.value / den:.2f}"
+    ratio = num.value / den
+    # two decimals, or two significant digits for small ratios (the CPU path's 0.004 is not 0.00)
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}"
 
 
 def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs: Optional[float]) -> str:
