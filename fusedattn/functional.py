@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+
 import torch
 
 from .backends import compat
