@@ -1,0 +1,508 @@
+"""FlashAttention 2.x's public functions over fusedattn: ``from fusedattn.flash_attn import flash_attn_func``.
+
+A thin door: the signatures, defaults, tensor layouts (BSHD, packed THD, FlashAttention's caches) and
+return values of ``flash_attn.flash_attn_interface`` (FlashAttention 2.x), mapped onto
+:func:`fusedattn.attention`, :func:`fusedattn.attention_varlen` and
+:func:`fusedattn.attention_with_kvcache`. BSHD tensors are passed as ``.transpose(1, 2)`` views (no
+copies); outputs come back BSHD. Gradients flow through every function but ``flash_attn_with_kvcache``
+(which, as in FlashAttention, has no backward).
+
+Semantics (FlashAttention's): ``causal`` is bottom-right aligned (query ``i`` keeps key ``j`` iff
+``j <= i + seqlen_k - seqlen_q``); ``window_size=(left, right)`` keeps
+``i + off - left <= j <= i + off + right`` around the same diagonal, a negative bound is unbounded;
+``softcap > 0`` caps the scaled scores ``softcap * tanh(scores / softcap)``; ``alibi_slopes`` add
+``-slope_h * |i + off - j|``; a query row with no key gives output 0 and ``softmax_lse = +inf``.
+
+Every call accepts one extra keyword-only argument, ``backend`` (``"auto"``, ``"triton"``, ``"cpu"``),
+passed to fusedattn.
+
+Support table (S = supported, R = refused with ``fusedattn.NotSupportedError``, a NotImplementedError,
+naming the argument; I = accepted and ignored):
+
+==================================  ==================  ============================================================
+function / keyword                  status              notes
+==================================  ==================  ============================================================
+flash_attn_func                     S                   fusedattn.attention, causal_alignment="bottom_right"
+flash_attn_qkvpacked_func           S                   views qkv[:, :, 0/1/2] (gradient lands in qkv)
+flash_attn_kvpacked_func            S                   views kv[:, :, 0/1]
+flash_attn_varlen_func              S                   fusedattn.attention_varlen (same THD layout)
+flash_attn_varlen_qkvpacked_func    S                   views qkv[:, 0/1/2]
+flash_attn_varlen_kvpacked_func     S                   views kv[:, 0/1]
+flash_attn_with_kvcache             S (forward only)    fusedattn.attention_with_kvcache(cache_layout="bshd")
+q/k/v dtypes                        S                   fp16, bf16 (FlashAttention's) and fp32; fp64 on the CPU path
+headdim                             S if multiple of 8  up to 256; R otherwise (FlashAttention pads; fusedattn
+                                                        needs d % 8 == 0: pad q/k/v yourself)
+dropout_p                           S                   fusedattn's Philox dropout (seed drawn from torch's default
+                                                        generator): same distribution, not FlashAttention's mask
+softmax_scale                       S                   default 1 / sqrt(headdim)
+causal                              S                   bottom-right aligned (per sequence for varlen / caches)
+window_size                         S                   negative = unbounded
+softcap                             S                   > 0 activates
+alibi_slopes [nheads] fp32          S when causal or    fusedattn adds slope * (j - i), which equals FlashAttention's
+                                    window_size[1]==0   -slope * |i + off - j| up to a per-row constant whenever no
+                                                        kept key lies right of the diagonal; the door converts
+                                                        softmax_lse exactly (minus slope * off). R otherwise
+                                                        (non-causal ALiBi needs |i - j|, which fusedattn lacks)
+alibi_slopes [batch, nheads]        R                   fusedattn's slopes are per head only
+deterministic                       S (dense), I        passed to fusedattn.attention (False allows the atomic
+                                    (varlen)            single-pass Hopper backward); attention_varlen has one
+                                                        backward, the keyword is ignored there
+return_attn_probs                   S (partly)          returns (out, softmax_lse, None): S_dmask is always None
+                                                        (fusedattn never materializes probabilities)
+varlen block_table                  R                   attention_varlen has no paged K/V
+kvcache k, v (append)               S                   written into the caches in place at cache_seqlens ..
+                                                        (fusedattn's append when seqlen_new == seqlen_q, else a
+                                                        PyTorch scatter before the call)
+kvcache cache_seqlens               S                   int or [batch]; the length BEFORE appending (converted to
+                                                        fusedattn's seq_len_kv = cache_seqlens + seqlen_new).
+                                                        Required when k/v are given
+kvcache block_table                 S                   paged caches [num_blocks, page_block_size, nheads_k, d],
+                                                        any page_block_size
+kvcache cache_batch_idx             S                   without block_table: the cache rows are read as pages of
+                                                        seqlen_cache keys (page table = cache_batch_idx), no copy;
+                                                        R together with block_table
+kvcache cache_leftpad               R                   fusedattn's caches start at key 0
+kvcache rotary_cos/sin/interleaved  S                   applied in PyTorch (fp32 math, rounded to q's dtype) to q
+                                                        and the new k before the call, at FlashAttention's
+                                                        positions; requires k/v
+kvcache num_splits                  I                   fusedattn chooses its own split (results equal up to rounding)
+kvcache return_softmax_lse          S                   [batch, nheads, seqlen_q] fp32
+==================================  ==================  ============================================================
+
+Differences that remain: fusedattn accepts more than FlashAttention does (fp32, ``d_v != d``, any
+strides, any page size); dropout masks differ (same distribution); ``S_dmask`` is None.
+"""
+from __future__ import annotations
+
+import torch
+
+from .functional import attention
+from .kvcache import attention_with_kvcache
+from .problem import MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError
+from .varlen import attention_varlen
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
+
+
+# ----------------------------------------------------------------------------- shared translation
+
+def _bsh(name, t, ndim, shape_doc):
+    if not isinstance(t, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise InvalidArgumentError(f"{name} must be {ndim}-D {shape_doc}, got shape {list(t.shape)}")
+
+
+def _check_headdim(name, d):
+    if d <= 0 or d > MAX_HEAD_DIM or d % 8 != 0:
+        raise NotSupportedError(
+            f"{name} has headdim {d}: fusedattn supports head dims that are multiples of 8 from 8 to "
+            f"{MAX_HEAD_DIM} (FlashAttention pads other sizes internally; pad q/k/v to a multiple of 8 and pass "
+            f"softmax_scale = 1/sqrt({d}))")
+
+
+def _window(window_size, causal):
+    """FlashAttention's (left, right), negative = unbounded -> fusedattn's window (None where unbounded)."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise InvalidArgumentError(f"window_size must be a pair (left, right) of ints, -1 = unbounded; "
+                                   f"got {window_size!r}")
+    bounds = []
+    for side, w in zip(("left", "right"), window_size):
+        try:
+            w = int(w)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"window_size[{side}] must be an int, got {w!r}") from None
+        bounds.append(None if w < 0 else w)
+    left, right = bounds
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right, (None if left is None and right is None else (left, right))
+
+
+def _slopes(alibi_slopes, nheads, right, device):
+    """Validate alibi_slopes; returns fp32 [nheads] or None."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
+        raise InvalidTypeError(f"alibi_slopes must be a float tensor [nheads] (fp32), got "
+                               f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
+    if alibi_slopes.dim() == 2:
+        raise NotSupportedError(
+            f"alibi_slopes of shape {list(alibi_slopes.shape)} ([batch_size, nheads]): fusedattn supports one slope "
+            f"per head, shape [nheads] = [{nheads}]")
+    if tuple(alibi_slopes.shape) != (nheads,):
+        raise InvalidArgumentError(f"alibi_slopes must have shape [nheads] = [{nheads}], got "
+                                   f"{list(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise InvalidArgumentError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    if right != 0:
+        raise NotSupportedError(
+            "alibi_slopes without causal=True (or window_size[1] == 0): FlashAttention adds "
+            "-slope * |i + seqlen_k - seqlen_q - j|, fusedattn adds slope * (j - i), and the two agree only "
+            "when no key right of the diagonal is kept; use causal=True, window_size=(left, 0), or "
+            "fusedattn.attention with an explicit attn_bias")
+    return alibi_slopes.to(torch.float32)
+
+
+def _empty_rows(i, off, sk, left, right):
+    """Rows (broadcast of query index i, diagonal offset off, key count sk) whose band holds no key."""
+    lo = torch.zeros_like(i + off) if left is None else (i + off - left).clamp_min(0)
+    hi = (sk - 1) + torch.zeros_like(i + off) if right is None else torch.minimum(i + off + right, sk - 1 + 0 * i)
+    return hi < lo
+
+
+def _fa_lse(lse, empty, slopes, off):
+    """fusedattn's lse -> FlashAttention's: minus slope * off under ALiBi, +inf on rows with no key.
+    lse [..., h, rows]; empty [..., 1 or h, rows] bool; off broadcastable to [..., 1, rows]."""
+    lse = lse.detach()
+    if slopes is not None:
+        lse = lse - slopes.view(-1, 1) * off.to(torch.float32)
+    return lse.masked_fill(empty, float("inf"))
+
+
+def _scale(softmax_scale, d):
+    return d ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _dropout(dropout_p):
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise InvalidArgumentError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return p
+
+
+# ----------------------------------------------------------------------------- dense
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend="auto"):
+    """FlashAttention's ``flash_attn_func`` on fusedattn.
+
+    Args:
+        q: ``(batch_size, seqlen_q, nheads, headdim)``.
+        k: ``(batch_size, seqlen_k, nheads_k, headdim)``; nheads a multiple of nheads_k (GQA/MQA).
+        v: ``(batch_size, seqlen_k, nheads_k, headdim_v)``.
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes (``(nheads,)`` fp32, causal or
+            ``window_size[1] == 0`` only), deterministic: FlashAttention's meanings (module docstring).
+        return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (always None).
+        backend: fusedattn's backend (an addition).
+
+    Returns:
+        ``out (batch_size, seqlen_q, nheads, headdim_v)``, or ``(out, softmax_lse, None)`` with
+        ``softmax_lse (batch_size, nheads, seqlen_q)`` fp32.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _bsh(name, t, 4, "(batch_size, seqlen, nheads, headdim)")
+    _check_headdim("q", q.shape[-1])
+    _check_headdim("v", v.shape[-1])
+    left, right, window = _window(window_size, causal)
+    nheads = q.shape[2]
+    slopes = _slopes(alibi_slopes, nheads, right, q.device)
+    out, stats = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                           causal_alignment="bottom_right", window=window,
+                           alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
+                           dropout_p=_dropout(dropout_p), deterministic=bool(deterministic), return_stats=True,
+                           backend=backend)
+    out = out.transpose(1, 2)
+    if not return_attn_probs:
+        return out
+    s_q, s_k = q.shape[1], k.shape[1]
+    i = torch.arange(s_q, device=q.device)
+    off = torch.tensor(s_k - s_q, device=q.device)
+    empty = _empty_rows(i, off, torch.tensor(s_k, device=q.device), left, right)
+    return out, _fa_lse(stats[..., 0], empty.view(1, 1, s_q), slopes, off), None
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              backend="auto"):
+    """FlashAttention's ``flash_attn_qkvpacked_func``: ``qkv (batch_size, seqlen, 3, nheads, headdim)``.
+
+    Same as :func:`flash_attn_func` on the views ``qkv[:, :, 0]``, ``qkv[:, :, 1]``, ``qkv[:, :, 2]``
+    (no copies; the gradient arrives in ``qkv``). Returns ``out (batch_size, seqlen, nheads, headdim)``
+    or ``(out, softmax_lse (batch_size, nheads, seqlen), None)``.
+    """
+    _bsh("qkv", qkv, 5, "(batch_size, seqlen, 3, nheads, headdim)")
+    if qkv.shape[2] != 3:
+        raise InvalidArgumentError(f"qkv must be (batch_size, seqlen, 3, nheads, headdim), got {list(qkv.shape)}")
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs, backend=backend)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             backend="auto"):
+    """FlashAttention's ``flash_attn_kvpacked_func``: ``q (batch_size, seqlen_q, nheads, headdim)``,
+    ``kv (batch_size, seqlen_k, 2, nheads_k, headdim)``.
+
+    Same as :func:`flash_attn_func` on the views ``kv[:, :, 0]``, ``kv[:, :, 1]``. Returns
+    ``out (batch_size, seqlen_q, nheads, headdim)`` or ``(out, softmax_lse (batch_size, nheads, seqlen_q), None)``.
+    """
+    _bsh("kv", kv, 5, "(batch_size, seqlen_k, 2, nheads_k, headdim)")
+    if kv.shape[2] != 2:
+        raise InvalidArgumentError(f"kv must be (batch_size, seqlen_k, 2, nheads_k, headdim), got {list(kv.shape)}")
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, backend=backend)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+def _max_len(name, m):
+    if isinstance(m, torch.Tensor):
+        m = int(m.item())
+    if isinstance(m, bool) or not isinstance(m, int):
+        raise InvalidArgumentError(f"{name} must be an int, got {m!r}")
+    return m
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, backend="auto"):
+    """FlashAttention's ``flash_attn_varlen_func`` on :func:`fusedattn.attention_varlen`.
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k: ``(total_k, nheads_k, headdim)``; v: ``(total_k, nheads_k, headdim_v)``.
+        cu_seqlens_q, cu_seqlens_k: ``(batch_size + 1,)`` int32 cumulative offsets.
+        max_seqlen_q, max_seqlen_k: ints, the longest sequences.
+        dropout_p ... return_attn_probs: as :func:`flash_attn_func`, per sequence (causal / window / ALiBi
+            aligned with each sequence's own lengths). ``deterministic`` is ignored (one backward).
+        block_table: refused (fusedattn's varlen has no paged K/V).
+
+    Returns:
+        ``out (total_q, nheads, headdim_v)``, or ``(out, softmax_lse (nheads, total_q) fp32, None)`` (the
+        conversion to FlashAttention's lse reads the offsets on the host: one sync).
+    """
+    if block_table is not None:
+        raise NotSupportedError("block_table with flash_attn_varlen_func: fusedattn.attention_varlen has no paged "
+                                "K/V; use flash_attn_with_kvcache(block_table=...) or contiguous packed k/v")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _bsh(name, t, 3, "(total, nheads, headdim)")
+    _check_headdim("q", q.shape[-1])
+    _check_headdim("v", v.shape[-1])
+    left, right, window = _window(window_size, causal)
+    slopes = _slopes(alibi_slopes, q.shape[1], right, q.device)
+    out, stats = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len("max_seqlen_q", max_seqlen_q),
+                                  _max_len("max_seqlen_k", max_seqlen_k),
+                                  attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                                  causal_alignment="bottom_right", window=window,
+                                  alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
+                                  dropout_p=_dropout(dropout_p), return_stats=True, backend=backend)
+    if not return_attn_probs:
+        return out
+    # per token: index within its sequence, the sequence's diagonal offset and key count
+    cq = cu_seqlens_q.long().cpu()
+    ck = cu_seqlens_k.long().cpu()
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    total = q.shape[0]
+    seq = torch.repeat_interleave(torch.arange(lq.numel()), lq)
+    i = torch.arange(int(cq[-1])) - cq[seq]
+    off_tok, sk_tok = (lk - lq)[seq], lk[seq]
+    pad = total - i.numel()              # rows past cu_seqlens_q[-1] belong to no sequence: no key
+    i = torch.cat([i, torch.zeros(pad, dtype=i.dtype)])
+    off_tok = torch.cat([off_tok, torch.zeros(pad, dtype=i.dtype)])
+    sk_tok = torch.cat([sk_tok, torch.zeros(pad, dtype=i.dtype)])
+    empty = _empty_rows(i, off_tok, sk_tok, left, right).to(q.device).view(1, total)
+    return out, _fa_lse(stats, empty, slopes, off_tok.to(q.device).view(1, total)), None
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, backend="auto"):
+    """FlashAttention's ``flash_attn_varlen_qkvpacked_func``: ``qkv (total, 3, nheads, headdim)``,
+    ``cu_seqlens (batch_size + 1,)`` int32, ``max_seqlen`` int.
+
+    Same as :func:`flash_attn_varlen_func` on the views ``qkv[:, 0/1/2]`` with the same offsets for q and k.
+    Returns ``out (total, nheads, headdim)`` or ``(out, softmax_lse (nheads, total), None)``.
+    """
+    _bsh("qkv", qkv, 4, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise InvalidArgumentError(f"qkv must be (total, 3, nheads, headdim), got {list(qkv.shape)}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, backend=backend)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    backend="auto"):
+    """FlashAttention's ``flash_attn_varlen_kvpacked_func``: ``q (total_q, nheads, headdim)``,
+    ``kv (total_k, 2, nheads_k, headdim)``.
+
+    Same as :func:`flash_attn_varlen_func` on the views ``kv[:, 0]``, ``kv[:, 1]``. Returns
+    ``out (total_q, nheads, headdim)`` or ``(out, softmax_lse (nheads, total_q), None)``.
+    """
+    _bsh("kv", kv, 4, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise InvalidArgumentError(f"kv must be (total_k, 2, nheads_k, headdim), got {list(kv.shape)}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, backend=backend)
+
+
+# ----------------------------------------------------------------------------- K/V cache
+
+def _rotary(x, cos, sin, pos, interleaved):
+    """Rotary embedding of x [b, s, h, d] at positions pos [b, s], as FlashAttention's apply_rotary_emb:
+    the first rotary_dim = 2 * cos.shape[1] dims rotate (pairs (0,1),(2,3).. if interleaved, else
+    (0, rd/2),(1, rd/2+1)..), the rest pass through; fp32 math, rounded to x's dtype."""
+    rd = 2 * cos.shape[1]
+    c = cos[pos].to(torch.float32).unsqueeze(2)            # [b, s, 1, rd/2]
+    s = sin[pos].to(torch.float32).unsqueeze(2)
+    xr = x[..., :rd].to(torch.float32)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            backend="auto"):
+    """FlashAttention's ``flash_attn_with_kvcache`` on :func:`fusedattn.attention_with_kvcache` (forward only).
+
+    Args:
+        q: ``(batch_size, seqlen_q, nheads, headdim)``.
+        k_cache, v_cache: ``(batch_size_cache, seqlen_cache, nheads_k, headdim[_v])``, or with ``block_table``
+            ``(num_blocks, page_block_size, nheads_k, headdim[_v])`` (any page_block_size).
+        k, v: optional ``(batch_size, seqlen_new, nheads_k, headdim[_v])``: written into the caches IN PLACE at
+            positions ``cache_seqlens .. cache_seqlens + seqlen_new - 1`` (rotated first when rotary is on),
+            then attended to. Requires ``cache_seqlens``.
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)``; k is rotated at positions
+            ``cache_seqlens + t``; q at ``cache_seqlens + t`` when causal or windowed, else at ``cache_seqlens``.
+            Requires k/v. ``rotary_interleaved``: pairs (0, 1), (2, 3)... (True) or GPT-NeoX halves (False).
+        cache_seqlens: int or ``(batch_size,)`` int32: keys in each cache BEFORE appending k/v (None: the whole
+            cache). fusedattn's ``seq_len_kv`` is ``cache_seqlens + seqlen_new``.
+        cache_batch_idx: optional ``(batch_size,)`` int32: sequence ``i`` uses cache row ``cache_batch_idx[i]``
+            (contiguous caches only).
+        cache_leftpad: refused (not None).
+        block_table: optional ``(batch_size, max_num_blocks_per_seq)`` int32 (paged caches).
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as :func:`flash_attn_func`, around the
+            bottom-right diagonal ``off = cache_seqlens + seqlen_new - seqlen_q``.
+        num_splits: accepted and ignored (fusedattn chooses its split).
+        return_softmax_lse: also return ``softmax_lse``.
+        backend: fusedattn's backend (an addition).
+
+    Returns:
+        ``out (batch_size, seqlen_q, nheads, headdim_v)``, or ``(out, softmax_lse (batch_size, nheads, seqlen_q))``.
+    """
+    _bsh("q", q, 4, "(batch_size, seqlen_q, nheads, headdim)")
+    cache_doc = ("(num_blocks, page_block_size, nheads_k, headdim)" if block_table is not None
+                 else "(batch_size_cache, seqlen_cache, nheads_k, headdim)")
+    _bsh("k_cache", k_cache, 4, cache_doc)
+    _bsh("v_cache", v_cache, 4, cache_doc)
+    _check_headdim("q", q.shape[-1])
+    _check_headdim("v_cache", v_cache.shape[-1])
+    if cache_leftpad is not None:
+        raise NotSupportedError("cache_leftpad: fusedattn's caches start at key 0 of each sequence; "
+                                "pass cache_leftpad=None")
+    if (k is None) != (v is None):
+        raise InvalidArgumentError("k and v must be given together (or neither)")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise InvalidArgumentError("rotary_cos and rotary_sin must be given together (or neither)")
+    if rotary_cos is not None and k is None:
+        raise InvalidArgumentError("rotary_cos/rotary_sin need the new k and v to append (as in FlashAttention)")
+    if k is not None and cache_seqlens is None:
+        raise InvalidArgumentError("k/v (append) need cache_seqlens: the length of each cache before appending")
+    b, s_q, h_q, d = q.shape
+    dev = q.device
+
+    if block_table is not None and cache_batch_idx is not None:
+        raise NotSupportedError("cache_batch_idx together with block_table: the block table already selects "
+                                "each sequence's pages; pass cache_batch_idx=None")
+    page_table = block_table
+    if block_table is None:
+        if cache_batch_idx is not None:
+            # each cache row is one page of seqlen_cache keys: page_table[i] = [cache_batch_idx[i]]
+            if not isinstance(cache_batch_idx, torch.Tensor) or tuple(cache_batch_idx.shape) != (b,):
+                raise InvalidArgumentError(f"cache_batch_idx must be an int tensor (batch_size,) = ({b},), got "
+                                           f"{getattr(cache_batch_idx, 'shape', type(cache_batch_idx).__name__)}")
+            page_table = cache_batch_idx.to(device=dev, dtype=torch.int32).view(b, 1)
+        elif k_cache.shape[0] > b:
+            k_cache, v_cache = k_cache[:b], v_cache[:b]            # FlashAttention's default indices 0 .. b - 1
+    cap = (page_table.shape[1] * k_cache.shape[1]) if page_table is not None else k_cache.shape[1]
+
+    if cache_seqlens is None:
+        lens_before = None
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lens_before = torch.full((b,), cache_seqlens, dtype=torch.int32, device=dev)
+    elif isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype in (torch.int32, torch.int64):
+        if cache_seqlens.numel() != b:
+            raise InvalidArgumentError(f"cache_seqlens must be an int or a (batch_size,) = ({b},) int32 tensor, "
+                                       f"got shape {list(cache_seqlens.shape)}")
+        lens_before = cache_seqlens.reshape(b).to(device=dev, dtype=torch.int32)
+    else:
+        raise InvalidTypeError(f"cache_seqlens must be an int or an int32 tensor (batch_size,), got "
+                               f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
+
+    left, right, window = _window(window_size, causal)
+    slopes = _slopes(alibi_slopes, h_q, right, dev)
+
+    s_new = 0
+    if k is not None:
+        _bsh("k", k, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        _bsh("v", v, 4, "(batch_size, seqlen_new, nheads_k, headdim)")
+        s_new = k.shape[1]
+        if v.shape[1] != s_new:
+            raise InvalidArgumentError(f"k has seqlen_new {s_new} but v has {v.shape[1]}")
+    if rotary_cos is not None:
+        if rotary_cos.dim() != 2 or tuple(rotary_sin.shape) != tuple(rotary_cos.shape) or \
+                2 * rotary_cos.shape[1] > d:
+            raise InvalidArgumentError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                                       f"<= headdim = {d}; got {list(rotary_cos.shape)}, {list(rotary_sin.shape)}")
+        base = lens_before.long()
+        t_k = base[:, None] + torch.arange(s_new, device=dev)[None, :]
+        t_q = base[:, None] + (torch.arange(s_q, device=dev)[None, :] if (causal or window is not None)
+                               else torch.zeros(1, s_q, dtype=torch.long, device=dev))
+        need = int(max(t_k.max().item() if s_new else 0, t_q.max().item() if s_q else 0)) + 1
+        if need > rotary_cos.shape[0]:
+            raise InvalidArgumentError(f"rotary_cos/rotary_sin have seqlen_ro = {rotary_cos.shape[0]} rows but "
+                                       f"position {need - 1} is needed (cache_seqlens + seqlen)")
+        k = _rotary(k, rotary_cos, rotary_sin, t_k, rotary_interleaved)
+        q = _rotary(q, rotary_cos, rotary_sin, t_q, rotary_interleaved)
+
+    seq_len_kv = None if lens_before is None else lens_before + s_new
+    k_new = v_new = None
+    if k is not None:
+        if s_new == s_q:
+            k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)       # fusedattn appends (BHSD views)
+        elif s_new > 0:
+            _append(k_cache, v_cache, page_table, lens_before, k, v, cap)
+
+    out, stats = attention_with_kvcache(
+        q.transpose(1, 2), k_cache, v_cache, page_table=page_table, seq_len_kv=seq_len_kv, k_new=k_new, v_new=v_new,
+        attn_scale=_scale(softmax_scale, d), causal=bool(causal), window=window,
+        alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
+        return_stats=True, backend=backend)
+    out = out.transpose(1, 2)
+    if not return_softmax_lse:
+        return out
+    sk = seq_len_kv.long() if seq_len_kv is not None else torch.full((b,), cap, device=dev)
+    off = (sk - s_q).view(b, 1, 1)
+    empty = _empty_rows(torch.arange(s_q, device=dev).view(1, 1, s_q), off, sk.view(b, 1, 1), left, right)
+    return out, _fa_lse(stats[..., 0], empty, slopes, off)
+
+
+def _append(k_cache, v_cache, page_table, lens_before, k, v, cap):
+    """Write k/v (seqlen_new != seqlen_q, which fusedattn's append does not take) into the BSHD caches."""
+    b, s_new = k.shape[:2]
+    dev = k.device
+    pos = lens_before.long()[:, None] + torch.arange(s_new, device=dev)[None, :]       # [b, s_new]
+    if bool(((lens_before < 0) | (pos[:, -1] >= cap)).any()):
+        raise InvalidArgumentError(f"cache_seqlens + seqlen_new (seqlen_new = {s_new}) exceeds the cache's "
+                                   f"{cap} keys, or cache_seqlens is negative")
+    if page_table is not None:
+        bs = k_cache.shape[1]
+        first = page_table.long().gather(1, pos // bs)
+        second = pos % bs
+    else:
+        first = torch.arange(b, device=dev)[:, None].expand(b, s_new)
+        second = pos
+    k_cache[first, second] = k
+    v_cache[first, second] = v
