@@ -18,6 +18,7 @@ import fusedattn as cudnn
 from fusedattn.backends.cpu import dropout_keep_mask
 from fusedattn.graph import graphs as graphs_module
 from fusedattn.graph import sdpa as sdpa_module
+from fusedattn.graph import support as graph_support
 from fusedattn.testing import guarded
 
 F = torch.nn.functional
@@ -682,7 +683,7 @@ def test_not_supported_arguments():
 
 def test_probe_names_the_unsupported_argument(monkeypatch):
     """When the functional layer refuses a feature, check_support names cuDNN's argument for it."""
-    monkeypatch.setattr(sdpa_module, "_PROBE_CACHE", {})
+    monkeypatch.setattr(graph_support, "_PROBE_CACHE", {})
     real = fusedattn.functional.attention_forward
 
     def no_alibi(*a, alibi=False, **kw):
@@ -751,7 +752,7 @@ def test_paged_translation_with_gathering_stand_in(monkeypatch):
         return real(q, gather(k, page_table_k), gather(v, page_table_v), **kw)
 
     monkeypatch.setattr(fm, "attention_forward", gathering)
-    monkeypatch.setattr(sdpa_module, "_PROBE_CACHE", {})
+    monkeypatch.setattr(graph_support, "_PROBE_CACHE", {})
     b, h, s_q, d, bs, n = 2, 2, 5, 16, 8, 4
     k_t, v_t = rand(b, h, n * bs, d, seed=1), rand(b, h, n * bs, d, seed=2)
     q_t = rand(b, h, s_q, d, seed=3)

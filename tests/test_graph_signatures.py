@@ -14,6 +14,7 @@ import torch
 
 import fusedattn as cudnn
 from fusedattn.graph import sdpa as sdpa_module
+from fusedattn.graph import support as graph_support
 from fusedattn.graph.signatures import CUDNN_SIGNATURES
 
 P = inspect.Parameter
@@ -203,7 +204,7 @@ def _bwd(q_shape, k_shape=None, v_shape=None):
 def test_head_dim_264_is_not_supported(shapes, monkeypatch):
     """cuDNN (Hopper, 9.19) lets the forward through validate and refuses at check_support; its
     backward refuses at validate. Either way: cudnnGraphNotSupportedError naming the head dim."""
-    monkeypatch.setattr(sdpa_module, "_PROBE_CACHE", {})
+    monkeypatch.setattr(graph_support, "_PROBE_CACHE", {})
     graph = _fwd(*shapes)
     graph.validate()
     graph.build_operation_graph()
@@ -227,7 +228,7 @@ def test_head_dim_not_multiple_of_8_is_not_supported_at_validate():
 def test_double_off_the_cpu_is_not_supported(monkeypatch):
     """fusedattn runs DOUBLE on the CPU path only; on a GPU that is a limit, not bad input (the probe
     is asked about a CUDA device directly, so this runs without one)."""
-    monkeypatch.setattr(sdpa_module, "_PROBE_CACHE", {})
+    monkeypatch.setattr(graph_support, "_PROBE_CACHE", {})
     graph = _fwd((1, 2, 8, 16), dt=cudnn.data_type.DOUBLE)
     graph.build_operation_graph()
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="DOUBLE .* CPU only"):

@@ -33,8 +33,10 @@ import torch
 from .enums import attention_implementation, data_type, heur_mode, to_data_type
 from .enums import diagonal_alignment as _alignment   # the methods' parameter shadows the name
 from .errors import GraphError, cudnnGraphNotSupportedError
+from .execute import invoke
 from .handle import Handle, create_handle
-from .sdpa import Fp8Node, SdpaBackwardNode, SdpaNode, invoke, probe
+from .nodes import Fp8Node, SdpaBackwardNode, SdpaNode
+from .support import probe
 from .tensors import tensor
 
 __all__ = ["pygraph"]

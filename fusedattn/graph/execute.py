@@ -1,0 +1,101 @@
+"""Running a lowered call (execute): role -> torch tensor in, one call of
+:func:`fusedattn.functional.attention_forward` / ``attention_backward`` (or of :mod:`fusedattn.varlen`
+for a packed call, :mod:`.ragged`), the functional layer's errors translated to the Graph door's."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from ..problem import NotSupportedError
+from .errors import GraphError, cudnnGraphNotSupportedError
+from .invocation import _check_params, _functional, _options, _write_rng_dump
+from .lower import Call
+from .ragged import _ragged_invocation
+
+# ---------------------------------------------------------------------------------------------
+# running a call
+# ---------------------------------------------------------------------------------------------
+
+def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
+    """``(function, args, kwargs, post)`` for the functional layer from role -> torch tensor.
+
+    ``feats`` restricts the features (the support probe uses it); ``None`` = all of the call's.
+    ``post`` is run after the function with its result (rng_dump, dBias copies).
+    """
+    feats = set(call.features if feats is None else feats)
+    if "ragged" in feats:
+        # the probe keeps a packed binding apart from its dense tiny tensors
+        return _ragged_invocation(call, t.get("_ragged", t), feats)
+    fn_mod = _functional()
+    kw = _options(call, t, feats)
+    if "padding" in feats:
+        for role in ("seq_len_q", "seq_len_kv"):
+            if role in t:
+                kw[role] = t[role]
+    if "bias" in feats:
+        kw["attn_bias"] = t["bias"]
+    k, v = t["k"], t["v"]
+    if "paged" in feats:
+        pk, pv = t["page_table_k"], t["page_table_v"]
+        if call.kv_layout == "paged_nshd":
+            # The seeds' containers [num_pages, page_size, h, d] seen as [num_pages, h, page_size, d]
+            # (a view), and page tables [b, n] as [b, 1, n, 1] (a view).
+            k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+            pk, pv = pk[:, None, :, None], pv[:, None, :, None]
+        kw["page_table_k"], kw["page_table_v"] = pk, pv
+        if call.max_seq_len_kv is not None and "seq_len_kv" not in kw:
+            cap = min(pk.shape[2] * k.shape[2], pv.shape[2] * v.shape[2])
+            if call.max_seq_len_kv < cap:
+                # cuDNN's max_seq_len_kv bounds every sequence; a constant length says the same.
+                b = t["q"].shape[0]
+                kw["seq_len_kv"] = torch.full((b,), call.max_seq_len_kv, dtype=torch.int32, device=k.device)
+    elif call.kv_layout != "dense":
+        # probe without paging: the tiny inputs carry dense k/v under these roles
+        k, v = t["k_dense"], t["v_dense"]
+    backend = t.get("_backend", "auto")
+    if call.kind == "fwd":
+        fn = fn_mod.attention_forward
+        args = (t["q"], k, v)
+        kw["out"] = t["o"]
+        if "stats" in feats:
+            kw["stats_out"] = t["stats"]
+    else:
+        fn = fn_mod.attention_backward
+        args = (t["q"], k, v, t["o"], t["dO"], t["stats"])
+        kw["dq"], kw["dk"], kw["dv"] = t["dQ"], t["dK"], t["dV"]
+    kw["backend"] = backend
+    # cuDNN reads seq_len_q / seq_len_kv at execute without checking their values (no host sync, and a
+    # graph may be replayed inside a CUDA graph): the functional door's per-call value check is off here
+    kw["validate"] = False
+    _check_params(fn, kw)
+
+    def post(result):
+        if "rng_dump" in feats:
+            _write_rng_dump(t, kw)
+        if call.kind == "bwd" and "dbias" in feats:
+            dbias = result[3]
+            if dbias is None:
+                raise NotSupportedError("attention_backward returned no dbias for need_dbias=True")
+            target = t["dBias"]
+            if tuple(dbias.shape) != tuple(target.shape):
+                dbias = dbias.sum_to_size(target.shape)   # reduce over the dims the bias broadcasts
+            target.copy_(dbias)
+
+    return fn, args, kw, post
+
+
+
+def invoke(call: Call, t: Dict[str, torch.Tensor]):
+    """Run one call on role -> torch tensor, translating the functional layer's errors."""
+    try:
+        fn, args, kw, post = build_invocation(call, t)
+        result = fn(*args, **kw)
+        post(result)
+    except (GraphError, cudnnGraphNotSupportedError):
+        raise
+    except NotImplementedError as e:   # NotSupportedError included
+        raise cudnnGraphNotSupportedError(f"{call.where}: {e}") from e
+    except (ValueError, TypeError) as e:
+        raise GraphError(f"{call.where}: fusedattn rejected the call: {e}") from e
+

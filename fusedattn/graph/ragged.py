@@ -1,0 +1,203 @@
+"""Packed (ragged) calls (execute): when q, k, v and o (and dO, dQ, dK, dV in the backward) carry
+``set_ragged_offset(r)``, the call runs :mod:`fusedattn.varlen` instead::
+
+    r [b + 1] (elements) -> cu_seqlens = r / token stride   (the tensor's stride along s)
+    graph dims [b, h, s, d] -> max_seqlen = s; each bound buffer is viewed as [total, h, d]
+                               with the graph's token / head / dim strides (any bound shape)
+    seq_len_q / seq_len_kv  -> checked equal to diff(cu_seqlens) (derived from it when absent)
+    Stats [b, h, s, 1]      -> scattered to / gathered from the padded layout (0 past a length),
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from .errors import GraphError, cudnnGraphNotSupportedError
+from .invocation import _check_params, _options, _write_rng_dump
+from .lower import Call, Req
+
+# ---------------------------------------------------------------------------------------------
+# packed (ragged) calls: fusedattn.varlen
+# ---------------------------------------------------------------------------------------------
+
+_Q_SIDE = ("q", "o", "dO", "dQ", "stats")   # packed by q's sequences
+_KV_SIDE = ("k", "v", "dK", "dV")           # packed by k's
+
+
+@dataclass
+class _Packed:
+    """A packed binding: ``[total, h, d]`` views of the bound buffers and the sequences."""
+
+    views: Dict[str, torch.Tensor]   # role -> [total, h, d] view (stats: [total, h_q])
+    cu_q: torch.Tensor               # int32 [b + 1] from 0, on the data's device
+    cu_kv: torch.Tensor
+    lens_q: List[int]
+    lens_kv: List[int]
+    max_q: int                       # the graph's s_q / s_kv: the padded problem it stands for
+    max_kv: int
+
+
+def _span(x: torch.Tensor) -> int:
+    """Elements from ``x``'s first element to one past its last: what a view of it may reach."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+
+
+def _token_offsets(call: Call, r: Req, off: torch.Tensor) -> List[int]:
+    """The ragged offsets of ``r`` (elements) in tokens of its sequence stride, checked."""
+    w, tok = call.where, r.stride[2]
+    vals = [int(x) for x in off.reshape(-1).tolist()]   # one host read, as cuDNN's offsets are
+    what = f"the ragged offset of {r.role} {r.label}"
+    if any(x < 0 for x in vals) or any(a > b for a, b in zip(vals, vals[1:])):
+        raise GraphError(f"{w}: {what} must be non-negative and non-decreasing (each sequence's first "
+                         f"element, then the end), got {vals[:16]}")
+    bad = [x for x in vals if x % tok]
+    if bad:
+        raise GraphError(f"{w}: {what} counts elements and must hold multiples of {r.role}'s token stride "
+                         f"{tok} (its stride along the sequence dim): {bad[0]} is not, in {vals[:16]}")
+    return [x // tok for x in vals]
+
+
+def _ragged_bind(call: Call, t: Dict[str, torch.Tensor], feats) -> _Packed:
+    """The packed views of a ragged call's buffers, from their offsets (host reads), checked
+    against each other, the graph's dims, the seq_len tensors and the bound buffers' extents."""
+    w = call.where
+    reqs = {r.role: r for r in call.reqs}
+    tokens = {role: _token_offsets(call, reqs[role], t[f"ragged_{role}"]) for role in call.ragged_roles}
+    seqs = {}
+    for side, lead in ((_Q_SIDE, "q"), (_KV_SIDE, "k")):
+        # offsets may start anywhere in a buffer; the sequences are what must agree
+        rel = [c - tokens[lead][0] for c in tokens[lead]]
+        for role in side:
+            if role in tokens and role != lead:
+                mine = [c - tokens[role][0] for c in tokens[role]]
+                if mine != rel:
+                    raise GraphError(f"{w}: the ragged offsets of {role} and {lead} describe different "
+                                     f"sequences (tokens from the first: {lead} {rel[:16]}, {role} {mine[:16]}); "
+                                     f"{role} is packed like {lead}")
+        seqs[lead] = rel
+    if len(seqs["q"]) != len(seqs["k"]):
+        raise GraphError(f"{w}: the ragged offsets of q and k hold {len(seqs['q'])} and {len(seqs['k'])} "
+                         f"entries; both are [b + 1]")
+    lens_q = [b - a for a, b in zip(seqs["q"], seqs["q"][1:])]
+    lens_kv = [b - a for a, b in zip(seqs["k"], seqs["k"][1:])]
+    max_q, max_kv = t.get("_max_seqlen") or (reqs["q"].shape[2], reqs["k"].shape[2])
+    for lens, mx, lead, dim in ((lens_q, max_q, "q", "s_q"), (lens_kv, max_kv, "k", "s_kv")):
+        i = max(range(len(lens)), key=lens.__getitem__)
+        if lens[i] > mx:
+            raise GraphError(f"{w}: sequence {i} has {lens[i]} tokens by the ragged offsets of {lead}, more "
+                             f"than {lead}'s dims allow ({dim} = {mx}, the padded maximum)")
+    if "padding" in feats:
+        for name, lens, lead in (("seq_len_q", lens_q, "q"), ("seq_len_kv", lens_kv, "k")):
+            if name not in t:
+                continue
+            given = [int(x) for x in t[name].reshape(-1).tolist()]
+            for i, (g, n) in enumerate(zip(given, lens)):
+                if g < 0 or g > n:
+                    raise GraphError(f"{w}: {name}[{i}] = {g} but the ragged offsets of {lead} leave {n} tokens "
+                                     f"for sequence {i}; with packed tensors seq_len must equal the difference "
+                                     f"of consecutive offsets (in tokens)")
+            for i, (g, n) in enumerate(zip(given, lens)):
+                if g < n:
+                    raise cudnnGraphNotSupportedError(
+                        f"{w}: {name}[{i}] = {g} is shorter than the {n} tokens between the ragged offsets of "
+                        f"{lead}: gaps between packed sequences are not supported by fusedattn; pack them back "
+                        f"to back (offset[i + 1] = offset[i] + seq_len[i] * token stride)")
+    views = {}
+    for role in call.ragged_roles:
+        r, x = reqs[role], t[role]
+        seq = seqs["q"] if role in _Q_SIDE else seqs["k"]
+        total = seq[-1]
+        _, h, _, dd = r.shape
+        _, hs, tok, ds = r.stride
+        start = tokens[role][0] * tok
+        need = start + (total - 1) * tok + (h - 1) * hs + (dd - 1) * ds + 1 if total else 0
+        if need > _span(x):
+            raise GraphError(f"{w}: {role} {r.label} is too small for its ragged offsets: {total} tokens from "
+                             f"element {start} in strides {list(r.stride)} reach {need} elements, but the bound "
+                             f"tensor (shape {list(x.shape)}, strides {list(x.stride())}) spans {_span(x)}")
+        # the bound buffer may be [total, h, d], flat, or the declared [b, h, s, d]: only its
+        # memory is used, through the graph's strides
+        v = x.as_strided((total, h, dd), (tok, hs, ds), x.storage_offset() + start)
+        views[role] = v[..., 0] if role == "stats" else v
+    dev = t["q"].device
+    return _Packed(views=views, cu_q=torch.tensor(seqs["q"], dtype=torch.int32, device=dev),
+                   cu_kv=torch.tensor(seqs["k"], dtype=torch.int32, device=dev), lens_q=lens_q,
+                   lens_kv=lens_kv, max_q=max_q, max_kv=max_kv)
+
+
+def _padded_index(lens: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of each packed token: its place in the padded [b, h, s] layout."""
+    n = torch.tensor(lens, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), n)
+    starts = torch.cumsum(n, 0) - n
+    return seq.to(device), (torch.arange(int(n.sum())) - starts[seq]).to(device)
+
+
+def _varlen_backward(q, k, v, out, grad_out, stats, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                     *, attn_scale=None, causal=False, causal_alignment="top_left", window=None, alibi=False,
+                     dropout_p=0.0, dropout_seed=0, dropout_offset=0, backend="auto"):
+    """Gradients ``(dq, dk, dv)`` of :func:`fusedattn.attention_varlen` from its output and stats
+    fp32 ``[h_q, total_q]``: the sdpa_backward node gives those explicitly (no autograd graph)."""
+    from ..plan import plan
+    from ..varlen import make_varlen_problem, varlen_backward
+    p, extras, *_ = make_varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, validate=False,
+        attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window, alibi=alibi,
+        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+    return varlen_backward(p, extras, plan(p, backend), q, k, v, out, grad_out, stats)
+
+
+def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
+    """``build_invocation`` of a packed call: :func:`fusedattn.attention_varlen` (forward) or
+    :func:`_varlen_backward` on views of the bound buffers; ``post`` writes the results in place."""
+    from .. import varlen
+    pk = _ragged_bind(call, t, feats)
+    views = pk.views
+    kw = _options(call, t, feats)
+    # the packed forward always returns stats; the backward is deterministic whatever is asked
+    kw.pop("return_stats", None)
+    kw.pop("deterministic", None)
+    kw["backend"] = t.get("_backend", "auto")
+    if call.kind == "fwd":
+        fn = varlen.attention_varlen
+        args = (views["q"], views["k"], views["v"], pk.cu_q, pk.cu_kv, pk.max_q, pk.max_kv)
+        kw.update(return_stats=True, validate=False)
+    else:
+        fn = _varlen_backward
+        if "stats" in views:
+            lse = views["stats"]
+        else:
+            seq, pos = _padded_index(pk.lens_q, t["stats"].device)
+            lse = t["stats"][..., 0][seq, :, pos]            # [total_q, h_q]
+        args = (views["q"], views["k"], views["v"], views["o"], views["dO"],
+                lse.t().to(torch.float32).contiguous(), pk.cu_q, pk.cu_kv, pk.max_q, pk.max_kv)
+    _check_params(fn, kw)
+
+    def post(result):
+        if call.kind == "fwd":
+            out, lse = result
+            if "o" in views:           # a virtual O nobody reads may be unpacked: not written
+                views["o"].copy_(out)
+            if "stats" in feats and "stats" in t:
+                if "stats" in views:
+                    views["stats"].copy_(lse.t())
+                else:
+                    # padded Stats [b, h, s, 1]: rows past a sequence's length get 0
+                    target = t["stats"][..., 0]
+                    target.zero_()
+                    if lse.numel():
+                        seq, pos = _padded_index(pk.lens_q, target.device)
+                        target[seq, :, pos] = lse.t()
+        else:
+            for role, g in zip(("dQ", "dK", "dV"), result):
+                if role in views:
+                    views[role].copy_(g)
+        if "rng_dump" in feats:
+            _write_rng_dump(t, kw)
+
+    return fn, args, kw, post
+
