@@ -46,8 +46,8 @@ def pytest_collection_modifyitems(config, items):
         return
     kept, dropped, seen = [], [], {}
     for item in items:
-        n = seen.get(item.fspath, 0)
-        seen[item.fspath] = n + 1
+        n = seen.get(item.path, 0)
+        seen[item.path] = n + 1
         (kept if n % every == 0 else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
