@@ -246,7 +246,7 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
     Returns ``(problem, extras)`` where ``extras`` holds the normalized run-time
     tensors: ``seq_len_q``/``seq_len_kv`` as int32 ``[b]``, ``bias`` as a
     ``[b, h_q, s_q, s_kv]`` expanded view (strides 0 where broadcast),
-    ``slopes`` as fp32 ``[h_q]``.
+    ``slopes`` as fp32 ``[b, h_q]`` (batch stride 0 for per-head slopes).
     Raises InvalidArgumentError / InvalidTypeError naming the argument. ``validate`` also checks the
     values of ``seq_len_q`` / ``seq_len_kv`` (:func:`check_seq_len_values`: a device sync).
 
@@ -339,10 +339,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
     if h_kv == 0 or h_q % h_kv != 0:
         raise InvalidArgumentError(
             f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA")
-    for name, dim in (("d (q/k head dim)", d), ("d_v (v head dim)", d_v)):
-        if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
-            raise InvalidArgumentError(
-                f"{name} = {dim}; supported: a multiple of 8 from 8 to {MAX_HEAD_DIM} (64, 80, 96, 128, 224, 256 ...)")
+    check_head_dims(d, d_v)
     if h_q == 0:
         # b == 0 is valid (an empty output, as SDPA gives); the GQA mapping needs heads
         raise InvalidArgumentError(f"q has no heads (h_q = 0): shape {tuple(q.shape)}")
@@ -388,15 +385,11 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
 
     alibi_kind = None
     if isinstance(alibi, torch.Tensor):
-        if alibi.shape != (h_q,) or not alibi.is_floating_point():
-            raise InvalidArgumentError(f"alibi slopes must be a float tensor of shape [{h_q}] (h_q), got {tuple(alibi.shape)} {alibi.dtype}")
-        if alibi.device != q.device:
-            raise InvalidArgumentError(f"alibi slopes are on {alibi.device} but q is on {q.device}")
         alibi_kind = "tensor"
-        extras["slopes"] = alibi.to(torch.float32).contiguous()
+        extras["slopes"] = alibi_slopes_2d(alibi, b, h_q, q.device)
     elif alibi:
         alibi_kind = "default"
-        extras["slopes"] = _default_slopes(h_q, q.device)
+        extras["slopes"] = _default_slopes(h_q, q.device).expand(b, h_q)
 
     try:
         softcap = float(softcap or 0.0)
@@ -420,6 +413,33 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         paged=paged, page_size=page_size,
     )
     return problem, extras
+
+
+def check_head_dims(d: int, d_v: int) -> None:
+    """Any head dim from 1 to MAX_HEAD_DIM, d_v != d included. The kernels pad inside: the portable
+    Triton kernels mask their loads and stores to the true d (tiles of max(16, next power of two));
+    the Gluon sm_90 kernels take only the dims they were built for (plan.py); the scale defaults
+    to 1 / sqrt(true d)."""
+    for name, dim in (("d (q/k head dim)", d), ("d_v (v head dim)", d_v)):
+        if dim <= 0 or dim > MAX_HEAD_DIM:
+            raise InvalidArgumentError(f"{name} = {dim}; supported: any head dim from 1 to {MAX_HEAD_DIM}")
+
+
+def alibi_slopes_2d(alibi, b: int, h_q: int, device, name: str = "alibi slopes") -> torch.Tensor:
+    """A user's ALiBi slopes, float ``[h_q]`` or ``[b, h_q]`` (FlashAttention's two shapes), as fp32
+    ``[b, h_q]``: a per-head tensor is expanded (batch stride 0, no copy of its values per batch),
+    which is how every kernel reads them (``SLOPES + batch * stride_sb + head``)."""
+    if not isinstance(alibi, torch.Tensor) or not alibi.is_floating_point() or \
+            tuple(alibi.shape) not in ((h_q,), (b, h_q)):
+        raise InvalidArgumentError(
+            f"{name} must be a float tensor of shape [{h_q}] (h_q) or [{b}, {h_q}] (b, h_q), got "
+            f"{tuple(getattr(alibi, 'shape', ()))} {getattr(alibi, 'dtype', type(alibi).__name__)}")
+    if alibi.device != device:
+        raise InvalidArgumentError(f"{name} are on {alibi.device} but q is on {device}")
+    slopes = alibi.to(torch.float32)
+    if slopes.dim() == 1:
+        return slopes.contiguous().expand(b, h_q)
+    return slopes if slopes.stride(1) == 1 else slopes.contiguous()
 
 
 def _page_table(name, t, b, device):

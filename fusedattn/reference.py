@@ -42,7 +42,7 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
             s = s + attn_bias.to(dtype)
     if isinstance(alibi, torch.Tensor) or alibi:
         slopes = alibi if isinstance(alibi, torch.Tensor) else alibi_slopes(h_q, q.device)
-        s = s + slopes.to(dtype).view(1, h_q, 1, 1) * (cols - rows).to(dtype)
+        s = s + slopes.to(dtype).reshape(-1, h_q, 1, 1) * (cols - rows).to(dtype)     # [h_q] or [b, h_q]
     len_q = seq_len_q.reshape(b).long() if seq_len_q is not None else torch.full((b,), s_q, device=q.device)
     len_kv = seq_len_kv.reshape(b).long() if seq_len_kv is not None else torch.full((b,), s_kv, device=q.device)
     lq, lkv = len_q.view(b, 1, 1, 1), len_kv.view(b, 1, 1, 1)

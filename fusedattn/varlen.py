@@ -18,7 +18,7 @@ import torch
 
 from . import functional
 from .plan import plan
-from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, make_problem
+from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes_2d, make_problem
 
 __all__ = ["attention_varlen"]
 
@@ -64,8 +64,17 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_
         _check_offsets("cu_seqlens_q", cu_q, q.shape[0], max_seqlen_q)
         _check_offsets("cu_seqlens_kv", cu_kv, k.shape[0], max_seqlen_kv)
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    nseq = cu_q.numel() - 1
+    slopes = None
+    if isinstance(opts.get("alibi"), torch.Tensor):
+        # [h_q] or [nseq, h_q]: checked against the sequence count (make_problem sees a batch of 1)
+        slopes = alibi_slopes_2d(opts["alibi"], nseq, q.shape[1], q.device)
+        opts = dict(opts, alibi=slopes[0] if nseq else slopes.new_zeros(q.shape[1]))
     p, extras = make_problem(q4, k4, v4, **opts)
-    p = dataclasses.replace(p, b=cu_q.numel() - 1, s_q=max_seqlen_q, s_kv=max_seqlen_kv, varlen=True)
+    p = dataclasses.replace(p, b=nseq, s_q=max_seqlen_q, s_kv=max_seqlen_kv, varlen=True)
+    if extras["slopes"] is not None:
+        # per sequence: the kernels read slopes[sequence, head]
+        extras["slopes"] = slopes if slopes is not None else extras["slopes"][0].expand(nseq, p.h_q)
     extras.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
     return p, extras, q4, k4, v4
 

@@ -54,7 +54,7 @@ def fwd_spec(d, bm, bn, dtype="bf16", **sw):
     ptr = f"*{dtype}"
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32",
                 TABLE_K="*i32", TABLE_V="*i32", CU_Q="*i32", CU_KV="*i32")
-    bd = triton.next_power_of_2(d)
+    bd = max(16, triton.next_power_of_2(d))     # args.block_dim: tl.dot needs 16 at least
     c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
              WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1,
              VARLEN=False)
@@ -68,7 +68,7 @@ def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):
 
 def bwd_variants(d, tk, tq, dtype="bf16", **sw):
     ptr = f"*{dtype}"
-    bd = triton.next_power_of_2(d)
+    bd = max(16, triton.next_power_of_2(d))     # args.block_dim: tl.dot needs 16 at least
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d)
     c.update(sw)
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,

@@ -35,6 +35,11 @@ CASES = [
     ("gluon fused d128", lambda: gluon_fused_check.compile_fused(False, "bf16")),
     ("triton fwd d64", lambda: aot_check.fwd_variant(64, 64, 64, 4, 3)),
     ("triton bwd d64", lambda: aot_check.bwd_variants(64, (64, 64, 4, 3), (64, 64, 4, 3))),
+    # issue 25: [b, h] ALiBi slopes (a batch stride) in every kernel; head dims below 16 / odd (masked tiles)
+    ("gluon dq d128 alibi", lambda: gluon_dq_check.compile_dq(128, True, "bf16", alibi=True)),
+    ("gluon dkdv d128 causal alibi", lambda: gluon_bwd_check.compile_dkdv(128, True, "bf16", alibi=True)),
+    ("triton fwd d3 alibi", lambda: aot_check.fwd_variant(3, 64, 64, 4, 2, HAS_ALIBI=True)),
+    ("triton bwd d59 alibi", lambda: aot_check.bwd_variants(59, (64, 64, 4, 2), (64, 64, 4, 2), HAS_ALIBI=True)),
 ]
 
 

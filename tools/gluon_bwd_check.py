@@ -41,7 +41,7 @@ def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=No
            "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
-           "SLOPES": "*fp32", "SEQ_Q": "*i32", "SEQ_KV": "*i32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
+           "SLOPES": "*fp32", "stride_sb": "i32", "SEQ_Q": "*i32", "SEQ_KV": "*i32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32", "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32",
            "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32"}
     const = dict(STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window, BOTTOM_RIGHT=bottom_right,

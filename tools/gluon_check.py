@@ -49,7 +49,7 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "k_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
            "o_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
-           "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32",
+           "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",

@@ -38,7 +38,7 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
     kd = f"tensordesc<{dtype}[1, 1, {block_n}, {td}],{kl!r}>"
     sig = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "dq_desc": qd,
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
-           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "SLOPES": "*fp32",
+           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32",

@@ -136,7 +136,8 @@ class _Chunker:
             else:
                 s = s + bias.to(self.cdt)
         if self.slopes is not None:
-            slope = self.slopes.to(self.cdt).view(1, p.h_kv, p.group, 1, 1)
+            # slopes [b, h_q] (batch stride 0 for per-head slopes)
+            slope = self.slopes.to(self.cdt).reshape(-1, p.h_kv, p.group, 1, 1)
             s = s + slope * (cols.view(1, -1) - rows.view(-1, 1)).to(self.cdt)
         r = rows.view(1, 1, 1, -1, 1)
         c = cols.view(1, 1, 1, 1, -1)

@@ -182,7 +182,7 @@ def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS
 
 @gluon.jit
 def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_bar,
-                   q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, batch,
+                   q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, stride_sb, batch,
                    kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
                    HAS_SEQ_Q: gl.constexpr, REVERSE: gl.constexpr = False, ROTATE: gl.constexpr = False, t_a=0,
                    t_b=0, rot=0):
@@ -208,7 +208,7 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
         lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
         if HAS_ALIBI:
-            slope2 = _alibi_slope2(SLOPES, head)
+            slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
         for i in range(t_hi - t_lo):
             t = t_hi - 1 - i if REVERSE else t_lo + i
             if ROTATE:
@@ -326,7 +326,7 @@ def _dkdv_step(it, t, k_view, v_view, q_smem, do_smem, lse_smem, delta_smem, q_r
 
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready,
-                   do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
+                   do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, stride_sb, batch, kv_head, n0, GROUP, band, tiles,
                    qk_scale, sm_scale, len_q, len_kv, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64). Padding: rows past len_q are zeroed
@@ -358,7 +358,7 @@ def _dkdv_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     it = 0
     for g in range(GROUP):
         if HAS_ALIBI:
-            slope2 = _alibi_slope2(SLOPES, kv_head * GROUP + g)
+            slope2 = _alibi_slope2(SLOPES, batch, kv_head * GROUP + g, stride_sb)
         if HAS_RIGHT:
             for t in range(t_lo, t_wg):
                 slot = it % STAGES
@@ -503,7 +503,7 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
 
 @gluon.jit
 def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar,
-                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch, kv_head,
+                    q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, stride_sb, batch, kv_head,
                     n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
                     HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
@@ -535,7 +535,7 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     for g in range(GROUP):
         if WG == 0:
             if HAS_ALIBI:
-                slope2 = _alibi_slope2(SLOPES, kv_head * GROUP + g)
+                slope2 = _alibi_slope2(SLOPES, batch, kv_head * GROUP + g, stride_sb)
             drop = 0
             if DROPOUT:
                 seed, offset, threshold, rescale, s_q, s_kv, bh0 = drop_args
@@ -585,7 +585,7 @@ def _store_acc(acc, tile, desc, batch, kv_head, n0):
 
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
-                        DELTA, SLOPES, SEQ_Q, SEQ_KV, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left,
+                        DELTA, SLOPES, stride_sb, SEQ_Q, SEQ_KV, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left,
                         win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr,
@@ -652,32 +652,32 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
             mbarrier.init(x_empty.index(i), count=1)
         gl.warp_specialize([
             (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
-                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, stride_sb, batch,
                                kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
                                HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
             (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
-                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, batch,
+                               q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, stride_sb, batch,
                                kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
                                HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh,
-                              stride_lm, DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi,
+                              stride_lm, DELTA, SLOPES, stride_sb, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi,
                               STAGES, HAS_ALIBI, HAS_SEQ_Q)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         return
 
     gl.warp_specialize([
         (_dkdv_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
-                          do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
+                          do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, stride_sb, batch, kv_head, n0, GROUP, band, tiles,
                           qk_scale, sm_scale, len_q, len_kv, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q,
                           HAS_SEQ_KV)),
         (_dkdv_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar.index(0), q_ready,
-                          do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, batch, kv_head, n0, GROUP, band, tiles,
+                          do_ready, l_ready, empty, dk_desc, dv_desc, SLOPES, stride_sb, batch, kv_head, n0, GROUP, band, tiles,
                           qk_scale, sm_scale, len_q, len_kv, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, HAS_SEQ_Q,
                           HAS_SEQ_KV)),
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                          DELTA, SLOPES, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES,
+                          DELTA, SLOPES, stride_sb, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES,
                           HAS_ALIBI, HAS_SEQ_Q)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -690,7 +690,7 @@ def supports(p, q, k, v, grad_out, dk, dv, *, slopes=None, seq_len_q=None, seq_l
     """True when this kernel computes exactly the dK/dV that ``p`` asks for on these tensors.
 
     The problem half is cached per problem; the tensor half (sm_90 GPU, dtypes, TMA's stride
-    rules on q, k, v, grad_out, dk, dv; ALiBi slopes fp32 [h_q]; int32 [b] lengths when padded)
+    rules on q, k, v, grad_out, dk, dv; ALiBi slopes fp32 [b, h_q]; int32 [b] lengths when padded)
     is checked each call."""
     if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
@@ -716,7 +716,7 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
     unit last stride (``supports`` checks them); lse fp32 [b,h_q,s_q] view (any strides,
     natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)); slopes fp32
-    [h_q] when p.alibi; seq_len_q / seq_len_kv int32 [b] when p has them (padding: rows past len_q
+    [b, h_q] when p.alibi; seq_len_q / seq_len_kv int32 [b] when p has them (padding: rows past len_q
     add nothing, dK/dV rows of keys past len_kv are written as 0). stages overrides ``STAGES``,
     dv_first ``DV_FIRST`` (tuning)."""
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
@@ -736,6 +736,7 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
         _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N), _tma(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
+        slopes.stride(0) if p.alibi is not None else 0,
         *dropout.kernel_args(p),
         STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,

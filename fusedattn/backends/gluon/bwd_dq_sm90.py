@@ -91,8 +91,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..compat import tma_load, tma_store
-from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _band_keep, _cta_tiles, _fwd_problem_ok, _is_sm90,
-                       _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
+from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _alibi_slope2, _band_keep, _cta_tiles, _fwd_problem_ok,
+                       _is_sm90, _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
                        _zero_landed_rows)
 from . import dropout
 from .launch import launch
@@ -343,7 +343,7 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 
 @gluon.jit
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
-                      O, stride_ob, stride_oh, stride_om, SLOPES, SEQ_Q, SEQ_KV,
+                      O, stride_ob, stride_oh, stride_om, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
                       DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -376,7 +376,7 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     band = (len_kv, diag, win_left, win_right)
     slope2 = qk_scale * 0.0
     if HAS_ALIBI:
-        slope2 = gl.load(SLOPES + head) * LOG2E_C
+        slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
     delta_base = DELTA + bh.to(gl.int64) * S_Q
     drop = 0
     if DROPOUT:
@@ -439,7 +439,7 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
     in ``SUPPORTED_DIMS``, no mask, causal, sliding windows, ALiBi and padding as the forward has
     them, TMA-ready strides). The problem half is cached.
     out: the forward's output, when the caller wants delta computed by this pass (unit last
-    stride). slopes: fp32 [h_q] ALiBi slopes (natural units)
+    stride). slopes: fp32 [b, h_q] ALiBi slopes (natural units)
     when p.alibi. seq_len_q / seq_len_kv: int32 [b] lengths when the problem has them."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(d for d in head_dims if d in SUPPORTED_DIMS)
     if not (_bwd_problem_ok(p, dims) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
@@ -462,7 +462,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     stride. lse: fp32 [b,h_q,s_q] view (any strides; the forward's natural-log stats). delta: fp32
     contiguous [b*h_q, s_q]: read as rowsum(dO * O), or, when ``out`` (the forward's output, same
     shape as grad_out, unit last stride) is given, computed here and written into it (for the
-    dK/dV pass; no separate preprocess launch). slopes: fp32 [h_q] when p.alibi. seq_len_q /
+    dK/dV pass; no separate preprocess launch). slopes: fp32 [b, h_q] when p.alibi. seq_len_q /
     seq_len_kv: int32 [b] when p has them (padding: dQ rows past len_q are written as 0, keys past
     len_kv are ignored). block_n / stages / split override
     ``TILES`` / ``SPLIT`` (tuning).
@@ -484,6 +484,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
         lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
         seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
+        slopes.stride(0) if p.alibi is not None else 0,
         *dropout.kernel_args(p),
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,

@@ -553,10 +553,10 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
                            DQ_ATOMIC, ROTATE, pid_n)),
-        # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in)
+        # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                          DELTA, DELTA, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES, False,
+                          DELTA, DELTA, 0, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES, False,
                           False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

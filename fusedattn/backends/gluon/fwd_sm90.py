@@ -435,9 +435,10 @@ def _unpack_p(pk, dtype: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _alibi_slope2(SLOPES, head):
-    """ALiBi's slope of ``head`` (fp32 [h_q] tensor, natural units) in base 2, the kernels' exponent base."""
-    return gl.load(SLOPES + head) * LOG2E_C
+def _alibi_slope2(SLOPES, batch, head, stride_sb):
+    """ALiBi's slope of (``batch``, ``head``) (fp32 [b, h_q] tensor, natural units; batch stride 0 for
+    per-head slopes) in base 2, the kernels' exponent base."""
+    return gl.load(SLOPES + batch.to(gl.int64) * stride_sb + head) * LOG2E_C
 
 
 @gluon.jit
@@ -971,7 +972,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
 
 @gluon.jit
 def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                             k_empty, v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                             k_empty, v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                              SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale, win_left,
                              win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -1006,7 +1007,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
             BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
         slope2 = 0.0
         if HAS_ALIBI:
-            slope2 = _alibi_slope2(SLOPES, head)
+            slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
         row0 = start_m + WG * WG_M
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
         drop = 0
@@ -1037,7 +1038,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
         len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
         if HAS_ALIBI:
-            slope2 = _alibi_slope2(SLOPES, head)
+            slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                    len_q, slope2, drop, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
         if QSTAGES == 1:
@@ -1053,7 +1054,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, SEQ_Q, SEQ_KV,
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
                    DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -1106,13 +1107,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             mbarrier.init(q_empty.index(i), count=2)
         gl.warp_specialize([
             (_fwd_consumer_persistent, (0, q_smem0, tile_smem, k_smem, v_smem, q_ready0, q_empty, k_ready, k_empty,
-                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
             (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
-                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES,
+                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
@@ -1134,7 +1135,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
         slope2 = 0.0
         if HAS_ALIBI:
-            slope2 = _alibi_slope2(SLOPES, head)
+            slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
         drop = 0
         if DROPOUT:
             drop = dropout.state(DROP_SEED, DROP_OFFSET, bh, S_Q, S_KV, DROP_THRESHOLD, DROP_RESCALE)
@@ -1229,9 +1230,10 @@ def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, se
 
 
 def _slopes_ok(p, slopes) -> bool:
-    """ALiBi slopes as the kernels read them: fp32 [h_q] on the GPU, unit stride."""
+    """ALiBi slopes as the kernels read them: fp32 [b, h_q] on the GPU (batch stride 0 for per-head
+    slopes), unit stride on heads."""
     return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
-            and slopes.numel() == p.h_q and slopes.stride(-1) == 1)
+            and tuple(slopes.shape) == (p.b, p.h_q) and slopes.stride(-1) == 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1338,7 +1340,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
                     stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
-    (any strides) or None; slopes: fp32 [h_q] ALiBi slopes (natural units) when p.alibi;
+    (any strides) or None; slopes: fp32 [b, h_q] ALiBi slopes (natural units) when p.alibi;
     seq_len_q / seq_len_kv: int32 [b] lengths when p.has_seq_len_q / p.has_seq_len_kv (padding:
     rows past len_q are written as 0, keys past len_kv are masked). Writes out and lse in place.
 
@@ -1382,7 +1384,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     launch(
         _attn_fwd_sm90, grid,
         _tma(q, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(out, WG_M), lse_arg, *lse_strides,
-        slopes if p.alibi is not None else lse_arg,
+        slopes if p.alibi is not None else lse_arg, slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,

@@ -17,7 +17,19 @@ def kernel_scalars(p, extras, dummy):
     args["seq_q"] = extras["seq_len_q"] if extras["seq_len_q"] is not None else dummy
     args["seq_kv"] = extras["seq_len_kv"] if extras["seq_len_kv"] is not None else dummy
     args["slopes"] = extras["slopes"] if extras["slopes"] is not None else dummy
+    args["stride_sb"] = slope_batch_stride(extras["slopes"])
     return args
+
+
+def slope_batch_stride(slopes) -> int:
+    """Batch stride of fp32 [b, h_q] ALiBi slopes (0 for per-head slopes, expanded); 0 without ALiBi."""
+    return slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
+
+
+def block_dim(d: int) -> int:
+    """The tile width over a head dim: the next power of two, at least 16 (tl.dot's smallest K and N).
+    Dims below it (any d from 1 to 256) are masked to the true d on every load and store."""
+    return max(16, pow2(d))
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,8 +54,8 @@ def _static_scalars(p):
             BIAS_KIND={None: 0, "float": 1, "bool": 2}[p.bias],
             HAS_ALIBI=p.alibi is not None, SOFTCAP=softcap, DROPOUT=p.has_dropout,
             DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
-            # head dims that are not powers of two (40, 96, 224) pad the tile and mask loads
-            EVEN_D=pow2(p.d) == p.d, EVEN_DV=pow2(p.d_v) == p.d_v,
+            # head dims that are not powers of two (40, 96, 224) or below 16 pad the tile and mask loads
+            EVEN_D=block_dim(p.d) == p.d, EVEN_DV=block_dim(p.d_v) == p.d_v,
         ),
     }
 
@@ -60,9 +72,9 @@ def is_plain(p) -> bool:
 
 
 def extras_key(extras):
-    """dtype and 16-byte alignment of each optional tensor (the JIT specializes on both): part of
-    a launch.Launcher key."""
-    return tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+    """dtype and 16-byte alignment of each optional tensor (the JIT specializes on both) and its
+    strides (the slopes' batch stride is a kernel argument): part of a launch.Launcher key."""
+    return tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0, t.stride())
                  for t in (extras.get(n) for n in _EXTRA_TENSORS))
 
 

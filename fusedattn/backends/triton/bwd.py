@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, extras_key, is_plain as _is_plain, kernel_scalars
+from .args import aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
 from .common import (LOG2E, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range,
                      scores_base2, softcap_tanh)
@@ -116,7 +116,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                    stride_lb, stride_lh, stride_lm,
-                   stride_bb, stride_bh, stride_bm, stride_bn,
+                   stride_bb, stride_bh, stride_bm, stride_bn, stride_sb,
                    H_Q, H_KV, GROUP, S_Q, S_KV, D, D_V,
                    sm_scale, qk_scale, softcap, win_left, win_right,
                    dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -172,7 +172,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             dbias_base = DBIAS + bh.to(tl.int64) * S_Q * S_KV
         slope = 0.0
         if HAS_ALIBI:
-            slope = tl.load(SLOPES + head) * LOG2E
+            slope = tl.load(SLOPES + b64 * stride_sb + head) * LOG2E     # [b, h_q]; stride 0 for [h_q]
         dk, dv = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh, row_end,
@@ -254,7 +254,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
                  stride_dob, stride_doh, stride_dom, stride_dod,
                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                  stride_lb, stride_lh, stride_lm,
-                 stride_bb, stride_bh, stride_bm, stride_bn,
+                 stride_bb, stride_bh, stride_bm, stride_bn, stride_sb,
                  H_Q, GROUP, S_Q, S_KV, D, D_V,
                  sm_scale, qk_scale, softcap, win_left, win_right,
                  dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -311,7 +311,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
         bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(SLOPES + head) * LOG2E
+        slope = tl.load(SLOPES + b64 * stride_sb + head) * LOG2E         # [b, h_q]; stride 0 for [h_q]
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
@@ -390,7 +390,7 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
     bias_arg = bias if bias is not None else q
-    block_d, block_dv = pow2(p.d), pow2(p.d_v)
+    block_d, block_dv = block_dim(p.d), block_dim(p.d_v)
 
     passes = ((_DQ, "dq"), (_DKDV, "dkdv"))
     if delta is None:
@@ -412,7 +412,7 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
             (q, k, v, grad_out, lse, delta, dk, dv, dbias if dbias is not None else delta,
              args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q, cu_kv,
              *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-             *lse.stride(), *bias_strides,
+             *lse.stride(), *bias_strides, args["stride_sb"],
              p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common),
             dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                  WRITE_DBIAS=dbias is not None, VARLEN=p.varlen, num_warps=t.num_warps, num_stages=t.num_stages,
@@ -421,7 +421,7 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     dq_pass = ((cdiv(p.s_q, t.block_m), p.b * p.h_q),
                (q, k, v, out, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], bias_arg, args["slopes"], cu_q,
                 cu_kv, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *dq.stride(),
-                *lse.stride(), *bias_strides,
+                *lse.stride(), *bias_strides, args["stride_sb"],
                 p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common),
                dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                     REVERSE_M=args["causal_like"], VARLEN=p.varlen, WRITE_DELTA=True, num_warps=t.num_warps,

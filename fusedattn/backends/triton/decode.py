@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import LOG2E_PY
+from .args import LOG2E_PY, block_dim, slope_batch_stride
 from .common import LN2, load_tile, scores_base2
 from .launch import jit_launch
 
@@ -113,7 +113,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_pb, stride_pn, stride_pvb, stride_pvn,
                 stride_ob, stride_oh, stride_om, stride_od,
-                stride_lb, stride_lh, stride_lm,
+                stride_lb, stride_lh, stride_lm, stride_sb,
                 B, H_KV, G, S_Q, D, D_V, CAP, NUM_PAGES, NUM_SPLITS,
                 qk_scale, softcap, win_left, win_right,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -152,7 +152,8 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
     q = load_tile(q_ptrs, rows, offs_d, n_rows, D, True, not EVEN_D)
     slope = 0.0
     if HAS_ALIBI:
-        slope = (tl.load(SLOPES + head, mask=row_ok, other=0.0) * 1.4426950408889634)[:, None]
+        # [b, h_q] slopes; batch stride 0 for per-head ones
+        slope = (tl.load(SLOPES + b64 * stride_sb + head, mask=row_ok, other=0.0) * 1.4426950408889634)[:, None]
 
     # keys any row of this tile may keep, and the whole blocks every row keeps entirely
     t_lo = (pid_m * BLOCK_M) // G
@@ -425,7 +426,7 @@ def _switches(dtype, d, d_v, band, softcap, has_alibi):
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
     return dict(
-        EVEN_D=triton.next_power_of_2(d) == d, EVEN_DV=triton.next_power_of_2(d_v) == d_v,
+        EVEN_D=block_dim(d) == d, EVEN_DV=block_dim(d_v) == d_v,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_ALIBI=has_alibi, SOFTCAP=softcap > 0.0,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     ), (band.left if has_left else 0), (band.right if has_right else 0)
@@ -447,8 +448,8 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     q [b,h_q,s_q,d]; k_cache/v_cache [b,h_kv,s_max,d|d_v] or containers [pages,h_kv,page,d|d_v]
     (k and v sharing pages and page size); page_table int32 [b, max_pages] view (any strides) or
     None; page_table_v: V's own table of the same shape (cuDNN has two), default page_table;
-    seq_len_kv / seq_len_q: int32 [b] contiguous, or None (full lengths); slopes fp32 [h_q] or
-    None (ALiBi, base e); out [b,h_q,s_q,d_v] and lse fp32 [b,h_q,s_q] (or None), any strides.
+    seq_len_kv / seq_len_q: int32 [b] contiguous, or None (full lengths); slopes fp32 [b, h_q] (batch
+    stride 0 for per-head slopes) or None (ALiBi, base e); out [b,h_q,s_q,d_v] and lse fp32 [b,h_q,s_q] (or None), any strides.
     ``band`` is a problem.Band (either alignment) or None; ``cap`` the capacity in keys
     (s_max, or max_pages * page size). Caller's duty: 16-byte aligned base pointers (args.aligned).
     """
@@ -476,10 +477,10 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
         seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
         out, lse_arg, o_part, lse_part,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
-        b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
+        slope_batch_stride(slopes), b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
         qk_scale, float(softcap), win_left, win_right,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
+        BLOCK_D=block_dim(d), BLOCK_DV=block_dim(d_v),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
         HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, extras_key, is_plain as _is_plain, kernel_scalars, set_descriptor_allocator, tma_ok
-from .launch import Launcher, cdiv, pow2
+from .args import (aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars,
+                   set_descriptor_allocator, tma_ok)
+from .launch import Launcher, cdiv
 from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
                      scores_base2)
 
@@ -101,7 +102,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               stride_vb, stride_vh, stride_vn, stride_vd,
               stride_ob, stride_oh, stride_om, stride_od,
               stride_lb, stride_lh, stride_lm,
-              stride_bb, stride_bh, stride_bm, stride_bn, stride_tk, stride_tkn, stride_tv, stride_tvn,
+              stride_bb, stride_bh, stride_bm, stride_bn, stride_sb, stride_tk, stride_tkn, stride_tv, stride_tvn,
               H_Q, GROUP, S_Q, S_KV, D, D_V, NUM_BLOCKS,
               qk_scale, softcap, win_left, win_right,
               dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
@@ -155,7 +156,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         bias_base = BIAS + b64 * stride_bb + h64 * stride_bh
     slope = 0.0
     if HAS_ALIBI:
-        slope = tl.load(SLOPES + head) * 1.4426950408889634
+        slope = tl.load(SLOPES + b64 * stride_sb + head) * 1.4426950408889634   # [b, h_q]; stride 0 for [h_q]
 
     q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                   offs_m, offs_d, len_q, D, True, not EVEN_D)
@@ -269,11 +270,12 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         tables[2:], num_blocks, extras_key(extras))
     pos = (q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
            tables[0], tables[1], cu_q, cu_kv,
-           *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, *tables[2:],
+           *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, args["stride_sb"],
+           *tables[2:],
            p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, num_blocks,
            args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
            p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
-    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=pow2(p.d), BLOCK_DV=pow2(p.d_v),
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_dim(p.d), BLOCK_DV=block_dim(p.d_v),
                   WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
                   USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
                   PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
