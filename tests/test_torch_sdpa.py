@@ -91,10 +91,10 @@ def _case(name):
     return cases[name]
 
 
-TAKEN = ["plain", "causal", "scale", "bool_mask_2d", "float_mask_4d", "gqa", "dropout", "d_v_differs"]
+TAKEN = ["plain", "causal", "scale", "bool_mask_2d", "float_mask_4d", "gqa", "dropout", "d_v_differs", "head_dim_20"]
 REFUSED = {"gqa_flag_off": "enable_gqa", "gqa_not_multiple": "enable_gqa", "mask_and_causal": "is_causal",
            "mask_dtype": "attn_mask dtype", "mask_shape": "broadcast", "mask_5d": "broadcast",
-           "three_d": "4-D", "head_dim_20": "head dim 20", "head_dim_264": "head dim 264",
+           "three_d": "4-D", "head_dim_264": "head dim 264",
            "empty_seq": "empty", "negative_scale": "scale", "dropout_one": "dropout_p",
            "int_dtype": "dtype", "subclass": "plain torch.Tensor", "mixed_dtypes": "dtype"}
 
@@ -131,7 +131,7 @@ def test_decision_respects_math_only(cpu_routing):
 # Activation: the fused path (CPU switch) and the fallback
 # ---------------------------------------------------------------------------------------------
 
-FUSED_CASES = ["plain", "causal", "scale", "bool_mask_2d", "float_mask_4d", "gqa", "d_v_differs"]
+FUSED_CASES = ["plain", "causal", "scale", "bool_mask_2d", "float_mask_4d", "gqa", "d_v_differs", "head_dim_20"]
 
 
 def _run_with_grads(args, kwargs):
@@ -189,7 +189,7 @@ def test_dropout_is_fusedattn_and_reproducible(cpu_routing):
     assert not torch.allclose(a, SDPA(q, k, v), atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["mask_dtype", "head_dim_20", "three_d", "subclass"])
+@pytest.mark.parametrize("name", ["mask_dtype", "head_dim_264", "three_d", "subclass"])
 def test_fallback_is_torch_bit_for_bit(name, cpu_routing):
     args, kwargs = _case(name)
     want = SDPA(*args, **kwargs)
@@ -439,7 +439,7 @@ def test_gpu_model_same_logits_and_gradients(dtype, masked, gpu_calls):
 @gpu
 def test_gpu_fallbacks(gpu_calls):
     """float64 and a float32 mask with bf16 q (PyTorch casts it; we leave that to PyTorch) fall back:
-    PyTorch's result bit for bit, fusedattn not called; fp16 is taken."""
+    PyTorch's result bit for bit, fusedattn not called; the same call with a bf16 mask is taken."""
     q, k, v = _qkv(device="cuda")
     mask = torch.randn(17, 23, device="cuda")
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))

@@ -15,7 +15,7 @@ PyTorch's own SDPA runs it otherwise (so every error is PyTorch's own):
 
 * q, k, v plain CUDA tensors on one device, 4-D ``[b, h, s, d]`` (any strides), all float16 or all
   bfloat16; the same batch; k and v the same heads and length; ``d`` of q and k equal; ``d`` and
-  ``d_v`` multiples of 8 up to 256; no empty dimension;
+  ``d_v`` up to 256; no empty dimension;
 * ``h_q == h_kv``, or ``enable_gqa=True`` and ``h_q`` a multiple of ``h_kv`` (K/V read in place);
 * ``attn_mask``: None, a bool mask (True = takes part) or a float bias of q's dtype (added to the
   scaled scores; a bias with ``requires_grad`` gets its gradient), on q's device, broadcastable
@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..functional import attention, attention_backward, attention_forward
+from ..problem import MAX_HEAD_DIM as _MAX_HEAD_DIM
 
 __all__ = ["activate", "deactivate", "enabled", "is_active", "unsupported_reason",
            "scaled_dot_product_attention", "NAME"]
@@ -75,7 +76,6 @@ _TORCH_SDPA = F.scaled_dot_product_attention         # PyTorch's own (a builtin:
 _ALLOW_CPU = False                                   # tests only: route CPU tensors to the CPU path
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_MAX_HEAD_DIM = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,8 +111,8 @@ def _shape_reason(query, key, value, enable_gqa) -> str | None:
     if h_q != h_kv and not (enable_gqa and h_q % h_kv == 0):
         return f"heads {h_q} / {h_kv} without enable_gqa (or not a multiple)"
     for dim in (d, d_v):
-        if dim % 8 or dim > _MAX_HEAD_DIM:
-            return f"head dim {dim} (fusedattn: multiples of 8 up to {_MAX_HEAD_DIM})"
+        if dim > _MAX_HEAD_DIM:
+            return f"head dim {dim} (fusedattn: 1 to {_MAX_HEAD_DIM})"
     return None
 
 
