@@ -1103,6 +1103,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--cold-start", action="store_true",
                    help="only the first call of a fresh process, empty and warm cache, beside torch's cuDNN "
                         "backend and FlexAttention (fusedattn/coldstart.py)")
+    p.add_argument("--models", action="store_true",
+                   help="only a Llama-shaped model's training step and generate(), attn_implementation "
+                        "fusedattn beside sdpa, in tokens/s (needs transformers; fusedattn/bench_models.py)")
     return p.parse_args(argv)
 
 
@@ -1132,6 +1135,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .coldstart import cold_start_table
         print(cold_start_table(args.only or ""))
         return 0
+    if args.models:
+        from .bench_models import run_models
+        return run_models(args)
     csv_file = open(args.csv, "w", newline="") if args.csv else None
     bench = Bench(args, csv_file)
     try:
