@@ -25,10 +25,17 @@
 #   stash          copy .whl/*.whl.part-* to /tmp/whlparts and stop (first half of a split
 #                  wheel; the next call, while the machine is warm, carries the rest)
 #   warmup         python3 -m fusedattn warmup (compile the common configurations' kernels, timed)
+#   prebuilt       python3 -m fusedattn warmup --record: the shipped-kernel store for this Triton, copied into
+#                  fusedattn/prebuilt/ for the later parts and returned as $OUT/prebuilt-VERSION.tar
+#   tests-prebuilt the store's GPU test (a recorded store launched through the driver against the JIT)
 #   coldstart      python3 -m fusedattn bench --cold-start (first call of a fresh process, empty and warm
 #                  cache, beside torch's cuDNN and FlexAttention)
 #   tests-sample   the whole GPU suite, every FUSEDATTN_TEST_SAMPLE-th test of each file (default 4)
 #   tests-gluon-sample   the Gluon kernels' and the launch path's GPU tests, every 16th (FUSEDATTN_TEST_SAMPLE)
+#   sdpa           tests/test_torch_sdpa.py whole (fusedattn under F.scaled_dot_product_attention: CPU and GPU tests)
+#   models         python3 -m fusedattn bench --models (a Llama-shaped model's train step and generate(), fusedattn
+#                  beside sdpa, tokens/s; prints "skipped" without transformers: carry its wheels in .whl)
+#   hf-example     python3 examples/hf_llama.py (needs transformers too)
 #
 # Another Triton: carry .triton/triton-VERSION-slim.tar.xz (../shared/tools/pack-triton.sh VERSION .triton)
 # and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own); set
@@ -212,7 +219,18 @@ for part in "${PARTS[@]}"; do
         bench-graphs)  bench_part bench-graphs --cuda-graphs --configs anchors --only b8-h12-s1024 ;;
         stash)         stash_parts ;;
         warmup)        run_part warmup python3 -m fusedattn warmup ;;
+        prebuilt)      # build the shipped-kernel store for this Triton (fusedattn/backends/prebuilt.py), put it in
+                       # this tree's fusedattn/prebuilt/ for the parts after it, and return it as one tar
+                       rm -rf /tmp/prebuilt-store
+                       run_part prebuilt python3 -m fusedattn warmup --record /tmp/prebuilt-store
+                       mkdir -p fusedattn/prebuilt && cp -r /tmp/prebuilt-store/triton-* fusedattn/prebuilt/
+                       tar -C /tmp/prebuilt-store -cf "$OUT/prebuilt-$(python3 -c 'import triton; print(triton.__version__)').tar" .
+                       du -sh /tmp/prebuilt-store/* | tee -a "$LOG" ;;
+        tests-prebuilt) run_part tests-prebuilt python3 -m pytest -q -rfEs tests/test_prebuilt.py -m gpu ;;
         coldstart)     run_part coldstart python3 -m fusedattn bench --cold-start ${COLD_ONLY:+--only "$COLD_ONLY"} ;;
+        sdpa)          run_part sdpa python3 -m pytest -q -rfEs tests/test_torch_sdpa.py -n "${TEST_WORKERS:-4}" ;;
+        models)        run_part models python3 -m fusedattn bench --models ;;
+        hf-example)    run_part hf-example python3 examples/hf_llama.py ;;
         tests-sample)  FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-4} run_part tests-sample python3 -m pytest -q \
                            -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ${TEST_K:+-k "$TEST_K"} ;;
         *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;
