@@ -17,7 +17,8 @@ USAGE = """usage: fusedattn {demo,bench,warmup} [options]
   bench    time fusedattn beside PyTorch SDPA backends, FlexAttention, cuDNN frontend
            and FlashAttention-4 (see: fusedattn bench --help)
   warmup   compile the kernels of the common configurations into Triton's cache, side by side,
-           so no later process stalls on its first call (warmup [anchors masked decode prefill])
+           so no later process stalls on its first call (warmup [anchors masked decode prefill]);
+           --record DIR also writes every compiled kernel to a store under DIR (fusedattn/prebuilt's format)
 """
 
 
@@ -37,14 +38,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return bench.main(rest)
     if command == "warmup":
         from fusedattn.warmup import GROUPS, warmup
+        record = None
+        if "--record" in rest:
+            at = rest.index("--record")
+            if at + 1 >= len(rest):
+                print("fusedattn warmup: --record needs a directory", file=sys.stderr)
+                return 2
+            record, rest = rest[at + 1], rest[:at] + rest[at + 2:]
         groups = rest or list(GROUPS)
         unknown = [g for g in groups if g not in GROUPS]
         if unknown:
             print(f"fusedattn warmup: unknown group(s) {unknown}; expected some of {list(GROUPS)}", file=sys.stderr)
             return 2
-        done = warmup(groups, verbose=True)
+        done = warmup(groups, verbose=True, record=record)
         print(f"fusedattn warmup: {done['configs']} configs, {done['kernels']} kernel compiles, "
               f"{done['seconds']:.1f} s" + ("" if done["configs"] else " (no CUDA device: nothing to compile)"))
+        if done.get("store"):
+            print(f"fusedattn warmup: store written to {done['store']}")
         return 0
     print(f"fusedattn: unknown command {command!r}; expected 'demo', 'bench' or 'warmup'\n\n{USAGE}",
           file=sys.stderr)

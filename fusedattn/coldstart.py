@@ -6,7 +6,9 @@ Each measurement is a new Python process (``python -c``) that imports torch, mak
 imports), then times its first forward + backward (b 4, h 16, s 2048, d 128, bf16,
 causal; physically BSHD) to the end of a synchronize. "empty cache" gives the process a new, empty Triton
 cache (and Inductor cache, for Flex); "warm" runs the same again on the cache the first run filled, as a
-user's second process does (or any process after ``fusedattn warmup``). FUSEDATTN_COLD_PROFILE=PREFIX
+user's second process does (or any process after ``fusedattn warmup``). Kernels shipped compiled
+(``backends.prebuilt``) are found either way; fusedattn's cells say how many it loaded from there
+(``FUSEDATTN_PREBUILT=0`` in the environment measures without them). FUSEDATTN_COLD_PROFILE=PREFIX
 writes each child's cProfile (top 40 by cumulative time) to PREFIX-WHICH-PID.txt.
 """
 from __future__ import annotations
@@ -59,7 +61,11 @@ if profile:
     import pstats
     with open(f"{profile}-{which}-{os.getpid()}.txt", "w") as f:
         pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
-print(f"RESULT {t1 - t0:.3f} {t0 - t_import:.3f}")
+shipped = -1
+if which == "fusedattn":
+    from fusedattn.backends import prebuilt
+    shipped = prebuilt.stats["loads"]
+print(f"RESULT {t1 - t0:.3f} {t0 - t_import:.3f} {shipped}")
 """
 
 SUBJECTS = (("fusedattn", "fusedattn"), ("torch cuDNN", "cudnn"), ("FlexAttention", "flex"))
@@ -75,7 +81,9 @@ def _run(which: str, cache: str) -> str:
         return "timeout"
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
-            return f"{float(line.split()[1]):.2f} s"
+            fields = line.split()
+            shipped = int(fields[3]) if len(fields) > 3 else -1
+            return f"{float(fields[1]):.2f} s" + (f" ({shipped} kernels shipped)" if shipped >= 0 else "")
     errors = [line for line in r.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
     return "failed: " + errors[-1].strip()[:100]
 

@@ -24,17 +24,24 @@ import torch
 GROUPS = ("anchors", "masked", "decode", "prefill")
 
 
-def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None, verbose: bool = False) -> dict:
+def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None, verbose: bool = False,
+           record: Optional[str] = None) -> dict:
     """Compile the kernels of the benchmark's configurations in ``groups`` (forward and backward) for
     ``device`` (default: the current CUDA device) into Triton's cache. Returns ``{"configs": n,
     "kernels": compiles started, "seconds": wall time}``; raises the first compile error. On a machine
-    without CUDA (or under the interpreter) there is nothing to compile: returns zeros."""
+    without CUDA (or under the interpreter) there is nothing to compile: returns zeros.
+
+    ``record``: a directory; every kernel compiled is also written to a store of shipped kernels under
+    it (``backends.prebuilt``; the store's path is returned as ``"store"``). Recording compiles
+    everything, shipped store or not, so use a fresh process."""
     from . import bench
+    from .backends import prebuilt
     from .backends.triton import launch
     from .plan import interpreting
     if not torch.cuda.is_available() or interpreting():
         return {"configs": 0, "kernels": 0, "seconds": 0.0}
     device = device or torch.device("cuda", torch.cuda.current_device())
+    store = prebuilt.start_recording(record, prebuilt.device_arch(device.index or 0)) if record else None
     configs = [cfg for group in groups for cfg in bench.select_configs(_Args(group))]
     start = time.perf_counter()
     with launch.compiling_ahead() as ahead:
@@ -51,7 +58,9 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
             if verbose:
                 print(f"warmup: {cfg.name}: {len(ahead.futures)} compiles started", flush=True)
     ahead.wait()
-    return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start}
+    torch.cuda.synchronize(device)
+    return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start,
+            "store": store}
 
 
 class _Args:

@@ -37,7 +37,7 @@ import torch
 from triton import knobs
 
 from ...plan import interpreting
-from .. import compat, kernel_cache
+from .. import compat, kernel_cache, prebuilt
 
 _MAX_ENTRIES = 512     # per kernel; a full cache is cleared (keys are cheap to rebuild)
 _UNASKED = object()    # a cache entry whose fast path is built on its first repeat call
@@ -114,6 +114,7 @@ def _compile_only(kernel, grid, args, kwargs) -> None:
         if hasattr(compiled, "result"):
             compiled = compiled.result()
         compat.load_compiled(compiled)
+        prebuilt.record(kernel, args, kwargs, compiled)
     future = _compile_pool().submit(compile_one)
     _ahead.active.append(future)
     with _pending_lock:
@@ -142,20 +143,40 @@ def _wait_for_compiles(kernel) -> None:
             pass
 
 
+def trailing_params(kernel, args: tuple, kwargs: dict) -> tuple:
+    """The values of ``kernel``'s parameters after the positional ``args``, in signature order (launch
+    options such as num_warps are not parameters)."""
+    return tuple(kwargs[param.name] if param.name in kwargs else param.default
+                 for param in kernel.params[len(args):])
+
+
 def jit_launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with :data:`compat.COMPILE_OPTIONS`, or, inside
-    :class:`compiling_ahead`, its compile on the compile threads (returns None then). The first call
-    installs the checked kernel cache (``backends.kernel_cache``)."""
+    :class:`compiling_ahead`, its compile on the compile threads (returns None then). A kernel shipped
+    compiled (``backends.prebuilt``) is launched from the store instead, and returned (a
+    ``prebuilt.PrebuiltKernel``); nothing compiles for it, ahead or not. The first compile installs the
+    checked kernel cache (``backends.kernel_cache``)."""
     if interpreting():
         return kernel[grid](*args, **kwargs)
+    device = _current_device()
+    shipped = prebuilt.find(kernel, args, kwargs, device)
+    if shipped is not None:
+        if getattr(_ahead, "active", None) is None:
+            compat.ensure_context(device)
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            shipped.bound(trailing_params(kernel, args, kwargs))(g[0], g[1], g[2], _current_raw_stream(device), args)
+        return shipped
     kernel_cache.install()
     if getattr(_ahead, "active", None) is not None:
         _compile_only(kernel, grid, args, kwargs)
         return None
     if _pending:
         _wait_for_compiles(kernel)
-    compat.ensure_context(_current_device())
-    return kernel[grid](*args, **kwargs, **compat.COMPILE_OPTIONS)
+    compat.ensure_context(device)
+    compiled = kernel[grid](*args, **kwargs, **compat.COMPILE_OPTIONS)
+    if prebuilt.recording():
+        prebuilt.record(kernel, args, kwargs, compiled)
+    return compiled
 
 
 def direct_c(compiled, tail, args):
@@ -205,11 +226,11 @@ class Launcher:
         compiled = jit_launch(self.kernel, grid, *(map(self.jit_arg, args) if self.jit_arg else args), **kwargs)
         if hasattr(compiled, "result"):       # an asynchronous compile's future
             compiled = compiled.result()
-        if key is None or interpreting() or compiled is None or not hasattr(compiled, "packed_metadata"):
+        shipped = isinstance(compiled, prebuilt.PrebuiltKernel)
+        if key is None or interpreting() or compiled is None or not (shipped or hasattr(compiled, "packed_metadata")):
             return
-        # parameters after the positional ones, in signature order (launch options are not parameters)
-        tail = tuple(kwargs[name] if name in kwargs else self.kernel.params[i].default
-                     for i, name in enumerate(self.names) if i >= len(args))
+        tail = trailing_params(self.kernel, args, kwargs)
         if len(self.cache) >= _MAX_ENTRIES:
             self.cache.clear()
-        self.cache[key] = (compiled, tail, _current_device(), _UNASKED)
+        # a shipped kernel's launch through the driver is its fast path: no self-check to wait for
+        self.cache[key] = (compiled, tail, _current_device(), compiled.bound(tail) if shipped else _UNASKED)

@@ -1,0 +1,483 @@
+"""Kernels compiled ahead and shipped with fusedattn, so a process's first call does not compile (issue 23).
+
+A first call with an empty Triton cache used to spend 7-13 s compiling (bench/NOTES.md 51). A store of
+compiled kernels, built on a GPU machine by ``python -m fusedattn warmup --record DIR`` for the common
+configurations, ships in ``fusedattn/prebuilt/triton-<version>-sm<arch>/``: ``index.json`` and one
+xz-compressed cubin per kernel. On a launch that Triton has not compiled in this process, the launch layer
+(``backends.triton.launch``) asks :func:`find` first; a hit is loaded and launched through the CUDA driver
+(``backends.cuda_driver``), without Triton's compiler, its cache or the C modules it builds with the host's
+compiler, so the first call pays a module load (milliseconds) instead of a compile. A miss goes to
+Triton's JIT as before.
+
+**What a store entry is keyed by** (:func:`launch_key`): the Triton release (exactly: ``3.9.0``), the GPU
+architecture (compute capability), the kernel (module, name and Triton's ``cache_key``, a hash of its
+source and of everything it calls), every compile-time constant's value, every launch option
+(``num_warps``, ``num_stages``, fp fusion), and each runtime argument as Triton's JIT specializes on it
+(a tensor's dtype and 16-byte alignment; an integer's == 1, divisibility by 16 and 32-bit range; a TMA
+descriptor's dtype, box, layout and padding). Two launches with equal keys get the same compiled kernel
+from the JIT, so a hit is the kernel the JIT would have built; a store built from other sources, another
+Triton or another GPU generation is simply never hit. Each cubin's SHA-256 is in the index and checked
+when it is read: a changed or truncated file is a miss (the JIT compiles), never loaded.
+
+**How a hit launches**: the kernel's parameters are those of Triton's compiled signature (recorded with
+the entry): constexprs dropped, each TMA descriptor expanded to its ``CUtensorMap`` and its shape and
+strides, then Triton's two scratch pointers (null: entries needing scratch memory are not recorded).
+Entries with clusters, cooperative launches or PDL are not recorded either. The GPU tests launch every
+entry of a store both ways (prebuilt and JIT) and compare outputs bitwise (tests/test_prebuilt.py).
+
+``FUSEDATTN_PREBUILT=0`` turns the store off (every launch goes through the JIT).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import struct
+import threading
+from typing import Optional
+
+import torch
+import triton
+
+from . import compat
+
+# where the stores ship; FUSEDATTN_PREBUILT_DIR points elsewhere (tests, a store built for this machine)
+STORE_ROOT = os.environ.get("FUSEDATTN_PREBUILT_DIR") or os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "prebuilt")
+FORMAT = 1
+stats = {"hits": 0, "loads": 0}     # launches found in a store / kernels loaded from one (bench, tests)
+
+# Triton's compiled signature types -> (struct code, size) of the parameter's bytes
+_SCALARS = {"i1": ("b", 1), "i8": ("b", 1), "u1": ("B", 1), "u8": ("B", 1), "i16": ("h", 2), "u16": ("H", 2),
+            "i32": ("i", 4), "u32": ("I", 4), "i64": ("q", 8), "u64": ("Q", 8), "fp32": ("f", 4),
+            "f32": ("f", 4)}
+_INT32 = (-2 ** 31, 2 ** 31)
+_UNSEEN = object()
+
+
+def store_name(arch: int) -> str:
+    return f"triton-{triton.__version__}-sm{arch}"
+
+
+# --------------------------------------------------------------------------------------------------
+# keys
+# --------------------------------------------------------------------------------------------------
+
+def _runtime_spec(a):
+    """What Triton's JIT specializes on for a non-constexpr argument (finer is safe: fewer hits, never a
+    wrong kernel); None for an argument kind the store does not handle."""
+    kind = type(a)
+    if kind is bool:
+        return ("b", a)
+    if kind is int:
+        return ("i", a == 1, a % 16 == 0, _INT32[0] <= a < _INT32[1])
+    if kind is float:
+        return ("f", )
+    if a is None:
+        return ("none", )
+    if isinstance(a, torch.Tensor):
+        return ("t", str(a.dtype), a.data_ptr() % 16 == 0)
+    if hasattr(a, "block_shape") and hasattr(a, "base") and hasattr(a, "layout"):  # Tma / Gluon TensorDescriptor
+        return ("d", str(a.base.dtype), tuple(a.block_shape), repr(a.layout), a.padding, len(a.shape),
+                bool(getattr(a, "round_f32_to_tf32", False)))
+    return None
+
+
+_kernel_ids: dict = {}
+
+
+def _kernel_id(kernel) -> Optional[str]:
+    """The kernel's module, name and Triton's hash of its source and dependencies (once per process)."""
+    ident = _kernel_ids.get(kernel)
+    if ident is None:
+        fn = getattr(kernel, "fn", None)
+        try:
+            source_hash = kernel.cache_key
+        except Exception:       # noqa: BLE001 -- a Triton without it: no store for this kernel
+            return None
+        ident = _kernel_ids[kernel] = f"{fn.__module__}.{fn.__qualname__}:{source_hash}"
+    return ident
+
+
+_param_info: dict = {}
+
+
+def _specs(kernel, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """Per parameter: a constexpr's value (repr) or a runtime argument's :func:`_runtime_spec`; then the
+    launch options. Hashable; None where some argument is of a kind the store does not handle."""
+    info = _param_info.get(kernel)
+    if info is None:
+        info = _param_info[kernel] = tuple((p.name, p.is_constexpr, p.default) for p in kernel.params)
+    n = len(args)
+    parts = []
+    for i, (name, is_constexpr, default) in enumerate(info):
+        value = args[i] if i < n else kwargs.get(name, default)
+        if is_constexpr:
+            parts.append(repr(value))
+        else:
+            spec = _runtime_spec(value)
+            if spec is None:
+                return None
+            parts.append(spec)
+    if len(kwargs) > len(info) - n or compat.COMPILE_OPTIONS:
+        names = {name for name, _, _ in info}
+        parts.append(tuple(sorted((k, repr(v)) for k, v in {**kwargs, **compat.COMPILE_OPTIONS}.items()
+                                  if k not in names)))
+    return tuple(parts)
+
+
+def launch_key(kernel, args: tuple, kwargs: dict, arch: int) -> Optional[str]:
+    """The store key of ``kernel[grid](*args, **kwargs)`` on a GPU of compute capability ``arch`` (see the
+    module docstring), or None where some argument is of a kind the store does not handle."""
+    ident = _kernel_id(kernel)
+    specs = _specs(kernel, args, kwargs) if ident is not None else None
+    return None if specs is None else _hash_key(ident, specs, arch)
+
+
+def _hash_key(ident: str, specs: tuple, arch: int) -> str:
+    return hashlib.sha256(repr((FORMAT, triton.__version__, arch, ident, specs)).encode()).hexdigest()[:40]
+
+
+# --------------------------------------------------------------------------------------------------
+# the store on disk
+# --------------------------------------------------------------------------------------------------
+
+class Store:
+    """One store directory: its index (key -> entry) and the cubins beside it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, "index.json")) as f:
+            index = json.load(f)
+        ok = index.get("format") == FORMAT and index.get("triton") == triton.__version__
+        self.entries: dict = index.get("kernels", {}) if ok else {}
+        self.kernels = {entry.get("kernel") for entry in self.entries.values()}   # who has entries at all
+        self.loaded: dict = {}          # key -> PrebuiltKernel
+        self.memo: dict = {}            # (kernel, specs) -> PrebuiltKernel or None (a miss)
+        self.lock = threading.Lock()
+
+    def kernel(self, key: str):
+        """The entry's :class:`PrebuiltKernel`, or None (no entry, or its cubin fails its checksum)."""
+        hit = self.loaded.get(key)
+        if hit is not None or key not in self.entries:
+            return hit
+        with self.lock:
+            if key in self.loaded:
+                return self.loaded[key]
+            entry = self.entries[key]
+            try:
+                with open(os.path.join(self.path, f"{key}.cubin.xz"), "rb") as f:
+                    cubin = lzma.decompress(f.read())
+            except (OSError, lzma.LZMAError):
+                cubin = None
+            if cubin is None or hashlib.sha256(cubin).hexdigest() != entry["sha256"]:
+                compat.warn_once(f"prebuilt-{key}", f"prebuilt kernel {entry.get('name')} in {self.path} is "
+                                                    "damaged (checksum): compiling it instead")
+                self.entries.pop(key)
+                return None
+            hit = self.loaded[key] = PrebuiltKernel(entry, cubin)
+            stats["loads"] += 1
+            return hit
+
+
+_stores: dict = {}          # arch -> Store or None
+_stores_lock = threading.Lock()
+
+
+def _enabled() -> bool:
+    return os.environ.get("FUSEDATTN_PREBUILT", "1") != "0"
+
+
+def store_for(arch: int, root: Optional[str] = None) -> Optional[Store]:
+    """The store for this Triton and ``arch`` (None where none ships)."""
+    root = root or STORE_ROOT
+    key = (root, arch)
+    if key not in _stores:
+        with _stores_lock:
+            if key not in _stores:
+                path = os.path.join(root, store_name(arch))
+                try:
+                    _stores[key] = Store(path) if os.path.isfile(os.path.join(path, "index.json")) else None
+                except (OSError, ValueError):
+                    _stores[key] = None
+    return _stores[key]
+
+
+_arch_of: dict = {}
+
+
+def device_arch(device: int) -> int:
+    arch = _arch_of.get(device)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = _arch_of[device] = major * 10 + minor
+    return arch
+
+
+def find(kernel, args: tuple, kwargs: dict, device: int):
+    """The shipped compiled kernel for this launch on ``device``, or None (then the JIT compiles)."""
+    if not _enabled() or _recording:
+        return None
+    arch = device_arch(device)
+    store = store_for(arch)
+    if store is None or not store.entries:
+        return None
+    ident = _kernel_id(kernel)
+    if ident not in store.kernels:      # the common miss, without building a key
+        return None
+    specs = _specs(kernel, args, kwargs)
+    if specs is None:
+        return None
+    memo = store.memo.get((kernel, specs), _UNSEEN)
+    if memo is _UNSEEN:     # hashing the key costs more than a launch: once per specialization
+        memo = store.memo[(kernel, specs)] = store.kernel(_hash_key(ident, specs, arch))
+    if memo is not None:
+        stats["hits"] += 1
+    return memo
+
+
+# --------------------------------------------------------------------------------------------------
+# launching an entry
+# --------------------------------------------------------------------------------------------------
+
+class PrebuiltKernel:
+    """A compiled kernel of a store, launched through the CUDA driver (``backends.cuda_driver``)."""
+
+    def __init__(self, entry: dict, cubin: bytes):
+        self.name = entry["name"]
+        self.num_warps = entry["num_warps"]
+        self.shared = entry["shared"]
+        self.params = entry["params"]       # per kernel parameter: "constexpr", a scalar type, "ptr", "desc"
+        self.descriptors = entry["descriptors"]     # per "desc" parameter: swizzle, elem_size, host dtype, box
+        self.cubin = cubin
+        self.functions: dict = {}           # device -> CUfunction
+        self._bound: dict = {}              # tail -> launch function (bind)
+        self.lock = threading.Lock()
+        self._layout()
+
+    def _layout(self) -> None:
+        """One struct format for every parameter's bytes, each at its natural alignment (descriptors at
+        64), then the two scratch pointers; the launch packs the values and passes pointers into it."""
+        from .cuda_driver import TENSOR_MAP_ALIGN, TENSOR_MAP_BYTES
+        fmt, offsets, at = ["<"], [], 0
+
+        def place(code: str, size: int, align: int):
+            nonlocal at
+            pad = -at % align
+            if pad:
+                fmt.append(f"{pad}x")
+            at += pad
+            offsets.append(at)
+            fmt.append(code)
+            at += size
+        slot = 0
+        for kind in self.params:
+            if kind == "constexpr":
+                continue
+            if kind == "ptr":
+                place("Q", 8, 8)
+            elif kind == "desc":
+                # the CUtensorMap, then the descriptor's shape (i32) and strides (i64), as Triton expands it
+                rank = len(self.descriptors[slot]["block_size"])
+                slot += 1
+                place(f"{TENSOR_MAP_BYTES}s", TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN)
+                for _ in range(rank):
+                    place("i", 4, 4)
+                for _ in range(rank):
+                    place("q", 8, 8)
+            else:
+                code, size = _SCALARS[kind]
+                place(code, size, size)
+        place("Q", 8, 8)        # global scratch: none
+        place("Q", 8, 8)        # profile scratch: none
+        self.format = "".join(fmt)
+        import ctypes
+        self.buffer = ctypes.create_string_buffer(at + TENSOR_MAP_ALIGN)
+        self.base = -ctypes.addressof(self.buffer) % TENSOR_MAP_ALIGN
+        start = ctypes.addressof(self.buffer) + self.base
+        self.param_ptrs = (ctypes.c_void_p * len(offsets))(*(start + o for o in offsets))
+
+    def function(self, device: int) -> int:
+        fn = self.functions.get(device)
+        if fn is None:
+            from . import cuda_driver
+            with self.lock:
+                fn = self.functions.get(device)
+                if fn is None:
+                    compat.ensure_context(device)
+                    fn = self.functions[device] = cuda_driver.load_function(self.cubin, self.name, self.shared)
+        return fn
+
+    def bound(self, tail: tuple):
+        """:meth:`bind`, kept per ``tail`` (the trailing parameters are a call site's constants)."""
+        try:
+            go = self._bound.get(tail)
+        except TypeError:           # an unhashable constant: bind anew
+            return self.bind(tail)
+        if go is None:
+            go = self._bound[tail] = self.bind(tail)
+        return go
+
+    def bind(self, tail: tuple):
+        """``go(grid_x, grid_y, grid_z, stream, args)`` launching with ``args`` and the trailing parameters
+        ``tail`` (as ``backends.triton.launch.Launcher``'s fast path takes them); TMA descriptors are
+        encoded once per (base pointer, shape, strides)."""
+        from . import cuda_driver
+        kinds = self.params
+        descriptors = self.descriptors
+        encoded: dict = {}
+        threads = 32 * self.num_warps
+        shared = self.shared
+        fmt, buffer, base, params = self.format, self.buffer, self.base, self.param_ptrs
+        lock = self.lock
+
+        def values(args):
+            out = []
+            slot = 0
+            for kind, a in zip(kinds, (*args, *tail)):
+                if kind == "constexpr":
+                    continue
+                if kind == "ptr":
+                    out.append(a.data_ptr() if a is not None else 0)
+                elif kind == "desc":
+                    meta = descriptors[slot]
+                    slot += 1
+                    key = (a.base.data_ptr(), tuple(a.shape), tuple(a.strides), a.padding, slot)
+                    blob = encoded.get(key)
+                    if blob is None:
+                        if len(encoded) >= 64:
+                            encoded.clear()
+                        blob = encoded[key] = cuda_driver.encode_tiled(
+                            a.base.data_ptr(), meta["host_dtype"], meta["elem_size"], meta["swizzle"], a.shape,
+                            a.strides, meta["block_size"], a.padding == "nan")
+                    out.append(blob)
+                    out.extend(a.shape)
+                    out.extend(a.strides)
+                else:
+                    out.append(a)
+            out.append(0)
+            out.append(0)
+            return out
+
+        def go(grid_x, grid_y, grid_z, stream, args):
+            device = torch.cuda.current_device()
+            function = self.functions.get(device) or self.function(device)
+            packed = values(args)
+            with lock:      # one parameter buffer per kernel: the driver copies it at the launch
+                struct.pack_into(fmt, buffer, base, *packed)
+                cuda_driver.launch(function, (grid_x, grid_y, grid_z), threads, shared, stream, params)
+        return go
+
+
+def expand_params(kernel, compiled) -> Optional[list]:
+    """The parameter kinds of a compiled kernel, in its parameters' order: "constexpr" (not passed),
+    "ptr", "desc" (a TMA descriptor; its shape and strides follow as the next parameters' values in
+    :meth:`PrebuiltKernel.bind`), or a scalar type; None where some parameter is a kind the store does not
+    launch (tuples, 16-bit floats, descriptors without metadata)."""
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(signature, dict) or len(signature) != len(kernel.params):
+        return None
+    kinds = []
+    for param in kernel.params:
+        ty = signature.get(param.name)
+        if not isinstance(ty, str):
+            return None
+        if ty == "constexpr":
+            kinds.append("constexpr")
+        elif ty.startswith("*"):
+            kinds.append("ptr")
+        elif ty.startswith("tensordesc"):
+            kinds.append("desc")
+        elif ty in _SCALARS:
+            kinds.append(ty)
+        else:
+            return None
+    return kinds
+
+
+# --------------------------------------------------------------------------------------------------
+# building a store (``python -m fusedattn warmup --record DIR`` on a GPU machine)
+# --------------------------------------------------------------------------------------------------
+
+_recording: dict = {}       # "dir" -> the store directory being written; "index" -> its entries
+_record_lock = threading.Lock()
+
+
+def start_recording(root: str, arch: int) -> str:
+    """From now on every kernel the JIT compiles in this process is written to a store under ``root``
+    (and :func:`find` finds nothing, so everything compiles). Returns the store's directory."""
+    path = os.path.join(root, store_name(arch))
+    os.makedirs(path, exist_ok=True)
+    index_path = os.path.join(path, "index.json")
+    entries = {}
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            entries = json.load(f).get("kernels", {})
+    _recording.update(dir=path, arch=arch, index=entries, skipped=[])
+    return path
+
+
+def stop_recording() -> None:
+    _recording.clear()
+
+
+def recording() -> bool:
+    return bool(_recording)
+
+
+def _descriptor_entries(compiled) -> Optional[list]:
+    metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or ())
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST as to_host
+    except ImportError:
+        to_host = {}
+    out = []
+    for meta in metas:
+        if meta is None or meta.get("fp4_padded") or meta.get("is_im2col"):
+            return None
+        out.append({"swizzle": meta["swizzle"], "elem_size": meta["elem_size"],
+                    "host_dtype": to_host.get(meta["elem_type"], meta["elem_type"]),
+                    "block_size": list(meta["block_size"])})
+    return out
+
+
+def record(kernel, args: tuple, kwargs: dict, compiled) -> None:
+    """Write ``compiled`` (the JIT's kernel for this launch) into the store being recorded, where the
+    store can launch it (see the module docstring); a kernel it cannot is listed in the index's
+    ``skipped`` with the reason."""
+    if not _recording or compiled is None:
+        return
+    meta = compiled.metadata
+    key = launch_key(kernel, args, kwargs, _recording["arch"])
+    kinds = expand_params(kernel, compiled)
+    descriptors = _descriptor_entries(compiled)
+    reason = None
+    if key is None or kinds is None:
+        reason = "argument kinds"
+    elif descriptors is None or len(descriptors) != kinds.count("desc"):
+        reason = "descriptor metadata"
+    elif (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
+          or getattr(meta, "launch_pdl", False) or getattr(meta, "global_scratch_size", 0)
+          or getattr(meta, "profile_scratch_size", 0)):
+        reason = "launch needs clusters, scratch, cooperative or PDL"
+    with _record_lock:
+        if reason is not None:
+            _recording["skipped"].append(f"{meta.name}: {reason}")
+            return
+        cubin = compiled.asm["cubin"]
+        with open(os.path.join(_recording["dir"], f"{key}.cubin.xz"), "wb") as f:
+            f.write(lzma.compress(cubin))
+        _recording["index"][key] = {"kernel": _kernel_id(kernel), "name": meta.name, "num_warps": meta.num_warps, "shared": meta.shared,
+                                    "params": kinds, "descriptors": descriptors,
+                                    "sha256": hashlib.sha256(cubin).hexdigest()}
+        _write_index()
+
+
+def _write_index() -> None:
+    path = os.path.join(_recording["dir"], "index.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "triton": triton.__version__, "arch": _recording["arch"],
+                   "kernels": _recording["index"], "skipped": _recording["skipped"]}, f, indent=0, sort_keys=True)
+    os.replace(tmp, path)

@@ -1,0 +1,243 @@
+"""Shipped compiled kernels (fusedattn/backends/prebuilt.py): keys, recording, the store's checks, and on a
+GPU the launch through the CUDA driver against Triton's own launch.
+
+Without a GPU, a child process (no interpreter: real ``@triton.jit`` kernels) compiles the launch
+self-check's two probe kernels for sm_90 with Triton's compiler, records them into a store the test owns as
+``fusedattn warmup --record`` does, and reports the keys and entries; the test then reads the store back.
+"""
+import json
+import lzma
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent.parent
+
+CHILD = r"""
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fusedattn.backends import prebuilt, selfcheck
+from fusedattn.backends.gluon.launch import Tma
+
+out = {}
+root = sys.argv[1]
+prebuilt.start_recording(root, 90)
+target = GPUTarget("cuda", 90, 32)
+
+# the Triton probe: a pointer, i32, i64, fp32, bool, an int == 1 (a constant), None, a constexpr
+kernel = selfcheck._probe
+x = torch.zeros(64)
+args = (x, x, 37, 2 ** 33 + 5, 1.5, True, 1, None)
+kwargs = {"BLOCK": 64, "num_warps": 4}
+sig = {"out": "*fp32", "x": "*fp32", "n": "i32", "big": "i64", "scale": "fp32", "flag": "i1",
+       "one": "constexpr", "nothing": "constexpr", "BLOCK": "constexpr"}
+compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs={"one": 1, "nothing": None, "BLOCK": 64}),
+                          target=target, options=dict(num_warps=4, enable_fp_fusion=True))
+prebuilt.record(kernel, args, kwargs, compiled)
+out["probe_key"] = prebuilt.launch_key(kernel, args, kwargs, 90)
+
+def key(*a, **kw):
+    return prebuilt.launch_key(kernel, a, {**kwargs, **kw}, 90)
+base = args
+out["keys"] = {
+    "same": key(*base),
+    "n=53 (same class)": key(x, x, 53, *base[3:]),
+    "n=48 (divisible by 16)": key(x, x, 48, *base[3:]),
+    "n=1 (a constant)": key(x, x, 1, *base[3:]),
+    "n=2**31 (64-bit)": key(x, x, 2 ** 31, *base[3:]),
+    "x misaligned": key(x, x[1:], *base[2:]),
+    "x float16": key(x, x.half(), *base[2:]),
+    "flag False": key(*base[:5], False, *base[6:]),
+    "nothing set": key(*base[:7], x),
+    "BLOCK=128": key(*base, BLOCK=128),
+    "num_warps=8": key(*base, num_warps=8),
+    "arch 100": prebuilt.launch_key(kernel, base, kwargs, 100),
+}
+
+# the Gluon probe: TMA descriptors in and out
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+tma_kernel = selfcheck._gluon_probe()
+rows, cols = 16, 64
+layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float16)
+src = torch.zeros(3 * rows, cols, dtype=torch.float16)
+dst = torch.zeros(rows, cols, dtype=torch.float16)
+descs = [Tma(t, tuple(t.shape), tuple(t.stride()), (rows, cols), layout) for t in (src, dst)]
+targs = (descs[0], descs[1], 16, 2.0, rows, cols)
+tsig = {"src": f"tensordesc<fp16[{rows}, {cols}],{layout!r}>", "dst": f"tensordesc<fp16[{rows}, {cols}],{layout!r}>",
+        "row": "i32", "scale": "fp32", "ROWS": "constexpr", "COLS": "constexpr"}
+tcompiled = triton.compile(GluonASTSource(fn=tma_kernel, signature=tsig, constexprs={"ROWS": rows, "COLS": cols}),
+                           target=target, options=dict(num_warps=4, enable_fp_fusion=True))
+prebuilt.record(tma_kernel, targs, {"num_warps": 4}, tcompiled)
+out["tma_key"] = prebuilt.launch_key(tma_kernel, targs, {"num_warps": 4}, 90)
+# a Gluon TensorDescriptor (the JIT's form of a Tma) keys the same
+out["tma_key_descriptor"] = prebuilt.launch_key(tma_kernel, tuple(d.descriptor() for d in descs) + targs[2:],
+                                                {"num_warps": 4}, 90)
+out["store"] = prebuilt._recording["dir"]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prebuilt")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(root / "triton-cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", CHILD, str(root / "stores")], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def _index(recorded) -> dict:
+    with open(os.path.join(recorded["store"], "index.json")) as f:
+        return json.load(f)
+
+
+def test_keys_follow_the_jit_specialization(recorded):
+    """Equal keys only where Triton's JIT would reuse the kernel: an int's class (== 1, divisible by 16,
+    64-bit), a tensor's dtype and alignment, each constexpr and launch option, and the architecture."""
+    keys = recorded["keys"]
+    assert keys["same"] == recorded["probe_key"]
+    assert keys["n=53 (same class)"] == keys["same"]
+    for name in ("n=48 (divisible by 16)", "n=1 (a constant)", "n=2**31 (64-bit)", "x misaligned", "x float16",
+                 "flag False", "nothing set", "BLOCK=128", "num_warps=8", "arch 100"):
+        assert keys[name] != keys["same"], name
+    assert recorded["tma_key"] == recorded["tma_key_descriptor"]
+
+
+def test_recorded_entries_describe_the_compiled_signature(recorded):
+    index = _index(recorded)
+    import triton
+    assert index["triton"] == triton.__version__ and index["arch"] == 90 and index["format"] == 1
+    probe = index["kernels"][recorded["probe_key"]]
+    # n is 37: i32; big is past 2^32: i64; one (== 1) and None are constants the JIT folds in
+    assert probe["params"] == ["ptr", "ptr", "i32", "i64", "fp32", "i1", "constexpr", "constexpr", "constexpr"]
+    assert probe["name"] == "_probe" and probe["num_warps"] == 4 and probe["descriptors"] == []
+    tma = index["kernels"][recorded["tma_key"]]
+    assert tma["params"] == ["desc", "desc", "i32", "fp32", "constexpr", "constexpr"]
+    assert [d["block_size"] for d in tma["descriptors"]] == [[16, 64], [16, 64]]
+    assert all(d["host_dtype"] == 6 and d["elem_size"] == 2 for d in tma["descriptors"])   # CU_..._FLOAT16
+    for key, entry in index["kernels"].items():
+        with open(os.path.join(recorded["store"], f"{key}.cubin.xz"), "rb") as f:
+            import hashlib
+            assert hashlib.sha256(lzma.decompress(f.read())).hexdigest() == entry["sha256"]
+
+
+def test_parameter_layout_matches_the_launcher(recorded):
+    """Each parameter at its natural alignment, a CUtensorMap at 64 followed by the descriptor's shape
+    (i32) and strides (i64), then Triton's two scratch pointers."""
+    import struct
+
+    from fusedattn.backends import prebuilt
+    store = prebuilt.Store(recorded["store"])
+    probe = store.kernel(recorded["probe_key"])
+    assert probe.format == "<QQi4xqfb3xQQ"     # i64 at 24 after the i32 at 16
+    tma = store.kernel(recorded["tma_key"])
+    offsets = [p - (tma.param_ptrs[0]) for p in tma.param_ptrs]
+    # desc 0 at 0 (128 B), 2 i32 at 128, 132, 2 i64 at 136, 144; desc 1 at 192; ...; row, scale, 2 scratch
+    assert offsets == [0, 128, 132, 136, 144, 192, 320, 324, 328, 336, 344, 348, 352, 360]
+    assert struct.calcsize(tma.format) == 368
+    assert tma.param_ptrs[0] % 64 == 0         # the CUtensorMaps' 64-byte alignment, in memory
+
+
+def test_damaged_or_foreign_store_is_never_loaded(recorded, tmp_path):
+    import shutil
+
+    from fusedattn.backends import prebuilt
+    copy = tmp_path / "store"
+    shutil.copytree(recorded["store"], copy)
+    key = recorded["probe_key"]
+    blob = lzma.decompress((copy / f"{key}.cubin.xz").read_bytes())
+    (copy / f"{key}.cubin.xz").write_bytes(lzma.compress(blob[:-100] + b"\0" * 100))   # same size, other bytes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert prebuilt.Store(str(copy)).kernel(key) is None
+    assert any("damaged" in str(w.message) for w in caught)
+    (copy / f"{key}.cubin.xz").write_bytes(b"not xz")
+    assert prebuilt.Store(str(copy)).kernel(key) is None
+    # another Triton's store: no entries at all
+    index = json.loads((copy / "index.json").read_text())
+    index["triton"] = "0.0.1"
+    (copy / "index.json").write_text(json.dumps(index))
+    assert prebuilt.Store(str(copy)).entries == {}
+
+
+def test_switched_off_finds_nothing(monkeypatch):
+    from fusedattn.backends import prebuilt
+    monkeypatch.setenv("FUSEDATTN_PREBUILT", "0")
+    assert prebuilt.find(object(), (), {}, 0) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: a recorded store launched through the driver, against the JIT
+# --------------------------------------------------------------------------------------------------
+
+GPU_CHILD = r"""
+import os, sys, torch
+import fusedattn
+from fusedattn.backends import prebuilt
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "record":
+    prebuilt.start_recording(os.environ["FUSEDATTN_PREBUILT_DIR"], prebuilt.device_arch(0))
+torch.manual_seed(0)
+results = {}
+for name, (b, h, hk, s, d, causal, dtype) in {
+        "gluon d128 causal": (2, 4, 4, 384, 128, True, torch.bfloat16),
+        "gqa d64 fp16": (2, 8, 2, 200, 64, False, torch.float16),
+        "d96 triton": (1, 3, 3, 130, 96, True, torch.bfloat16)}.items():
+    q = torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hk, s, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hk, s, d, device="cuda", dtype=dtype, requires_grad=True)
+    for rep in range(2):        # the second call takes the repeat (cached) path
+        o = fusedattn.attention(q, k, v, causal=causal)
+        o.backward(torch.ones_like(o))
+        results[f"{name} {rep}"] = [o.detach(), q.grad, k.grad, v.grad]
+        q.grad = k.grad = v.grad = None
+kc = torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
+vc = torch.randn_like(kc)
+qd = torch.randn(2, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+lens = torch.tensor([700, 1000], device="cuda", dtype=torch.int32)
+results["decode"] = [fusedattn.attention_with_kvcache(qd, kc, vc, seq_len_kv=lens) for _ in range(2)]
+torch.cuda.synchronize()
+torch.save({k: [t.cpu() for t in v] for k, v in results.items()}, path)
+print("STATS", prebuilt.stats["hits"], prebuilt.stats["loads"])
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+def test_prebuilt_launch_equals_jit_launch(tmp_path):
+    """A store recorded in one process, used by another with an empty Triton cache: every output and
+    gradient bitwise equal to the JIT's, with store hits and no compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FUSEDATTN_PREBUILT_DIR"] = str(tmp_path / "stores")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    runs = {}
+    for mode in ("record", "use"):
+        env["TRITON_CACHE_DIR"] = str(tmp_path / f"cache-{mode}")
+        r = subprocess.run([sys.executable, "-c", GPU_CHILD, mode, str(tmp_path / f"{mode}.pt")], env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[mode] = [int(x) for x in next(line for line in r.stdout.splitlines()
+                                           if line.startswith("STATS")).split()[1:]]
+    assert runs["record"] == [0, 0]
+    hits, loads = runs["use"]
+    assert hits > 0 and loads > 0, runs
+    # the use run compiled nothing: its Triton cache holds no kernel
+    compiled = [p for p in (tmp_path / "cache-use").rglob("*.cubin")]
+    assert compiled == [], compiled
+    want, got = torch.load(tmp_path / "record.pt"), torch.load(tmp_path / "use.pt")
+    assert want.keys() == got.keys()
+    for name in want:
+        for i, (a, b) in enumerate(zip(want[name], got[name])):
+            assert torch.equal(a, b), f"{name}: tensor {i} differs (max {(a.float() - b.float()).abs().max()})"
