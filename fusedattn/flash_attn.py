@@ -30,8 +30,8 @@ flash_attn_varlen_qkvpacked_func    S                   views qkv[:, 0/1/2]
 flash_attn_varlen_kvpacked_func     S                   views kv[:, 0/1]
 flash_attn_with_kvcache             S (forward only)    fusedattn.attention_with_kvcache(cache_layout="bshd")
 q/k/v dtypes                        S                   fp16, bf16 (FlashAttention's) and fp32; fp64 on the CPU path
-headdim                             S if multiple of 8  up to 256; R otherwise (FlashAttention pads; fusedattn
-                                                        needs d % 8 == 0: pad q/k/v yourself)
+headdim                             S                   any from 1 to 256 (headdim_v may differ); the kernels mask
+                                                        to the true d (no padded copies), scale 1 / sqrt(d)
 dropout_p                           S                   fusedattn's Philox dropout (seed drawn from torch's default
                                                         generator): same distribution, not FlashAttention's mask
 softmax_scale                       S                   default 1 / sqrt(headdim)
@@ -43,13 +43,18 @@ alibi_slopes [nheads] fp32          S when causal or    fusedattn adds slope * (
                                                         kept key lies right of the diagonal; the door converts
                                                         softmax_lse exactly (minus slope * off). R otherwise
                                                         (non-causal ALiBi needs |i - j|, which fusedattn lacks)
-alibi_slopes [batch, nheads]        R                   fusedattn's slopes are per head only
+alibi_slopes [batch, nheads]        S (same rule)       read per (sequence, head) by every kernel
 deterministic                       S (dense), I        passed to fusedattn.attention (False allows the atomic
                                     (varlen)            single-pass Hopper backward); attention_varlen has one
                                                         backward, the keyword is ignored there
 return_attn_probs                   S (partly)          returns (out, softmax_lse, None): S_dmask is always None
                                                         (fusedattn never materializes probabilities)
-varlen block_table                  R                   attention_varlen has no paged K/V
+varlen block_table                  S (forward only)    attention_with_kvcache(cu_seqlens_q=, page_table=), key counts
+                                                        from cu_seqlens_k; R with dropout_p > 0 or requires_grad
+cu_seqlens_q / cu_seqlens_k         S                   int32 only (TypeError otherwise, as FlashAttention asserts)
+validate (keyword-only addition)    S                   varlen and with_kvcache: offsets, cache_seqlens, block-table
+                                                        entries and cache_batch_idx checked (default True); False
+                                                        for CUDA-graph capture of trusted metadata
 kvcache k, v (append)               S                   written into the caches in place at cache_seqlens ..
                                                         (fusedattn's append when seqlen_new == seqlen_q, else a
                                                         PyTorch scatter before the call)
@@ -60,7 +65,8 @@ kvcache block_table                 S                   paged caches [num_blocks
                                                         any page_block_size
 kvcache cache_batch_idx             S                   without block_table: the cache rows are read as pages of
                                                         seqlen_cache keys (page table = cache_batch_idx), no copy;
-                                                        R together with block_table
+                                                        R together with block_table; a repeated index with k/v to
+                                                        append is a ValueError (validate=True)
 kvcache cache_leftpad               R                   fusedattn's caches start at key 0
 kvcache rotary_cos/sin/interleaved  S                   applied in PyTorch (fp32 math, rounded to q's dtype) to q
                                                         and the new k before the call, at FlashAttention's
@@ -95,11 +101,8 @@ def _bsh(name, t, ndim, shape_doc):
 
 
 def _check_headdim(name, d):
-    if d <= 0 or d > MAX_HEAD_DIM or d % 8 != 0:
-        raise NotSupportedError(
-            f"{name} has headdim {d}: fusedattn supports head dims that are multiples of 8 from 8 to "
-            f"{MAX_HEAD_DIM} (FlashAttention pads other sizes internally; pad q/k/v to a multiple of 8 and pass "
-            f"softmax_scale = 1/sqrt({d}))")
+    if d <= 0 or d > MAX_HEAD_DIM:
+        raise NotSupportedError(f"{name} has headdim {d}: fusedattn supports any head dim from 1 to {MAX_HEAD_DIM}")
 
 
 def _window(window_size, causal):
@@ -120,20 +123,16 @@ def _window(window_size, causal):
     return left, right, (None if left is None and right is None else (left, right))
 
 
-def _slopes(alibi_slopes, nheads, right, device):
-    """Validate alibi_slopes; returns fp32 [nheads] or None."""
+def _slopes(alibi_slopes, nheads, right, device, batch):
+    """Validate alibi_slopes; returns fp32 [nheads] or [batch_size, nheads], or None."""
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor) or not alibi_slopes.is_floating_point():
-        raise InvalidTypeError(f"alibi_slopes must be a float tensor [nheads] (fp32), got "
+        raise InvalidTypeError(f"alibi_slopes must be a float tensor [nheads] or [batch_size, nheads] (fp32), got "
                                f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
-    if alibi_slopes.dim() == 2:
-        raise NotSupportedError(
-            f"alibi_slopes of shape {list(alibi_slopes.shape)} ([batch_size, nheads]): fusedattn supports one slope "
-            f"per head, shape [nheads] = [{nheads}]")
-    if tuple(alibi_slopes.shape) != (nheads,):
-        raise InvalidArgumentError(f"alibi_slopes must have shape [nheads] = [{nheads}], got "
-                                   f"{list(alibi_slopes.shape)}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise InvalidArgumentError(f"alibi_slopes must have shape [nheads] = [{nheads}] or [batch_size, nheads] = "
+                                   f"[{batch}, {nheads}], got {list(alibi_slopes.shape)}")
     if alibi_slopes.device != device:
         raise InvalidArgumentError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
     if right != 0:
@@ -157,7 +156,8 @@ def _fa_lse(lse, empty, slopes, off):
     lse [..., h, rows]; empty [..., 1 or h, rows] bool; off broadcastable to [..., 1, rows]."""
     lse = lse.detach()
     if slopes is not None:
-        lse = lse - slopes.view(-1, 1) * off.to(torch.float32)
+        # slopes [h] or [b, h] against lse [b, h, rows]; or already per token [h, rows] (varlen)
+        lse = lse - (slopes if slopes.dim() == lse.dim() == 2 else slopes.unsqueeze(-1)) * off.to(torch.float32)
     return lse.masked_fill(empty, float("inf"))
 
 
@@ -197,7 +197,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_headdim("v", v.shape[-1])
     left, right, window = _window(window_size, causal)
     nheads = q.shape[2]
-    slopes = _slopes(alibi_slopes, nheads, right, q.device)
+    slopes = _slopes(alibi_slopes, nheads, right, q.device, q.shape[0])
     out, stats = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                            attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
                            causal_alignment="bottom_right", window=window,
@@ -258,7 +258,8 @@ def _max_len(name, m):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, backend="auto"):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, backend="auto",
+                           validate=True):
     """FlashAttention's ``flash_attn_varlen_func`` on :func:`fusedattn.attention_varlen`.
 
     Args:
@@ -267,27 +268,41 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         max_seqlen_q, max_seqlen_k: ints, the longest sequences.
         dropout_p ... return_attn_probs: as :func:`flash_attn_func`, per sequence (causal / window / ALiBi
             aligned with each sequence's own lengths). ``deterministic`` is ignored (one backward).
-        block_table: refused (fusedattn's varlen has no paged K/V).
+        block_table: optional ``(batch_size, max_num_blocks_per_seq)`` int32: k/v are then paged caches
+            ``(num_blocks, page_block_size, nheads_k, headdim)`` and ``cu_seqlens_k`` gives each sequence's key
+            count (forward only, as in FlashAttention): :func:`fusedattn.attention_with_kvcache` with
+            ``cu_seqlens_q``.
+        validate: check the offsets (int32, from 0, non-decreasing, within the tensors) and the block table's
+            entries on the device, one host sync each (an addition; False for CUDA-graph capture of trusted
+            metadata: nothing is then read or written out of bounds, lengths and pages are clamped).
 
     Returns:
         ``out (total_q, nheads, headdim_v)``, or ``(out, softmax_lse (nheads, total_q) fp32, None)`` (the
         conversion to FlashAttention's lse reads the offsets on the host: one sync).
     """
-    if block_table is not None:
-        raise NotSupportedError("block_table with flash_attn_varlen_func: fusedattn.attention_varlen has no paged "
-                                "K/V; use flash_attn_with_kvcache(block_table=...) or contiguous packed k/v")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _bsh(name, t, 3, "(total, nheads, headdim)")
+    _bsh("q", q, 3, "(total, nheads, headdim)")
+    for name, t in (("k", k), ("v", v)):
+        _bsh(name, t, 3 if block_table is None else 4,
+             "(total, nheads, headdim)" if block_table is None else "(num_blocks, page_block_size, nheads_k, headdim)")
     _check_headdim("q", q.shape[-1])
     _check_headdim("v", v.shape[-1])
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _cu_int32(name, cu)
     left, right, window = _window(window_size, causal)
-    slopes = _slopes(alibi_slopes, q.shape[1], right, q.device)
-    out, stats = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len("max_seqlen_q", max_seqlen_q),
-                                  _max_len("max_seqlen_k", max_seqlen_k),
-                                  attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
-                                  causal_alignment="bottom_right", window=window,
-                                  alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
-                                  dropout_p=_dropout(dropout_p), return_stats=True, backend=backend)
+    nseq = cu_seqlens_q.numel() - 1
+    slopes = _slopes(alibi_slopes, q.shape[1], right, q.device, nseq)
+    if block_table is not None:
+        out, stats = _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len("max_seqlen_q", max_seqlen_q),
+                                   _max_len("max_seqlen_k", max_seqlen_k), dropout_p, softmax_scale, causal, window,
+                                   softcap, slopes, block_table, backend, validate)
+    else:
+        out, stats = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len("max_seqlen_q", max_seqlen_q),
+                                      _max_len("max_seqlen_k", max_seqlen_k),
+                                      attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
+                                      causal_alignment="bottom_right", window=window,
+                                      alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
+                                      dropout_p=_dropout(dropout_p), return_stats=True, validate=validate,
+                                      backend=backend)
     if not return_attn_probs:
         return out
     # per token: index within its sequence, the sequence's diagonal offset and key count
@@ -303,7 +318,40 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     off_tok = torch.cat([off_tok, torch.zeros(pad, dtype=i.dtype)])
     sk_tok = torch.cat([sk_tok, torch.zeros(pad, dtype=i.dtype)])
     empty = _empty_rows(i, off_tok, sk_tok, left, right).to(q.device).view(1, total)
+    if slopes is not None and slopes.dim() == 2:
+        # [batch_size, nheads] -> per token [nheads, total] (rows past cu_seqlens_q[-1]: sequence 0's, no key)
+        seq_tok = torch.cat([seq, torch.zeros(pad, dtype=seq.dtype)]).to(q.device)
+        slopes = slopes[seq_tok].T if nseq else slopes.new_zeros(q.shape[1], total)
     return out, _fa_lse(stats, empty, slopes, off_tok.to(q.device).view(1, total)), None
+
+
+def _cu_int32(name, cu):
+    """FlashAttention's cumulative offsets are int32 [batch_size + 1]: say so rather than convert."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        raise InvalidTypeError(f"{name} must be an int32 tensor (batch_size + 1,) of cumulative offsets, got "
+                               f"{getattr(cu, 'dtype', type(cu).__name__)} {list(getattr(cu, 'shape', []))}")
+
+
+def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window, softcap, slopes, block_table, backend, validate):
+    """flash_attn_varlen_func with block_table: packed queries over paged caches (key counts from cu_seqlens_k),
+    forward only. Returns (out (total_q, nheads, headdim_v), stats (nheads, total_q))."""
+    if _dropout(dropout_p) > 0:
+        raise NotSupportedError("dropout_p > 0 with block_table: the paged forward has no dropout (as in "
+                                "FlashAttention, paged K/V is for inference)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotSupportedError("block_table with tensors that require grad: paged K/V is forward only (as in "
+                                "FlashAttention); run it under torch.no_grad()")
+    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    cap = block_table.shape[-1] * k.shape[1] if isinstance(block_table, torch.Tensor) else 0
+    if validate and max_seqlen_k > cap:
+        raise InvalidArgumentError(f"max_seqlen_k = {max_seqlen_k} exceeds the block table's capacity of {cap} keys "
+                                   f"({block_table.shape[-1]} blocks x page_block_size {k.shape[1]})")
+    return attention_with_kvcache(
+        q, k, v, page_table=block_table, seq_len_kv=lens_k, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal), window=window,
+        alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
+        return_stats=True, validate=validate, backend=backend)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -364,7 +412,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            backend="auto"):
+                            backend="auto", validate=True):
     """FlashAttention's ``flash_attn_with_kvcache`` on :func:`fusedattn.attention_with_kvcache` (forward only).
 
     Args:
@@ -388,6 +436,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: accepted and ignored (fusedattn chooses its split).
         return_softmax_lse: also return ``softmax_lse``.
         backend: fusedattn's backend (an addition).
+        validate: check ``cache_seqlens`` (within the cache, room for k/v), the block table's entries and that
+            ``cache_batch_idx`` names no cache row twice when appending (an addition; one host sync each).
+            False for CUDA-graph capture of trusted metadata: nothing is read or written out of bounds.
 
     Returns:
         ``out (batch_size, seqlen_q, nheads, headdim_v)``, or ``(out, softmax_lse (batch_size, nheads, seqlen_q))``.
@@ -424,6 +475,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise InvalidArgumentError(f"cache_batch_idx must be an int tensor (batch_size,) = ({b},), got "
                                            f"{getattr(cache_batch_idx, 'shape', type(cache_batch_idx).__name__)}")
             page_table = cache_batch_idx.to(device=dev, dtype=torch.int32).view(b, 1)
+            if validate and k is not None:
+                _check_distinct_rows(cache_batch_idx)
         elif k_cache.shape[0] > b:
             k_cache, v_cache = k_cache[:b], v_cache[:b]            # FlashAttention's default indices 0 .. b - 1
     cap = (page_table.shape[1] * k_cache.shape[1]) if page_table is not None else k_cache.shape[1]
@@ -442,7 +495,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
 
     left, right, window = _window(window_size, causal)
-    slopes = _slopes(alibi_slopes, h_q, right, dev)
+    slopes = _slopes(alibi_slopes, h_q, right, dev, b)
 
     s_new = 0
     if k is not None:
@@ -479,7 +532,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q.transpose(1, 2), k_cache, v_cache, page_table=page_table, seq_len_kv=seq_len_kv, k_new=k_new, v_new=v_new,
         attn_scale=_scale(softmax_scale, d), causal=bool(causal), window=window,
         alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
-        return_stats=True, backend=backend)
+        return_stats=True, validate=validate, backend=backend)
     out = out.transpose(1, 2)
     if not return_softmax_lse:
         return out
@@ -487,6 +540,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     off = (sk - s_q).view(b, 1, 1)
     empty = _empty_rows(torch.arange(s_q, device=dev).view(1, 1, s_q), off, sk.view(b, 1, 1), left, right)
     return out, _fa_lse(stats[..., 0], empty, slopes, off)
+
+
+def _check_distinct_rows(cache_batch_idx):
+    """Appending through cache_batch_idx: two sequences naming one cache row would write the same slots
+    (which one wins is undefined): refuse, naming both (one host sync)."""
+    idx = cache_batch_idx.reshape(-1).tolist()
+    seen = {}
+    for i, row in enumerate(idx):
+        if row in seen:
+            raise InvalidArgumentError(
+                f"cache_batch_idx[{seen[row]}] = cache_batch_idx[{i}] = {row}: with k/v to append, each sequence "
+                f"needs its own cache row (both would write the same slots); pass distinct indices")
+        seen[row] = i
 
 
 def _append(k_cache, v_cache, page_table, lens_before, k, v, cap):

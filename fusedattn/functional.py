@@ -204,7 +204,7 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
         if p.s_kv == 0:
             out.zero_()
             if lse is not None:
-                lse.zero_()
+                lse.fill_(float("-inf"))     # every row saw no key: the log of an empty sum
         else:
             _run_forward(p, extras, pl, q, k, v, out, lse)
     return out, stats
@@ -373,7 +373,7 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         window: ``(left, right)``: keep key ``j`` iff ``i + off - left <= j <= i + off + right``
             (inclusive); -1 or None is unbounded. ``causal=True`` caps ``right`` at 0.
         seq_len_q, seq_len_kv: int32 ``[b]`` or ``[b, 1, 1, 1]``: valid lengths per batch entry
-            (padding masks). Rows past ``seq_len_q`` give output 0, stats 0, gradient 0.
+            (padding masks). Rows past ``seq_len_q`` give output 0, stats -inf, gradient 0.
         attn_bias: added to the scaled scores; any shape broadcastable to ``[b, h_q, s_q, s_kv]``
             (strides 0 allowed). A bool tensor is a mask (True = keep), as in PyTorch's SDPA.
             A float bias with ``requires_grad`` gets its gradient (summed over broadcast dims).
@@ -390,7 +390,21 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             reduced with atomic adds (FlashAttention's and cuDNN's meaning of the flag; both
             default to False). None (default): ``torch.are_deterministic_algorithms_enabled()``,
             read when the backward runs.
-        return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``.
+        return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``
+            (natural log). A row that sees no key (past ``seq_len_q``, every key masked by the band,
+            ``seq_len_kv = 0``, an all-False bool bias) has stats ``-inf``, the log of its empty sum,
+            and output 0, as cuDNN (9.14 and later) writes. So (out, stats) pairs of split work
+            merge exactly, an empty part weighing ``exp(-inf) = 0``; s_q = 4, s_kv = 2, bottom-right
+            causal, keys split in halves A = [0], B = [1] (``x`` kept, ``.`` masked)::
+
+                        whole     A     B      lse_A   lse_B   lse = logaddexp(lse_A, lse_B)
+                row 0   . .       .     .      -inf    -inf    -inf    out 0
+                row 1   . .       .     .      -inf    -inf    -inf    out 0
+                row 2   x .       x     .      s20     -inf    s20     out = out_A
+                row 3   x x       x     x      s30     s31     log(e^s30 + e^s31)
+                out = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B   (0 where lse = -inf)
+
+            The backward reads such rows' -inf as "no probability": their gradients are 0.
         validate: check that every ``seq_len_q`` entry is in ``[0, s_q]`` and every ``seq_len_kv``
             entry in ``[0, s_kv]``, raising a clear error. Cost on a GPU: a device-to-host sync per
             call (a few microseconds plus the wait for queued work); once per call, the backward
@@ -404,8 +418,9 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and physical layout, or ``(out, stats)``.
-        A row with no key to attend to gives output 0, never NaN. Empty inputs are valid, as in
-        SDPA: b = 0 or s_q = 0 gives an empty output, s_kv = 0 an output of zeros (gradients 0).
+        A row with no key to attend to gives output 0 (stats -inf), never NaN. Empty inputs are valid,
+        as in SDPA: b = 0 or s_q = 0 gives an empty output, s_kv = 0 an output of zeros (stats -inf,
+        gradients 0).
 
     Raises:
         ValueError / TypeError (``fusedattn.FusedAttnError``) naming the argument, what was

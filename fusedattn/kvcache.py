@@ -16,8 +16,8 @@ import torch
 
 from .functional import _check_out, _like_layout, attention_forward
 from .plan import choose_backend
-from .problem import (IO_DTYPES, MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError,
-                      alibi_slopes, make_band)
+from .problem import (IO_DTYPES, InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes,
+                      alibi_slopes_2d, check_head_dims, make_band)
 
 __all__ = ["attention_with_kvcache"]
 
@@ -26,6 +26,7 @@ MAX_NUM_SPLITS = 128
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=None, k_new=None, v_new=None,
+                           seq_len_q=None, cu_seqlens_q=None, max_seqlen_q=None,
                            attn_scale=None, causal=True, window=None, alibi=False, softcap=0.0,
                            cache_layout="bhsd", num_splits=None, return_stats=False, validate=True,
                            backend="auto", out=None):
@@ -40,7 +41,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
 
     Args:
         q: ``[b, h_q, s_q, d]`` fp16 / bf16 / fp32 (fp64 on the CPU path), any strides: the
-            ``s_q`` new tokens of each sequence, which are the LAST ``s_q`` tokens of it.
+            ``s_q`` new tokens of each sequence, which are the LAST ``s_q`` tokens of it. Any head
+            dim from 1 to 256 (``d_v`` may differ). With ``cu_seqlens_q``: packed ``[total_q, h_q, d]``.
         k_cache, v_cache: contiguous caches ``[b, h_kv, s_max, d]`` / ``[b, h_kv, s_max, d_v]``, or,
             with ``page_table``, containers of pages ``[num_blocks, h_kv, block_size, d | d_v]``.
             Any strides. With ``cache_layout="bshd"`` they are given as ``[b, s_max, h_kv, d]`` /
@@ -54,6 +56,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             INCLUDED (after appending). Default: the whole cache (``s_max``, or
             ``max_blocks * block_size``). Note: FlashAttention's ``cache_seqlens`` counts the
             cache BEFORE appending; ``seq_len_kv = cache_seqlens + s_q``.
+        seq_len_q: int32 ``[b]`` or None: padded new tokens (chunked prefill, speculative decoding with
+            a different count per sequence): sequence ``i`` has ``seq_len_q[i] <= s_q`` new tokens, rows
+            ``0 .. seq_len_q[i] - 1`` of ``q`` (and of ``k_new``/``v_new``), which are the last
+            ``seq_len_q[i]`` of its ``seq_len_kv[i]`` keys; rows past it give output 0 and are not appended.
+        cu_seqlens_q, max_seqlen_q: packed new tokens instead (FlashAttention's varlen layout): int32
+            ``[b + 1]`` cumulative offsets starting at 0, sequence ``i`` being rows
+            ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]`` of ``q [total_q, h_q, d]`` (and of ``k_new`` /
+            ``v_new [total_q, h_kv, d | d_v]``, ``out [total_q, h_q, d_v]``; stats ``[h_q, total_q]``);
+            ``max_seqlen_q`` an int >= the longest. Causal masks are bottom-right per sequence.
         k_new, v_new: ``[b, h_kv, s_q, d]`` / ``[b, h_kv, s_q, d_v]`` (BHSD whatever ``cache_layout``
             says) or None: written into the cache at positions ``seq_len_kv - s_q .. seq_len_kv - 1``
             (through the page table when paged) before attending, as FlashAttention's
@@ -65,11 +76,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
                 1 1 1 1 0
                 1 1 1 1 1
 
-            A token with no key (``seq_len_kv < s_q``) gives output 0 (stats 0), never NaN.
+            A token with no key (``seq_len_kv < s_q``) gives output 0 (stats -inf), never NaN.
         window: ``(left, right)`` around the same bottom-right diagonal (FlashAttention's
             ``window_size``): keep ``j`` iff ``t + off - left <= j <= t + off + right``,
             ``off = seq_len_kv - s_q``; -1 or None is unbounded.
-        alibi: True (the ALiBi paper's slopes for ``h_q`` heads) or a float ``[h_q]`` tensor;
+        alibi: True (the ALiBi paper's slopes for ``h_q`` heads) or a float ``[h_q]`` or ``[b, h_q]`` tensor;
             adds ``slope_h * (j - t)`` as :func:`fusedattn.attention` does with ``t`` the index
             within ``q``. Only the stats see the difference from a bottom-right-aligned distance:
             a per-row constant cancels in the softmax.
@@ -79,9 +90,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             (FlashAttention-2's heuristic from b * h_kv, the SM count and the cache length); an
             int from 1 to 128 forces it (1: no combine pass). Ignored by the CPU path.
         return_stats: also return the natural-log log-sum-exp, fp32 ``[b, h_q, s_q, 1]``.
-        validate: check ``seq_len_kv`` (not negative, within the cache, >= s_q when appending)
-            and the page-table slots each sequence uses (within ``[0, num_blocks)``) on the
-            device, raising a clear error. Cost on a GPU: one small kernel and a device-to-host
+        validate: check ``seq_len_kv`` (not negative, within the cache, >= the new tokens when
+            appending), ``seq_len_q`` (within ``[0, s_q]``), ``cu_seqlens_q`` (int32, from 0,
+            non-decreasing, within ``q``, no sequence over ``max_seqlen_q``: one more host sync) and
+            the page-table slots each sequence uses (within ``[0, num_blocks)``) on the
+            device, raising a clear error naming the argument. Cost on a GPU: one small kernel and a device-to-host
             sync per call (a few microseconds plus the wait for queued work). It is skipped
             while a CUDA graph is being captured. With ``validate=False`` nothing is checked
             on the device, and still nothing is read or written out of bounds: lengths are
@@ -111,8 +124,23 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
         >>> attention_with_kvcache(q, cache_k, cache_v, page_table=table, seq_len_kv=lens).shape
         torch.Size([2, 8, 1, 64])
     """
+    q_packed = q
+    if cu_seqlens_q is not None:
+        q = _packed_q(q, cu_seqlens_q, max_seqlen_q, seq_len_q)      # [1, h_q, total_q, d] view
+        k_new, v_new = (_packed_view(name, t) for name, t in (("k_new", k_new), ("v_new", v_new)))
     c = _Call(q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window, alibi,
-              softcap, cache_layout, num_splits, backend)
+              softcap, cache_layout, num_splits, backend, seq_len_q, cu_seqlens_q, max_seqlen_q)
+    if c.packed:
+        shape_o = (q.shape[2], c.h_q, c.d_v)
+        if out is None:
+            out = q_packed.new_empty(shape_o)
+        else:
+            _check_out("out", out, shape_o, q.dtype, q.device)
+        stats = torch.empty((c.h_q, q.shape[2]), dtype=torch.float32, device=q.device) if return_stats else None
+        if validate:
+            c.validate()
+        c.run_packed(out, stats)
+        return (out, stats) if return_stats else out
     shape_o = (c.b, c.h_q, c.s_q, c.d_v)
     if out is None:
         out = _like_layout(q, shape_o, q.dtype)
@@ -129,7 +157,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
         if c.cap == 0:
             out.zero_()
             if lse is not None:
-                lse.zero_()
+                lse.fill_(float("-inf"))     # no key at all: the log of an empty sum
         elif c.backend == "cpu":
             c.run_cpu(out, stats)
         else:
@@ -141,7 +169,8 @@ class _Call:
     """One validated call: normalized views of every input and the derived sizes."""
 
     def __init__(self, q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window,
-                 alibi, softcap, cache_layout, num_splits, backend):
+                 alibi, softcap, cache_layout, num_splits, backend, seq_len_q=None, cu_seqlens_q=None,
+                 max_seqlen_q=None):
         _tensor("q", q, "[b, h_q, s_q, d]")
         dev = q.device
         if q.dtype not in IO_DTYPES:
@@ -164,6 +193,11 @@ class _Call:
             k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         self.q, self.k_cache, self.v_cache = q, k_cache, v_cache
         self.b, self.h_q, self.s_q, self.d = q.shape
+        # packed new tokens: q is a [1, h_q, total_q, d] view; b sequences of at most max_seqlen_q
+        self.packed = cu_seqlens_q is not None
+        self.cu_seqlens_q = cu_seqlens_q
+        if self.packed:
+            self.b, self.s_q = cu_seqlens_q.numel() - 1, max_seqlen_q
         n0, self.h_kv, s1, dk = k_cache.shape
         if tuple(v_cache.shape[:3]) != (n0, self.h_kv, s1):
             raise InvalidArgumentError(
@@ -172,10 +206,7 @@ class _Call:
         self.d_v = v_cache.shape[3]
         if dk != self.d:
             raise InvalidArgumentError(f"head dim of k_cache ({dk}) must equal that of q ({self.d})")
-        for name, dim in (("d (q/k head dim)", self.d), ("d_v (v head dim)", self.d_v)):
-            if dim <= 0 or dim > MAX_HEAD_DIM or dim % 8 != 0:
-                raise InvalidArgumentError(
-                    f"{name} = {dim}; supported: a multiple of 8 from 8 to {MAX_HEAD_DIM}")
+        check_head_dims(self.d, self.d_v)
         if self.b == 0 or self.h_q == 0:
             raise InvalidArgumentError(f"q has an empty batch or head dim: shape {tuple(q.shape)}")
         if self.h_kv == 0 or self.h_q % self.h_kv != 0:
@@ -200,6 +231,12 @@ class _Call:
             self.num_pages, self.page_size = 0, 0
             self.cap = s1
         self.seq_len_kv = _lengths(seq_len_kv, self.b, dev)
+        self.seq_len_q = _lengths(seq_len_q, self.b, dev, "seq_len_q") if not self.packed else None
+        if self.packed:
+            # new tokens per sequence (the validation's room check and the CPU path)
+            self.lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).contiguous()
+        else:
+            self.lens_q = self.seq_len_q
 
         self.k_new = self.v_new = None
         if (k_new is None) != (v_new is None):
@@ -207,7 +244,7 @@ class _Call:
         if k_new is not None:
             for name, t, dd in (("k_new", k_new, self.d), ("v_new", v_new, self.d_v)):
                 _tensor(name, t, "[b, h_kv, s_q, d]")
-                want = (self.b, self.h_kv, self.s_q, dd)
+                want = (self.b, self.h_kv, self.s_q, dd) if not self.packed else (1, self.h_kv, q.shape[2], dd)
                 if tuple(t.shape) != want:
                     last = "d" if name == "k_new" else "d_v"
                     raise InvalidArgumentError(f"{name} must have shape [b, h_kv, s_q, {last}] = {list(want)}, "
@@ -237,14 +274,9 @@ class _Call:
         self.band = make_band(self.causal, "bottom_right", window, self.s_q, self.cap)
         self.slopes = None
         if isinstance(alibi, torch.Tensor):
-            if tuple(alibi.shape) != (self.h_q,) or not alibi.is_floating_point():
-                raise InvalidArgumentError(f"alibi slopes must be a float tensor of shape [{self.h_q}] (h_q), "
-                                           f"got {tuple(alibi.shape)} {alibi.dtype}")
-            if alibi.device != dev:
-                raise InvalidArgumentError(f"alibi slopes are on {alibi.device} but q is on {dev}")
-            self.slopes = alibi.to(torch.float32).contiguous()
+            self.slopes = alibi_slopes_2d(alibi, self.b, self.h_q, dev)        # fp32 [b, h_q]
         elif alibi:
-            self.slopes = alibi_slopes(self.h_q, dev)
+            self.slopes = alibi_slopes(self.h_q, dev).expand(self.b, self.h_q)
 
         if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                        or not 1 <= num_splits <= MAX_NUM_SPLITS):
@@ -257,11 +289,14 @@ class _Call:
 
     # -- device-side checks
     def validate(self):
-        """seq_len_kv and the used page-table slots, on the device; one host sync (skipped in graph capture)."""
-        if self.seq_len_kv is None and not self.paged:
-            return
+        """seq_len_kv, seq_len_q / cu_seqlens_q and the used page-table slots, on the device; one host sync
+        (two with cu_seqlens_q), skipped in graph capture."""
         q = self.q
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        if self.packed:
+            _check_cu_seqlens_q(self.cu_seqlens_q, q.shape[2], self.s_q)
+        if self.seq_len_kv is None and not self.paged and self.lens_q is None:
             return
         lens = self.seq_len_kv
         if lens is None:
@@ -271,27 +306,33 @@ class _Call:
             from .backends.triton.decode import launch_validate
             from .backends.triton.args import aligned
             codes = launch_validate(aligned(lens), aligned(self.page_table) if self.paged else None,
-                                    self.num_pages, self.page_size, self.s_q, self.cap, need_room)
+                                    self.num_pages, self.page_size, self.s_q, self.cap, need_room,
+                                    aligned(self.lens_q))
         else:
             codes = _codes_torch(lens, self.page_table, self.num_pages, self.page_size, self.s_q, self.cap,
-                                 need_room)
+                                 need_room, self.lens_q)
         codes = codes.tolist()
         if any(codes):
             self._raise(codes, lens)
 
     def _raise(self, codes, lens):
-        from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP
+        from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP, BAD_SEQ_Q
         i = next(j for j, code in enumerate(codes) if code)
         code, n = codes[i], int(lens[i])
+        n_q = int(self.lens_q[i]) if self.lens_q is not None else self.s_q
         where = (f"the page table covers {self.page_table.shape[1]} blocks x block_size {self.page_size} = "
                  f"{self.cap} keys" if self.paged else f"the cache holds s_max = {self.cap} keys")
-        if code & BAD_NEGATIVE:
+        if code & BAD_SEQ_Q:
+            msg = f"seq_len_q[{i}] = {n_q} is outside [0, s_q] = [0, {self.s_q}]"
+        elif code & BAD_NEGATIVE:
             msg = f"seq_len_kv[{i}] = {n} is negative"
         elif code & BAD_OVER_CAP:
             msg = f"seq_len_kv[{i}] = {n} is beyond the cache: {where}"
         elif code & BAD_NO_ROOM:
-            msg = (f"seq_len_kv[{i}] = {n} < s_q = {self.s_q}: seq_len_kv counts the keys INCLUDING the "
-                   f"{self.s_q} new tokens of k_new/v_new (FlashAttention's cache_seqlens + s_q)")
+            new = (f"s_q = {n_q}" if self.lens_q is None else
+                   f"{n_q} new tokens of sequence {i} ({'cu_seqlens_q' if self.packed else 'seq_len_q'})")
+            msg = (f"seq_len_kv[{i}] = {n} < {new}: seq_len_kv counts the keys INCLUDING the new tokens of "
+                   f"k_new/v_new (FlashAttention's cache_seqlens + s_q)")
         else:
             used = -(-max(0, min(n, self.cap)) // self.page_size)
             row = self.page_table[i, :used].cpu()
@@ -308,17 +349,20 @@ class _Call:
     def append(self):
         """Write k_new/v_new into the caches (in place) at seq_len_kv - s_q .. seq_len_kv - 1."""
         from .backends.triton.args import misaligned
-        if self.backend == "triton" and not any(misaligned(t) for t in (self.k_cache, self.v_cache,
-                                                                          self.page_table, self.seq_len_kv)):
+        if self.backend == "triton" and not any(misaligned(t) for t in (self.k_cache, self.v_cache, self.page_table,
+                                                                          self.seq_len_kv, self.seq_len_q,
+                                                                          self.cu_seqlens_q)):
             from .backends.triton.decode import launch_append
             launch_append(self.k_new, self.v_new, self.k_cache, self.v_cache, self.page_table, self.seq_len_kv,
-                          self.cap)
+                          self.cap, seq_len_q=self.seq_len_q, cu_seqlens_q=self.cu_seqlens_q,
+                          max_seqlen_q=self.s_q if self.packed else None)
         else:
             _append_torch(self)
 
     # -- the two paths
-    def run_cpu(self, out, stats):
-        """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward."""
+    def run_cpu(self, out, stats, q=None):
+        """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward
+        (q: the padded queries [b, h_q, s_q, d] of a packed call)."""
         k, v = self.k_cache, self.v_cache
         lens = self.seq_len_kv
         if self.paged:
@@ -334,10 +378,63 @@ class _Call:
             past = torch.arange(k.shape[2], device=k.device)[None, :] >= lens.long()[:, None]
             k, v = (t.masked_fill(past[:, None, :, None], 0) for t in (k, v))
         out_, _ = attention_forward(
-            self.q, k, v, attn_scale=self.scale, causal=self.causal, causal_alignment="bottom_right",
-            window=self.window, seq_len_kv=lens, alibi=self.alibi, softcap=self.softcap, backend="cpu", out=out,
+            self.q if q is None else q, k, v, attn_scale=self.scale, causal=self.causal,
+            causal_alignment="bottom_right", window=self.window, seq_len_q=self.lens_q, seq_len_kv=lens,
+            alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap, backend="cpu", out=out,
             stats_out=stats, validate=False)     # lengths: checked by self.validate(), or clamped (validate=False)
         return out_
+
+    def run_packed(self, out, stats):
+        """Packed new tokens: append, then attend. out [total_q, h_q, d_v], stats fp32 [h_q, total_q] or None.
+
+        The Triton path is the tiled forward kernel with both of its switches on, VARLEN (query rows from
+        cu_seqlens_q) and PAGED (keys through the page table; a contiguous cache is read as pages of
+        s_max keys, page i = sequence i): the keys' lengths come from cumulative offsets built from
+        seq_len_kv on the device (no sync). The CPU path pads the queries and runs run_cpu."""
+        if self.k_new is not None and self.s_q > 0:
+            self.append()
+        if self.backend == "cpu":
+            from .varlen import _pad, _unpad
+            q_pad, _ = _pad(self.q[0].transpose(0, 1), self.cu_seqlens_q, self.b, self.s_q)
+            o = torch.empty((self.b, self.h_q, self.s_q, self.d_v), dtype=self.q.dtype, device=self.q.device)
+            st = torch.empty((self.b, self.h_q, self.s_q, 1), dtype=torch.float32, device=self.q.device)
+            if self.cap == 0:
+                o.zero_()
+                st.zero_()
+            else:
+                self.run_cpu(o, st, q=q_pad)
+            total = self.q.shape[2]
+            out.copy_(_unpad(o, self.cu_seqlens_q, total))
+            if stats is not None:
+                stats.copy_(_unpad(st, self.cu_seqlens_q, total)[..., 0].T)
+            return
+        if self.s_q == 0 or self.q.shape[2] == 0:
+            return                      # no new token: nothing to write (rows past cu_seqlens_q[-1] are left)
+        if self.cap == 0 or self.b == 0:
+            out.zero_()
+            if stats is not None:
+                stats.zero_()
+            return
+        import dataclasses
+        from .backends.triton.fwd import launch_fwd
+        from .plan import plan
+        from .problem import make_problem
+        table, k, v = self.page_table, self.k_cache, self.v_cache
+        if table is None:
+            table = torch.arange(self.b, dtype=torch.int32, device=self.q.device).view(self.b, 1)
+        lens = self.seq_len_kv if self.seq_len_kv is not None else \
+            torch.full((self.b,), self.cap, dtype=torch.int32, device=self.q.device)
+        cu_kv = torch.zeros(self.b + 1, dtype=torch.int32, device=self.q.device)
+        torch.cumsum(lens, 0, dtype=torch.int32, out=cu_kv[1:])     # differences are exact even if it wraps
+        q4 = self.q.expand(self.b, -1, -1, -1)                        # batch stride 0: VARLEN reads rows by offset
+        p, extras = make_problem(q4, k, v, attn_scale=self.scale, causal=self.causal,
+                                 causal_alignment="bottom_right", window=self.window,
+                                 alibi=self.slopes[0] if self.slopes is not None else False, softcap=self.softcap,
+                                 page_table_k=table, page_table_v=table, validate=False)
+        p = dataclasses.replace(p, s_q=self.s_q, varlen=True)
+        extras.update(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=cu_kv, slopes=self.slopes)
+        lse4 = stats.unsqueeze(0) if stats is not None else None          # [1, h_q, total_q]
+        launch_fwd(p, plan(p, "triton").fwd, q4, k, v, out.unsqueeze(0).transpose(1, 2), lse4, extras)
 
     def run_triton(self, out, lse):
         from .backends.triton import decode
@@ -347,8 +444,9 @@ class _Call:
             table = self.page_table if self.paged else None
             attention_forward(
                 self.q, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,
-                causal_alignment="bottom_right", window=self.window, seq_len_kv=self.seq_len_kv,
-                alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap,
+                causal_alignment="bottom_right", window=self.window, seq_len_q=self.seq_len_q,
+                seq_len_kv=self.seq_len_kv, alibi=self.slopes if self.slopes is not None else False,
+                softcap=self.softcap,
                 page_table_k=table, page_table_v=table, backend="triton", out=out,
                 stats_out=lse.unsqueeze(-1) if lse is not None else None,
                 validate=False)             # lengths: checked by self.validate(), or clamped (validate=False)
@@ -360,7 +458,7 @@ class _Call:
         decode.launch_decode(
             aligned(self.q), aligned(self.k_cache), aligned(self.v_cache), aligned(self.page_table),
             aligned(self.seq_len_kv), self.slopes, o_buf, l_buf, scale=self.scale, softcap=self.softcap,
-            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap)
+            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap, seq_len_q=aligned(self.seq_len_q))
         for buf, target in ((o_buf, o_target), (l_buf, l_target)):
             if target is not None:
                 target.copy_(buf)
@@ -398,33 +496,37 @@ def _page_table(t, b, device):
     return t
 
 
-def _lengths(t, b, device):
-    """seq_len_kv as int32 [b] (int64 is converted, clamped so that no value wraps into range)."""
+def _lengths(t, b, device, name="seq_len_kv"):
+    """seq_len_kv (or seq_len_q) as int32 [b] (int64 is converted, clamped so that no value wraps into range)."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
-        raise InvalidTypeError(f"seq_len_kv must be an int32 tensor of shape [b] or [b, 1, 1, 1], "
+        raise InvalidTypeError(f"{name} must be an int32 tensor of shape [b] or [b, 1, 1, 1], "
                                f"got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64):
-        raise InvalidTypeError(f"seq_len_kv must be an int32 (or int64) tensor, got dtype {t.dtype}")
+        raise InvalidTypeError(f"{name} must be an int32 (or int64) tensor, got dtype {t.dtype}")
     if t.numel() != b or t.dim() not in (1, 4) or (t.dim() == 4 and tuple(t.shape) != (b, 1, 1, 1)):
-        raise InvalidArgumentError(f"seq_len_kv must have shape [{b}] or [{b}, 1, 1, 1] (batch {b}), "
+        raise InvalidArgumentError(f"{name} must have shape [{b}] or [{b}, 1, 1, 1] (batch {b}), "
                                    f"got {list(t.shape)}")
     if t.device != device:
-        raise InvalidArgumentError(f"seq_len_kv is on {t.device} but q is on {device}")
+        raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}")
     t = t.reshape(b)
     if t.dtype == torch.int64:
         t = t.clamp(-1, 2 ** 31 - 1).to(torch.int32)
     return t.contiguous()                 # the kernels read seq_len_kv[i] at offset i
 
 
-def _codes_torch(lens, page_table, num_pages, page_size, s_q, cap, need_room):
+def _codes_torch(lens, page_table, num_pages, page_size, s_q, cap, need_room, lens_q=None):
     """The validation kernel's per-batch codes, in torch (the CPU path)."""
-    from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP, BAD_PAGE
+    from .backends.triton.decode import BAD_NEGATIVE, BAD_NO_ROOM, BAD_OVER_CAP, BAD_PAGE, BAD_SEQ_Q
     lens = lens.long()
     codes = (lens < 0).int() * BAD_NEGATIVE + (lens > cap).int() * BAD_OVER_CAP
+    need = torch.full_like(lens, s_q)
+    if lens_q is not None:
+        need = lens_q.long()
+        codes += ((need < 0) | (need > s_q)).int() * BAD_SEQ_Q
     if need_room:
-        codes += (lens < s_q).int() * BAD_NO_ROOM
+        codes += (lens < need).int() * BAD_NO_ROOM
     if page_table is not None:
         used = (lens.clamp(0, cap) + page_size - 1) // page_size
         slot = torch.arange(page_table.shape[1], device=lens.device)
@@ -444,8 +546,10 @@ def _append_torch(c):
     """The append with torch indexing (CPU path; misaligned caches): skips out-of-range positions/pages."""
     dev = c.q.device
     lens = c.seq_len_kv.long() if c.seq_len_kv is not None else torch.full((c.b,), c.cap, device=dev)
-    pos = lens[:, None] - c.s_q + torch.arange(c.s_q, device=dev)[None, :]      # [b, s_q]
-    ok = (pos >= 0) & (pos < c.cap)
+    len_q = c.lens_q.long().clamp(max=c.s_q) if c.lens_q is not None else torch.full((c.b,), c.s_q, device=dev)
+    tok = torch.arange(c.s_q, device=dev)[None, :]
+    pos = lens[:, None] - len_q[:, None] + tok                                  # [b, s_q]
+    ok = (pos >= 0) & (pos < c.cap) & (tok < len_q[:, None])
     pos = torch.where(ok, pos, 0)
     if c.paged:
         page = c.page_table.long().gather(1, pos // c.page_size)
@@ -455,5 +559,62 @@ def _append_torch(c):
     else:
         bi, ti = ok.nonzero(as_tuple=True)
         first, second = bi, pos[bi, ti]
+    if c.packed:
+        # packed new tokens: token t of sequence i is row cu_seqlens_q[i] + t of k_new/v_new [1, h_kv, total, d]
+        rows = c.cu_seqlens_q.long()[bi] + ti
+        for cache, new in ((c.k_cache, c.k_new), (c.v_cache, c.v_new)):
+            cache.transpose(1, 2)[first, second] = new[0].transpose(0, 1)[rows]
+        return
     for cache, new in ((c.k_cache, c.k_new), (c.v_cache, c.v_new)):
         cache.transpose(1, 2)[first, second] = new.transpose(1, 2)[bi, ti]
+
+
+def _packed_q(q, cu_seqlens_q, max_seqlen_q, seq_len_q):
+    """Packed new tokens q [total_q, h_q, d] -> the [1, h_q, total_q, d] view the kernels read; checks
+    the offsets' type and shape (their values: _check_cu_seqlens_q, under validate)."""
+    if seq_len_q is not None:
+        raise InvalidArgumentError("seq_len_q and cu_seqlens_q are two spellings of the new tokens per "
+                                   "sequence (padded or packed); pass one of them")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise InvalidArgumentError(f"with cu_seqlens_q, q must be packed [total_q, h_q, d], got "
+                                   f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype != torch.int32 or \
+            cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+        raise InvalidTypeError(f"cu_seqlens_q must be an int32 tensor [b + 1] of cumulative offsets, got "
+                               f"{getattr(cu_seqlens_q, 'dtype', type(cu_seqlens_q).__name__)} "
+                               f"{list(getattr(cu_seqlens_q, 'shape', []))}")
+    if cu_seqlens_q.device != q.device:
+        raise InvalidArgumentError(f"cu_seqlens_q is on {cu_seqlens_q.device} but q is on {q.device}")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise InvalidArgumentError(f"max_seqlen_q must be an int >= 0 (the longest new-token run) with "
+                                   f"cu_seqlens_q, got {max_seqlen_q!r}")
+    return q.unsqueeze(0).transpose(1, 2)
+
+
+def _packed_view(name, t):
+    """k_new / v_new packed [total_q, h_kv, d] -> [1, h_kv, total_q, d] views (None stays None)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        raise InvalidArgumentError(f"with cu_seqlens_q, {name} must be packed [total_q, h_kv, d], got "
+                                   f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _check_cu_seqlens_q(cu, total, max_len):
+    """cu_seqlens_q's values (validate=True; one host sync): from 0, non-decreasing, within the packed q,
+    no run longer than max_seqlen_q."""
+    c = cu.cpu().long()
+    lens = c[1:] - c[:-1]
+    if int(c[0]) != 0:
+        raise InvalidArgumentError(f"cu_seqlens_q[0] = {int(c[0])}; cumulative offsets start at 0")
+    if (lens < 0).any():
+        i = int((lens < 0).nonzero()[0, 0])
+        raise InvalidArgumentError(f"cu_seqlens_q must be non-decreasing: cu_seqlens_q[{i + 1}] = {int(c[i + 1])} "
+                                   f"< cu_seqlens_q[{i}] = {int(c[i])}")
+    if int(c[-1]) > total:
+        raise InvalidArgumentError(f"cu_seqlens_q[-1] = {int(c[-1])} exceeds the {total} rows of the packed q")
+    if lens.numel() and int(lens.max()) > max_len:
+        i = int(lens.argmax())
+        raise InvalidArgumentError(f"sequence {i} has {int(lens[i])} new tokens (cu_seqlens_q), more than "
+                                   f"max_seqlen_q = {max_len}")

@@ -7,7 +7,7 @@ differentiable, so gradients come from autograd through it.
 
 Order of operations (the kernels' too): logits = softcap(scale * q k^T) + bias
 + ALiBi slope_h * (j - i); then the band / padding mask; softmax; an empty row
-gives output 0 and stats 0; dropout scales kept probabilities by 1 / (1 - p).
+gives output 0 and stats -inf (the log of an empty sum); dropout scales kept probabilities by 1 / (1 - p).
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
     l = e.sum(-1, keepdim=True)
     nonempty = l > 0
     prob = e / torch.where(nonempty, l, torch.ones_like(l))
-    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))), torch.zeros_like(l))
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
+                      torch.full_like(l, float("-inf")))
     if dropout_p > 0:
         kept = dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, dropout_seed, dropout_offset, q.device)
         prob = prob * kept / (1.0 - dropout_p)

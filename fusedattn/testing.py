@@ -78,6 +78,25 @@ def assert_error_within(got, gold, base, *, factor=2.0, floor=None, msg=""):
         f"error {e_got:.3e} > {factor} x PyTorch's same-precision error {e_base:.3e} + {floor:.1e}. {msg}")
 
 
+def assert_lse_close(got, gold, *, tol=1e-3, msg=""):
+    """Stats against the reference's log-sum-exp: -inf on exactly the rows that see no key (the
+    package's convention), finite elsewhere and within ``tol * (1 + max |gold|)``; NaN or +inf
+    (an unwritten NaN-filled buffer, a wrong convention) fails."""
+    got, gold = got.detach().cpu().double(), gold.detach().cpu().double()
+    assert got.shape == gold.shape, f"stats shape {tuple(got.shape)} != {tuple(gold.shape)}. {msg}"
+    bad = torch.isnan(got) | (got == float("inf"))
+    assert not bad.any(), f"NaN or +inf stats ({int(bad.sum())} rows: unwritten?). {msg}"
+    empty_got, empty_gold = got == float("-inf"), gold == float("-inf")
+    assert torch.equal(empty_got, empty_gold), (
+        f"stats are -inf on {int(empty_got.sum())} rows, the reference on {int(empty_gold.sum())} (rows that "
+        f"see no key must be -inf, the others finite). {msg}")
+    fin = ~empty_gold
+    if fin.any():
+        err = (got[fin] - gold[fin]).abs().max().item()
+        bound = tol * (1 + gold[fin].abs().max().item())
+        assert err < bound, f"stats differ from the reference's log-sum-exp by {err:.3e} > {bound:.3e}. {msg}"
+
+
 @dataclass
 class Case:
     """One random attention configuration; ``repro()`` rebuilds it."""

@@ -40,7 +40,7 @@ def fa_reference(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=
     j = torch.arange(sk).view(1, -1)
     diag = i + sk - sq
     if alibi is not None:
-        s = s - alibi.to(dtype).view(1, h, 1, 1) * (diag - j).abs().to(dtype)
+        s = s - alibi.to(dtype).reshape(-1, h, 1, 1) * (diag - j).abs().to(dtype)     # [h] or [b, h]
     left, right = window
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -405,19 +405,19 @@ def _qkv(d=16, sq=4, sk=4):
 
 
 def test_refusals_name_the_argument():
-    q, k, v = _qkv(d=60)
-    with pytest.raises(NotSupportedError, match="headdim 60.*multiples of 8"):
+    q, k, v = _qkv(d=260)
+    with pytest.raises(NotSupportedError, match="headdim 260: fusedattn supports any head dim from 1 to 256"):
         flash_attn_func(q, k, v)
     q, k, v = _qkv()
-    with pytest.raises(NotSupportedError, match=r"alibi_slopes.*\[batch_size, nheads\]"):
-        flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[nheads\] = \[2\] or \[batch_size"):
+        flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(3, 2))
     with pytest.raises(NotSupportedError, match="alibi_slopes without causal"):
         flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
     with pytest.raises(NotSupportedError, match="alibi_slopes without causal"):
         flash_attn_func(q, k, v, window_size=(2, 1), alibi_slopes=torch.ones(2))
     cu = _cu([4])
-    with pytest.raises(NotSupportedError, match="block_table"):
-        flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 4, 4, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 tensor"):
+        flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.long(), 4, 4)
     kc, vc = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
     with pytest.raises(NotSupportedError, match="cache_leftpad"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.ones(1, dtype=torch.int32))
@@ -432,3 +432,94 @@ def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match="window_size"):
         flash_attn_func(q, k, v, window_size=3)
     assert issubclass(NotSupportedError, NotImplementedError)
+
+
+# ----------------------------------------------------------------------------- issue 25 item 2: head dims, [b, h] ALiBi,
+# paged varlen; item 4: bad metadata
+
+@pytest.mark.parametrize("d,d_v", [(59, 59), (111, 40), (3, 3)], ids=lambda x: str(x))
+def test_any_headdim_and_batch_alibi(d, d_v, target):
+    """Head dims FlashAttention pads inside (59, 111, 3; headdim_v != headdim), with alibi_slopes
+    [batch_size, nheads], causal: out, softmax_lse and gradients against FlashAttention's semantics."""
+    device, backend = target
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 9, 4, d, generator=gen).to(device, dtype).requires_grad_()
+    k = torch.randn(2, 13, 2, d, generator=gen).to(device, dtype).requires_grad_()
+    v = torch.randn(2, 13, 2, d_v, generator=gen).to(device, dtype).requires_grad_()
+    slopes = torch.rand(2, 4, generator=gen).to(device)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, return_attn_probs=True, backend=backend)
+    do = torch.randn(out.shape, generator=gen).to(device, dtype)
+    out.backward(do)
+    res = []
+    for dt in (torch.float64, dtype):
+        rq, rk, rv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+        ro, rl = fa_reference(rq, rk, rv, causal=True, alibi=slopes.cpu(), dtype=dt)
+        ro.backward(do.cpu().to(dt))
+        res.append((ro, rq.grad, rk.grad, rv.grad, rl))
+    for name, g, gold, base in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), res[0], res[1]):
+        close(g.cpu(), gold, base, msg=f"{name}, repro: d={d} d_v={d_v} target={target}")
+    check_lse(lse.cpu(), res[0][4])
+
+
+def test_varlen_with_block_table(target):
+    """flash_attn_varlen_func over paged caches (key counts from cu_seqlens_k), forward, causal, each sequence
+    against FlashAttention's semantics on its gathered keys."""
+    device, backend = target
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(4)
+    lq, lk, page = [3, 1, 7], [20, 5, 31], 8
+    kc = torch.randn(14, page, 2, 40, generator=gen).to(device, dtype)
+    vc = torch.randn(14, page, 2, 40, generator=gen).to(device, dtype)
+    table = torch.randperm(14, generator=gen)[:12].view(3, 4).to(device, torch.int32)
+    q = torch.randn(sum(lq), 4, 40, generator=gen).to(device, dtype)
+    cq, ck = _cu(lq).to(device), _cu(lk).to(device)
+    with torch.no_grad():
+        out, lse, _ = flash_attn_varlen_func(q, kc, vc, cq, ck, max(lq), max(lk), causal=True, block_table=table,
+                                             return_attn_probs=True, backend=backend)
+    assert out.shape == (sum(lq), 4, 40) and lse.shape == (4, sum(lq))
+    row = 0
+    for i in range(3):
+        k = torch.cat([kc[j] for j in table[i].tolist()])[:lk[i]].cpu()[None]
+        v = torch.cat([vc[j] for j in table[i].tolist()])[:lk[i]].cpu()[None]
+        qi = q[row:row + lq[i]].cpu()[None]
+        gold, gl = fa_reference(qi, k, v, causal=True)
+        base, _ = fa_reference(qi, k, v, causal=True, dtype=dtype)
+        close(out[row:row + lq[i]].cpu()[None], gold, base, msg=f"sequence {i}, target={target}")
+        check_lse(lse[:, row:row + lq[i]].cpu()[None], gl)
+        row += lq[i]
+    with pytest.raises(NotSupportedError, match="dropout_p > 0 with block_table"):
+        flash_attn_varlen_func(q, kc, vc, cq, ck, max(lq), max(lk), dropout_p=0.1, block_table=table, backend=backend)
+
+
+def test_bad_cache_metadata_names_the_argument(target):
+    """Item 4: out-of-range block-table entries, cache_seqlens past the capacity, repeated cache_batch_idx when
+    appending, non-int32 or decreasing cu_seqlens: clear errors (validate=True by default)."""
+    device, backend = target
+    q = torch.randn(2, 1, 2, 16, device=device)
+    kn = torch.randn(2, 1, 2, 16, device=device)
+    kc, vc = torch.randn(2, 8, 2, 16, device=device), torch.randn(2, 8, 2, 16, device=device)
+    pages, pv = torch.randn(4, 4, 2, 16, device=device), torch.randn(4, 4, 2, 16, device=device)
+    bt = torch.tensor([[0, 9], [1, 2]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 9 is out of range"):
+        flash_attn_with_kvcache(q, pages, pv, cache_seqlens=6, block_table=bt, backend=backend)
+    with pytest.raises(ValueError, match=r"seq_len_kv\[0\] = 9 is beyond the cache"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([9, 1], dtype=torch.int32, device=device),
+                                backend=backend)
+    same = torch.tensor([1, 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[0\] = cache_batch_idx\[1\] = 1"):
+        flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn, cache_seqlens=2, cache_batch_idx=same, backend=backend)
+    q1 = q[:1].expand(2, -1, -1, -1)          # one query, read twice through the same cache row: allowed
+    out = flash_attn_with_kvcache(q1, kc, vc, cache_seqlens=2, cache_batch_idx=same, backend=backend)
+    assert torch.equal(out[0], out[1])
+    qv = torch.randn(6, 2, 16, device=device)
+    bad = torch.tensor([0, 4, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flash_attn_varlen_func(qv, qv, qv, bad, bad, 4, 4, backend=backend)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flash_attn_varlen_func(qv, pages, pv, bad, _cu([3, 3]).to(device), 4, 6, block_table=bt,
+                               backend=backend)
+    good = _cu([3, 3]).to(device)
+    with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 9 is out of range"):
+        flash_attn_varlen_func(qv, pages, pv, good, _cu([6, 3]).to(device), 3, 6, block_table=bt,
+                               backend=backend)

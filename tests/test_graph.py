@@ -67,7 +67,7 @@ def cudnn_keep_mask(b, s_q, s_kv, alignment="top_left", left_bound=None, right_b
 
 
 def ref_attention(q, k, v, scale, keep=None, bias=None, alibi_slopes=None, drop_keep=None, p=0.0):
-    """float64 softmax(scale q k^T + bias + alibi, masked) [dropout] v; empty rows -> 0; returns (o, lse)."""
+    """float64 softmax(scale q k^T + bias + alibi, masked) [dropout] v; empty rows -> 0 (lse -inf); returns (o, lse)."""
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -85,7 +85,8 @@ def ref_attention(q, k, v, scale, keep=None, bias=None, alibi_slopes=None, drop_
     e = torch.exp(s - m)
     l = e.sum(-1, keepdim=True)
     prob = e / torch.where(l > 0, l, torch.ones_like(l))
-    lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, torch.ones_like(l))), torch.zeros_like(l))
+    # a row with no key: Stats -inf, as cuDNN (9.14 and later) writes
+    lse = torch.where(l > 0, m + torch.log(torch.where(l > 0, l, torch.ones_like(l))), torch.full_like(l, float("-inf")))
     if drop_keep is not None:
         prob = prob * drop_keep / (1 - p)
     return prob @ v, lse

@@ -115,3 +115,116 @@ def test_paged_bad_tables():
     with pytest.raises(ValueError, match="page_table_k must have shape"):
         t = torch.zeros(3, 2, dtype=torch.int32)
         fusedattn.attention_forward(q, kc, kc, page_table_k=t, page_table_v=t)
+
+
+# ----------------------------------------------------------------------------- variable-length queries over a cache
+# (issue 25 item 2): padded (seq_len_q) or packed (cu_seqlens_q) new tokens against a contiguous or paged cache,
+# appended in the same call, bottom-right causal per sequence
+
+def _cache_case(seed, paged, device, dtype, d=24, d_v=40, lens_before=(5, 0, 30), lens_new=(3, 1, 6)):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(device, dtype)  # noqa: E731
+    b, h_q, h_kv, page = len(lens_before), 4, 2, 16
+    if paged:
+        kc, vc = mk(12, h_kv, page, d), mk(12, h_kv, page, d_v)
+        table = torch.randperm(12, generator=gen)[:3 * b].view(b, 3).to(device, torch.int32)
+    else:
+        kc, vc, table = mk(b, h_kv, 48, d), mk(b, h_kv, 48, d_v), None
+    s = max(lens_new)
+    q, kn, vn = mk(b, h_q, s, d), mk(b, h_kv, s, d), mk(b, h_kv, s, d_v)
+    return dict(kc=kc, vc=vc, table=table, q=q, kn=kn, vn=vn, before=list(lens_before), new=list(lens_new))
+
+
+def _dense_after(c, i):
+    """Sequence i's keys/values after its append, from the case's original caches."""
+    if c["table"] is not None:
+        k = torch.cat([c["kc"][j] for j in c["table"][i].tolist()], 1)
+        v = torch.cat([c["vc"][j] for j in c["table"][i].tolist()], 1)
+    else:
+        k, v = c["kc"][i].clone(), c["vc"][i].clone()
+    n0, n = c["before"][i], c["new"][i]
+    k[:, n0:n0 + n], v[:, n0:n0 + n] = c["kn"][i, :, :n], c["vn"][i, :, :n]
+    return k[:, :n0 + n], v[:, :n0 + n]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("packed", [False, True], ids=["seq_len_q", "cu_seqlens_q"])
+@pytest.mark.parametrize("long", [False, True], ids=["decode", "prefill"])
+def test_varlen_queries_over_cache_with_append(paged, packed, long, target):
+    """Every sequence's new tokens attend to its cache plus themselves (bottom-right causal), against float64;
+    the appended keys land in the cache; padded rows give 0; slopes [b, h] on the paged cases."""
+    device, backend = target
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    new = (3, 40, 17) if long else (3, 1, 6)         # 40 tokens x g = 2: 80 rows, the tiled forward (prefill)
+    c = _cache_case(13 + paged + 2 * packed, paged, device, dtype, lens_before=(5, 0, 30) if not long else (5, 2, 30),
+                    lens_new=new)
+    orig = {n: c[n].clone() for n in ("kc", "vc")}
+    b = len(new)
+    lens = torch.tensor([x + y for x, y in zip(c["before"], new)], dtype=torch.int32, device=device)
+    slopes = torch.rand(b, 4, generator=torch.Generator().manual_seed(1)).to(device) if paged else False
+    kw = dict(page_table=c["table"], seq_len_kv=lens, alibi=slopes, return_stats=True, backend=backend)
+    repro = f"repro: paged={paged} packed={packed} long={long} target={target}"
+    if packed:
+        cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        pack = lambda t: torch.cat([t[i, :, :new[i]].transpose(0, 1) for i in range(b)])  # noqa: E731
+        out, stats = fusedattn.attention_with_kvcache(pack(c["q"]), c["kc"], c["vc"], k_new=pack(c["kn"]),
+                                                      v_new=pack(c["vn"]), cu_seqlens_q=cu, max_seqlen_q=max(new),
+                                                      **kw)
+        assert out.shape == (sum(new), 4, 40) and stats.shape == (4, sum(new)), repro
+    else:
+        lq = torch.tensor(new, dtype=torch.int32, device=device)
+        out, stats = fusedattn.attention_with_kvcache(c["q"], c["kc"], c["vc"], k_new=c["kn"], v_new=c["vn"],
+                                                      seq_len_q=lq, **kw)
+    now = dict(c)
+    c.update(orig)                                   # the reference starts from the caches before the call
+    row = 0
+    for i in range(b):
+        n = new[i]
+        k, v = (t.cpu() for t in _dense_after(c, i))
+        kn_cache = (torch.cat([now["kc"][j] for j in c["table"][i].tolist()], 1) if paged else now["kc"][i]).cpu()
+        n0 = c["before"][i]
+        assert torch.equal(kn_cache[:, n0:n0 + n], c["kn"][i, :, :n].cpu()), f"append of sequence {i}. {repro}"
+        al = slopes[i].cpu() if paged else False
+        res = [attention_reference(c["q"][i:i + 1, :, :n].cpu(), k[None], v[None], causal=True,
+                                   causal_alignment="bottom_right", alibi=al, dtype=dt) for dt in (torch.float64, dtype)]
+        got = out[row:row + n].transpose(0, 1)[None] if packed else out[i:i + 1, :, :n]
+        got_lse = stats[:, row:row + n][None] if packed else stats[i:i + 1, :, :n, 0]
+        row += n
+        assert_error_within(got.cpu(), res[0][0], res[1][0], msg=f"sequence {i}. {repro}")
+        torch.testing.assert_close(got_lse.cpu(), res[0][1][..., 0].float(), atol=2e-3, rtol=1e-3)
+        if not packed:
+            assert (out[i, :, n:] == 0).all(), f"padded rows of sequence {i} must be 0. {repro}"
+
+
+def test_varlen_queries_over_cache_bad_input(target):
+    """seq_len_q / cu_seqlens_q: clear errors naming the argument; validate=False trusts them."""
+    device, backend = target
+    c = _cache_case(3, True, device, torch.float32)
+    lens = torch.tensor([8, 1, 36], dtype=torch.int32, device=device)
+    kw = dict(page_table=c["table"], seq_len_kv=lens, backend=backend)
+    q3 = c["q"][:, :, :4].transpose(1, 2).reshape(-1, 4, 24)         # 12 packed rows
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    cases = [
+        (dict(seq_len_q=i32(3, 9, 1)), ValueError, r"seq_len_q\[1\] = 9 is outside \[0, s_q\] = \[0, 6\]"),
+        (dict(seq_len_q=i32(3, 2, 1), k_new=c["kn"], v_new=c["vn"]), ValueError,
+         r"seq_len_kv\[1\] = 1 < 2 new tokens of sequence 1 \(seq_len_q\)"),
+    ]
+    for extra, err, pat in cases:
+        with pytest.raises(err, match=pat):
+            fusedattn.attention_with_kvcache(c["q"], c["kc"], c["vc"], **kw, **extra)
+    packed_cases = [
+        (dict(cu_seqlens_q=i32(0, 4, 2, 12), max_seqlen_q=10), ValueError, r"cu_seqlens_q must be non-decreasing"),
+        (dict(cu_seqlens_q=i32(1, 4, 8, 12), max_seqlen_q=4), ValueError, r"cu_seqlens_q\[0\] = 1"),
+        (dict(cu_seqlens_q=i32(0, 4, 8, 13), max_seqlen_q=5), ValueError, r"cu_seqlens_q\[-1\] = 13 exceeds the 12"),
+        (dict(cu_seqlens_q=i32(0, 4, 8, 12), max_seqlen_q=3), ValueError, r"more than max_seqlen_q = 3"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 8, 12], device=device), max_seqlen_q=4), TypeError,
+         r"cu_seqlens_q must be an int32 tensor"),
+        (dict(cu_seqlens_q=i32(0, 4, 8, 12), max_seqlen_q=4, seq_len_q=i32(1, 1, 1)), ValueError,
+         r"seq_len_q and cu_seqlens_q"),
+    ]
+    for extra, err, pat in packed_cases:
+        with pytest.raises(err, match=pat):
+            fusedattn.attention_with_kvcache(q3, c["kc"], c["vc"], **kw, **extra)
+    # trusted metadata: no check, no error, nothing out of bounds (lengths clamped)
+    out = fusedattn.attention_with_kvcache(c["q"], c["kc"], c["vc"], seq_len_q=i32(3, 9, 1), validate=False, **kw)
+    assert not torch.isnan(out).any()

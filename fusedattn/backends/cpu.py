@@ -193,6 +193,8 @@ def _compute_dtype(dtype):
 def forward(p, q, k, v, extras, out, lse):
     """out [b,h_q,s_q,d_v] (written), lse fp32 [b,h_q,s_q] natural log (written when not None).
 
+    A row with no key (band, padding, bool bias, all -inf bias) gets output 0 and lse -inf.
+
     Paged K/V (containers + page tables) are gathered into dense tensors first.
     """
     if p.paged:
@@ -224,7 +226,8 @@ def forward(p, q, k, v, extras, out, lse):
         o = torch.where(ok[..., None], acc * (scale_out / torch.where(ok, l, 1.0))[..., None], 0.0)
         out[:, :, i0:i1].copy_(o.flatten(1, 2))
         if lse is not None:
-            lse[:, :, i0:i1].copy_(torch.where(ok, m + torch.log(torch.where(ok, l, 1.0)), 0.0).flatten(1, 2))
+            # a row with no key (l == 0): log of an empty sum, -inf (merges with weight 0)
+            lse[:, :, i0:i1].copy_(torch.where(ok, m + torch.log(torch.where(ok, l, 1.0)), float("-inf")).flatten(1, 2))
 
 
 def backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias=False):
@@ -238,7 +241,9 @@ def backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias=Fals
     g5 = lambda t: t.unflatten(1, (p.h_kv, p.group))  # noqa: E731  [b,h_q,...] -> [b,h_kv,g,...]
     do = g5(grad_out)
     delta = (do.to(cdt) * g5(out).to(cdt)).sum(-1)             # rowsum(dO * O) [b,h_kv,g,s_q]
+    # rows with no key have lse -inf: read as +inf so their P = exp(s - lse) is 0 (never -inf - -inf)
     lse5 = g5(lse).to(cdt)
+    lse5 = torch.where(lse5 == float("-inf"), float("inf"), lse5)
     rescale = 1.0 / (1.0 - p.dropout_p)
     dq_acc = torch.zeros((p.b, p.h_kv, p.group, p.s_q, p.d), dtype=cdt, device=q.device)
     dk_acc = torch.zeros((p.b, p.h_kv, p.s_kv, p.d), dtype=cdt, device=q.device)

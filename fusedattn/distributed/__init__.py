@@ -28,9 +28,10 @@ Algorithm (ring variant, ``variant="ring"``)::
             post isend(acc -> r+1), irecv(<- r-1)      (after W hops it is back with its owner)
 
 With a causal mask each (query chunk, key chunk) pair is fully visible (key chunk earlier),
-causal-diagonal (same chunk: top-left causal inside the block) or fully masked (skipped: no call
-ever has a row without keys, whose lse the merge could not use). With the zigzag layout every
-rank does the same causal work at every step.
+causal-diagonal (same chunk: top-left causal inside the block) or fully masked (skipped: there is
+nothing to compute. A call with rows that see no key would merge correctly too: such rows come
+back with out 0 and lse -inf, the package's convention, and weigh exp(-inf) = 0 in the merge).
+With the zigzag layout every rank does the same causal work at every step.
 
 The all-gather variant (``variant="allgather"``) gathers K/V once and runs one call per local
 query chunk (see :mod:`fusedattn.distributed.allgather`). ``variant="auto"`` picks it by

@@ -23,7 +23,7 @@ def block_plan(world: int, rank: int, src: int, layout: str, causal: bool, local
     """Kernel calls that attend ``rank``'s queries to the K/V block held by rank ``src``.
 
     Each (query chunk, key chunk) pair is fully visible, causal-diagonal (same chunk) or fully
-    masked (never computed: a call never contains a row with no key). Chunks are grouped into as
+    masked (never computed: it would only add rows with no key, lse -inf, weight 0 in the merge). Chunks are grouped into as
     few calls as possible: with zigzag, one call per step (own block: causal over the whole local
     block, whose chunks are in increasing global order; an earlier rank's block: all queries
     against its first chunk; a later rank's block: the second query chunk against both chunks).
@@ -63,11 +63,16 @@ def _acc_dtype(dtype):
 def merge_partial(out_acc, lse_acc, out_blk, lse_blk) -> None:
     """In place: (out_acc, lse_acc) <- merge with a block's (out, lse), the numerically stable rule
     lse = logaddexp(lse_a, lse_b); out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse).
-    out_acc [b,h,n,d_v] and lse_acc [b,h,n] in the accumulation dtype; lse_acc starts at -inf."""
+    out_acc [b,h,n,d_v] and lse_acc [b,h,n] in the accumulation dtype; lse_acc starts at -inf.
+
+    A row with no key on one side has lse -inf there (the package's convention): its weight is
+    exp(-inf - lse) = 0. A row empty on both sides stays out 0, lse -inf (the exponents then use 0,
+    never -inf - -inf)."""
     lse_blk = lse_blk.to(lse_acc.dtype)
     new = torch.logaddexp(lse_acc, lse_blk)
-    out_acc.mul_(torch.exp(lse_acc - new).unsqueeze(-1))
-    out_acc.add_(out_blk.to(out_acc.dtype) * torch.exp(lse_blk - new).unsqueeze(-1))
+    safe = torch.where(new == float("-inf"), torch.zeros_like(new), new)
+    out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1))
+    out_acc.add_(out_blk.to(out_acc.dtype) * torch.exp(lse_blk - safe).unsqueeze(-1))
     lse_acc.copy_(new)
 
 

@@ -5,7 +5,8 @@
     graph dims [b, h, s, d] -> max_seqlen = s; each bound buffer is viewed as [total, h, d]
                                with the graph's token / head / dim strides (any bound shape)
     seq_len_q / seq_len_kv  -> checked equal to diff(cu_seqlens) (derived from it when absent)
-    Stats [b, h, s, 1]      -> scattered to / gathered from the padded layout (0 past a length),
+    Stats [b, h, s, 1]      -> scattered to / gathered from the padded layout (-inf past a length, as
+                               cuDNN 9.14+ writes for rows that see no key),
 """
 from __future__ import annotations
 
@@ -186,9 +187,9 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
                 if "stats" in views:
                     views["stats"].copy_(lse.t())
                 else:
-                    # padded Stats [b, h, s, 1]: rows past a sequence's length get 0
+                    # padded Stats [b, h, s, 1]: rows past a sequence's length see no key: -inf (cuDNN 9.14+)
                     target = t["stats"][..., 0]
-                    target.zero_()
+                    target.fill_(float("-inf"))
                     if lse.numel():
                         seq, pos = _padded_index(pk.lens_q, target.device)
                         target[seq, :, pos] = lse.t()

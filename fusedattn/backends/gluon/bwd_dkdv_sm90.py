@@ -40,7 +40,8 @@ none of the CTA's keys are never loaded (and under a right bound warpgroup 1 ski
 where none of its 64 keys is seen yet); tiles whose rows all see every real key of the block run
 mask-free; the tiles below (right bound: ``key <= row + diag + right``) and above (left bound:
 ``key >= row + diag - left``) apply the mask. Rows that see no key at all (bottom-right, s_q >
-s_kv) have every key masked there, so they add nothing. Key block 0 has the most query tiles
+s_kv) have every key masked there, and their lse (-inf, the forward's) is staged as +inf, so their P
+is exactly 0 (never exp2(-inf - -inf) = NaN) and they add nothing. Key block 0 has the most query tiles
 under a causal mask, and the grid runs it first (longest work first). ALiBi (slope * (j - i),
 slope per query head of the GQA group): the producer folds the row half -slope * (i - t * 64)
 into the lse it stages, the consumer adds the key half slope * (j - t * 64) (``_pt_tile``).
@@ -232,7 +233,8 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
             tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
                                             do_smem.index(slot))
-            lse2 = lse2 * LOG2E_C
+            # rows that saw no key have lse -inf: +inf makes their P exactly 0, as for rows >= len_q
+            lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2) * LOG2E_C
             if HAS_ALIBI:
                 lse2 = lse2 + slope2 * (rows - t * BLOCK_M).to(gl.float32)     # ALiBi's row half (_pt_tile)
             lse_smem.index(slot).store(lse2)

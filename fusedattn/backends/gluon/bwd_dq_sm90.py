@@ -43,8 +43,9 @@ alignment); [t_a, t_b) skips the mask, and tiles outside the band are never load
 the scaled scores, the row half is folded into the row's lse once (as the forward takes it out of
 the LSE). Rows
 past s_q: TMA zero-fills Q and dO, lse and delta load as 0, so dS = 1 * (0 - 0) = 0; their dQ
-rows are clipped by the TMA store. Rows with no visible key (causal bottom-right, s_q > s_kv):
-lse 0, every key masked, so dQ = 0 (the package's convention). Causal: the longest rows start
+rows are clipped by the TMA store. Rows with no visible key (causal bottom-right, s_q > s_kv, rows
+past len_q): the forward wrote lse -inf, read here as +inf, so P = exp2(x - inf) = 0 whether a key is
+masked or not (never -inf - -inf = NaN) and dQ = 0. Causal: the longest rows start
 first (REVERSE_M, as the forward).
 
 Shared memory (d=128, BLOCK_N=64, STAGES=3): Q 32 KB + dO 32 KB + K 3 x 16 KB + V 3 x 16 KB =
@@ -245,7 +246,8 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     rows = row0 + gl.arange(0, WG_M, layout=row_s)
     in_q = rows < S_Q
     lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-    lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=in_q, other=0.0) * LOG2E_C
+    lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=in_q, other=0.0)
+    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2) * LOG2E_C     # rows with no key: P = 0
     if HAS_ALIBI:
         # ALiBi's row half, -slope2 * (i - row0), taken out with the LSE (``_p_tile`` adds the column half)
         lse2 = lse2 + slope2 * (rows - row0).to(gl.float32)

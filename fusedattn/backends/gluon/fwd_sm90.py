@@ -75,14 +75,14 @@ keeps the FMA: slope * c / scale may pass its 65504.
 
 [Note] empty rows (causal bottom-right with s_q > s_kv: rows with no key): m = -inf and l = 0;
 exponents use m_safe (0 where m is -inf), so no inf - inf arises; such rows write output 0 and
-LSE 0 (the package's convention). A CTA whose rows see no key at all still runs one fully
+LSE -inf (the package's convention: the log of an empty sum, so split results merge with weight 0). A CTA whose rows see no key at all still runs one fully
 masked tile, so every path is the same (unpadded kernel; the padded one skips it, below).
 
 [Note] padding (per-batch lengths ``seq_len_q`` / ``seq_len_kv``; compile-time switches
 HAS_SEQ_Q / HAS_SEQ_KV, so the unpadded kernel is unchanged). Semantics are the Triton
 forward's: len_q / len_kv clamped to [0, s_q] / [0, s_kv]; row i of batch entry bi is valid iff
 i < len_q[bi], key j visible iff j < len_kv[bi] and in the band, whose bottom-right diagonal is
-len_kv - len_q of the sequence; rows past len_q and rows with no key write output 0 and LSE 0.
+len_kv - len_q of the sequence; rows past len_q and rows with no key write output 0 and LSE -inf.
 * The band takes the lengths in place of s_q / s_kv (``_kv_range``), so a tile wholly past
   len_kv is never loaded. A CTA whose rows are all past len_q, or that sees no key (len_kv = 0,
   say), gets n_tiles = 0: the producer loads nothing, the consumers skip every wgmma and write
@@ -98,7 +98,7 @@ len_kv - len_q of the sequence; rows past len_q and rows with no key write outpu
   0), and the producer never refills that slot (it is the CTA's last tile). Cost (H100, bench/
   GLUON_NOTES.md): paid once per CTA, by the CTAs whose band reaches len_kv.
 * Q rows in [len_q, s_q) are in the tensor too; a score row depends only on its own Q row, so
-  whatever they hold stays in their own rows, which the epilogue replaces by 0 (output, LSE).
+  whatever they hold stays in their own rows, which the epilogue replaces (output 0, LSE -inf).
 
 [Note] persistent grid (compile-time ``PERSISTENT``; ``launch_fwd_sm90(persistent=...)``, defaults
 in ``PERSISTENT``). The one-tile grid runs (cdiv(s_q, 128), b * h_q) CTAs, one per SM at a time
@@ -759,14 +759,14 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
     fence_async_shared()
     tma_store(o_desc, [batch, head, row0, 0], stage)
     if WRITE_LSE:
-        # natural-log log-sum-exp of the scaled scores; 0 for empty rows and rows >= len_q
+        # natural-log log-sum-exp of the scaled scores; -inf for empty rows and rows >= len_q
         ok_s = l_i > 0.0
         if HAS_SEQ_Q:
             ok_s = ok_s & (rows < len_q)
         lse2 = m_i + gl.log2(gl.where(ok_s, l_i, 1.0))
         if HAS_ALIBI:
             lse2 = lse2 - slope2 * (rows - row0).to(gl.float32)     # the row half of ALiBi (_softmax_tile)
-        lse = gl.where(ok_s, lse2 * LN2, 0.0)
+        lse = gl.where(ok_s, lse2 * LN2, float("-inf"))
         base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         gl.store(base + rows.to(gl.int64) * stride_lm, lse, mask=rows < S_Q)
 

@@ -1,7 +1,8 @@
 """Backward attention: FlashAttention-2's split, deterministic (no atomics).
 
 Notation as in fwd.py. Given q, k, v, o, dO and the forward's natural-log
-stats ``lse``, with P = exp(S - lse) recomputed tile by tile (never stored):
+stats ``lse``, with P = exp(S - lse) recomputed tile by tile (never stored; a row that saw
+no key has lse = -inf, read as +inf so its P is 0 and its dQ 0, never NaN):
 
     delta = rowsum(dO * O)                          [b*h_q, s_q] fp32, written by the dQ pass
     dS_ij = P_ij * (dP_ij - delta_i),  dP = dO V^T   (dropout: dP masked and scaled)
@@ -28,8 +29,8 @@ import triton.language as tl
 
 from .args import aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
-from .common import (LOG2E, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile, q_block_range,
-                     scores_base2, softcap_tanh)
+from .common import (LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile,
+                     q_block_range, scores_base2, softcap_tanh)
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         else:
             lse = tl.load(lse_base + offs_m * stride_lm)
             delta = tl.load(delta_base + offs_m)
-        p_t = tl.math.exp2(s_t - (lse * LOG2E)[None, :])
+        p_t = tl.math.exp2(s_t - (backward_lse(lse) * LOG2E)[None, :])     # empty rows (lse -inf): P = 0
         do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                        offs_m, offs_dv, row_end, D_V, MASKED, not EVEN_DV)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -293,7 +294,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
                   offs_m, offs_d, row_end, D, True, not EVEN_D)
     do = load_tile(DO + do_off + h64 * stride_doh + offs_m[:, None] * stride_dom
                    + offs_dv[None, :] * stride_dod, offs_m, offs_dv, row_end, D_V, True, not EVEN_DV)
-    lse2 = tl.load(LSE + l_off + h64 * stride_lh + offs_m * stride_lm, mask=offs_m < row_end, other=0.0) * LOG2E
+    # rows that saw no key (lse -inf) read +inf: their P is exactly 0 (common.backward_lse)
+    lse2 = backward_lse(tl.load(LSE + l_off + h64 * stride_lh + offs_m * stride_lm, mask=offs_m < row_end,
+                                other=0.0)) * LOG2E
     delta_ptrs = DELTA + bh.to(tl.int64) * S_Q + offs_m
     if WRITE_DELTA:
         # this pass runs first and computes delta = rowsum(dO * O) for its rows (the dK/dV pass reads

@@ -183,6 +183,17 @@ def load_bias(BIAS, rows, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND: tl.c
 
 
 @triton.jit
+def backward_lse(lse):
+    """The forward's lse as the backward uses it: -inf (a row that saw no key) becomes +inf.
+
+    P = exp(s - lse) must be exactly 0 on such a row, for masked scores (s = -inf: -inf - -inf
+    would be NaN) and unmasked ones alike (s finite: exp(s + inf) would be inf); with +inf it is
+    exp(-inf) = 0 for any s, so the row adds nothing to dQ, dK, dV or dBias.
+    """
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
 def softcap_tanh(qk, qk_scale):
     """tanh(qk * qk_scale) as 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice needed."""
     return 1.0 - 2.0 / (tl.math.exp2(qk * (qk_scale * 2.0 * LOG2E)) + 1.0)

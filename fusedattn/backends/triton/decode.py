@@ -32,7 +32,13 @@ to [0, MAX_PAGES), page numbers to [0, NUM_PAGES) for reads; the append kernel s
 whose position or page is out of range rather than clamping it onto someone else's page.
 
 [Note] empty rows: a row with no key (len_kv < s_q under causal, a window, len_kv = 0) has
-m = -inf, l = 0: it writes output 0 and lse 0 (partials: o 0, lse -inf), never NaN.
+m = -inf, l = 0: it writes output 0 and lse -inf (partials too: o 0, lse -inf), never NaN. In the
+combine an empty split weighs 2^(-inf - M) = 0; a row whose every split is empty (M = -inf) has
+den = 0 and writes output 0, lse -inf::
+
+    split:        0            1            2
+    row r:   (o0, lse0)   (0, -inf)    (o2, lse2)   ->  out = (2^lse0 o0 + 2^lse2 o2) / (2^lse0 + 2^lse2)
+    row e:   (0, -inf)    (0, -inf)    (0, -inf)    ->  out = 0, lse = -inf
 """
 import math
 from dataclasses import dataclass
@@ -219,7 +225,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
             + offs_dv[None, :] * stride_od
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
         if WRITE_LSE:
-            lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * LN2, 0.0)
+            lse = tl.where(nonempty, (m_i + tl.math.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
             tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + tok * stride_lm, lse, mask=row_ok)
 
 
@@ -228,7 +234,7 @@ def _decode_combine(O_PART, LSE_PART, O, LSE,
                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                     ROWS, H_Q, S_Q, D_V, NUM_SPLITS,
                     BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Merge the splits' partials of BLOCK_R (batch, query head, token) rows; empty rows give 0 / 0.
+    """Merge the splits' partials of BLOCK_R (batch, query head, token) rows; empty rows give 0 / -inf.
 
     Partial row ``r`` of split ``s`` sits at ``s * ROWS + r`` (r = (batch * H_Q + head) * S_Q + token).
     Two passes over the splits: the max of their log2-sum-exps, then the weighted sum.
@@ -258,12 +264,12 @@ def _decode_combine(O_PART, LSE_PART, O, LSE,
     tl.store(O + (batch * stride_ob + head * stride_oh + tok * stride_om)[:, None] + offs_dv[None, :] * stride_od,
              out.to(O.dtype.element_ty), mask=r_ok[:, None] & dv_ok[None, :])
     if WRITE_LSE:
-        lse = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, den, 1.0))) * LN2, 0.0)
+        lse = tl.where(nonempty, (m_safe + tl.math.log2(tl.where(nonempty, den, 1.0))) * LN2, float("-inf"))
         tl.store(LSE + batch * stride_lb + head * stride_lh + tok * stride_lm, lse, mask=r_ok)
 
 
 @triton.jit
-def _append_kv(KN, VN, K, V, PT, SEQ_KV,
+def _append_kv(KN, VN, K, V, PT, SEQ_KV, SEQ_Q, CU_Q,
                stride_knb, stride_knh, stride_knm, stride_knd,
                stride_vnb, stride_vnh, stride_vnm, stride_vnd,
                stride_kb, stride_kh, stride_kn, stride_kd,
@@ -271,8 +277,12 @@ def _append_kv(KN, VN, K, V, PT, SEQ_KV,
                stride_pb, stride_pn,
                H_KV, S_Q, D, D_V, CAP, NUM_PAGES,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               HAS_SEQ_KV: tl.constexpr):
-    """Write token t of k_new/v_new at position len_kv - S_Q + t of its cache; skip it if out of range."""
+               HAS_SEQ_KV: tl.constexpr, HAS_SEQ_Q: tl.constexpr, VARLEN_Q: tl.constexpr):
+    """Write token t of k_new/v_new at position len_kv - len_q + t of its cache; skip it if out of range.
+
+    len_q is S_Q, or per sequence: SEQ_Q[batch] (padded new tokens: rows t >= len_q are padding, not
+    written) or CU_Q[batch + 1] - CU_Q[batch] (VARLEN_Q: packed new tokens, token t of sequence
+    ``batch`` is row CU_Q[batch] + t of k_new/v_new, seen as [1, h_kv, total, d])."""
     bkv = tl.program_id(0)
     tok = tl.program_id(1)
     batch = bkv // H_KV
@@ -281,8 +291,18 @@ def _append_kv(KN, VN, K, V, PT, SEQ_KV,
     len_kv = CAP + batch * 0
     if HAS_SEQ_KV:
         len_kv = tl.load(SEQ_KV + batch)                 # raw: an invalid length writes nothing
-    pos = len_kv - S_Q + tok
-    ok = (pos >= 0) & (pos < CAP)
+    len_q = S_Q + batch * 0
+    row = tok.to(tl.int64)
+    kn_b = b64
+    if HAS_SEQ_Q:
+        len_q = tl.minimum(tl.load(SEQ_Q + batch), S_Q)
+    if VARLEN_Q:
+        q0 = tl.load(CU_Q + batch)
+        len_q = tl.minimum(tl.load(CU_Q + batch + 1) - q0, S_Q)
+        row = q0.to(tl.int64) + tok
+        kn_b = b64 * 0
+    pos = len_kv - len_q + tok
+    ok = (pos >= 0) & (pos < CAP) & (tok < len_q)
     pos = tl.where(ok, pos, 0)
     if PAGED:
         page = tl.load(PT + b64 * stride_pb + (pos // PAGE_SIZE) * stride_pn)
@@ -301,27 +321,33 @@ def _append_kv(KN, VN, K, V, PT, SEQ_KV,
     # (``ok``) as int32 data, and since 3.9 it rejects a mask that is not boolean (same code on GPU).
     d_end = tl.where(ok, D, 0)
     dv_end = tl.where(ok, D_V, 0)
-    kn = tl.load(KN + b64 * stride_knb + h64 * stride_knh + tok * stride_knm + offs_d * stride_knd,
-                 mask=offs_d < D)
+    kn = tl.load(KN + kn_b * stride_knb + h64 * stride_knh + row * stride_knm + offs_d * stride_knd,
+                 mask=offs_d < d_end)
     tl.store(K + k_row + h64 * stride_kh + offs_d * stride_kd, kn, mask=offs_d < d_end)
-    vn = tl.load(VN + b64 * stride_vnb + h64 * stride_vnh + tok * stride_vnm + offs_dv * stride_vnd,
-                 mask=offs_dv < D_V)
+    vn = tl.load(VN + kn_b * stride_vnb + h64 * stride_vnh + row * stride_vnm + offs_dv * stride_vnd,
+                 mask=offs_dv < dv_end)
     tl.store(V + v_row + h64 * stride_vh + offs_dv * stride_vd, vn, mask=offs_dv < dv_end)
 
 
 # Bits of the validation kernel's per-batch code
-BAD_NEGATIVE, BAD_OVER_CAP, BAD_NO_ROOM, BAD_PAGE = 1, 2, 4, 8
+BAD_NEGATIVE, BAD_OVER_CAP, BAD_NO_ROOM, BAD_PAGE, BAD_SEQ_Q = 1, 2, 4, 8, 16
 
 
 @triton.jit
-def _validate_kv(SEQ_KV, PT, CODES, stride_pb, stride_pn, S_Q, CAP, NUM_PAGES,
-                 NEED_ROOM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Per batch entry, a bit set of what is wrong with its length and the page-table slots it uses."""
+def _validate_kv(SEQ_KV, PT, SEQ_Q, CODES, stride_pb, stride_pn, S_Q, CAP, NUM_PAGES,
+                 NEED_ROOM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+                 HAS_SEQ_Q: tl.constexpr):
+    """Per batch entry, a bit set of what is wrong with its length, its new-token count (SEQ_Q: in
+    [0, S_Q]) and the page-table slots it uses."""
     batch = tl.program_id(0)
     n = tl.load(SEQ_KV + batch)
     code = tl.where(n < 0, 1, 0) | tl.where(n > CAP, 2, 0)
+    need = S_Q + batch * 0
+    if HAS_SEQ_Q:
+        need = tl.load(SEQ_Q + batch)
+        code = code | tl.where((need < 0) | (need > S_Q), 16, 0)
     if NEED_ROOM:
-        code = code | tl.where(n < S_Q, 4, 0)
+        code = code | tl.where(n < need, 4, 0)
     if PAGED:
         used = tl.cdiv(tl.minimum(tl.maximum(n, 0), CAP), PAGE_SIZE)
         bad = n * 0
@@ -536,31 +562,41 @@ def launch_decode_problem(p, extras, q, k, v, out, lse, num_splits=None):
             target.copy_(buf)
 
 
-def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap):
-    """Write k_new/v_new [b,h_kv,s_q,d|d_v] into the caches at len_kv - s_q .. len_kv - 1."""
-    b, h_kv, s_q, d = k_new.shape
+def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap, seq_len_q=None, cu_seqlens_q=None,
+                  max_seqlen_q=None):
+    """Write k_new/v_new [b,h_kv,s_q,d|d_v] into the caches at len_kv - len_q .. len_kv - 1 (len_q = s_q, or
+    seq_len_q int32 [b]: rows past it are padding). Packed new tokens: k_new/v_new [1, h_kv, total, d|d_v]
+    views with cu_seqlens_q int32 [b + 1] and max_seqlen_q."""
+    _, h_kv, s_q, d = k_new.shape
     d_v = v_new.shape[3]
+    b = k_cache.shape[0] if page_table is None else page_table.shape[0]
+    if cu_seqlens_q is not None:
+        s_q = max_seqlen_q
     paged = page_table is not None
     pt = page_table if paged else k_new
     jit_launch(_append_kv, (b * h_kv, s_q),
         k_new, v_new, k_cache, v_cache, pt, seq_len_kv if seq_len_kv is not None else pt,
+        seq_len_q if seq_len_q is not None else pt, cu_seqlens_q if cu_seqlens_q is not None else pt,
         *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
         *(page_table.stride() if paged else (0, 0)),
         h_kv, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
-        num_warps=1,
+        HAS_SEQ_Q=seq_len_q is not None, VARLEN_Q=cu_seqlens_q is not None, num_warps=1,
     )
 
 
-def launch_validate(seq_len_kv, page_table, num_pages, page_size, s_q, cap, need_room):
-    """One small kernel: int32 [b] codes (bits BAD_*), read back by the caller (one host sync)."""
+def launch_validate(seq_len_kv, page_table, num_pages, page_size, s_q, cap, need_room, seq_len_q=None):
+    """One small kernel: int32 [b] codes (bits BAD_*), read back by the caller (one host sync).
+    seq_len_q: int32 [b] new tokens per sequence (each in [0, s_q], and the room they need), or None."""
     b = seq_len_kv.shape[0]
     codes = torch.empty(b, dtype=torch.int32, device=seq_len_kv.device)
     paged = page_table is not None
     pt = page_table if paged else seq_len_kv
     jit_launch(_validate_kv, (b,),
-        seq_len_kv, pt, codes, *(page_table.stride() if paged else (0, 0)), s_q, cap, num_pages,
-        NEED_ROOM=need_room, PAGED=paged, PAGE_SIZE=page_size if paged else 1, BLOCK_P=256, num_warps=1,
+        seq_len_kv, pt, seq_len_q if seq_len_q is not None else seq_len_kv, codes,
+        *(page_table.stride() if paged else (0, 0)), s_q, cap, num_pages,
+        NEED_ROOM=need_room, PAGED=paged, PAGE_SIZE=page_size if paged else 1, BLOCK_P=256,
+        HAS_SEQ_Q=seq_len_q is not None, num_warps=1,
     )
     return codes

@@ -14,7 +14,10 @@ length are never touched.
 
 [Note] empty rows: a row with no key to attend to (band, padding, a -inf bias)
 has m_i = -inf and l_i = 0. Exponents use ``m_safe`` (0 where m is -inf) so no
-inf - inf arises; the row writes output 0 and stats 0, never NaN.
+inf - inf arises; the row writes output 0 and stats (log-sum-exp) -inf, the log of
+its empty sum, never NaN (rows past seq_len_q too). Merging (out, lse) pairs of split
+work then gives an empty part weight exp(-inf) = 0; the backward reads -inf as +inf
+(``common.backward_lse``) so such a row's P is 0.
 """
 import torch
 import triton
@@ -211,11 +214,11 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     else:
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_dv < D_V)[None, :])
     if WRITE_LSE:
-        # natural-log log-sum-exp of the scaled scores (cuDNN's Stats); 0 for empty rows
+        # natural-log log-sum-exp of the scaled scores (cuDNN's Stats); -inf for empty rows
         lse2 = m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))
         if HAS_ALIBI:
             lse2 -= slope * (offs_m - start_m).to(tl.float32)   # undo the per-row shift of the loop
-        lse = tl.where(row_ok, lse2 * LN2, 0.0)
+        lse = tl.where(row_ok, lse2 * LN2, float("-inf"))
         l_ptrs = LSE + l_off + h64 * stride_lh + offs_m * stride_lm
         tl.store(l_ptrs, lse, mask=offs_m < row_end)
 
