@@ -400,7 +400,7 @@ class _Call:
             st = torch.empty((self.b, self.h_q, self.s_q, 1), dtype=torch.float32, device=self.q.device)
             if self.cap == 0:
                 o.zero_()
-                st.zero_()
+                st.fill_(float("-inf"))         # no key at all: the log of an empty sum
             else:
                 self.run_cpu(o, st, q=q_pad)
             total = self.q.shape[2]
@@ -413,7 +413,7 @@ class _Call:
         if self.cap == 0 or self.b == 0:
             out.zero_()
             if stats is not None:
-                stats.zero_()
+                stats.fill_(float("-inf"))      # no key at all: the log of an empty sum
             return
         import dataclasses
         from .backends.triton.fwd import launch_fwd
