@@ -28,6 +28,9 @@
 #   prebuilt       python3 -m fusedattn warmup --record: the shipped-kernel store for this Triton, copied into
 #                  fusedattn/prebuilt/ for the later parts and returned as $OUT/prebuilt-VERSION.tar
 #   tests-prebuilt the store's GPU test (a recorded store launched through the driver against the JIT)
+#   sweep          tests/test_gpu_sweep.py: every head dim 8..256 (step 8, d_v != d too) with rotating masks,
+#                  s_q 1 / odd / > s_kv, forward and backward against float64 (issue 24 item 4), and
+#                  tests/test_empty_rows.py's GPU variants (log-sum-exp -inf on rows with no key)
 #   coldstart      python3 -m fusedattn bench --cold-start (first call of a fresh process, empty and warm
 #                  cache, beside torch's cuDNN and FlexAttention)
 #   tests-sample   the whole GPU suite, every FUSEDATTN_TEST_SAMPLE-th test of each file (default 4)
@@ -178,6 +181,8 @@ for part in "${PARTS[@]}"; do
     case "$part" in
         tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" \
                            ${TEST_K:+-k "$TEST_K"} ;;
+        sweep)         run_part sweep python3 -m pytest -q -rfEs tests/test_gpu_sweep.py tests/test_empty_rows.py -m gpu \
+                           -n "${TEST_WORKERS:-8}" ${TEST_K:+-k "$TEST_K"} ;;
         # the full GPU suite no longer fits one 600 s call: the Gluon tests alone took 572 s for 904 of 914
         # with 16 workers (session 5); the Gluon forward's (530) and backward passes' (384) halves fit one each
         tests-gluon)   run_part tests-gluon python3 -m pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py \
