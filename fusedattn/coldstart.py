@@ -65,6 +65,7 @@ shipped = -1
 if which == "fusedattn":
     from fusedattn.backends import prebuilt
     shipped = prebuilt.stats["loads"]
+    print("MISSES", sorted(set(prebuilt.stats["misses"])))
 print(f"RESULT {t1 - t0:.3f} {t0 - t_import:.3f} {shipped}")
 """
 
@@ -83,7 +84,9 @@ def _run(which: str, cache: str) -> str:
         if line.startswith("RESULT "):
             fields = line.split()
             shipped = int(fields[3]) if len(fields) > 3 else -1
-            return f"{float(fields[1]):.2f} s" + (f" ({shipped} kernels shipped)" if shipped >= 0 else "")
+            misses = next((m[len("MISSES "):] for m in r.stdout.splitlines() if m.startswith("MISSES ")), "[]")
+            return f"{float(fields[1]):.2f} s" + (f" ({shipped} kernels shipped, compiled: {misses})"
+                                                  if shipped >= 0 else "")
     errors = [line for line in r.stderr.splitlines() if "Error" in line or "error" in line] or ["?"]
     return "failed: " + errors[-1].strip()[:100]
 

@@ -57,10 +57,24 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
                 runner.make_bwd()()
             if verbose:
                 print(f"warmup: {cfg.name}: {len(ahead.futures)} compiles started", flush=True)
+        _first_call(device)
+        if verbose:
+            print(f"warmup: bench --cold-start's call: {len(ahead.futures)} compiles started", flush=True)
     ahead.wait()
     torch.cuda.synchronize(device)
     return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start,
             "store": store}
+
+
+def _first_call(device: torch.device) -> None:
+    """The call ``bench --cold-start`` times (``fusedattn.coldstart``): forward and backward, b 4, h 16,
+    s 2048, d 128, bf16, causal, physically BSHD."""
+    from .functional import attention
+    b, h, s, d = 4, 16, 2048, 128
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    out = attention(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
 
 
 class _Args:

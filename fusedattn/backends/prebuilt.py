@@ -46,7 +46,9 @@ from . import compat
 STORE_ROOT = os.environ.get("FUSEDATTN_PREBUILT_DIR") or os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "prebuilt")
 FORMAT = 1
-stats = {"hits": 0, "loads": 0}     # launches found in a store / kernels loaded from one (bench, tests)
+# launches found in a store, kernels loaded from one, and the kernels a store was asked for and did not
+# have (their names; for bench --cold-start and tests)
+stats = {"hits": 0, "loads": 0, "misses": []}
 
 # Triton's compiled signature types -> (struct code, size) of the parameter's bytes
 _SCALARS = {"i1": ("b", 1), "i8": ("b", 1), "u1": ("B", 1), "u8": ("B", 1), "i16": ("h", 2), "u16": ("H", 2),
@@ -225,6 +227,7 @@ def find(kernel, args: tuple, kwargs: dict, device: int):
         return None
     ident = _kernel_id(kernel)
     if ident not in store.kernels:      # the common miss, without building a key
+        _missed(kernel)
         return None
     specs = _specs(kernel, args, kwargs)
     if specs is None:
@@ -234,7 +237,14 @@ def find(kernel, args: tuple, kwargs: dict, device: int):
         memo = store.memo[(kernel, specs)] = store.kernel(_hash_key(ident, specs, arch))
     if memo is not None:
         stats["hits"] += 1
+    else:
+        _missed(kernel)
     return memo
+
+
+def _missed(kernel) -> None:
+    if len(stats["misses"]) < 64:
+        stats["misses"].append(getattr(getattr(kernel, "fn", None), "__name__", "?"))
 
 
 # --------------------------------------------------------------------------------------------------
