@@ -21,7 +21,7 @@ import torch
 from .backends import compat
 from .backends import cpu as cpu_backend
 from .plan import plan
-from .problem import InvalidArgumentError, InvalidTypeError, make_problem
+from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, make_problem
 
 __all__ = ["attention", "attention_forward", "attention_backward"]
 
@@ -99,13 +99,16 @@ def _gluon_ran(what: str, launch) -> bool:
 _FUSED_CAUSAL_MIN_KEYS = 4096
 
 
-def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=None) -> bool:
+def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=None,
+                        dsink=None) -> bool:
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
     pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
     the Gluon dQ pass refuses. deterministic=False, no mask, d=128: the single-pass backward (dQ reduced
     with TMA adds into fp32, so not bitwise reproducible) where it accepts the call; deterministic=None
-    means torch.are_deterministic_algorithms_enabled()."""
+    means torch.are_deterministic_algorithms_enabled(). A sink changes nothing in these kernels (the lse
+    includes it); its gradient (into ``dsink``) needs delta, which the single-pass kernel keeps to
+    itself, so a sink takes the two passes."""
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
     if mods is None:
         return False
@@ -113,7 +116,7 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     causal_long = p.band is not None and p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
-    if not deterministic and (p.band is None or causal_long) and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
+    if not deterministic and dsink is None and (p.band is None or causal_long) and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
         # H100 (bench/gluon_fused_sweep.py, bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two
         # passes with no mask; under a causal mask 1.00 / 1.07x at 16k and 1.04 / 1.02x at GQA 4k (two
         # runs), 0.92 / 0.97x at 2k (which keeps the two passes); delta comes from the kernel that also
@@ -142,6 +145,8 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     else:
         from .backends.triton.bwd import launch_bwd
         launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, False, delta=delta)
+    if dsink is not None:
+        dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
     return True
 
 
@@ -154,8 +159,9 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         # few query rows per kv head (decode): the split-KV kernel packs a GQA group into one tile
         decode.launch_decode_problem(p, extras, q, k, v, out, lse)
         return
-    if pl.fwd_gluon:
-        # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
+    if pl.fwd_gluon and not p.has_sink:
+        # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one);
+        # a sink takes the portable kernel (the Gluon forward has no HAS_SINK switch yet)
         gluon = _gluon_kernels("forward", "fwd_sm90")
         fwd_sm90 = gluon[0] if gluon is not None else None
         lens = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
@@ -169,9 +175,9 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
 def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
                       seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
                       dropout_p=0.0, dropout_seed=0, dropout_offset=0, page_table_k=None, page_table_v=None,
-                      return_stats=False, validate=True, backend="auto", out=None, stats_out=None,
+                      return_stats=False, validate=True, backend="auto", out=None, stats_out=None, sink=None,
                       _keep_problem=None, _before_run=None):
-    """Forward only, no autograd. Arguments as :func:`attention` (``validate`` included).
+    """Forward only, no autograd. Arguments as :func:`attention` (``validate`` and ``sink`` included).
 
     Returns ``(out, stats)``: out [b,h_q,s_q,d_v] in q.dtype (written into ``out`` when
     given), stats fp32 [b,h_q,s_q,1] natural-log log-sum-exp (None unless
@@ -181,7 +187,7 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
                              dropout_offset=dropout_offset, page_table_k=page_table_k, page_table_v=page_table_v,
-                             validate=validate)
+                             sink=sink, validate=validate)
     pl = plan(p, backend)
     if _keep_problem is not None:
         _keep_problem.extend((p, extras, pl))
@@ -205,16 +211,30 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
             out.zero_()
             if lse is not None:
                 lse.fill_(float("-inf"))     # every row saw no key: the log of an empty sum
+                if p.has_sink:               # ... but for the sink's term (rows past seq_len_q excepted)
+                    _fill_sink_lse(lse, extras)
         else:
             _run_forward(p, extras, pl, q, k, v, out, lse)
     return out, stats
+
+
+def _fill_sink_lse(lse, extras):
+    """lse [b, h_q, s_q] of rows that see no key at all (s_kv = 0) with a sink: the sink's logit (rows
+    past seq_len_q keep -inf)."""
+    b, h_q, s_q = lse.shape
+    sink = extras["sink"].view(1, h_q, 1).expand(b, h_q, s_q)
+    lens = extras["seq_len_q"]
+    if lens is not None:
+        rows = torch.arange(s_q, device=lse.device).view(1, 1, s_q)
+        sink = torch.where(rows < lens.clamp(0, s_q).view(b, 1, 1), sink, float("-inf"))
+    lse.copy_(sink)
 
 
 def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal=False,
                        causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None,
                        attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0, dropout_seed=0,
                        dropout_offset=0, deterministic=None, validate=True, backend="auto", dq=None, dk=None,
-                       dv=None, need_dbias=False):
+                       dv=None, need_dbias=False, sink=None, dsink=None):
     """Gradients of attention from the forward's output and stats, no autograd.
 
     q, k, v, out as in :func:`attention`; grad_out like out; stats fp32
@@ -222,11 +242,14 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     the layout of q/k/v (written into dq/dk/dv when given); dbias fp32 in the
     shape of ``attn_bias`` (summed over its broadcast dims) when ``need_dbias``,
     else None. deterministic, validate: as in :func:`attention`.
+
+    With ``sink`` (float [h_q], the forward's; its stats include the sink) the result has a fifth
+    element, dsink fp32 [h_q] (written into ``dsink`` when given): ``-sum_rows exp(sink - lse) * delta``.
     """
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                             dropout_offset=dropout_offset, validate=validate)
+                             dropout_offset=dropout_offset, sink=sink, validate=validate)
     pl = plan(p, backend)
     shape_o = (p.b, p.h_q, p.s_q, p.d_v)
     _check_out("out", out, shape_o, q.dtype, q.device)
@@ -235,12 +258,20 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if given is not None:
             _check_out(name, given, like.shape, like.dtype, like.device)
-    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic)
+    if not p.has_sink:
+        return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic)
+    if dsink is None:
+        dsink = torch.empty((p.h_q,), dtype=torch.float32, device=q.device)
+    else:
+        _check_out("dsink", dsink, (p.h_q,), torch.float32, q.device)
+    return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic,
+                         dsink) + (dsink,)
 
 
 def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False,
-                  deterministic=None):
-    """The backward once inputs are validated (autograd calls this directly with the forward's problem)."""
+                  deterministic=None, dsink=None):
+    """The backward once inputs are validated (autograd calls this directly with the forward's problem).
+    dsink: fp32 [h_q] written with the sink's gradient (problems with a sink; None skips it)."""
     # gradients in the layout of their inputs (empty_like keeps the strides of a dense tensor, e.g.
     # BSHD memory, in one call: eager backward at d=64 is host-bound)
     dq = torch.empty_like(q) if dq is None else dq
@@ -253,15 +284,24 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
         # no score at all: every gradient is 0 (empty tensors when b == 0), as SDPA gives
         for t in grads:
             t.zero_()
+        if dsink is not None:
+            # s_kv = 0 with a sink: p_sink = 1 on every row but delta = rowsum(dO * 0) = 0
+            dsink.zero_()
         if need_dbias:
             dbias_full = torch.zeros((p.b, p.h_q, p.s_q, p.s_kv), dtype=torch.float32, device=q.device)
     elif pl.backend == "cpu":
-        dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
+        dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, dsink)
     elif not (pl.bwd_gluon and not need_dbias
                    and _gluon_ran("backward", lambda: _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out,
-                                                                          lse, dq, dk, dv, deterministic))):
+                                                                          lse, dq, dk, dv, deterministic, dsink))):
         from .backends.triton.bwd import launch_bwd
-        dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias)
+        delta = None
+        if dsink is not None:
+            # the dQ pass writes delta = rowsum(dO * O) here; the sink's gradient reads it
+            delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+        dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, delta_out=delta)
+        if dsink is not None:
+            dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None
     return dq, dk, dv, dbias
 
@@ -310,14 +350,14 @@ class _Attention(torch.autograd.Function):
     """Eager autograd: saves out and stats, never recomputes the forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, opts, deterministic=None):
+    def forward(ctx, q, k, v, attn_bias, opts, deterministic=None, sink=None):
         kept = []
         ahead = None
-        if any(ctx.needs_input_grad[:4]):
+        if any(ctx.needs_input_grad[:4]) or (sink is not None and ctx.needs_input_grad[6]):
             ahead = functools.partial(_compile_backward_ahead, q=q, k=k, v=v, deterministic=deterministic)
         out, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=True, _keep_problem=kept,
-                                       _before_run=ahead, **opts)
-        ctx.save_for_backward(q, k, v, out, stats, attn_bias)
+                                       _before_run=ahead, sink=sink, **opts)
+        ctx.save_for_backward(q, k, v, out, stats, attn_bias, sink)
         ctx.problem = tuple(kept)        # validated once: the backward skips make_problem
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(stats)
@@ -328,28 +368,33 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_stats):
-        q, k, v, out, stats, attn_bias = ctx.saved_tensors
+        q, k, v, out, stats, attn_bias, sink = ctx.saved_tensors
         if grad_out is None:         # the output took no part in the loss
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         p, extras, pl = ctx.problem
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
+        dsink = None
+        if sink is not None:
+            dsink = torch.empty((p.h_q,), dtype=torch.float32, device=q.device)
         dq, dk, dv, dbias = _run_backward(p, extras, pl, q, k, v, out, grad_out, stats[..., 0],
-                                          need_dbias=need_dbias, deterministic=ctx.deterministic)
+                                          need_dbias=need_dbias, deterministic=ctx.deterministic, dsink=dsink)
         if dbias is not None:
             dbias = dbias.to(attn_bias.dtype)
-        return dq, dk, dv, dbias, None, None
+        if dsink is not None:
+            dsink = dsink.to(sink.dtype) if ctx.needs_input_grad[6] else None
+        return dq, dk, dv, dbias, None, None, dsink
 
 
 def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
               seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0,
               dropout_seed=None, dropout_offset=0, deterministic=None, return_stats=False,
-              validate=True, backend="auto", out=None):
+              validate=True, backend="auto", out=None, sink=None):
     r"""Fused scaled-dot-product attention: ``softmax(scale * q @ k^T + bias [+ ALiBi], masked) @ v``.
 
     O(s) memory (the FlashAttention algorithm), forward and backward, fp16 / bf16 /
-    fp32 (fp64 on the CPU path). Differentiable in q, k, v and a float ``attn_bias``.
+    fp32 (fp64 on the CPU path). Differentiable in q, k, v, a float ``attn_bias`` and ``sink``.
 
     Args:
         q: ``[b, h_q, s_q, d]``; any strides (BSHD memory as ``x.transpose(1, 2)`` works
@@ -415,6 +460,14 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         backend: ``"auto"`` (Triton on CUDA, the CPU path on CPU tensors), ``"triton"`` (on CPU
             tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``), ``"cpu"``.
         out: optional preallocated output ``[b, h_q, s_q, d_v]`` (not with autograd).
+        sink: a learnable per-head sink logit, float ``[h_q]`` (gpt-oss's ``sinks``, FlashAttention-4's
+            ``learnable_sink``, cuDNN's ``sink_token``), in the units of the scaled scores: every row
+            of head h gets one more softmax term ``exp(sink_h)`` with no value row, so
+            ``out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))``. The stats include it
+            (``lse = log(exp(sink_h) + sum_j exp(s_ij))``, as FlashAttention-4 and cuDNN return), so a
+            row whose keys are all masked has output 0 and stats ``sink_h`` (rows past ``seq_len_q``
+            keep -inf). Gets its gradient, ``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dO * O)``.
+            Not yet under ``torch.compile`` (NotSupportedError).
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and physical layout, or ``(out, stats)``.
@@ -442,7 +495,10 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
                 dropout_p=dropout_p, dropout_seed=dropout_seed or 0, dropout_offset=dropout_offset,
                 validate=validate, backend=backend)
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias, sink))
+    if torch.compiler.is_compiling() and sink is not None:
+        raise NotSupportedError("NYI: sink= under torch.compile (the custom ops fusedattn::attn_fwd / attn_bwd "
+                                "have no sink argument yet); call attention eagerly")
     if torch.compiler.is_compiling():
         from .ops import attention_op
         out_t, stats = attention_op(q, k, v, attn_bias, opts, deterministic)
@@ -453,7 +509,8 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         if out is not None:
             raise InvalidArgumentError("out= cannot be used with autograd (inputs require grad)")
         out_t, stats = _Attention.apply(q, k, v, attn_bias, opts,
-                                        None if deterministic is None else bool(deterministic))
+                                        None if deterministic is None else bool(deterministic), sink)
     else:
-        out_t, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=return_stats, out=out, **opts)
+        out_t, stats = attention_forward(q, k, v, attn_bias=attn_bias, return_stats=return_stats, out=out,
+                                         sink=sink, **opts)
     return (out_t, stats) if return_stats else out_t

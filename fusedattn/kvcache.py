@@ -14,10 +14,10 @@ import math
 
 import torch
 
-from .functional import _check_out, _like_layout, attention_forward
+from .functional import _check_out, _fill_sink_lse, _like_layout, attention_forward
 from .plan import choose_backend
 from .problem import (IO_DTYPES, InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes,
-                      alibi_slopes_2d, check_head_dims, make_band)
+                      alibi_slopes_2d, check_head_dims, make_band, sink_logits)
 
 __all__ = ["attention_with_kvcache"]
 
@@ -29,7 +29,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
                            seq_len_q=None, cu_seqlens_q=None, max_seqlen_q=None,
                            attn_scale=None, causal=True, window=None, alibi=False, softcap=0.0,
                            cache_layout="bhsd", num_splits=None, return_stats=False, validate=True,
-                           backend="auto", out=None):
+                           backend="auto", out=None, sink=None):
     r"""Attention of new query tokens against a K/V cache, optionally appending their keys/values first.
 
     ``softmax(scale * q @ K^T [+ ALiBi], masked) @ V`` where ``K``/``V`` are the first
@@ -104,6 +104,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             ``"triton"`` (on CPU tensors: Triton's interpreter, needs ``TRITON_INTERPRET=1``),
             ``"cpu"``.
         out: optional preallocated output ``[b, h_q, s_q, d_v]``.
+        sink: float ``[h_q]`` learnable sink logits (gpt-oss), as :func:`fusedattn.attention` has them:
+            one more softmax term ``exp(sink_h)`` per row, no value row, included in the stats. With
+            split keys it joins one split's partial only, so the merge counts it once. Forward only
+            (no gradient here).
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and layout, or ``(out, stats)``.
@@ -129,7 +133,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
         q = _packed_q(q, cu_seqlens_q, max_seqlen_q, seq_len_q)      # [1, h_q, total_q, d] view
         k_new, v_new = (_packed_view(name, t) for name, t in (("k_new", k_new), ("v_new", v_new)))
     c = _Call(q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window, alibi,
-              softcap, cache_layout, num_splits, backend, seq_len_q, cu_seqlens_q, max_seqlen_q)
+              softcap, cache_layout, num_splits, backend, seq_len_q, cu_seqlens_q, max_seqlen_q, sink)
     if c.packed:
         shape_o = (q.shape[2], c.h_q, c.d_v)
         if out is None:
@@ -158,6 +162,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             out.zero_()
             if lse is not None:
                 lse.fill_(float("-inf"))     # no key at all: the log of an empty sum
+                if c.sink is not None:       # ... but for the sink's term
+                    _fill_sink_lse(lse, {"sink": c.sink, "seq_len_q": c.seq_len_q})
         elif c.backend == "cpu":
             c.run_cpu(out, stats)
         else:
@@ -170,7 +176,7 @@ class _Call:
 
     def __init__(self, q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window,
                  alibi, softcap, cache_layout, num_splits, backend, seq_len_q=None, cu_seqlens_q=None,
-                 max_seqlen_q=None):
+                 max_seqlen_q=None, sink=None):
         _tensor("q", q, "[b, h_q, s_q, d]")
         dev = q.device
         if q.dtype not in IO_DTYPES:
@@ -277,6 +283,7 @@ class _Call:
             self.slopes = alibi_slopes_2d(alibi, self.b, self.h_q, dev)        # fp32 [b, h_q]
         elif alibi:
             self.slopes = alibi_slopes(self.h_q, dev).expand(self.b, self.h_q)
+        self.sink = sink_logits(sink, self.h_q, dev)                           # fp32 [h_q] or None
 
         if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                        or not 1 <= num_splits <= MAX_NUM_SPLITS):
@@ -381,7 +388,7 @@ class _Call:
             self.q if q is None else q, k, v, attn_scale=self.scale, causal=self.causal,
             causal_alignment="bottom_right", window=self.window, seq_len_q=self.lens_q, seq_len_kv=lens,
             alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap, backend="cpu", out=out,
-            stats_out=stats, validate=False)     # lengths: checked by self.validate(), or clamped (validate=False)
+            stats_out=stats, sink=self.sink, validate=False)     # lengths: checked by self.validate(), or clamped (validate=False)
         return out_
 
     def run_packed(self, out, stats):
@@ -401,6 +408,8 @@ class _Call:
             if self.cap == 0:
                 o.zero_()
                 st.fill_(float("-inf"))         # no key at all: the log of an empty sum
+                if self.sink is not None:       # ... but for the sink's term (padding rows are cut below)
+                    st.copy_(self.sink.view(1, -1, 1, 1).expand_as(st))
             else:
                 self.run_cpu(o, st, q=q_pad)
             total = self.q.shape[2]
@@ -414,6 +423,8 @@ class _Call:
             out.zero_()
             if stats is not None:
                 stats.fill_(float("-inf"))      # no key at all: the log of an empty sum
+                if self.sink is not None:       # ... but for the sink's term
+                    stats.copy_(self.sink.view(-1, 1).expand_as(stats))
             return
         import dataclasses
         from .backends.triton.fwd import launch_fwd
@@ -430,7 +441,7 @@ class _Call:
         p, extras = make_problem(q4, k, v, attn_scale=self.scale, causal=self.causal,
                                  causal_alignment="bottom_right", window=self.window,
                                  alibi=self.slopes[0] if self.slopes is not None else False, softcap=self.softcap,
-                                 page_table_k=table, page_table_v=table, validate=False)
+                                 page_table_k=table, page_table_v=table, sink=self.sink, validate=False)
         p = dataclasses.replace(p, s_q=self.s_q, varlen=True)
         extras.update(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=cu_kv, slopes=self.slopes)
         lse4 = stats.unsqueeze(0) if stats is not None else None          # [1, h_q, total_q]
@@ -448,7 +459,7 @@ class _Call:
                 seq_len_kv=self.seq_len_kv, alibi=self.slopes if self.slopes is not None else False,
                 softcap=self.softcap,
                 page_table_k=table, page_table_v=table, backend="triton", out=out,
-                stats_out=lse.unsqueeze(-1) if lse is not None else None,
+                stats_out=lse.unsqueeze(-1) if lse is not None else None, sink=self.sink,
                 validate=False)             # lengths: checked by self.validate(), or clamped (validate=False)
             return
         tiles, splits = decode.plan_decode(self.b, self.h_kv, self.g, self.s_q, self.d, self.d_v, self.q.dtype,
@@ -458,7 +469,8 @@ class _Call:
         decode.launch_decode(
             aligned(self.q), aligned(self.k_cache), aligned(self.v_cache), aligned(self.page_table),
             aligned(self.seq_len_kv), self.slopes, o_buf, l_buf, scale=self.scale, softcap=self.softcap,
-            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap, seq_len_q=aligned(self.seq_len_q))
+            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap, seq_len_q=aligned(self.seq_len_q),
+            sink=self.sink)
         for buf, target in ((o_buf, o_target), (l_buf, l_target)):
             if target is not None:
                 target.copy_(buf)

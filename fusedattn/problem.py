@@ -204,6 +204,7 @@ class AttentionProblem:
     paged: bool = False
     page_size: int = 0
     varlen: bool = False                # packed [total, h, d] sequences with cumulative offsets
+    has_sink: bool = False              # a learnable per-head sink logit (extras["sink"], fp32 [h_q])
 
     @property
     def group(self) -> int:
@@ -221,7 +222,7 @@ class AttentionProblem:
             self.dtype, self.device_type, self.d, self.d_v,
             None if band is None else (band.alignment, band.left is not None, band.right is not None),
             self.has_seq_len_q, self.has_seq_len_kv, self.bias, self.alibi is not None,
-            self.softcap > 0.0, self.has_dropout, self.paged, self.varlen,
+            self.softcap > 0.0, self.has_dropout, self.paged, self.varlen, self.has_sink,
         )
 
     def flops(self, backward: bool = False) -> float:
@@ -240,13 +241,14 @@ _SCALARS = (type(None), bool, int, float, str)
 def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left",
                  window=None, seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False,
                  softcap=0.0, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
-                 page_table_k=None, page_table_v=None, validate=True):
+                 page_table_k=None, page_table_v=None, sink=None, validate=True):
     """Validate the inputs of one attention call and describe it.
 
     Returns ``(problem, extras)`` where ``extras`` holds the normalized run-time
     tensors: ``seq_len_q``/``seq_len_kv`` as int32 ``[b]``, ``bias`` as a
     ``[b, h_q, s_q, s_kv]`` expanded view (strides 0 where broadcast),
-    ``slopes`` as fp32 ``[b, h_q]`` (batch stride 0 for per-head slopes).
+    ``slopes`` as fp32 ``[b, h_q]`` (batch stride 0 for per-head slopes),
+    ``sink`` as fp32 contiguous ``[h_q]`` (None without a sink).
     Raises InvalidArgumentError / InvalidTypeError naming the argument. ``validate`` also checks the
     values of ``seq_len_q`` / ``seq_len_kv`` (:func:`check_seq_len_values`: a device sync).
 
@@ -257,7 +259,7 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
     the H100, bench/NOTES.md). The length tensors themselves are normalized anew on every call.
     """
     key = hit = None
-    if (attn_bias is None and (alibi is False or alibi is True)
+    if (attn_bias is None and sink is None and (alibi is False or alibi is True)
             and page_table_k is None and page_table_v is None and not dropout_p
             and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
             and (seq_len_q is None or type(seq_len_q) is torch.Tensor)
@@ -285,7 +287,7 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
             q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,
             seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias, alibi=alibi, softcap=softcap,
             dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-            page_table_k=page_table_k, page_table_v=page_table_v)
+            page_table_k=page_table_k, page_table_v=page_table_v, sink=sink)
         if key is not None:
             if len(_PLAIN) >= _PLAIN_MAX:
                 _PLAIN.clear()
@@ -298,7 +300,7 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
 
 
 def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_len_q, seq_len_kv, attn_bias,
-                  alibi, softcap, dropout_p, dropout_seed, dropout_offset, page_table_k, page_table_v):
+                  alibi, softcap, dropout_p, dropout_seed, dropout_offset, page_table_k, page_table_v, sink=None):
     paged = page_table_k is not None or page_table_v is not None
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
@@ -361,6 +363,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         "seq_len_kv": _seq_lens("seq_len_kv", seq_len_kv, b, q.device),
         "bias": None,
         "slopes": None,
+        "sink": sink_logits(sink, h_q, q.device),
     }
 
     bias_kind, bias_shape = None, ()
@@ -410,7 +413,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         has_seq_len_q=extras["seq_len_q"] is not None, has_seq_len_kv=extras["seq_len_kv"] is not None,
         bias=bias_kind, bias_shape=bias_shape, alibi=alibi_kind, softcap=softcap,
         dropout_p=dropout_p, dropout_seed=int(dropout_seed), dropout_offset=int(dropout_offset),
-        paged=paged, page_size=page_size,
+        paged=paged, page_size=page_size, has_sink=extras["sink"] is not None,
     )
     return problem, extras
 
@@ -423,6 +426,22 @@ def check_head_dims(d: int, d_v: int) -> None:
     for name, dim in (("d (q/k head dim)", d), ("d_v (v head dim)", d_v)):
         if dim <= 0 or dim > MAX_HEAD_DIM:
             raise InvalidArgumentError(f"{name} = {dim}; supported: any head dim from 1 to {MAX_HEAD_DIM}")
+
+
+def sink_logits(sink, h_q: int, device, name: str = "sink") -> Optional[torch.Tensor]:
+    """A learnable sink (gpt-oss's ``sinks``, FlashAttention-4's ``learnable_sink``): a float tensor
+    ``[h_q]``, one logit per query head in the units of the scaled scores, as fp32 contiguous
+    ``[h_q]`` (None stays None). It adds ``exp(sink_h)`` to the softmax denominator of every row of
+    head h, with no value row; its gradient comes from the autograd door, not through this copy."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor) or not sink.is_floating_point() or tuple(sink.shape) != (h_q,):
+        raise InvalidArgumentError(
+            f"{name} must be a float tensor of shape [{h_q}] (one logit per query head), got "
+            f"{tuple(getattr(sink, 'shape', ()))} {getattr(sink, 'dtype', type(sink).__name__)}")
+    if sink.device != device:
+        raise InvalidArgumentError(f"{name} is on {sink.device} but q is on {device}")
+    return sink.detach().to(torch.float32).contiguous()
 
 
 def alibi_slopes_2d(alibi, b: int, h_q: int, device, name: str = "alibi slopes") -> torch.Tensor:

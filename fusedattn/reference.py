@@ -8,6 +8,11 @@ differentiable, so gradients come from autograd through it.
 Order of operations (the kernels' too): logits = softcap(scale * q k^T) + bias
 + ALiBi slope_h * (j - i); then the band / padding mask; softmax; an empty row
 gives output 0 and stats -inf (the log of an empty sum); dropout scales kept probabilities by 1 / (1 - p).
+
+A sink (``sink``, float ``[h_q]``) is one more logit per head in every row inside its sequence: a
+column of value 0 appended to the scores, so it adds ``exp(sink_h)`` to the denominator and nothing
+to the output; the stats include it (a row whose keys are all masked then has output 0 and stats
+``sink_h``; rows past ``seq_len_q`` stay 0 / -inf). Differentiable in ``sink`` too.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from .problem import alibi_slopes, make_band
 
 def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
                         seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0,
-                        dropout_p=0.0, dropout_seed=0, dropout_offset=0, dtype=torch.float64):
+                        dropout_p=0.0, dropout_seed=0, dropout_offset=0, sink=None, dtype=torch.float64):
     """Returns (out [b,h_q,s_q,d_v], lse [b,h_q,s_q,1]) computed in ``dtype``."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
@@ -55,6 +60,10 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
         if band.right is not None:
             keep = keep & (cols <= rows + diag + band.right)
     s = s.masked_fill(~keep, float("-inf"))
+    if sink is not None:
+        # one more column: the sink logit, for rows inside their sequence only (padding rows stay empty)
+        col = sink.to(dtype).view(1, h_q, 1, 1).expand(b, h_q, s_q, 1)
+        s = torch.cat([s, col.masked_fill(~(rows < lq), float("-inf"))], dim=-1)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
@@ -63,6 +72,8 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
     prob = e / torch.where(nonempty, l, torch.ones_like(l))
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
                       torch.full_like(l, float("-inf")))
+    if sink is not None:
+        prob = prob[..., :s_kv]               # the sink's probability multiplies no value
     if dropout_p > 0:
         kept = dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, dropout_seed, dropout_offset, q.device)
         prob = prob * kept / (1.0 - dropout_p)

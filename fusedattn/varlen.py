@@ -119,7 +119,9 @@ def varlen_forward(p, extras, pl, q, k, v, q4, k4, v4):
 
 
 def varlen_backward(p, extras, pl, q, k, v, out, grad_out, stats):
+    """(dq, dk, dv) like q, k, v, and dsink fp32 [h_q] (None without a sink)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = None
     if pl.backend == "cpu":
         cq, ckv = extras["cu_seqlens_q"], extras["cu_seqlens_kv"]
         qp, lq = _pad(q, cq, p.b, p.s_q)
@@ -133,12 +135,28 @@ def varlen_backward(p, extras, pl, q, k, v, out, grad_out, stats):
         dq.copy_(_unpad(g[0], cq, q.shape[0]))
         dk.copy_(_unpad(g[1], ckv, k.shape[0]))
         dv.copy_(_unpad(g[2], ckv, v.shape[0]))
+        if p.has_sink:
+            dsink = g[4]
     else:
         from .backends.triton.bwd import launch_bwd
         v4 = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  [total, h, d] -> [1, h, total, d]
         launch_bwd(p, pl, v4(q), v4(k), v4(v), v4(out), v4(grad_out), stats.unsqueeze(0), extras,
                    v4(dq), v4(dk), v4(dv), False)
-    return dq, dk, dv
+        if p.has_sink:
+            dsink = _packed_sink_grad(extras, out, grad_out, stats)
+    return dq, dk, dv, dsink
+
+
+def _packed_sink_grad(extras, out, grad_out, stats):
+    """dsink fp32 [h_q] of a packed batch: delta = rowsum(dO * O) per packed row [total, h_q] (the kernels'
+    delta is laid out per sequence and max length, not per packed row); rows past cu_seqlens_q[-1] were
+    never written and count 0."""
+    from .backends.cpu import sink_grad
+    delta = (grad_out.float() * out.float()).sum(-1)                                  # [total, h_q]
+    rows = torch.arange(out.shape[0], device=out.device)
+    delta = torch.where((rows < extras["cu_seqlens_q"][-1]).view(-1, 1), delta, 0.0)
+    lse = torch.where(torch.isnan(stats), float("-inf"), stats)                      # unwritten rows
+    return sink_grad(extras["sink"], lse.unsqueeze(0), delta.T.unsqueeze(0))
 
 
 def _opts_of(p, extras):
@@ -146,15 +164,17 @@ def _opts_of(p, extras):
     window = None if band is None else (-1 if band.left is None else band.left, -1 if band.right is None else band.right)
     return dict(attn_scale=p.scale, window=window, causal_alignment=band.alignment if band else "top_left",
                 alibi=extras["slopes"] if extras["slopes"] is not None else False, softcap=p.softcap,
-                dropout_p=p.dropout_p, dropout_seed=p.dropout_seed, dropout_offset=p.dropout_offset)
+                dropout_p=p.dropout_p, dropout_seed=p.dropout_seed, dropout_offset=p.dropout_offset,
+                sink=extras.get("sink"))
 
 
 class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, p, extras, pl):
+    def forward(ctx, q, k, v, p, extras, pl, sink=None):
         out, stats = varlen_forward(p, extras, pl, q, k, v, *(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)))
         ctx.save_for_backward(q, k, v, out, stats)
         ctx.problem = (p, extras, pl)
+        ctx.sink_dtype = sink.dtype if sink is not None else None
         ctx.mark_non_differentiable(stats)
         return out, stats
 
@@ -162,14 +182,18 @@ class _AttentionVarlen(torch.autograd.Function):
     def backward(ctx, grad_out, _):
         q, k, v, out, stats = ctx.saved_tensors
         p, extras, pl = ctx.problem
-        dq, dk, dv = varlen_backward(p, extras, pl, q, k, v, out, grad_out.contiguous(), stats)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, dsink = varlen_backward(p, extras, pl, q, k, v, out, grad_out.contiguous(), stats)
+        if dsink is not None and ctx.needs_input_grad[6]:
+            dsink = dsink.to(ctx.sink_dtype)
+        else:
+            dsink = None
+        return dq, dk, dv, None, None, None, dsink
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, *, attn_scale=None,
                      causal=False, causal_alignment="top_left", window=None, alibi=False, softcap=0.0,
                      dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_stats=False, validate=True,
-                     backend="auto"):
+                     backend="auto", sink=None):
     """Attention over packed variable-length sequences, forward and backward (autograd).
 
     Args:
@@ -181,6 +205,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seq
         causal / causal_alignment / window / alibi / softcap / dropout_*: as :func:`fusedattn.attention`,
             applied per sequence (bottom-right alignment uses each sequence's own lengths).
         validate: check the offsets on the host (one device sync); the kernels clamp lengths either way.
+        sink: float ``[h_q]`` learnable sink logits, as :func:`fusedattn.attention` (in the stats; gets its
+            gradient).
     Returns:
         out ``[total_q, h_q, d_v]``, and with ``return_stats`` the log-sum-exp fp32 ``[h_q, total_q]``.
     """
@@ -189,10 +215,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seq
     p, extras, q4, k4, v4 = make_varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, validate=validate,
         attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window, alibi=alibi,
-        softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed or 0, dropout_offset=dropout_offset)
+        softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed or 0, dropout_offset=dropout_offset,
+        sink=sink)
     pl = plan(p, backend)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, stats = _AttentionVarlen.apply(q, k, v, p, extras, pl)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)):
+        out, stats = _AttentionVarlen.apply(q, k, v, p, extras, pl, sink)
     else:
         out, stats = varlen_forward(p, extras, pl, q, k, v, q4, k4, v4)
     return (out, stats) if return_stats else out

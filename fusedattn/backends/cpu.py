@@ -222,6 +222,8 @@ def forward(p, q, k, v, extras, out, lse):
                 e = e * keep
             acc = acc * alpha[..., None] + torch.matmul(e, ch.kv(j0, j1)[1])
             m = m_new
+        if p.has_sink:
+            acc, m, l = _add_sink(p, ch, extras["sink"], acc, m, l, i0, i1)
         ok = l > 0
         o = torch.where(ok[..., None], acc * (scale_out / torch.where(ok, l, 1.0))[..., None], 0.0)
         out[:, :, i0:i1].copy_(o.flatten(1, 2))
@@ -230,17 +232,48 @@ def forward(p, q, k, v, extras, out, lse):
             lse[:, :, i0:i1].copy_(torch.where(ok, m + torch.log(torch.where(ok, l, 1.0)), float("-inf")).flatten(1, 2))
 
 
-def backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias=False):
+def _add_sink(p, ch, sink, acc, m, l, i0, i1):
+    """Fold the sink logit into a finished row state (m, l natural units; acc unnormalized): one more
+    term exp(sink_h - m) in the sum and no value row, so acc is only rescaled. Rows past ``seq_len_q``
+    get no sink (they stay empty: output 0, lse -inf)."""
+    rows = torch.arange(i0, i1, device=acc.device).view(1, 1, 1, -1)
+    s = sink.to(acc.dtype).view(1, p.h_kv, p.group, 1)
+    s = torch.where(rows < ch._b5(ch.len_q)[..., 0], s, float("-inf"))      # [b, h_kv, g, rows]
+    m_new = torch.maximum(m, s)
+    m_new = torch.where(m_new == float("-inf"), 0.0, m_new)                  # no key and no sink
+    alpha = torch.exp(m - m_new)
+    return acc * alpha[..., None], m_new, l * alpha + torch.exp(s - m_new)
+
+
+def sink_grad(sink, lse, delta):
+    """The sink's gradient, fp32 ``[h_q]``: with p_sink = exp(sink_h - lse) (lse includes the sink),
+    dL/dsink_h = sum over rows of p_sink * (0 - delta), delta = rowsum(dO * O), since the sink's
+    "value" is 0 (dP_sink = 0) and dS = P * (dP - delta) holds for it as for any logit.
+
+    sink fp32 [h_q]; lse [b, h_q, s_q] (natural log; -inf on rows past seq_len_q: p_sink 0 there);
+    delta [b, h_q, s_q] or [b * h_q, s_q] fp32."""
+    h_q = sink.shape[0]
+    lse = lse.reshape(-1, h_q, lse.shape[-1]).to(delta.dtype)
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)
+    p_sink = torch.exp(sink.to(delta.dtype).view(1, h_q, 1) - lse)
+    return -(p_sink * delta.reshape(lse.shape)).sum(dim=(0, 2)).float()
+
+
+def backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias=False, dsink=None):
     """Gradients from the forward's natural-log ``lse`` [b,h_q,s_q] (recompute, no stored P).
 
     Writes dq [b,h_q,s_q,d], dk [b,h_kv,s_kv,d], dv [b,h_kv,s_kv,d_v]; returns dbias
-    fp32 [b,h_q,s_q,s_kv] when ``need_dbias`` (the caller reduces broadcast dims).
+    fp32 [b,h_q,s_q,s_kv] when ``need_dbias`` (the caller reduces broadcast dims). With a sink, the
+    lse already includes it, so dQ, dK, dV are computed as without one; ``dsink`` (fp32 [h_q]) gets
+    the sink's gradient (:func:`sink_grad`).
     """
     cdt = _compute_dtype(q.dtype)
     ch = _Chunker(p, q, k, v, extras, cdt)
     g5 = lambda t: t.unflatten(1, (p.h_kv, p.group))  # noqa: E731  [b,h_q,...] -> [b,h_kv,g,...]
     do = g5(grad_out)
     delta = (do.to(cdt) * g5(out).to(cdt)).sum(-1)             # rowsum(dO * O) [b,h_kv,g,s_q]
+    if dsink is not None:
+        dsink.copy_(sink_grad(extras["sink"], lse, delta))
     # rows with no key have lse -inf: read as +inf so their P = exp(s - lse) is 0 (never -inf - -inf)
     lse5 = g5(lse).to(cdt)
     lse5 = torch.where(lse5 == float("-inf"), float("inf"), lse5)

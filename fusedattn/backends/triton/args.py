@@ -18,6 +18,7 @@ def kernel_scalars(p, extras, dummy):
     args["seq_kv"] = extras["seq_len_kv"] if extras["seq_len_kv"] is not None else dummy
     args["slopes"] = extras["slopes"] if extras["slopes"] is not None else dummy
     args["stride_sb"] = slope_batch_stride(extras["slopes"])
+    args["sink"] = extras["sink"] if extras.get("sink") is not None else dummy
     return args
 
 
@@ -62,13 +63,14 @@ def _static_scalars(p):
 
 # the optional tensors a problem may carry (the kernels get dummies, already aligned, for absent ones)
 _EXTRA_TENSORS = ("seq_len_q", "seq_len_kv", "bias", "slopes", "page_table_k", "page_table_v",
-                  "cu_seqlens_q", "cu_seqlens_kv")
+                  "cu_seqlens_q", "cu_seqlens_kv", "sink")
 
 
 def is_plain(p) -> bool:
     """No optional tensor and no per-call scalar: the kernels get dummies (q, out) for every
     optional tensor, so a launch's whole argument list can be remembered (fwd/bwd _PLAIN_ARGS)."""
-    return not (p.paged or p.varlen or p.bias or p.alibi or p.has_dropout or p.has_seq_len_q or p.has_seq_len_kv)
+    return not (p.paged or p.varlen or p.bias or p.alibi or p.has_dropout or p.has_seq_len_q or p.has_seq_len_kv
+                or p.has_sink)
 
 
 def extras_key(extras):

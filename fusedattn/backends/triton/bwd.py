@@ -360,15 +360,18 @@ def launch_delta(p, out, grad_out, delta):
 _PLAIN_ARGS = {}   # plain problems: (problem, tiles, strides) -> per kernel (grid, non-tensor args, constexprs)
 
 
-def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, delta=None):
+def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, delta=None,
+               delta_out=None):
     """Launch the dQ pass (which also writes delta) and then the dK/dV pass. Returns the full fp32
     dBias [b,h_q,s_q,s_kv] or None.
 
     delta: fp32 contiguous [b*h_q, s_q] holding rowsum(dO * O) when dQ is already done (by the Gluon
-    dQ pass): only the dK/dV pass runs, reading it (dq is then not touched)."""
+    dQ pass): only the dK/dV pass runs, reading it (dq is then not touched). delta_out: fp32 contiguous
+    [b*h_q, s_q] for the dQ pass to write delta into, for the caller to read afterwards (the sink's
+    gradient); a sink needs nothing else here, since the forward's lse already includes it."""
     p = problem
     plain_key = None
-    if (delta is None and _is_plain(p) and not need_dbias
+    if (delta is None and delta_out is None and _is_plain(p) and not need_dbias
             and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out, grad_out, lse, dq, dk, dv))):
         # the common call: every argument but the tensors is remembered (as fwd._PLAIN_ARGS)
         plain_key = (p, plan.bwd, plan.bwd_dq, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
@@ -397,7 +400,8 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
 
     passes = ((_DQ, "dq"), (_DKDV, "dkdv"))
     if delta is None:
-        delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+        delta = delta_out if delta_out is not None else torch.empty(
+            (p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
     else:
         passes = passes[1:]
     cu_q, cu_kv = (extras["cu_seqlens_q"], extras["cu_seqlens_kv"]) if p.varlen else (q, q)

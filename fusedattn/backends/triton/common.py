@@ -194,6 +194,20 @@ def backward_lse(lse):
 
 
 @triton.jit
+def fold_sink(acc, m_i, l_i, sink2):
+    """A finished row state (base 2: max ``m_i``, sum ``l_i``, unnormalized ``acc``) with the sink's
+    term added: one more ``2^(sink2 - m)`` in the sum and no value row, so ``acc`` is only rescaled.
+
+    sink2: base-2 sink logit per row (in the frame of m_i), -inf where a row takes no sink. A row with
+    neither a key nor a sink stays empty (l 0): its new max is 0, not -inf, so no -inf - -inf arises.
+    """
+    m_new = tl.maximum(m_i, sink2)
+    m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.math.exp2(sink2 - m_new)
+
+
+@triton.jit
 def softcap_tanh(qk, qk_scale):
     """tanh(qk * qk_scale) as 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice needed."""
     return 1.0 - 2.0 / (tl.math.exp2(qk * (qk_scale * 2.0 * LOG2E)) + 1.0)

@@ -39,6 +39,11 @@ den = 0 and writes output 0, lse -inf::
     split:        0            1            2
     row r:   (o0, lse0)   (0, -inf)    (o2, lse2)   ->  out = (2^lse0 o0 + 2^lse2 o2) / (2^lse0 + 2^lse2)
     row e:   (0, -inf)    (0, -inf)    (0, -inf)    ->  out = 0, lse = -inf
+
+[Note] sinks (HAS_SINK): the per-head sink logit joins split 0's partial only (``common.fold_sink``:
+one more term 2^(sink - m) in its sum, no value row), so the combine, which merges partials by their
+log-sum-exps, counts it exactly once; with one split it is the whole row's. A row whose keys all lie
+in other splits still gets the sink from split 0's partial (o 0, lse = sink).
 """
 import math
 from dataclasses import dataclass
@@ -48,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .args import LOG2E_PY, block_dim, slope_batch_stride
-from .common import LN2, load_tile, scores_base2
+from .common import LN2, fold_sink, load_tile, scores_base2
 from .launch import jit_launch
 
 
@@ -113,7 +118,7 @@ def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW,
 
 
 @triton.jit
-def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART,
+def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART, SINK,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
@@ -127,7 +132,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
                 HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False):
     bkv = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -209,6 +214,11 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
         kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
+    if HAS_SINK:
+        # split 0 only: the combine then counts the sink once (ALiBi here is unshifted, no frame change)
+        first = (rows * 0 + split) == 0
+        sink2 = tl.load(SINK + head, mask=row_ok & first, other=float("-inf")) * 1.4426950408889634
+        acc, m_i, l_i = fold_sink(acc, m_i, l_i, sink2)
     nonempty = l_i > 0.0
     if HAS_SEQ_Q:
         nonempty = nonempty & (tok < len_q)
@@ -468,11 +478,11 @@ def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None):
 
 
 def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse, *, scale, softcap, band,
-                  tiles, num_splits, cap, page_table_v=None, seq_len_q=None):
+                  tiles, num_splits, cap, page_table_v=None, seq_len_q=None, sink=None):
     """Run the decode kernel (and the combine when ``num_splits > 1``). No checks: the caller did them.
 
     q [b,h_q,s_q,d]; k_cache/v_cache [b,h_kv,s_max,d|d_v] or containers [pages,h_kv,page,d|d_v]
-    (k and v sharing pages and page size); page_table int32 [b, max_pages] view (any strides) or
+    (k and v sharing pages and page size); sink: fp32 contiguous [h_q] sink logits or None; page_table int32 [b, max_pages] view (any strides) or
     None; page_table_v: V's own table of the same shape (cuDNN has two), default page_table;
     seq_len_kv / seq_len_q: int32 [b] contiguous, or None (full lengths); slopes fp32 [b, h_q] (batch
     stride 0 for per-head slopes) or None (ALiBi, base e); out [b,h_q,s_q,d_v] and lse fp32 [b,h_q,s_q] (or None), any strides.
@@ -501,7 +511,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     jit_launch(_decode_fwd, grid,
         q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
         seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
-        out, lse_arg, o_part, lse_part,
+        out, lse_arg, o_part, lse_part, sink if sink is not None else q,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
         slope_batch_stride(slopes), b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
         qk_scale, float(softcap), win_left, win_right,
@@ -510,7 +520,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
         HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
-        SPLIT=split, WRITE_LSE=lse is not None,
+        SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw,
     )
     if split:
@@ -556,7 +566,8 @@ def launch_decode_problem(p, extras, q, k, v, out, lse, num_splits=None):
     launch_decode(aligned(q), aligned(k), aligned(v), aligned(extras.get("page_table_k")),
                   aligned(extras["seq_len_kv"]), extras["slopes"], o_buf, l_buf, scale=p.scale, softcap=p.softcap,
                   band=p.band, tiles=tiles, num_splits=splits, cap=p.s_kv,
-                  page_table_v=aligned(extras.get("page_table_v")), seq_len_q=aligned(extras["seq_len_q"]))
+                  page_table_v=aligned(extras.get("page_table_v")), seq_len_q=aligned(extras["seq_len_q"]),
+                  sink=extras.get("sink"))
     for buf, target in ((o_buf, o_target), (l_buf, l_target)):
         if target is not None:
             target.copy_(buf)

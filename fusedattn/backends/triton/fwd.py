@@ -18,6 +18,11 @@ inf - inf arises; the row writes output 0 and stats (log-sum-exp) -inf, the log 
 its empty sum, never NaN (rows past seq_len_q too). Merging (out, lse) pairs of split
 work then gives an empty part weight exp(-inf) = 0; the backward reads -inf as +inf
 (``common.backward_lse``) so such a row's P is 0.
+
+[Note] sinks (HAS_SINK): the per-head sink logit is one more softmax term with no value row, so it
+enters once, in the epilogue (``common.fold_sink``): the row max and sum take it, the accumulator is
+only rescaled. The stats include it. A row with no key but a sink writes output 0 and lse = sink.
+The backward needs no switch: P = exp(s - lse) with that lse is already the sink-normalized P.
 """
 import torch
 import triton
@@ -26,8 +31,8 @@ import triton.language as tl
 from .args import (aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars,
                    set_descriptor_allocator, tma_ok)
 from .launch import Launcher, cdiv
-from .common import (LN2, batch_rows, dropout_keep, kv_block_range, kv_row_offsets, load_bias, load_tile,
-                     scores_base2)
+from .common import (LN2, batch_rows, dropout_keep, fold_sink, kv_block_range, kv_row_offsets, load_bias,
+                     load_tile, scores_base2)
 
 
 @triton.jit
@@ -99,7 +104,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV,
+def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV, SINK,
               stride_qb, stride_qh, stride_qm, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
@@ -117,7 +122,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
               DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr):
+              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINK: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -202,6 +207,11 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
         DOT_PRECISION, USE_TMA, False)
 
+    if HAS_SINK:
+        sink2 = tl.load(SINK + head) * 1.4426950408889634 + tl.zeros([BLOCK_M], tl.float32)   # fp32 [h_q]
+        if HAS_ALIBI:
+            sink2 += slope * (offs_m - start_m).to(tl.float32)     # into the loop's per-row shifted frame
+        acc, m_i, l_i = fold_sink(acc, m_i, l_i, sink2)
     # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0
     row_ok = l_i > 0.0
     if HAS_SEQ_Q:
@@ -225,7 +235,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
 
 _FWD = Launcher(_attn_fwd)
 _PLAIN_ARGS = {}        # plain problems: (problem, tiles, strides) -> (grid, non-tensor args, constexprs)
-_TENSOR_SLOTS = 13      # Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV
+_TENSOR_SLOTS = 14      # Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV, SINK
 
 
 def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
@@ -243,7 +253,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         hit = _PLAIN_ARGS.get(plain_key)
         if hit is not None:
             grid, rest, kwargs = hit
-            _FWD(plain_key, grid, q, k, v, out, out if lse is None else lse, q, q, out, q, q, q, q, q, *rest,
+            _FWD(plain_key, grid, q, k, v, out, out if lse is None else lse, q, q, out, q, q, q, q, q, q, *rest,
                  **kwargs)
             return
     q, k, v = aligned(q), aligned(k), aligned(v)
@@ -272,7 +282,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
         p, tiles, use_tma, q.stride(), k.stride(), v.stride(), out.stride(), lse_strides, bias_strides,
         tables[2:], num_blocks, extras_key(extras))
     pos = (q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
-           tables[0], tables[1], cu_q, cu_kv,
+           tables[0], tables[1], cu_q, cu_kv, args["sink"],
            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse_strides, *bias_strides, args["stride_sb"],
            *tables[2:],
            p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, num_blocks,
@@ -282,7 +292,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
                   WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
                   USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
                   PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args["switches"])
+                  HAS_SINK=p.has_sink, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args["switches"])
     if plain_key is not None:
         key = plain_key
         if len(_PLAIN_ARGS) >= 512:
