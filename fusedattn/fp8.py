@@ -1,0 +1,507 @@
+r"""FP8 attention with cuDNN frontend's ``sdpa_fp8`` / ``sdpa_fp8_backward`` semantics, emulated exactly.
+
+Where each scale applies (cuDNN frontend 1.32, ``include/cudnn_frontend/node/sdpa_fp8.h``,
+``sdpa_fp8_bwd.h`` and ``matmul_fp8.h``, which expand the two ops into pointwise / matmul /
+reduction nodes; every multiplication below is one fp32 node, in this order). Notation: ``x8`` is
+a stored FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``), ``q(x, T)`` rounds fp32 ``x`` to dtype
+``T`` (round to nearest even; saturating at +-448 / +-57344 for FP8, as the hardware's
+``satfinite`` conversions), all other math is fp32. Scales are per-tensor fp32 ``[1, 1, 1, 1]``.
+
+Forward, ``o, stats, amax_s, amax_o = sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s,
+scale_s, scale_o)``::
+
+    S      = (q8 @ k8^T) * attn_scale * descale_q * descale_k           bmm1, then three muls
+    S      = mask(S)                    causal / band / padding: masked logits are -inf
+    P      = softmax(S)                 normalized; stats = logsumexp(S) (natural log, fp32)
+    amax_s = max |P|                    of the unscaled fp32 P, before quantization
+    P8     = q(P * scale_s, dtype of q)
+    O      = (P8 @ v8) * descale_s * descale_v                          matmul_fp8: A = P8, B = V
+    amax_o = max |O|                    before scale_o (matmul_fp8 reduces ahead of its Scale_C)
+    o      = q(O * scale_o, dtype of o)  o is FP8 (Hopper) or bf16/fp16 (cuDNN 9.13+ on Blackwell)
+
+Backward, ``dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP = sdpa_fp8_backward(q, k, v, o, dO,
+stats, descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP, scale_s,
+scale_dQ, scale_dK, scale_dV, scale_dP)``::
+
+    D      = rowsum(dO8 * o8) * descale_dO * descale_o                  fp32 sum of exact products
+    S      = mask((q8 @ k8^T) * attn_scale * descale_q * descale_k)
+    P      = exp(S - stats)             the forward's probabilities, recomputed from its stats
+    P8     = q(P * scale_s, dtype of q)
+    dV     = (P8^T @ dO8) * descale_s * descale_dO;   amax_dV = max |dV|;   dV = q(dV * scale_dV)
+    dP     = (dO8 @ v8^T) * descale_dO * descale_v
+    dS     = (dP - D) * P * attn_scale; amax_dP = max |dS|   (cuDNN names the gradient of S "dP")
+    dS8    = q(dS * scale_dP, dtype of dO)
+    dQ     = (dS8 @ k8) * descale_dP * descale_k;   amax_dQ = max |dQ|;   dQ = q(dQ * scale_dQ)
+    dK     = (dS8^T @ q8) * descale_dP * descale_q; amax_dK = max |dK|;   dK = q(dK * scale_dK)
+
+With GQA the dK / dV products are summed over the query heads of a group before the descales (the
+``gqa_c`` reduction of matmul_fp8). Every amax is of the *unscaled* fp32 value, over the whole tensor
+(masked positions are 0), so a recipe sets the next step's scale from it (``scale = FP8_MAX / amax``).
+cuDNN's graph quantizes the *normalized* P; a flash kernel that quantizes ``exp(S - m_running)``
+instead differs only within the rounding bound below. Note ``max |P|`` over a row is exactly
+``exp(m - lse) = 1 / l`` (the largest term of a row is ``exp(0)``), so a kernel gets amax_s exactly
+from its final row state, without a second pass.
+
+This module runs the semantics with torch ops on any device (CPU and CUDA alike), chunked over query
+rows (memory O(rows_per_chunk * s_kv) per head): it is correct, not fast. The FP8 kernels (Gluon
+sm_90 wgmma, the portable Triton one) are the next step of issue 27; they must match this module
+within the bound.
+
+Error bound (forward; :func:`fusedattn.reference_fp8.fp8_forward_error_bound` computes it). Compared
+with float64 attention of the dequantized inputs, ``O_ref = softmax(S) @ (v8 * descale_v)`` times
+``c = scale_s * descale_s`` (1 for consistent scales), the dequantized output ``o / scale_o`` of
+this module obeys, per element (i, c), to first order in the fp32 unit ``eps = 2^-24``::
+
+    |o/scale_o - O_ref| <= (u8 + delta_i (1 + u8) + (s_kv + 4) eps) * sum_j P_ij |V_jc| * c
+                           + a8 * descale_s * sum_{j kept} |V_jc|
+                           + u_o * (|O_ref| + above) + a_o / scale_o
+
+* ``u8, a8``: unit roundoff and half the smallest subnormal of P8's type: e4m3 ``2^-4, 2^-10``,
+  e5m2 ``2^-3, 2^-17`` (rounding P * scale_s moves it by at most ``u8 |x| + a8``; it assumes
+  ``scale_s <= FP8_MAX``, so that P <= 1 never saturates);
+* ``delta_i = 2 * (d + 3) * eps * A_i + (s_kv + 4) * eps``: the fp32 relative error of P in row i,
+  ``A_i = max_j attn_scale * descale_q * descale_k * sum_k |q8_ik k8_jk|`` (bmm1's products of two
+  FP8 values are exact in fp32, its sum of d terms and the three muls round), doubled to cover the
+  row's log-sum-exp;
+* ``u_o, a_o``: the output type's unit roundoff and half-subnormal (bf16 ``2^-8``, fp16 ``2^-11``
+  and ``2^-25``, FP8 as above, fp32 0).
+
+The P term dominates: for e4m3 P8 the relative error of O is about 6% of ``sum_j P_ij |V_j|``, which
+is why the Graph door's users choose ``scale_s`` (and why the default here is 2^8 = 256 for e4m3,
+keeping P in e4m3's normal range down to 2^-14). The backward's bound (same module) adds, for dQ and
+dK, the rounding of dS to dO's type (``u_dS |dS| + a_dS * descale_dP``) and the error of D caused by
+the forward's rounded output.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .problem import ALIGNMENTS, Band, InvalidArgumentError, InvalidTypeError, NotSupportedError, make_band
+
+__all__ = ["FP8_DTYPES", "FP8_MAX", "is_fp8", "quantize", "quantize_per_tensor", "sdpa_fp8_forward",
+           "sdpa_fp8_backward", "attention_fp8", "ROWS_PER_CHUNK"]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_DTYPES = (E4M3, E5M2)
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+# unit roundoff and half the smallest subnormal, per storage type (the error bound's u and a)
+ROUNDING = {E4M3: (2.0 ** -4, 2.0 ** -10), E5M2: (2.0 ** -3, 2.0 ** -17),
+            torch.bfloat16: (2.0 ** -8, 2.0 ** -134), torch.float16: (2.0 ** -11, 2.0 ** -25),
+            torch.float32: (0.0, 0.0), torch.float64: (0.0, 0.0)}
+# default scale_s: the largest power of two whose P = 1 does not saturate (descale exact)
+DEFAULT_SCALE_S = {E4M3: 256.0, E5M2: 32768.0}
+OUT_DTYPES = FP8_DTYPES + (torch.bfloat16, torch.float16, torch.float32)
+ROWS_PER_CHUNK = 128
+
+
+def is_fp8(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 ``x`` to ``dtype``: nearest even, saturating at the largest finite value for FP8
+    (the ``cvt.rn.satfinite`` of FP8 kernels; torch's own cast gives inf for e5m2 overflow)."""
+    if dtype in FP8_DTYPES:
+        m = FP8_MAX[dtype]
+        x = x.clamp(-m, m)
+    return x.to(dtype)
+
+
+def quantize_per_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, descale)``: ``x`` scaled by a power of two so that ``max |x|`` lands in
+    ``(FP8_MAX / 2, FP8_MAX]``, then rounded; ``x8.float() * descale`` approximates ``x`` (descale
+    fp32 ``[1, 1, 1, 1]``, a power of two, so dequantizing is exact)."""
+    if dtype not in FP8_DTYPES:
+        raise InvalidTypeError(f"quantize_per_tensor: dtype must be one of {FP8_DTYPES}, got {dtype}")
+    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    exp = 0 if amax == 0 or not math.isfinite(amax) else math.floor(math.log2(FP8_MAX[dtype] / amax))
+    scale = 2.0 ** exp
+    x8 = quantize(x.detach().float() * scale, dtype)
+    return x8, torch.full((1, 1, 1, 1), 1.0 / scale, dtype=torch.float32, device=x.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument helpers
+# ---------------------------------------------------------------------------------------------
+
+def _scale(value, name: str, device, heads: Optional[int] = None, where: str = "") -> torch.Tensor:
+    """A per-tensor scale as fp32 ``[1, 1, 1, 1]`` on ``device`` (or per-head ``[1, heads, 1, 1]``
+    when ``heads`` is given and ``value`` has that many elements)."""
+    pre = f"{where}: " if where else ""
+    if value is None:
+        raise InvalidArgumentError(f"{pre}{name} is required for FP8 attention (a float or an fp32 tensor "
+                                   f"[1, 1, 1, 1]); got None")
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise InvalidTypeError(f"{pre}{name} must be a float or a float tensor, got {type(value).__name__}")
+    if not isinstance(value, torch.Tensor):
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{pre}{name} must be finite, got {value}")
+        return torch.full((1, 1, 1, 1), float(value), dtype=torch.float32, device=device)
+    if not value.is_floating_point() or value.dtype in FP8_DTYPES:
+        raise InvalidTypeError(f"{pre}{name} must be a float32 (or other 16/32/64-bit float) tensor, "
+                               f"got {value.dtype}")
+    n = value.numel()
+    if n == 1:
+        return value.reshape(1, 1, 1, 1).to(device=device, dtype=torch.float32)
+    if heads is not None and n == heads:
+        return value.reshape(1, heads, 1, 1).to(device=device, dtype=torch.float32)
+    what = "one element" + (f" or one per head ({heads})" if heads is not None else "")
+    raise InvalidArgumentError(f"{pre}{name} must have {what}, got shape {list(value.shape)}")
+
+
+def _lengths(t, name: str, b: int, s: int, device) -> torch.Tensor:
+    if t is None:
+        return torch.full((b,), s, dtype=torch.int64, device=device)
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+        raise InvalidTypeError(f"{name} must be an int32 tensor [b] or [b, 1, 1, 1], got "
+                               f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.numel() != b:
+        raise InvalidArgumentError(f"{name} must have b = {b} elements ([b] or [b, 1, 1, 1]), got shape "
+                                   f"{list(t.shape)}")
+    # clamped into [0, s] as the kernels do, so a bad length never reads out of bounds
+    return t.reshape(b).to(device=device, dtype=torch.int64).clamp(0, s)
+
+
+def _as_band(band) -> Optional[Band]:
+    if band is None or isinstance(band, Band):
+        return band
+    align, left, right = band
+    if align not in ALIGNMENTS:
+        raise InvalidArgumentError(f"band alignment must be one of {ALIGNMENTS}, got {align!r}")
+    return Band(align, left, right)
+
+
+def keep_mask(rows: torch.Tensor, s_kv: int, len_q: torch.Tensor, len_kv: torch.Tensor,
+              band: Optional[Band]) -> torch.Tensor:
+    """Bool ``[b, 1, len(rows), s_kv]``: True where query ``rows[i]`` sees key ``j`` (padding, then the
+    band around the per-sequence diagonal, as :mod:`fusedattn.problem` defines it)."""
+    b = len_q.shape[0]
+    r = rows.view(1, 1, -1, 1)
+    c = torch.arange(s_kv, device=rows.device).view(1, 1, 1, -1)
+    lq, lkv = len_q.view(b, 1, 1, 1), len_kv.view(b, 1, 1, 1)
+    keep = (r < lq) & (c < lkv)
+    if band is not None:
+        off = (lkv - lq) if band.alignment == "bottom_right" else 0
+        if band.left is not None:
+            keep = keep & (c >= r + off - band.left)
+        if band.right is not None:
+            keep = keep & (c <= r + off + band.right)
+    return keep
+
+
+def _check_qkv(q, k, v, where: str, names=("q", "k", "v")) -> Tuple[int, ...]:
+    for name, t in zip(names, (q, k, v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"{where}: {name} must be a torch tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InvalidArgumentError(f"{where}: {name} must be 4-D [b, h, s, d], got shape {list(t.shape)}")
+    b, h_q, s_q, d = q.shape
+    bk, h_kv, s_kv, dk = k.shape
+    bv, h_v, s_v, d_v = v.shape
+    if bk != b or bv != b:
+        raise InvalidArgumentError(f"{where}: batch sizes differ: q {list(q.shape)}, k {list(k.shape)}, "
+                                   f"v {list(v.shape)}")
+    if dk != d:
+        raise InvalidArgumentError(f"{where}: k's head dim {dk} differs from q's {d}")
+    if h_v != h_kv or s_v != s_kv:
+        raise InvalidArgumentError(f"{where}: k {list(k.shape)} and v {list(v.shape)} must share heads and "
+                                   f"sequence length")
+    if h_kv == 0 or h_q % h_kv:
+        raise InvalidArgumentError(f"{where}: query heads ({h_q}) must be a multiple of key/value heads "
+                                   f"({h_kv}) (GQA/MQA)")
+    return b, h_q, h_kv, s_q, s_kv, d, d_v
+
+
+def _group(x: torch.Tensor, g: int) -> torch.Tensor:
+    """[b, h_kv, s, d] -> [b, h_kv * g, s, d] (query head i reads kv head i // g), fp32."""
+    x = x.float()
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _amax_into(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(acc, x.abs().amax()) if x.numel() else acc
+
+
+def _cast_out(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return quantize(x * scale, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+
+def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o,
+                     attn_scale=None, band=None, seq_len_q=None, seq_len_kv=None, o_dtype=None,
+                     where: str = "sdpa_fp8"):
+    """cuDNN's ``sdpa_fp8`` forward (module docstring), on torch tensors.
+
+    Args:
+        q ``[b, h_q, s_q, d]``, k ``[b, h_kv, s_kv, d]``, v ``[b, h_kv, s_kv, d_v]``: FP8 (all the same
+            type; fp32/bf16/fp16 values are accepted too and read as they are, for tests).
+        descale_* / scale_*: floats or fp32 tensors with one element (descale_q / k / v may also have
+            one per head).
+        attn_scale: float, default ``1 / sqrt(d)``. band: a :class:`~fusedattn.problem.Band`, an
+            ``(alignment, left, right)`` tuple or None. seq_len_q / seq_len_kv: int ``[b]`` (padding).
+        o_dtype: output type (default q's).
+
+    Returns:
+        ``(o [b, h_q, s_q, d_v] o_dtype, stats [b, h_q, s_q, 1] fp32, amax_s fp32 [1, 1, 1, 1],
+        amax_o fp32 [1, 1, 1, 1])``; an empty row gives o = 0 and stats = -inf.
+    """
+    b, h_q, h_kv, s_q, s_kv, d, d_v = _check_qkv(q, k, v, where)
+    dev = q.device
+    g = h_q // h_kv
+    p_dtype = q.dtype
+    o_dtype = o_dtype or q.dtype
+    if o_dtype not in OUT_DTYPES:
+        raise InvalidTypeError(f"{where}: output dtype must be one of {OUT_DTYPES}, got {o_dtype}")
+    dq, dk = _scale(descale_q, "descale_q", dev, h_q, where), _scale(descale_k, "descale_k", dev, h_kv, where)
+    dv = _scale(descale_v, "descale_v", dev, h_kv, where)
+    ds, ss = _scale(descale_s, "descale_s", dev, where=where), _scale(scale_s, "scale_s", dev, where=where)
+    so = _scale(scale_o, "scale_o", dev, where=where)
+    dk, dv = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk, dv))
+    scale = float(attn_scale) if attn_scale is not None else d ** -0.5
+    band = _as_band(band)
+    len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
+    kf, vf = _group(k, g), _group(v, g)
+    o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev)
+    stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=dev)
+    amax_s = torch.zeros((), dtype=torch.float32, device=dev)
+    amax_o = torch.zeros((), dtype=torch.float32, device=dev)
+    for i0 in range(0, s_q, ROWS_PER_CHUNK):
+        rows = torch.arange(i0, min(i0 + ROWS_PER_CHUNK, s_q), device=dev)
+        # bmm1: products of two FP8 values are exact in fp32; then cuDNN's three muls, in its order
+        s = q[:, :, i0:i0 + len(rows)].float() @ kf.transpose(-1, -2)
+        s = s * scale * dq * dk
+        s = s.masked_fill(~keep_mask(rows, s_kv, len_q, len_kv, band), float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        empty = torch.isinf(m)                              # no key kept: all -inf
+        m = torch.where(empty, torch.zeros_like(m), m)
+        e = torch.exp(s - m)
+        l = e.sum(-1, keepdim=True)
+        p = e / torch.where(empty, torch.ones_like(l), l)
+        stats[:, :, i0:i0 + len(rows)] = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(l))
+        amax_s = _amax_into(amax_s, p)
+        p8 = quantize(p * ss, p_dtype)
+        out = (p8.float() @ vf) * ds * dv                   # matmul_fp8: descale A (P), then B (V)
+        amax_o = _amax_into(amax_o, out)
+        o[:, :, i0:i0 + len(rows)] = _cast_out(out, so, o_dtype)
+    return o, stats, amax_s.reshape(1, 1, 1, 1), amax_o.reshape(1, 1, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+
+def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v, descale_o, descale_dO,
+                      descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=None,
+                      band=None, seq_len_q=None, seq_len_kv=None, grad_dtype=None, where: str = "sdpa_fp8_backward"):
+    """cuDNN's ``sdpa_fp8_backward`` (module docstring), on torch tensors.
+
+    Args:
+        q, k, v as in :func:`sdpa_fp8_forward`; o and dO ``[b, h_q, s_q, d_v]`` (FP8, or any float);
+        stats fp32 ``[b, h_q, s_q, 1]`` from the forward. P8 takes q's type and dS8 dO's type, as in
+        cuDNN's graph. grad_dtype: type of dQ / dK / dV (default q's).
+
+    Returns:
+        ``(dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP)``: gradients shaped like q, k, v; amaxes
+        fp32 ``[1, 1, 1, 1]``.
+    """
+    b, h_q, h_kv, s_q, s_kv, d, d_v = _check_qkv(q, k, v, where)
+    for name, t, shape in (("o", o, (b, h_q, s_q, d_v)), ("dO", dO, (b, h_q, s_q, d_v)),
+                           ("stats", stats, (b, h_q, s_q, 1))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise InvalidArgumentError(f"{where}: {name} must have shape {list(shape)}, got "
+                                       f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    dev = q.device
+    g = h_q // h_kv
+    grad_dtype = grad_dtype or q.dtype
+    if grad_dtype not in OUT_DTYPES:
+        raise InvalidTypeError(f"{where}: gradient dtype must be one of {OUT_DTYPES}, got {grad_dtype}")
+    sc = {name: _scale(val, name, dev, where=where) for name, val in (
+        ("descale_o", descale_o), ("descale_dO", descale_dO), ("descale_s", descale_s),
+        ("descale_dP", descale_dP), ("scale_s", scale_s), ("scale_dQ", scale_dQ), ("scale_dK", scale_dK),
+        ("scale_dV", scale_dV), ("scale_dP", scale_dP))}
+    dq_s = _scale(descale_q, "descale_q", dev, h_q, where)
+    dk_s, dv_s = _scale(descale_k, "descale_k", dev, h_kv, where), _scale(descale_v, "descale_v", dev, h_kv, where)
+    dk_g, dv_g = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk_s, dv_s))
+    scale = float(attn_scale) if attn_scale is not None else d ** -0.5
+    band = _as_band(band)
+    len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
+    kf, vf = _group(k, g), _group(v, g)
+    p_dtype, ds_dtype = q.dtype, dO.dtype
+    dq = torch.empty((b, h_q, s_q, d), dtype=grad_dtype, device=dev)
+    dk_acc = torch.zeros((b, h_q, s_kv, d), dtype=torch.float32, device=dev)
+    dv_acc = torch.zeros((b, h_q, s_kv, d_v), dtype=torch.float32, device=dev)
+    amax = {n: torch.zeros((), dtype=torch.float32, device=dev) for n in ("dQ", "dK", "dV", "dP")}
+    for i0 in range(0, s_q, ROWS_PER_CHUNK):
+        rows = torch.arange(i0, min(i0 + ROWS_PER_CHUNK, s_q), device=dev)
+        sl = slice(i0, i0 + len(rows))
+        qc, doc = q[:, :, sl].float(), dO[:, :, sl].float()
+        D = (doc * o[:, :, sl].float()).sum(-1, keepdim=True) * sc["descale_dO"] * sc["descale_o"]
+        s = (qc @ kf.transpose(-1, -2)) * scale * dq_s * dk_g
+        keep = keep_mask(rows, s_kv, len_q, len_kv, band)
+        lse = stats[:, :, sl].float()
+        # exp(S - stats); masked keys and empty rows (stats -inf) have probability 0, never NaN
+        p = torch.where(keep & torch.isfinite(lse), torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)), 0.0)
+        p8 = quantize(p * sc["scale_s"], p_dtype).float()
+        dv_acc += p8.transpose(-1, -2) @ doc
+        dp = (doc @ vf.transpose(-1, -2)) * sc["descale_dO"] * dv_g
+        dS = (dp - D) * p * scale
+        amax["dP"] = _amax_into(amax["dP"], dS)
+        ds8 = quantize(dS * sc["scale_dP"], ds_dtype).float()
+        dq_c = (ds8 @ kf) * sc["descale_dP"] * dk_g
+        amax["dQ"] = _amax_into(amax["dQ"], dq_c)
+        dq[:, :, sl] = _cast_out(dq_c, sc["scale_dQ"], grad_dtype)
+        dk_acc += ds8.transpose(-1, -2) @ qc
+    # GQA: the group's query heads sum before the descales (matmul_fp8's gqa_c reduction)
+    if dq_s.shape[1] == 1:
+        dk_f = dk_acc.view(b, h_kv, g, s_kv, d).sum(2) * sc["descale_dP"] * dq_s
+    else:      # per-head descale_q (fusedattn's addition): each query head's share is descaled first
+        dk_f = (dk_acc * dq_s).view(b, h_kv, g, s_kv, d).sum(2) * sc["descale_dP"]
+    dv_f = dv_acc.view(b, h_kv, g, s_kv, d_v).sum(2) * sc["descale_s"] * sc["descale_dO"]
+    amax["dK"] = _amax_into(amax["dK"], dk_f)
+    amax["dV"] = _amax_into(amax["dV"], dv_f)
+    dk = _cast_out(dk_f, sc["scale_dK"], grad_dtype)
+    dv = _cast_out(dv_f, sc["scale_dV"], grad_dtype)
+    a = {n: x.reshape(1, 1, 1, 1) for n, x in amax.items()}
+    return dq, dk, dv, a["dQ"], a["dK"], a["dV"], a["dP"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the functional door's FP8 path
+# ---------------------------------------------------------------------------------------------
+
+class _Fp8StraightThrough(torch.autograd.Function):
+    """Forward: the FP8 semantics on the per-tensor quantized q, k, v. Backward (the documented choice
+    for now): fusedattn's 16-bit backward on the *dequantized* inputs in the inputs' dtype, with the
+    FP8 forward's output and stats; the quantization itself passes gradients straight through."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts):
+        q8, dq = quantize_per_tensor(q)
+        k8, dk = quantize_per_tensor(k)
+        v8, dv = quantize_per_tensor(v)
+        o, stats, amax_s, amax_o = sdpa_fp8_forward(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv,
+                                                    o_dtype=q.dtype, **opts["fwd"])
+        deq = [(x8.float() * s).to(q.dtype) for x8, s in ((q8, dq), (k8, dk), (v8, dv))]
+        ctx.save_for_backward(*deq, o, stats)
+        ctx.opts = opts
+        ctx.mark_non_differentiable(stats, amax_s, amax_o)
+        return o, stats, amax_s, amax_o
+
+    @staticmethod
+    def backward(ctx, grad_o, _gs, _ga, _gb):
+        from .functional import attention_backward      # late: functional dispatches here
+        q, k, v, o, stats = ctx.saved_tensors
+        if grad_o is None:
+            return None, None, None, None
+        dq, dk, dv, _ = attention_backward(q, k, v, o, grad_o.to(q.dtype).contiguous(), stats[..., 0],
+                                           **ctx.opts["bwd"])
+        return dq, dk, dv, None
+
+
+def _unsupported(where: str, **given) -> None:
+    names = [n for n, val in given.items() if val is not None and val is not False and val != 0.0]
+    if names:
+        raise NotSupportedError(f"NYI: {where} with FP8 inputs does not take {', '.join(names)} yet (FP8 "
+                                f"attention runs causal / window / padding masks and GQA)")
+
+
+def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, attn_scale=None, causal=False,
+                  causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None, scale_s=None,
+                  descale_s=None, scale_o=None, out_dtype=None, return_stats=False, return_amax=False,
+                  backend="auto", where="attention"):
+    r"""FP8 attention through the functional door (``fusedattn.attention`` calls this for FP8 inputs).
+
+    Two ways in:
+
+    * ``q, k, v`` in ``torch.float8_e4m3fn`` (or ``float8_e5m2``) with ``descale_q`` / ``descale_k`` /
+      ``descale_v`` (required: a float, a one-element fp32 tensor, or one per head: ``[h_q]`` for q,
+      ``[h_kv]`` for k / v): the values are ``q.float() * descale_q`` and so on. Forward only: a
+      gradient for a float8 tensor would be stored in float8 by autograd, so FP8 inputs that
+      require grad raise NotSupportedError.
+    * ``q, k, v`` in bf16 / fp16 / fp32 without descales: each is quantized per tensor to e4m3 with a
+      power-of-two scale (:func:`quantize_per_tensor`), the forward runs the FP8 semantics, and the
+      backward (autograd) is fusedattn's 16-bit backward on the dequantized inputs in their dtype,
+      with the FP8 forward's output and stats (straight-through quantization; the documented
+      choice until the FP8 backward kernels exist).
+
+    The semantics are cuDNN's ``sdpa_fp8`` (:mod:`fusedattn.fp8`): P is quantized with ``scale_s``
+    (default 256 for e4m3, 32768 for e5m2) and dequantized with ``descale_s`` (default
+    ``1 / scale_s``); the output is ``O * scale_o`` (default 1) in ``out_dtype`` (default bf16 for FP8
+    inputs, the inputs' dtype otherwise; a float8 type for an FP8 output).
+
+    Args:
+        q ``[b, h_q, s_q, d]``, k ``[b, h_kv, s_kv, d]``, v ``[b, h_kv, s_kv, d_v]``; attn_scale, causal,
+        causal_alignment, window, seq_len_q, seq_len_kv: as :func:`fusedattn.attention`.
+        return_stats: also return the fp32 log-sum-exp ``[b, h_q, s_q, 1]``.
+        return_amax: also return ``amax_s`` (max of P) and ``amax_o`` (max |O| before scale_o), fp32
+            ``[1, 1, 1, 1]``, for the next step's scales.
+        backend: ``"auto"`` / ``"cpu"``; every device runs the exact torch emulation for now
+            (``"triton"`` raises NotSupportedError: there is no FP8 kernel yet).
+
+    Returns:
+        ``out`` ``[b, h_q, s_q, d_v]``, then ``stats`` and ``amax_s, amax_o`` when asked, as a tuple.
+
+    Example::
+
+        >>> import torch, fusedattn
+        >>> x = torch.randn(1, 2, 16, 64)
+        >>> q8, dq = fusedattn.fp8.quantize_per_tensor(x)
+        >>> fusedattn.attention(q8, q8, q8, descale_q=dq, descale_k=dq, descale_v=dq, causal=True).dtype
+        torch.bfloat16
+    """
+    if backend not in ("auto", "cpu", "triton"):
+        raise InvalidArgumentError(f"{where}: backend must be 'auto', 'triton' or 'cpu', got {backend!r}")
+    if backend == "triton":
+        raise NotSupportedError(f"NYI: {where}: FP8 attention has no Triton kernel yet; use backend='auto' "
+                                f"(the exact torch emulation, on any device)")
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"{where}: {name} must be a torch tensor, got {type(t).__name__}")
+    fp8 = {name: is_fp8(t) for name, t in tensors.items()}
+    descales = {"descale_q": descale_q, "descale_k": descale_k, "descale_v": descale_v}
+    b_ = make_band(causal, causal_alignment, window)
+    fwd_opts = dict(attn_scale=attn_scale, band=b_, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, where=where)
+    if any(fp8.values()):
+        if not all(fp8.values()) or len({t.dtype for t in tensors.values()}) != 1:
+            raise InvalidTypeError(f"{where}: FP8 attention needs q, k, v of one float8 type; got "
+                                   + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
+        missing = [n for n, val in descales.items() if val is None]
+        if missing:
+            raise InvalidArgumentError(f"{where}: float8 inputs need {', '.join(missing)} (the factor that "
+                                       f"turns the stored value into the real one, e.g. amax / 448)")
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+            raise NotSupportedError(
+                f"NYI: {where}: gradients of float8 q / k / v (autograd would store them in float8); pass the "
+                f"bf16 / fp16 tensors without descales to fusedattn.attention_fp8 (quantized inside, "
+                f"backward in their dtype)")
+        s_s = DEFAULT_SCALE_S[q.dtype] if scale_s is None else scale_s
+        fwd = dict(fwd_opts, descale_s=(1.0 / s_s if descale_s is None else descale_s), scale_s=s_s,
+                   scale_o=1.0 if scale_o is None else scale_o)
+        o, stats, amax_s, amax_o = sdpa_fp8_forward(q, k, v, o_dtype=out_dtype or torch.bfloat16, **descales,
+                                                    **fwd)
+    else:
+        given = [n for n, val in descales.items() if val is not None]
+        if given:
+            raise InvalidArgumentError(f"{where}: {', '.join(given)} given but q, k, v are {q.dtype}; descales "
+                                       f"go with float8 inputs (quantize with fusedattn.fp8.quantize_per_tensor)")
+        if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or len({t.dtype for t in tensors.values()}) != 1:
+            raise InvalidTypeError(f"{where}: q, k, v must share one of float8_e4m3fn, float8_e5m2, bfloat16, "
+                                   f"float16, float32; got " + ", ".join(f"{n} {t.dtype}" for n, t in tensors.items()))
+        if out_dtype not in (None, q.dtype):
+            raise NotSupportedError(f"NYI: {where}: out_dtype={out_dtype} with {q.dtype} inputs (the quantize-inside "
+                                    f"path returns the inputs' dtype)")
+        s_s = DEFAULT_SCALE_S[E4M3] if scale_s is None else scale_s
+        fwd = dict(fwd_opts, descale_s=(1.0 / s_s if descale_s is None else descale_s), scale_s=s_s,
+                   scale_o=1.0 if scale_o is None else scale_o)
+        bwd = dict(attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,
+                   seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, backend="auto")
+        o, stats, amax_s, amax_o = _Fp8StraightThrough.apply(q, k, v, {"fwd": fwd, "bwd": bwd})
+    res = (o,) + ((stats,) if return_stats else ()) + ((amax_s, amax_o) if return_amax else ())
+    return res[0] if len(res) == 1 else res

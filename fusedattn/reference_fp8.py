@@ -1,0 +1,169 @@
+"""Float64 references and error bounds for FP8 attention (tests only), in :mod:`fusedattn.reference`'s style.
+
+* :func:`fp8_forward_same_points`: the whole score matrix in float64 with the FP8 rounding points of
+  :mod:`fusedattn.fp8` (P rounded with scale_s, O not rounded), plus ``slack``: where float64 and the
+  emulation's fp32 P may round to neighbouring FP8 values (P * scale_s within 1e-4 relative of a
+  rounding midpoint), the most that can move each output element.
+* :func:`fp8_forward_bound` / :func:`fp8_backward_bound`: float64 attention (and its autograd
+  gradients) of the dequantized inputs, and the per-element bound of :mod:`fusedattn.fp8`'s docstring
+  on the emulation's distance to it. Both assume consistent scales (``scale_s * descale_s == 1``,
+  ``scale_dP * descale_dP == 1``, powers of two in practice) and ``scale_s <= FP8_MAX``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import FP8_MAX, ROUNDING
+from .problem import make_band
+
+EPS32 = 2.0 ** -24
+
+
+def _f(x):
+    return float(x.reshape(-1)[0]) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _dense_keep(b, s_q, s_kv, causal, causal_alignment, window, seq_len_q, seq_len_kv, device):
+    rows = torch.arange(s_q, device=device).view(1, 1, -1, 1)
+    cols = torch.arange(s_kv, device=device).view(1, 1, 1, -1)
+    lq = (seq_len_q.reshape(b).long() if seq_len_q is not None else torch.full((b,), s_q, device=device)).view(b, 1, 1, 1)
+    lkv = (seq_len_kv.reshape(b).long() if seq_len_kv is not None else torch.full((b,), s_kv, device=device)).view(b, 1, 1, 1)
+    keep = (rows < lq) & (cols < lkv)
+    band = make_band(causal, causal_alignment, window)
+    if band is not None:
+        diag = (lkv - lq) if band.alignment == "bottom_right" else 0
+        if band.left is not None:
+            keep = keep & (cols >= rows + diag - band.left)
+        if band.right is not None:
+            keep = keep & (cols <= rows + diag + band.right)
+    return keep
+
+
+def _deq(q8, k8, v8, dq, dk, dv):
+    h_q, h_kv = q8.shape[1], k8.shape[1]
+    g = h_q // h_kv
+
+    def per_head(s, h):
+        s = s if isinstance(s, torch.Tensor) else torch.tensor(float(s))
+        s = s.double().to(q8.device)
+        return s.reshape(1, -1, 1, 1) if s.numel() == h else s.reshape(1, 1, 1, 1)
+    q = q8.double() * per_head(dq, h_q)
+    k = (k8.double() * per_head(dk, h_kv)).repeat_interleave(g, 1)
+    v = (v8.double() * per_head(dv, h_kv)).repeat_interleave(g, 1)
+    return q, k, v
+
+
+def _softmax(s, keep):
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    nonempty = l > 0
+    p = e / torch.where(nonempty, l, torch.ones_like(l))
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
+                      torch.full_like(l, float("-inf")))
+    return p, lse
+
+
+def _common(q8, k8, v8, scales, attn_scale, mask):
+    q, k, v = _deq(q8, k8, v8, scales["descale_q"], scales["descale_k"], scales["descale_v"])
+    d = q8.shape[-1]
+    scale = attn_scale if attn_scale is not None else d ** -0.5
+    keep = _dense_keep(q8.shape[0], q8.shape[2], k8.shape[2], device=q8.device, **mask)
+    p, lse = _softmax((q @ k.transpose(-1, -2)) * scale, keep)
+    return q, k, v, scale, keep, p, lse
+
+
+def _round(x, dtype):
+    m = FP8_MAX.get(dtype)
+    return (x.clamp(-m, m) if m else x).to(dtype).double()
+
+
+def fp8_forward_same_points(q8, k8, v8, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
+                            seq_len_q=None, seq_len_kv=None, **scales):
+    """``(O before scale_o [b,h_q,s_q,d_v], stats, amax_s, amax_o, slack)`` in float64."""
+    mask = dict(causal=causal, causal_alignment=causal_alignment, window=window, seq_len_q=seq_len_q,
+                seq_len_kv=seq_len_kv)
+    q, k, v, scale, keep, p, lse = _common(q8, k8, v8, scales, attn_scale, mask)
+    ss, ds = _f(scales["scale_s"]), _f(scales["descale_s"])
+    x = p * ss
+    p8 = _round(x, q8.dtype)
+    o = (p8 * ds) @ v
+    lo, hi = _round(x * (1 - 1e-4), q8.dtype), _round(x * (1 + 1e-4), q8.dtype)
+    slack = ((hi - lo).abs() * ds) @ v.abs()
+    return o, lse, p.abs().amax(), o.abs().amax(), slack
+
+
+def fp8_forward_bound(q8, k8, v8, *, o_dtype, attn_scale=None, causal=False, causal_alignment="top_left",
+                      window=None, seq_len_q=None, seq_len_kv=None, **scales):
+    """``(O_ref, stats_ref, bound)``: float64 attention of the dequantized inputs and the bound on
+    ``|o / scale_o - O_ref|`` (fusedattn.fp8's docstring), both ``[b, h_q, s_q, d_v]``."""
+    mask = dict(causal=causal, causal_alignment=causal_alignment, window=window, seq_len_q=seq_len_q,
+                seq_len_kv=seq_len_kv)
+    q, k, v, scale, keep, p, lse = _common(q8, k8, v8, scales, attn_scale, mask)
+    ss, ds, so = _f(scales["scale_s"]), _f(scales["descale_s"]), _f(scales["scale_o"])
+    if ss * ds != 1.0 or ss > FP8_MAX[q8.dtype]:
+        raise ValueError("the bound assumes scale_s * descale_s == 1 and scale_s <= FP8_MAX")
+    d, s_kv = q8.shape[-1], k8.shape[2]
+    u8, a8 = ROUNDING[q8.dtype]
+    uo, ao = ROUNDING[o_dtype]
+    o_ref = p @ v
+    A = ((q.abs() @ k.abs().transpose(-1, -2)) * abs(scale)).masked_fill(~keep, 0).amax(-1, keepdim=True)
+    delta = 2 * (d + 3) * EPS32 * A + (s_kv + 6) * EPS32
+    gamma = (s_kv + 4) * EPS32
+    b1 = (u8 + delta * (1 + u8) + gamma) * (p @ v.abs()) + a8 * ds * (1 + gamma) * (keep.double() @ v.abs())
+    b1 = 2 * b1 - u8 * (p @ v.abs())          # fp32 terms doubled for second-order effects; u8 once
+    bound = b1 + (uo + 2 * EPS32) * (o_ref.abs() + b1) + ao / so
+    return o_ref, lse, bound
+
+
+def fp8_backward_bound(q8, k8, v8, o, dO8, *, grad_dtype, attn_scale=None, causal=False,
+                       causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None, **scales):
+    """``((dQ_ref, dK_ref, dV_ref), (bound_dQ, bound_dK, bound_dV))``: float64 gradients of attention of
+    the dequantized inputs for the dequantized ``dO8 * descale_dO``, and bounds on the emulation's
+    dequantized gradients (``dQ / scale_dQ`` ...). ``o``: the forward's stored output (with descale_o)."""
+    mask = dict(causal=causal, causal_alignment=causal_alignment, window=window, seq_len_q=seq_len_q,
+                seq_len_kv=seq_len_kv)
+    q, k, v, scale, keep, p, lse = _common(q8, k8, v8, scales, attn_scale, mask)
+    f = {n: _f(x) for n, x in scales.items() if n not in ("descale_q", "descale_k", "descale_v")}
+    if f["scale_s"] * f["descale_s"] != 1.0 or f["scale_dP"] * f["descale_dP"] != 1.0:
+        raise ValueError("the bound assumes scale_s * descale_s == 1 and scale_dP * descale_dP == 1")
+    b, h_q, s_q, d = q8.shape
+    h_kv, s_kv, d_v = k8.shape[1], k8.shape[2], v8.shape[-1]
+    g = h_q // h_kv
+    u8, a8 = ROUNDING[q8.dtype]
+    uds, ads = ROUNDING[dO8.dtype]
+    ug, ag = ROUNDING[grad_dtype]
+    dO = dO8.double() * f["descale_dO"]
+    o_given = o.double() * f["descale_o"]
+    o_ref = p @ v
+    kept = keep.double().expand_as(p)
+    # exact gradients
+    dV = p.transpose(-1, -2) @ dO
+    dP = dO @ v.transpose(-1, -2)
+    D = (dO * o_ref).sum(-1, keepdim=True)
+    dS = p * (dP - D) * scale
+    dQ = dS @ k
+    dK = dS.transpose(-1, -2) @ q
+    A = ((q.abs() @ k.abs().transpose(-1, -2)) * abs(scale)).masked_fill(~keep, 0).amax(-1, keepdim=True)
+    delta = 2 * (2 * (d + 3) * EPS32 * A + (s_kv + 6) * EPS32)
+    # dV: P rounding (relative u8 plus the subnormal floor) and fp32
+    gam_q = (s_q * g + 4) * EPS32
+    bdV = ((u8 + 2 * delta + 2 * gam_q) * p + a8 * f["descale_s"] * kept).transpose(-1, -2) @ dO.abs()
+    # dS: the error of D (the forward's rounded O) and of fp32
+    E_D = ((dO * (o_given - o_ref)).sum(-1, keepdim=True)).abs() + 2 * (d_v + 4) * EPS32 * (dO.abs() * o_given.abs()).sum(-1, keepdim=True)
+    E_dP = 2 * (d_v + 4) * EPS32 * (dO.abs() @ v.abs().transpose(-1, -2))
+    EdS = abs(scale) * p * (E_D + E_dP + (delta + 4 * EPS32) * ((dP - D).abs() + E_D + E_dP))
+    per = (EdS + uds * (dS.abs() + EdS)) + ads * f["descale_dP"] * kept
+    gam_kv = (s_kv + 4) * EPS32
+    bdQ = per @ k.abs() + 2 * gam_kv * (dS.abs() + per) @ k.abs()
+    bdK = per.transpose(-1, -2) @ q.abs() + 2 * gam_q * (dS.abs() + per).transpose(-1, -2) @ q.abs()
+
+    def fold(x):     # GQA: sum the group's query heads into their kv head
+        return x.view(b, h_kv, g, *x.shape[2:]).sum(2)
+    dK, dV, bdK, bdV = fold(dK), fold(dV), fold(bdK), fold(bdV)
+
+    def out(ref, bnd, name):
+        return bnd + (ug + 2 * EPS32) * (ref.abs() + bnd) + ag / f[name]
+    return (dQ, dK, dV), (out(dQ, bdQ, "scale_dQ"), out(dK, bdK, "scale_dK"), out(dV, bdV, "scale_dV"))
