@@ -47,6 +47,10 @@ alibi_slopes [batch, nheads]        S (same rule)       read per (sequence, head
 deterministic                       S (dense), I        passed to fusedattn.attention (False allows the atomic
                                     (varlen)            single-pass Hopper backward); attention_varlen has one
                                                         backward, the keyword is ignored there
+learnable_sink (keyword-only, FA4)  S (func, varlen,    FlashAttention-4's name (FA2 has none): float (nheads,) sink
+                                    with_kvcache)       logits, fusedattn's ``sink``; softmax_lse includes the sink, so
+                                                        a row with no key has lse = sink, not +inf; gets its gradient
+                                                        (with_kvcache: forward only); R with varlen block_table
 return_attn_probs                   S (partly)          returns (out, softmax_lse, None): S_dmask is always None
                                                         (fusedattn never materializes probabilities)
 varlen block_table                  S (forward only)    attention_with_kvcache(cu_seqlens_q=, page_table=), key counts
@@ -151,10 +155,13 @@ def _empty_rows(i, off, sk, left, right):
     return hi < lo
 
 
-def _fa_lse(lse, empty, slopes, off):
-    """fusedattn's lse -> FlashAttention's: minus slope * off under ALiBi, +inf on rows with no key.
-    lse [..., h, rows]; empty [..., 1 or h, rows] bool; off broadcastable to [..., 1, rows]."""
+def _fa_lse(lse, empty, slopes, off, sink=None):
+    """fusedattn's lse -> FlashAttention's: minus slope * off under ALiBi, +inf on rows with no key
+    (with a sink such a row's lse is the sink's logit: kept). lse [..., h, rows]; empty [..., 1 or h,
+    rows] bool; off broadcastable to [..., 1, rows]."""
     lse = lse.detach()
+    if sink is not None:
+        empty = torch.zeros_like(empty)
     if slopes is not None:
         # slopes [h] or [b, h] against lse [b, h, rows]; or already per token [h, rows] (varlen)
         lse = lse - (slopes if slopes.dim() == lse.dim() == 2 else slopes.unsqueeze(-1)) * off.to(torch.float32)
@@ -175,7 +182,8 @@ def _dropout(dropout_p):
 # ----------------------------------------------------------------------------- dense
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend="auto"):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend="auto",
+                    learnable_sink=None):
     """FlashAttention's ``flash_attn_func`` on fusedattn.
 
     Args:
@@ -186,6 +194,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             ``window_size[1] == 0`` only), deterministic: FlashAttention's meanings (module docstring).
         return_attn_probs: also return ``softmax_lse`` and ``S_dmask`` (always None).
         backend: fusedattn's backend (an addition).
+        learnable_sink: ``(nheads,)`` float sink logits (FlashAttention-4's keyword; fusedattn's ``sink``),
+            differentiable; softmax_lse then includes the sink.
 
     Returns:
         ``out (batch_size, seqlen_q, nheads, headdim_v)``, or ``(out, softmax_lse, None)`` with
@@ -203,7 +213,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                            causal_alignment="bottom_right", window=window,
                            alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
                            dropout_p=_dropout(dropout_p), deterministic=bool(deterministic), return_stats=True,
-                           backend=backend)
+                           backend=backend, sink=learnable_sink)
     out = out.transpose(1, 2)
     if not return_attn_probs:
         return out
@@ -211,7 +221,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     i = torch.arange(s_q, device=q.device)
     off = torch.tensor(s_k - s_q, device=q.device)
     empty = _empty_rows(i, off, torch.tensor(s_k, device=q.device), left, right)
-    return out, _fa_lse(stats[..., 0], empty.view(1, 1, s_q), slopes, off), None
+    return out, _fa_lse(stats[..., 0], empty.view(1, 1, s_q), slopes, off, learnable_sink), None
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -259,7 +269,7 @@ def _max_len(name, m):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, backend="auto",
-                           validate=True):
+                           validate=True, learnable_sink=None):
     """FlashAttention's ``flash_attn_varlen_func`` on :func:`fusedattn.attention_varlen`.
 
     Args:
@@ -275,6 +285,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         validate: check the offsets (int32, from 0, non-decreasing, within the tensors) and the block table's
             entries on the device, one host sync each (an addition; False for CUDA-graph capture of trusted
             metadata: nothing is then read or written out of bounds, lengths and pages are clamped).
+        learnable_sink: ``(nheads,)`` float sink logits, as :func:`flash_attn_func` (not with block_table).
 
     Returns:
         ``out (total_q, nheads, headdim_v)``, or ``(out, softmax_lse (nheads, total_q) fp32, None)`` (the
@@ -291,6 +302,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     left, right, window = _window(window_size, causal)
     nseq = cu_seqlens_q.numel() - 1
     slopes = _slopes(alibi_slopes, q.shape[1], right, q.device, nseq)
+    if block_table is not None and learnable_sink is not None:
+        raise NotSupportedError("learnable_sink with block_table (paged varlen) is not supported yet; "
+                                "use flash_attn_with_kvcache(learnable_sink=) or a dense k/v")
     if block_table is not None:
         out, stats = _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len("max_seqlen_q", max_seqlen_q),
                                    _max_len("max_seqlen_k", max_seqlen_k), dropout_p, softmax_scale, causal, window,
@@ -302,7 +316,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                       causal_alignment="bottom_right", window=window,
                                       alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
                                       dropout_p=_dropout(dropout_p), return_stats=True, validate=validate,
-                                      backend=backend)
+                                      backend=backend, sink=learnable_sink)
     if not return_attn_probs:
         return out
     # per token: index within its sequence, the sequence's diagonal offset and key count
@@ -322,7 +336,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         # [batch_size, nheads] -> per token [nheads, total] (rows past cu_seqlens_q[-1]: sequence 0's, no key)
         seq_tok = torch.cat([seq, torch.zeros(pad, dtype=seq.dtype)]).to(q.device)
         slopes = slopes[seq_tok].T if nseq else slopes.new_zeros(q.shape[1], total)
-    return out, _fa_lse(stats, empty, slopes, off_tok.to(q.device).view(1, total)), None
+    return out, _fa_lse(stats, empty, slopes, off_tok.to(q.device).view(1, total), learnable_sink), None
 
 
 def _cu_int32(name, cu):
@@ -412,7 +426,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            backend="auto", validate=True):
+                            backend="auto", validate=True, learnable_sink=None):
     """FlashAttention's ``flash_attn_with_kvcache`` on :func:`fusedattn.attention_with_kvcache` (forward only).
 
     Args:
@@ -532,14 +546,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q.transpose(1, 2), k_cache, v_cache, page_table=page_table, seq_len_kv=seq_len_kv, k_new=k_new, v_new=v_new,
         attn_scale=_scale(softmax_scale, d), causal=bool(causal), window=window,
         alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
-        return_stats=True, validate=validate, backend=backend)
+        return_stats=True, validate=validate, backend=backend, sink=learnable_sink)
     out = out.transpose(1, 2)
     if not return_softmax_lse:
         return out
     sk = seq_len_kv.long() if seq_len_kv is not None else torch.full((b,), cap, device=dev)
     off = (sk - s_q).view(b, 1, 1)
     empty = _empty_rows(torch.arange(s_q, device=dev).view(1, 1, s_q), off, sk.view(b, 1, 1), left, right)
-    return out, _fa_lse(stats[..., 0], empty, slopes, off)
+    return out, _fa_lse(stats[..., 0], empty, slopes, off, learnable_sink)
 
 
 def _check_distinct_rows(cache_batch_idx):

@@ -23,6 +23,9 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
     ``feats`` restricts the features (the support probe uses it); ``None`` = all of the call's.
     ``post`` is run after the function with its result (rng_dump, dBias copies).
     """
+    if call.kind.startswith("fp8_"):        # sdpa_fp8 / sdpa_fp8_backward: fusedattn.fp8's emulation
+        from .fp8_nodes import fp8_invocation
+        return fp8_invocation(call, t)
     feats = set(call.features if feats is None else feats)
     if "ragged" in feats:
         # the probe keeps a packed binding apart from its dense tiny tensors
@@ -35,6 +38,8 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
                 kw[role] = t[role]
     if "bias" in feats:
         kw["attn_bias"] = t["bias"]
+    if "sink" in feats:
+        kw["sink"] = t["sink_token"].reshape(-1)       # cuDNN's [1, h_q, 1, 1] as fusedattn's [h_q]
     k, v = t["k"], t["v"]
     if "paged" in feats:
         pk, pv = t["page_table_k"], t["page_table_v"]
@@ -81,6 +86,8 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
             if tuple(dbias.shape) != tuple(target.shape):
                 dbias = dbias.sum_to_size(target.shape)   # reduce over the dims the bias broadcasts
             target.copy_(dbias)
+        if call.kind == "bwd" and "sink" in feats and "dSink_token" in t:
+            t["dSink_token"].copy_(result[4].view(t["dSink_token"].shape))
 
     return fn, args, kw, post
 

@@ -31,6 +31,7 @@ FEATURE_ARGS = {
     "dbias": "dBias",
     "deterministic": "use_deterministic_algorithm",
     "ragged": "ragged offsets (set_ragged_offset: packed THD layout)",
+    "sink": "sink_token / dSink_token (attention sinks)",
 }
 
 

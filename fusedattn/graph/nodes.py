@@ -152,7 +152,7 @@ class _Node:
                                  f"variant pack provides")
             resolve_dt(t, "rng_dump", w, data_type.FLOAT)
         for role, t in self.inputs.items():
-            if t._data_type in _FP8_DTS:
+            if t._data_type in _FP8_DTS and not getattr(self, "fp8", False):   # fp8_nodes' nodes take FP8
                 raise cudnnGraphNotSupportedError(f"{w}: {role} {t.label()} is {t._data_type.name}; FP8 "
                                                   f"attention is not supported by fusedattn")
 
@@ -263,6 +263,8 @@ class _Node:
             feats.append("dropout")
         if "rng_dump" in self.outputs:
             feats.append("rng_dump")
+        if "sink_token" in self.inputs:
+            feats.append("sink")
         if self.scale is not None:
             kw["attn_scale"] = self.scale
         return kw, feats
@@ -281,6 +283,10 @@ class _Node:
                 reqs.append(_req(self.inputs[role], role, w, host_ok=True))
         if "rng_dump" in self.outputs:
             reqs.append(_req(self.outputs["rng_dump"], "rng_dump", w))
+        if "sink_token" in self.inputs:
+            reqs.append(_req(self.inputs["sink_token"], "sink_token", w))
+        if "dSink_token" in self.outputs:
+            reqs.append(_req(self.outputs["dSink_token"], "dSink_token", w))
 
     def used_tensors(self):
         return list(self.inputs.values()) + list(self.outputs.values())
@@ -340,7 +346,8 @@ class SdpaNode(_Node):
         self._unsupported_arg("score_mod", score_mod, "score-modifier callbacks are not supported")
         self._unsupported_arg("score_max", score_max, "separate max/sum-exp outputs are not supported; use generate_stats")
         self._unsupported_arg("score_sum_exp", score_sum_exp, "use generate_stats (log-sum-exp)")
-        self._unsupported_arg("sink_token", sink_token, "attention sinks are not supported")
+        # a learnable sink, one float logit per query head ([1, h_q, 1, 1] in cuDNN): fusedattn's sink=
+        self._input("sink_token", sink_token)
         self._unsupported_arg("cu_seq_len_q", cu_seq_len_q, "give packed variable lengths as ragged offsets "
                               "(q.set_ragged_offset(...)) with use_padding_mask")
         self._unsupported_arg("cu_seq_len_kv", cu_seq_len_kv, "give packed variable lengths as ragged offsets "
@@ -510,8 +517,12 @@ class SdpaBackwardNode(_Node):
         self.max_total_seq_len_q, self.max_total_seq_len_kv = max_total_seq_len_q, max_total_seq_len_kv
         self._unsupported_arg("score_mod", score_mod, "score-modifier callbacks are not supported")
         self._unsupported_arg("score_mod_bprop", score_mod_bprop, "score-modifier callbacks are not supported")
-        self._unsupported_arg("sink_token", sink_token, "attention sinks are not supported")
-        self._unsupported_arg("dSink_token", dSink_token, "attention sinks are not supported")
+        # the forward's sink (its Stats include it) and its gradient, written like dBias
+        self._input("sink_token", sink_token)
+        if dSink_token is not None:
+            if sink_token is None:
+                raise GraphError(f"{w}: dSink_token given without sink_token; the sink's gradient needs the sink")
+            self._written("dSink_token", dSink_token)
         self.dq = self._new_output("dQ", "dQ")
         self.dk = self._new_output("dK", "dK")
         self.dv = self._new_output("dV", "dV")

@@ -156,6 +156,9 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
     """``build_invocation`` of a packed call: :func:`fusedattn.attention_varlen` (forward) or
     :func:`_varlen_backward` on views of the bound buffers; ``post`` writes the results in place."""
     from .. import varlen
+    if "sink" in feats:
+        raise cudnnGraphNotSupportedError("sink_token with ragged (packed) tensors is not supported yet; use padded "
+                                "tensors with use_padding_mask")
     pk = _ragged_bind(call, t, feats)
     views = pk.views
     kw = _options(call, t, feats)

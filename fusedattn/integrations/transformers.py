@@ -39,9 +39,10 @@ What :func:`attention_forward` honours (the signature of transformers' attention
   the window can cut anything, so this matters only for callers that pass no mask themselves.
 * ``softcap`` (kwargs, Gemma 2) -> ``softcap`` (``softcap * tanh(scale * q k^T / softcap)``,
   before the mask, as Gemma 2's eager attention).
-* Sinks (``s_aux`` / ``sinks``, GPT-OSS): not supported by fusedattn yet: raises
-  ``fusedattn.NotSupportedError`` (a ``NotImplementedError``) naming them; use
-  ``attn_implementation="eager"`` for such models. ``position_bias`` (T5-style) likewise.
+* Sinks (``s_aux``, GPT-OSS's per-head ``sinks`` parameter, float ``[h_q]``) -> ``sink``: one more
+  logit per head in each row's softmax denominator with no value, as GPT-OSS's eager attention
+  concatenates it to the scores and drops its column after the softmax; the sink gets its gradient.
+  ``position_bias`` (T5-style) is not supported: raises ``fusedattn.NotSupportedError``.
 * ``output_attentions``: weights are never materialized; returns None (one warning), as sdpa.
 """
 from __future__ import annotations
@@ -72,11 +73,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs):
     """transformers' attention function for ``attn_implementation="fusedattn"`` (see the module doc)."""
-    for name in ("s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise NotSupportedError(
-                f"fusedattn does not support attention sinks yet (got `{name}`, e.g. GPT-OSS); "
-                "use attn_implementation='eager' for this model")
+    sink = kwargs.get("s_aux")
+    if sink is None:
+        sink = kwargs.get("sinks")
     if kwargs.get("position_bias") is not None:
         raise NotSupportedError("fusedattn's transformers integration does not support `position_bias` "
                                 "(T5-style relative bias) yet; use attn_implementation='eager' or 'sdpa'")
@@ -88,7 +87,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     softcap = kwargs.get("softcap")
-    opts = dict(attn_scale=scaling, dropout_p=float(dropout or 0.0), softcap=float(softcap or 0.0))
+    opts = dict(attn_scale=scaling, dropout_p=float(dropout or 0.0), softcap=float(softcap or 0.0), sink=sink)
     if attention_mask is not None:
         if attention_mask.dim() != 4:
             raise ValueError(f"fusedattn expects a 4-D attention_mask [b or 1, h or 1, s_q, s_kv] from "
