@@ -246,12 +246,71 @@ def test_sliding_window_without_mask_keeps_transformers_count(sliding_window):
     _assert_close(got, ref, f"sliding_window={sliding_window}")
 
 
-def test_sinks_raise_clearly():
-    q, k, v = _qkv(4, 4)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        fa_hf.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(4))
-    with pytest.raises(fusedattn.NotSupportedError, match="sinks"):
-        fa_hf.attention_forward(_Module(), q, k, v, None, sinks=torch.zeros(4))
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "bool_mask"])
+def test_sinks_s_aux_match_gpt_oss_eager(masked):
+    """``s_aux`` (GPT-OSS's per-head sinks) goes in as fusedattn's sink: the function against GPT-OSS's
+    eager formula (the sink concatenated to the scores, its column dropped after the softmax), and the
+    sink's gradient."""
+    q, k, v = _qkv(7, 7)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool).tril() if masked else None
+    got, _ = fa_hf.attention_forward(_Module(), q, k, v, mask, scaling=0.3, s_aux=sink)
+    kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    scores = q @ kr.transpose(-1, -2) * 0.3
+    scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    ref_sink = sink.detach().clone().requires_grad_()
+    full = torch.cat([scores, ref_sink.view(1, 4, 1, 1).expand(2, 4, 7, 1)], dim=-1).softmax(-1)
+    ref = (full[..., :7] @ vr).transpose(1, 2)
+    _assert_close(got, ref, "s_aux")
+    g = torch.randn_like(ref)
+    _assert_close(torch.autograd.grad(got, sink, g)[0], torch.autograd.grad(ref, ref_sink, g)[0], "dsink")
+
+
+HAS_GPT_OSS = hasattr(transformers, "GptOssConfig")
+
+
+def _gpt_oss(impl):
+    """A tiny random GPT-OSS (sinks on every layer, alternating sliding and full attention, MoE)."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(**dict(COMMON, intermediate_size=64, head_dim=16, num_local_experts=4,
+                                           num_experts_per_tok=2, sliding_window=4))
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:      # sinks large enough to matter (init std 0.2 gives ~0.1)
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 2.0, layer.self_attn.sinks.numel()))
+    return model.eval()
+
+
+@pytest.mark.skipif(not HAS_GPT_OSS, reason="the installed transformers has no GptOss")
+def test_gpt_oss_logits_gradients_generate_match_eager():
+    """GPT-OSS (sinks) has no sdpa path in transformers: fusedattn against eager for logits, the loss
+    gradients (the sinks' included) and greedy generate() of a left-padded batch."""
+    ids = _ids()
+    grads, logits = {}, {}
+    for impl in ("fusedattn", "eager"):
+        model = _gpt_oss(impl).train()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        logits[impl] = out.logits.detach()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    _assert_close(logits["fusedattn"], logits["eager"], "gpt_oss logits")
+    assert any("sinks" in n for n in grads["eager"]) and grads["fusedattn"].keys() == grads["eager"].keys()
+    for n, g in grads["eager"].items():
+        _assert_close(grads["fusedattn"][n], g, f"gpt_oss grad {n}")
+
+    model = _gpt_oss("fusedattn")
+    pids, pmask = _left_padded([_ids(1, 9, seed=3)[0], _ids(1, 5, seed=4)[0]])
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(pids, attention_mask=pmask, **gen)
+        model.set_attn_implementation("eager")
+        want = model.generate(pids, attention_mask=pmask, **gen)
+        # the sinks matter: without them the logits move
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+        model.set_attn_implementation("fusedattn")
+        assert _max_err(model(ids).logits, logits["eager"]) > 1e-3
+    assert torch.equal(got, want), f"gpt_oss: fusedattn {got.tolist()} != eager {want.tolist()}"
 
 
 def test_importing_fusedattn_does_not_import_transformers():
