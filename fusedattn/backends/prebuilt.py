@@ -34,6 +34,7 @@ import json
 import lzma
 import os
 import struct
+import sys
 import threading
 from typing import Optional
 
@@ -237,14 +238,22 @@ def find(kernel, args: tuple, kwargs: dict, device: int):
         memo = store.memo[(kernel, specs)] = store.kernel(_hash_key(ident, specs, arch))
     if memo is not None:
         stats["hits"] += 1
+        if _DEBUG:
+            print(f"fusedattn prebuilt: hit {memo.name} {specs!r}", file=sys.stderr, flush=True)
     else:
-        _missed(kernel)
+        _missed(kernel, specs)
     return memo
 
 
-def _missed(kernel) -> None:
+_DEBUG = os.environ.get("FUSEDATTN_PREBUILT_DEBUG", "0") != "0"
+
+
+def _missed(kernel, specs=None) -> None:
+    name = getattr(getattr(kernel, "fn", None), "__name__", "?")
     if len(stats["misses"]) < 64:
-        stats["misses"].append(getattr(getattr(kernel, "fn", None), "__name__", "?"))
+        stats["misses"].append(name)
+    if _DEBUG:
+        print(f"fusedattn prebuilt: miss {name} {specs!r}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,7 +487,8 @@ def record(kernel, args: tuple, kwargs: dict, compiled) -> None:
         cubin = compiled.asm["cubin"]
         with open(os.path.join(_recording["dir"], f"{key}.cubin.xz"), "wb") as f:
             f.write(lzma.compress(cubin))
-        _recording["index"][key] = {"kernel": _kernel_id(kernel), "name": meta.name, "num_warps": meta.num_warps, "shared": meta.shared,
+        _recording["index"][key] = {"kernel": _kernel_id(kernel), "name": meta.name,
+                                    "specs": repr(_specs(kernel, args, kwargs)), "num_warps": meta.num_warps, "shared": meta.shared,
                                     "params": kinds, "descriptors": descriptors,
                                     "sha256": hashlib.sha256(cubin).hexdigest()}
         _write_index()
