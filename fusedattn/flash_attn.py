@@ -51,6 +51,9 @@ learnable_sink (keyword-only, FA4)  S (func, varlen,    FlashAttention-4's name 
                                     with_kvcache)       logits, fusedattn's ``sink``; softmax_lse includes the sink, so
                                                         a row with no key has lse = sink, not +inf; gets its gradient
                                                         (with_kvcache: forward only); R with varlen block_table
+q_descale / k_descale / v_descale   S (func, forward)   FlashAttention-3's FP8 keywords for float8_e4m3fn q, k, v
+(keyword-only, FA3)                                     (batch_size, nheads_k) equal across the batch, or one element;
+                                                        cuDNN's FP8 semantics (fusedattn.fp8), bf16 output
 return_attn_probs                   S (partly)          returns (out, softmax_lse, None): S_dmask is always None
                                                         (fusedattn never materializes probabilities)
 varlen block_table                  S (forward only)    attention_with_kvcache(cu_seqlens_q=, page_table=), key counts
@@ -181,9 +184,23 @@ def _dropout(dropout_p):
 
 # ----------------------------------------------------------------------------- dense
 
+def _fa3_descale(name, x, batch, nheads_k, group):
+    """FA3's ``(batch_size, nheads_k)`` descale as fusedattn's per-head one (``[nheads_k * group]``), or
+    a one-element tensor as it is; None stays None (attention then names it as missing)."""
+    if x is None or not isinstance(x, torch.Tensor) or x.numel() == 1:
+        return x
+    if tuple(x.shape) != (batch, nheads_k):
+        raise InvalidArgumentError(f"{name} must have shape (batch_size, nheads_k) = {(batch, nheads_k)} or one element, "
+                         f"got {tuple(x.shape)}")
+    if not bool((x == x[:1]).all()):
+        raise NotSupportedError(f"NYI: {name} differing between batch entries (fusedattn's FP8 scales are per "
+                                f"tensor or per head)")
+    return x[0].repeat_interleave(group)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend="auto",
-                    learnable_sink=None):
+                    learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
     """FlashAttention's ``flash_attn_func`` on fusedattn.
 
     Args:
@@ -196,6 +213,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         backend: fusedattn's backend (an addition).
         learnable_sink: ``(nheads,)`` float sink logits (FlashAttention-4's keyword; fusedattn's ``sink``),
             differentiable; softmax_lse then includes the sink.
+        q_descale, k_descale, v_descale: FlashAttention-3's FP8 keywords, for ``torch.float8_e4m3fn`` q, k, v:
+            fp32 ``(batch_size, nheads_k)`` (FA3's shape; fusedattn needs the same value in every batch row)
+            or one element; the output is bf16 (as FA3's). Runs :func:`fusedattn.fp8.attention_fp8` (cuDNN's
+            FP8 semantics: P quantized to e4m3 with scale 256), forward only.
 
     Returns:
         ``out (batch_size, seqlen_q, nheads, headdim_v)``, or ``(out, softmax_lse, None)`` with
@@ -208,12 +229,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     left, right, window = _window(window_size, causal)
     nheads = q.shape[2]
     slopes = _slopes(alibi_slopes, nheads, right, q.device, q.shape[0])
+    fp8_kw = {}
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        g = nheads // k.shape[2]
+        fp8_kw = {f"descale_{n}": _fa3_descale(f"{n}_descale", x, q.shape[0], k.shape[2], g if n == "q" else 1)
+                  for n, x in (("q", q_descale), ("k", k_descale), ("v", v_descale))}
     out, stats = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                            attn_scale=_scale(softmax_scale, q.shape[-1]), causal=bool(causal),
                            causal_alignment="bottom_right", window=window,
                            alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
                            dropout_p=_dropout(dropout_p), deterministic=bool(deterministic), return_stats=True,
-                           backend=backend, sink=learnable_sink)
+                           backend=backend, sink=learnable_sink, **fp8_kw)
     out = out.transpose(1, 2)
     if not return_attn_probs:
         return out

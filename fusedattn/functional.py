@@ -20,6 +20,7 @@ import torch
 
 from .backends import compat
 from .backends import cpu as cpu_backend
+from . import fp8 as _fp8
 from .plan import plan
 from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, make_problem
 
@@ -390,7 +391,8 @@ class _Attention(torch.autograd.Function):
 def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
               seq_len_q=None, seq_len_kv=None, attn_bias=None, alibi=False, softcap=0.0, dropout_p=0.0,
               dropout_seed=None, dropout_offset=0, deterministic=None, return_stats=False,
-              validate=True, backend="auto", out=None, sink=None):
+              validate=True, backend="auto", out=None, sink=None, descale_q=None, descale_k=None, descale_v=None,
+              scale_s=None, scale_o=None, out_dtype=None):
     r"""Fused scaled-dot-product attention: ``softmax(scale * q @ k^T + bias [+ ALiBi], masked) @ v``.
 
     O(s) memory (the FlashAttention algorithm), forward and backward, fp16 / bf16 /
@@ -468,6 +470,12 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             row whose keys are all masked has output 0 and stats ``sink_h`` (rows past ``seq_len_q``
             keep -inf). Gets its gradient, ``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dO * O)``.
             Not yet under ``torch.compile`` (NotSupportedError).
+        descale_q, descale_k, descale_v, scale_s, scale_o, out_dtype: FP8 attention (cuDNN's ``sdpa_fp8``
+            semantics) for ``torch.float8_e4m3fn`` / ``float8_e5m2`` q, k, v: the real values are
+            ``q.float() * descale_q`` ... (per tensor, or per head); P is quantized with ``scale_s``; the
+            output is ``O * scale_o`` in ``out_dtype`` (default bf16; a float8 type for FP8 output). Masks,
+            GQA and stats as above; see :func:`fusedattn.fp8.attention_fp8` (forward only for FP8 tensors;
+            its bf16 entry trains).
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and physical layout, or ``(out, stats)``.
@@ -488,6 +496,17 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         >>> fusedattn.attention(q, k, v, causal=True).shape
         torch.Size([2, 8, 128, 64])
     """
+    if _fp8.is_fp8(q) or _fp8.is_fp8(k) or _fp8.is_fp8(v) or any(
+            x is not None for x in (descale_q, descale_k, descale_v)):
+        _fp8._unsupported("attention", attn_bias=attn_bias, alibi=alibi, softcap=softcap, dropout_p=dropout_p,
+                          sink=sink, out=out)
+        return _fp8.attention_fp8(q, k, v, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+                                  attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
+                                  window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, scale_s=scale_s,
+                                  scale_o=scale_o, out_dtype=out_dtype, return_stats=return_stats, backend=backend)
+    if scale_s is not None or scale_o is not None or out_dtype is not None:
+        raise InvalidArgumentError("scale_s / scale_o / out_dtype are FP8 options; they need float8 q, k, v with "
+                                   "descale_q / descale_k / descale_v")
     if dropout_p and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())
     opts = dict(attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,

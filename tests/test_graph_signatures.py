@@ -4,7 +4,7 @@
   docstrings and its ``pygraph``): ``pygraph.sdpa`` / ``sdpa_backward`` / ``sdpa_fp8`` /
   ``sdpa_fp8_backward`` must have its names, order and defaults, and take None for every keyword
   marked so, meaning "not given": the graph with ``kw=None`` computes what the graph without it does.
-* A valid graph fusedattn cannot run (head dim 264, FP8) raises ``cudnnGraphNotSupportedError`` where
+* A valid graph fusedattn cannot run (head dim 264, a 16-bit sdpa given FP8 tensors) raises ``cudnnGraphNotSupportedError`` where
   cuDNN does, so cuDNN code skipping on it keeps working; malformed graphs keep their ``GraphError``.
 """
 import inspect
@@ -131,9 +131,9 @@ def _fp8_graph(op):
 
 
 @pytest.mark.parametrize("op,n_out", [("sdpa_fp8", 4), ("sdpa_fp8_backward", 7)])
-def test_fp8_ops_take_cudnns_arguments_and_are_not_supported(op, n_out):
-    """Every keyword None (and each one alone) is accepted at the call; every build step says FP8 is
-    not supported (no FP8 kernels yet), as a cudnnGraphNotSupportedError."""
+def test_fp8_ops_take_cudnns_arguments_and_build(op, n_out):
+    """Every keyword None (and each one alone) is accepted at the call; every build step passes (the FP8
+    ops run fusedattn.fp8's emulation; tests/test_fp8.py checks what they compute)."""
     for kws in [{kw.name: None for kw in CUDNN_SIGNATURES[op].keywords}] + \
                [{kw.name: None} for kw in CUDNN_SIGNATURES[op].keywords]:
         graph, args = _fp8_graph(op)
@@ -145,16 +145,20 @@ def test_fp8_ops_take_cudnns_arguments_and_are_not_supported(op, n_out):
         outs = getattr(graph, op)(*args, **kw)
         assert all(t is not None for t in outs)
         outs[0].set_output(True)
-        with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=f"{op} 'sdpa_fp8.*FP8 attention is not supported"):
-            getattr(graph, step)()
+        getattr(graph, step)()
 
 
 def test_fp8_through_the_graph_wrapper():
-    """The seeds' cudnn.Graph spelling on torch tensors: the build on exit says not supported."""
-    x, one = torch.zeros(B, H, S_Q, D), torch.ones(1, 1, 1, 1)
-    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="FP8"):
+    """The seeds' cudnn.Graph spelling on torch tensors: FP8 tensors build and run; 16-bit ones are bad input."""
+    x, one = torch.randn(B, H, S_Q, D).to(torch.float8_e4m3fn), torch.ones(1, 1, 1, 1)
+    with cudnn.Graph() as graph:
+        o, _, amax_s, amax_o = graph.sdpa_fp8(x, x, x, one, one, one, one, one, one, generate_stats=False,
+                                              use_causal_mask=None)
+        o.set_output(True)
+    with pytest.raises(cudnn.GraphError, match="FP8_E4M3 or FP8_E5M2"):
         with cudnn.Graph() as graph:
-            graph.sdpa_fp8(x, x, x, one, one, one, one, one, one, generate_stats=False, use_causal_mask=None)
+            y = torch.zeros(B, H, S_Q, D)
+            graph.sdpa_fp8(y, y, y, one, one, one, one, one, one, generate_stats=False)[0].set_output(True)
 
 
 def test_fp8_call_errors_stay_graph_errors():

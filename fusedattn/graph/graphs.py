@@ -375,9 +375,12 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
                  cu_seq_len_q=None, cu_seq_len_kv=None, stats_use_log2=False):
         """cuDNN's FP8 attention, with cuDNN frontend 1.32's signature (every keyword also accepts None).
 
-        fusedattn has no FP8 kernels yet: the operation is recorded and ``validate`` / ``check_support``
-        / ``build`` raise ``cudnnGraphNotSupportedError``. Returns ``[O, Stats, Amax_S, Amax_O]`` as cuDNN
-        does (Stats None unless stats are generated).
+        Where each scale applies: :mod:`fusedattn.fp8` (cuDNN's graph expansion). Masks: causal (either
+        alignment), the band (left_bound / right_bound / sliding_window), padding; GQA. Runs
+        :func:`fusedattn.fp8.sdpa_fp8_forward`, the exact torch emulation, on every device (no FP8 kernels
+        yet: correct, not fast); bias, ALiBi, dropout, paging and score_mod raise
+        ``cudnnGraphNotSupportedError``. Returns ``[O, Stats, Amax_S, Amax_O]`` as cuDNN does (Stats None
+        unless stats are generated).
         """
         args = dict(locals())     # every argument by name: the node records the graph tensors among them
         del args["self"]
@@ -394,8 +397,8 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
                           max_total_seq_len_q=None, max_total_seq_len_kv=None):
         """Gradients of :meth:`sdpa_fp8`, with cuDNN frontend 1.32's signature (every keyword also accepts None).
 
-        Not supported yet (no FP8 kernels): ``validate`` / ``check_support`` / ``build`` raise
-        ``cudnnGraphNotSupportedError``. Returns ``[dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP]``.
+        Runs :func:`fusedattn.fp8.sdpa_fp8_backward` (the exact torch emulation; scales as
+        :mod:`fusedattn.fp8` says). Returns ``[dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP]``.
         """
         args = dict(locals())
         del args["self"]
@@ -407,7 +410,9 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
 
     def _fp8_node(self, op, args, required, outputs):
         self._check_open("add an operation")
-        node = Fp8Node(self, self._node_name(args.pop("name"), op), op, args, required, outputs)
+        from .fp8_nodes import SdpaFp8BackwardNode, SdpaFp8Node
+        node_cls = SdpaFp8Node if op == "sdpa_fp8" else SdpaFp8BackwardNode
+        node = node_cls(self, self._node_name(args.pop("name"), op), args)
         self._add_node(node)
         return node.results
 

@@ -154,7 +154,7 @@ class _Node:
         for role, t in self.inputs.items():
             if t._data_type in _FP8_DTS and not getattr(self, "fp8", False):   # fp8_nodes' nodes take FP8
                 raise cudnnGraphNotSupportedError(f"{w}: {role} {t.label()} is {t._data_type.name}; FP8 "
-                                                  f"attention is not supported by fusedattn")
+                                                  f"tensors go to sdpa_fp8 / sdpa_fp8_backward")
 
     def _role_tensor(self, role: str) -> tensor:
         return self.inputs[role] if role in self.inputs else self.outputs[role]

@@ -145,11 +145,11 @@ class Graph:
         return self._op("sdpa_with_paged_cache", args, kwargs)
 
     def sdpa_fp8(self, *args, **kwargs):
-        """:meth:`pygraph.sdpa_fp8` on torch tensors (not supported yet: the build raises)."""
+        """:meth:`pygraph.sdpa_fp8` on torch tensors; returns ``[o, stats, amax_s, amax_o]``."""
         return self._op("sdpa_fp8", args, kwargs)
 
     def sdpa_fp8_backward(self, *args, **kwargs):
-        """:meth:`pygraph.sdpa_fp8_backward` on torch tensors (not supported yet: the build raises)."""
+        """:meth:`pygraph.sdpa_fp8_backward` on torch tensors; returns dQ, dK, dV and four amaxes."""
         return self._op("sdpa_fp8_backward", args, kwargs)
 
     def __getattr__(self, name):
