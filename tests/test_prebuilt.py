@@ -189,24 +189,27 @@ from fusedattn.backends import prebuilt
 mode, path = sys.argv[1], sys.argv[2]
 if mode == "record":
     prebuilt.start_recording(os.environ["FUSEDATTN_PREBUILT_DIR"], prebuilt.device_arch(0))
-torch.manual_seed(0)
+# inputs from a CPU generator: the JIT-launching process also runs the launch self-check, whose probe
+# draws from the CUDA generator, so CUDA draws would give the two processes other inputs
+gen = torch.Generator().manual_seed(0)
+randn = lambda *shape, dtype: torch.randn(*shape, generator=gen).to("cuda", dtype)
 results = {}
 for name, (b, h, hk, s, d, causal, dtype) in {
         "gluon d128 causal": (2, 4, 4, 384, 128, True, torch.bfloat16),
         "gqa d64 fp16": (2, 8, 2, 200, 64, False, torch.float16),
         "d96 triton": (1, 3, 3, 130, 96, True, torch.bfloat16)}.items():
-    q = torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(b, hk, s, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(b, hk, s, d, device="cuda", dtype=dtype, requires_grad=True)
+    q = randn(b, h, s, d, dtype=dtype).requires_grad_()
+    k = randn(b, hk, s, d, dtype=dtype).requires_grad_()
+    v = randn(b, hk, s, d, dtype=dtype).requires_grad_()
     print(f"fusedattn prebuilt: --- case {name}", file=sys.stderr, flush=True)
     for rep in range(2):        # the second call takes the repeat (cached) path
         o = fusedattn.attention(q, k, v, causal=causal)
         o.backward(torch.ones_like(o))
         results[f"{name} {rep}"] = [o.detach(), q.grad, k.grad, v.grad]
         q.grad = k.grad = v.grad = None
-kc = torch.randn(2, 4, 1024, 128, device="cuda", dtype=torch.bfloat16)
-vc = torch.randn_like(kc)
-qd = torch.randn(2, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+kc = randn(2, 4, 1024, 128, dtype=torch.bfloat16)
+vc = randn(2, 4, 1024, 128, dtype=torch.bfloat16)
+qd = randn(2, 16, 1, 128, dtype=torch.bfloat16)
 lens = torch.tensor([700, 1000], device="cuda", dtype=torch.int32)
 results["decode"] = [fusedattn.attention_with_kvcache(qd, kc, vc, seq_len_kv=lens) for _ in range(2)]
 torch.cuda.synchronize()
@@ -244,3 +247,42 @@ def test_prebuilt_launch_equals_jit_launch(tmp_path):
     # the use run compiled nothing: its Triton cache holds no kernel
     compiled = [p.name for p in (tmp_path / "cache-use").rglob("*.cubin")]
     assert compiled == [], f"{compiled}\n{log}"
+
+
+def test_kernel_identity_is_the_same_in_every_process(tmp_path):
+    """A store entry must be found by every later process: the kernels' identity (module, name, source
+    digest) printed by three processes with different hash seeds is one string, and it changes when a
+    kernel source file changes."""
+    code = ("from fusedattn.backends import prebuilt; from fusedattn.backends.triton import fwd; "
+            "from fusedattn.backends.gluon import bwd_dq_sm90 as dq; "
+            "print(prebuilt._kernel_id(fwd._FWD.kernel), prebuilt._kernel_id(dq._attn_bwd_dq_sm90))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    seen = set()
+    for seed in ("1", "2", "3"):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONHASHSEED=seed), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen.add(r.stdout.strip())
+    assert len(seen) == 1, seen
+    fwd_id = seen.pop().split()[0]
+    assert fwd_id.startswith("fusedattn.backends.triton.fwd._attn_fwd:")
+    # one kernel file changed: another digest
+    import shutil
+
+    from fusedattn.backends import prebuilt
+    copy = tmp_path / "backends"
+    shutil.copytree(ROOT / "fusedattn" / "backends", copy)
+    saved = list(prebuilt._source_digest)
+    try:
+        prebuilt._source_digest.clear()
+        prebuilt._BACKENDS, original = str(copy), prebuilt._BACKENDS
+        same = prebuilt.kernel_sources_digest()
+        with open(copy / "triton" / "fwd.py", "a") as f:
+            f.write("\n# changed\n")
+        prebuilt._source_digest.clear()
+        changed = prebuilt.kernel_sources_digest()
+    finally:
+        prebuilt._BACKENDS = original
+        prebuilt._source_digest[:] = saved
+    assert fwd_id.endswith(same) and changed != same

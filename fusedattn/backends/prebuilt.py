@@ -10,8 +10,8 @@ compiler, so the first call pays a module load (milliseconds) instead of a compi
 Triton's JIT as before.
 
 **What a store entry is keyed by** (:func:`launch_key`): the Triton release (exactly: ``3.9.0``), the GPU
-architecture (compute capability), the kernel (module, name and Triton's ``cache_key``, a hash of its
-source and of everything it calls), every compile-time constant's value, every launch option
+architecture (compute capability), the kernel (module, name, and a hash of the kernels' source files,
+:func:`kernel_sources_digest`), every compile-time constant's value, every launch option
 (``num_warps``, ``num_stages``, fp fusion), and each runtime argument as Triton's JIT specializes on it
 (a tensor's dtype and 16-byte alignment; an integer's == 1, divisibility by 16 and 32-bit range; a TMA
 descriptor's dtype, box, layout and padding). Two launches with equal keys get the same compiled kernel
@@ -87,19 +87,41 @@ def _runtime_spec(a):
     return None
 
 
+_BACKENDS = os.path.dirname(os.path.abspath(__file__))
+_source_digest: list = []
+
+
+def kernel_sources_digest() -> str:
+    """SHA-256 of the kernels' source files: every module of ``backends/triton`` and ``backends/gluon``
+    and ``backends/compat.py`` (what the kernels call and the builtins they use). Any change to them makes
+    every store entry a miss until the store is rebuilt. Triton's own ``cache_key`` would be finer, but it
+    was seen to differ between two processes on the same machine for one kernel (the Gluon dQ pass, on
+    Triton 3.6), which made its entry never hit; a hash of bytes on disk cannot."""
+    if not _source_digest:
+        h = hashlib.sha256()
+        files = [os.path.join(_BACKENDS, "compat.py")]
+        for sub in ("triton", "gluon"):
+            folder = os.path.join(_BACKENDS, sub)
+            files += sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
+        for path in files:
+            h.update(os.path.relpath(path, _BACKENDS).encode())
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        _source_digest.append(h.hexdigest())
+    return _source_digest[0]
+
+
 _kernel_ids: dict = {}
 
 
 def _kernel_id(kernel) -> Optional[str]:
-    """The kernel's module, name and Triton's hash of its source and dependencies (once per process)."""
+    """The kernel's module and name, and :func:`kernel_sources_digest` (once per process)."""
     ident = _kernel_ids.get(kernel)
     if ident is None:
         fn = getattr(kernel, "fn", None)
-        try:
-            source_hash = kernel.cache_key
-        except Exception:       # noqa: BLE001 -- a Triton without it: no store for this kernel
+        if fn is None or not hasattr(kernel, "params"):
             return None
-        ident = _kernel_ids[kernel] = f"{fn.__module__}.{fn.__qualname__}:{source_hash}"
+        ident = _kernel_ids[kernel] = f"{fn.__module__}.{fn.__qualname__}:{kernel_sources_digest()}"
     return ident
 
 
