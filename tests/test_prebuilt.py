@@ -286,3 +286,33 @@ def test_kernel_identity_is_the_same_in_every_process(tmp_path):
         prebuilt._BACKENDS = original
         prebuilt._source_digest[:] = saved
     assert fwd_id.endswith(same) and changed != same
+
+
+STORES = sorted((ROOT / "fusedattn" / "prebuilt").glob("triton-*-sm*")) if (ROOT / "fusedattn" / "prebuilt").is_dir() else []
+
+
+@pytest.mark.parametrize("store", STORES, ids=[p.name for p in STORES])
+def test_shipped_store_is_intact_and_current(store):
+    """Each store shipped in fusedattn/prebuilt: every cubin there and matching its checksum, every entry's
+    parameter layout buildable, and its kernels built from the kernel sources in this tree (a store left
+    behind by a kernel change would never hit: rebuild it on a GPU with ``bash bench/run_device.sh
+    prebuilt`` under that Triton, or delete it)."""
+    import hashlib
+
+    from fusedattn.backends import prebuilt
+    index = json.loads((store / "index.json").read_text())
+    version = store.name.split("-")[1]
+    assert index["format"] == prebuilt.FORMAT and index["triton"] == version and index["kernels"]
+    assert index.get("skipped") == [], index.get("skipped")
+    for key, entry in index["kernels"].items():
+        cubin = lzma.decompress((store / f"{key}.cubin.xz").read_bytes())
+        assert hashlib.sha256(cubin).hexdigest() == entry["sha256"], entry["name"]
+        assert len(entry["descriptors"]) == entry["params"].count("desc"), entry["name"]
+        prebuilt.PrebuiltKernel(entry, cubin)           # the layout builds
+    stale = {e["kernel"] for e in index["kernels"].values()
+             if e["kernel"].rpartition(":")[2] != prebuilt.kernel_sources_digest()}
+    assert not stale, (f"{store.name} was built from other kernel sources than this tree's: rebuild it "
+                       f"(bash bench/run_device.sh prebuilt, Triton {version}) or delete it. {sorted(stale)[:3]}")
+    # the cold-start call's kernels are there (bench --cold-start loaded 3 on the H100, Triton 3.6)
+    names = {e["name"] for e in index["kernels"].values()}
+    assert {"_attn_fwd_sm90", "_attn_bwd_dq_sm90", "_attn_bwd_dkdv_sm90", "_decode_fwd"} <= names

@@ -178,6 +178,7 @@ class Store:
         ok = index.get("format") == FORMAT and index.get("triton") == triton.__version__
         self.entries: dict = index.get("kernels", {}) if ok else {}
         self.kernels = {entry.get("kernel") for entry in self.entries.values()}   # who has entries at all
+        self.digests = {str(k).rpartition(":")[2] for k in self.kernels}
         self.loaded: dict = {}          # key -> PrebuiltKernel
         self.memo: dict = {}            # (kernel, specs) -> PrebuiltKernel or None (a miss)
         self.lock = threading.Lock()
@@ -250,6 +251,9 @@ def find(kernel, args: tuple, kwargs: dict, device: int):
         return None
     ident = _kernel_id(kernel)
     if ident not in store.kernels:      # the common miss, without building a key
+        if ident is not None and ident.rpartition(":")[2] not in store.digests:
+            compat.warn_once("prebuilt-stale", f"the shipped kernels in {store.path} were built from other kernel "
+                                               "sources: compiling instead (rebuild: bash bench/run_device.sh prebuilt)")
         _missed(kernel)
         return None
     specs = _specs(kernel, args, kwargs)
