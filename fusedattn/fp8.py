@@ -83,7 +83,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .problem import ALIGNMENTS, Band, InvalidArgumentError, InvalidTypeError, NotSupportedError, make_band
+from .problem import ALIGNMENTS, Band, InvalidArgumentError, InvalidTypeError, NotSupportedError, keep_mask, make_band
 
 __all__ = ["FP8_DTYPES", "FP8_MAX", "is_fp8", "quantize", "quantize_per_tensor", "sdpa_fp8_forward",
            "sdpa_fp8_backward", "attention_fp8", "ROWS_PER_CHUNK"]
@@ -176,24 +176,6 @@ def _as_band(band) -> Optional[Band]:
     if align not in ALIGNMENTS:
         raise InvalidArgumentError(f"band alignment must be one of {ALIGNMENTS}, got {align!r}")
     return Band(align, left, right)
-
-
-def keep_mask(rows: torch.Tensor, s_kv: int, len_q: torch.Tensor, len_kv: torch.Tensor,
-              band: Optional[Band]) -> torch.Tensor:
-    """Bool ``[b, 1, len(rows), s_kv]``: True where query ``rows[i]`` sees key ``j`` (padding, then the
-    band around the per-sequence diagonal, as :mod:`fusedattn.problem` defines it)."""
-    b = len_q.shape[0]
-    r = rows.view(1, 1, -1, 1)
-    c = torch.arange(s_kv, device=rows.device).view(1, 1, 1, -1)
-    lq, lkv = len_q.view(b, 1, 1, 1), len_kv.view(b, 1, 1, 1)
-    keep = (r < lq) & (c < lkv)
-    if band is not None:
-        off = (lkv - lq) if band.alignment == "bottom_right" else 0
-        if band.left is not None:
-            keep = keep & (c >= r + off - band.left)
-        if band.right is not None:
-            keep = keep & (c <= r + off + band.right)
-    return keep
 
 
 def _check_qkv(q, k, v, where: str, names=("q", "k", "v")) -> Tuple[int, ...]:

@@ -115,6 +115,25 @@ def make_band(causal: bool, causal_alignment: str, window, s_q: Optional[int] = 
     return Band(causal_alignment, left, right)
 
 
+def keep_mask(rows: torch.Tensor, s_kv: int, len_q: torch.Tensor, len_kv: torch.Tensor,
+              band: Optional[Band]) -> torch.Tensor:
+    """Bool ``[b, 1, len(rows), s_kv]``: True where query ``rows[i]`` sees key ``j`` (padding, then the
+    band around the per-sequence diagonal, as :func:`make_band`'s Band means it). The dense form of the
+    mask, for the reference and emulation paths (the kernels compute it per tile)."""
+    b = len_q.shape[0]
+    r = rows.view(1, 1, -1, 1)
+    c = torch.arange(s_kv, device=rows.device).view(1, 1, 1, -1)
+    lq, lkv = len_q.view(b, 1, 1, 1), len_kv.view(b, 1, 1, 1)
+    keep = (r < lq) & (c < lkv)
+    if band is not None:
+        off = (lkv - lq) if band.alignment == "bottom_right" else 0
+        if band.left is not None:
+            keep = keep & (c >= r + off - band.left)
+        if band.right is not None:
+            keep = keep & (c <= r + off + band.right)
+    return keep
+
+
 def _check_tensor(name: str, t, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .backends.cpu import dropout_keep_mask
-from .problem import alibi_slopes, make_band
+from .problem import alibi_slopes, keep_mask, make_band
 
 
 def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_left", window=None,
@@ -50,15 +50,8 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
         s = s + slopes.to(dtype).reshape(-1, h_q, 1, 1) * (cols - rows).to(dtype)     # [h_q] or [b, h_q]
     len_q = seq_len_q.reshape(b).long() if seq_len_q is not None else torch.full((b,), s_q, device=q.device)
     len_kv = seq_len_kv.reshape(b).long() if seq_len_kv is not None else torch.full((b,), s_kv, device=q.device)
-    lq, lkv = len_q.view(b, 1, 1, 1), len_kv.view(b, 1, 1, 1)
-    keep = (rows < lq) & (cols < lkv)
-    band = make_band(causal, causal_alignment, window)
-    if band is not None:
-        diag = (lkv - lq) if band.alignment == "bottom_right" else 0
-        if band.left is not None:
-            keep = keep & (cols >= rows + diag - band.left)
-        if band.right is not None:
-            keep = keep & (cols <= rows + diag + band.right)
+    lq = len_q.view(b, 1, 1, 1)
+    keep = keep_mask(torch.arange(s_q, device=q.device), s_kv, len_q, len_kv, make_band(causal, causal_alignment, window))
     s = s.masked_fill(~keep, float("-inf"))
     if sink is not None:
         # one more column: the sink logit, for rows inside their sequence only (padding rows stay empty)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .fp8 import FP8_MAX, ROUNDING
-from .problem import make_band
+from .problem import keep_mask, make_band
 
 EPS32 = 2.0 ** -24
 
@@ -24,19 +24,9 @@ def _f(x):
 
 
 def _dense_keep(b, s_q, s_kv, causal, causal_alignment, window, seq_len_q, seq_len_kv, device):
-    rows = torch.arange(s_q, device=device).view(1, 1, -1, 1)
-    cols = torch.arange(s_kv, device=device).view(1, 1, 1, -1)
-    lq = (seq_len_q.reshape(b).long() if seq_len_q is not None else torch.full((b,), s_q, device=device)).view(b, 1, 1, 1)
-    lkv = (seq_len_kv.reshape(b).long() if seq_len_kv is not None else torch.full((b,), s_kv, device=device)).view(b, 1, 1, 1)
-    keep = (rows < lq) & (cols < lkv)
-    band = make_band(causal, causal_alignment, window)
-    if band is not None:
-        diag = (lkv - lq) if band.alignment == "bottom_right" else 0
-        if band.left is not None:
-            keep = keep & (cols >= rows + diag - band.left)
-        if band.right is not None:
-            keep = keep & (cols <= rows + diag + band.right)
-    return keep
+    len_q = seq_len_q.reshape(b).long() if seq_len_q is not None else torch.full((b,), s_q, device=device)
+    len_kv = seq_len_kv.reshape(b).long() if seq_len_kv is not None else torch.full((b,), s_kv, device=device)
+    return keep_mask(torch.arange(s_q, device=device), s_kv, len_q, len_kv, make_band(causal, causal_alignment, window))
 
 
 def _deq(q8, k8, v8, dq, dk, dv):
