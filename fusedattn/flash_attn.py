@@ -74,7 +74,12 @@ kvcache cache_batch_idx             S                   without block_table: the
                                                         seqlen_cache keys (page table = cache_batch_idx), no copy;
                                                         R together with block_table; a repeated index with k/v to
                                                         append is a ValueError (validate=True)
-kvcache cache_leftpad               R                   fusedattn's caches start at key 0
+kvcache cache_leftpad               S                   (batch_size,) int32: keys of sequence i are cache slots
+                                                        cache_leftpad[i] .. cache_seqlens[i] + seqlen_new - 1; the
+                                                        cache is re-paged (views, no copy: pages of gcd(leftpads,
+                                                        row stride, seqlen_cache) keys, one key if validate=False)
+                                                        so each sequence starts at key 0; appends and rotary use the
+                                                        absolute positions; also with block_table / cache_batch_idx
 kvcache rotary_cos/sin/interleaved  S                   applied in PyTorch (fp32 math, rounded to q's dtype) to q
                                                         and the new k before the call, at FlashAttention's
                                                         positions; requires k/v
@@ -86,6 +91,8 @@ Differences that remain: fusedattn accepts more than FlashAttention does (fp32, 
 strides, any page size); dropout masks differ (same distribution); ``S_dmask`` is None.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -469,7 +476,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache). fusedattn's ``seq_len_kv`` is ``cache_seqlens + seqlen_new``.
         cache_batch_idx: optional ``(batch_size,)`` int32: sequence ``i`` uses cache row ``cache_batch_idx[i]``
             (contiguous caches only).
-        cache_leftpad: refused (not None).
+        cache_leftpad: optional ``(batch_size,)`` int32: sequence ``i``'s keys start at cache slot
+            ``cache_leftpad[i]`` (left padding): it attends to slots ``cache_leftpad[i] .. cache_seqlens[i] +
+            seqlen_new - 1``, re-indexed from 0 for causal / window / ALiBi (as FlashAttention); k/v are still
+            appended at ``cache_seqlens`` and rotated at absolute positions. Needs ``0 <= cache_leftpad <=
+            cache_seqlens`` (checked when ``validate``). The cache is read through a page table of views.
         block_table: optional ``(batch_size, max_num_blocks_per_seq)`` int32 (paged caches).
         softmax_scale, causal, window_size, softcap, alibi_slopes: as :func:`flash_attn_func`, around the
             bottom-right diagonal ``off = cache_seqlens + seqlen_new - seqlen_q``.
@@ -490,9 +501,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _bsh("v_cache", v_cache, 4, cache_doc)
     _check_headdim("q", q.shape[-1])
     _check_headdim("v_cache", v_cache.shape[-1])
-    if cache_leftpad is not None:
-        raise NotSupportedError("cache_leftpad: fusedattn's caches start at key 0 of each sequence; "
-                                "pass cache_leftpad=None")
     if (k is None) != (v is None):
         raise InvalidArgumentError("k and v must be given together (or neither)")
     if (rotary_cos is None) != (rotary_sin is None):
@@ -560,6 +568,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k = _rotary(k, rotary_cos, rotary_sin, t_k, rotary_interleaved)
         q = _rotary(q, rotary_cos, rotary_sin, t_q, rotary_interleaved)
 
+    if cache_leftpad is not None:
+        # FlashAttention's cache_leftpad: sequence i's keys start at slot cache_leftpad[i] of its cache row.
+        # Rotary (above) and appends use the absolute positions; attention sees keys 0.. from the pad on.
+        if lens_before is None:
+            lens_before = torch.full((b,), cap, dtype=torch.int32, device=dev)
+        k_cache, v_cache, page_table, lens_before, cap = _leftpad_pages(
+            k_cache, v_cache, page_table, cache_leftpad, lens_before, s_new, cap, validate,
+            "block_table" if block_table is not None else "cache_batch_idx" if cache_batch_idx is not None else None)
     seq_len_kv = None if lens_before is None else lens_before + s_new
     k_new = v_new = None
     if k is not None:
@@ -593,6 +609,96 @@ def _check_distinct_rows(cache_batch_idx):
                 f"cache_batch_idx[{seen[row]}] = cache_batch_idx[{i}] = {row}: with k/v to append, each sequence "
                 f"needs its own cache row (both would write the same slots); pass distinct indices")
         seen[row] = i
+
+
+def _leftpad_pages(k_cache, v_cache, page_table, cache_leftpad, lens_before, s_new, cap, validate, table_name):
+    """cache_leftpad without a kernel change: re-page the cache so that each sequence's keys start at key 0.
+
+    The BSHD caches are ``[outer, L, nheads_k, d]``: contiguous rows (``L = seqlen_cache``, outer = cache row)
+    or pages (``L = page_block_size``); logical key ``p`` of sequence ``i`` lives at outer
+    ``table[i, p // L]``, slot ``p % L`` (``table``: the block table, ``cache_batch_idx`` as [b, 1], or
+    ``arange(b)``). With ``m = stride(0) / stride(1)`` that is slot ``table[i, p // L] * m + p % L`` of one
+    strided run of slots, which we cut into pages of ``g`` slots, ``g`` dividing ``m``, ``L`` and every
+    leftpad (read on the host when ``validate``; ``g = 1``, one-key pages, otherwise, reading nothing).
+    Relative page ``t`` of sequence ``i`` is then the page holding its key ``leftpad[i] + t * g``.
+
+    Returns ``(k_pages, v_pages [num_pages, g, nheads_k, d] views, page_table int32 [b, n], lens_before -
+    leftpad, capacity n * g)``; appends then land at the absolute ``cache_seqlens`` as in FlashAttention.
+    """
+    b = lens_before.shape[0]
+    dev = lens_before.device
+    lp = _leftpad_tensor(cache_leftpad, b, dev)
+    outer, L = k_cache.shape[:2]
+    table = page_table if page_table is not None else torch.arange(b, dtype=torch.int32, device=dev).view(b, 1)
+    m = _slot_ratio("k_cache", k_cache, L)
+    if _slot_ratio("v_cache", v_cache, L) != m and outer > 1:
+        raise NotSupportedError("cache_leftpad with k_cache and v_cache of different row strides (in slots): "
+                                "the re-paged caches share one page table; give both the same layout")
+    g = 1                                               # validate=False: no host read of the leftpads
+    if validate:
+        _check_leftpad(lp, lens_before, s_new, cap, table, outer, L, table_name)
+        g = math.gcd(m, L, *set(lp.tolist()))
+    lp = lp.long().clamp(0, cap)                       # validate=False: never a negative or past-the-end slot
+    n = -(-cap // g)
+    pos = lp[:, None] + torch.arange(n, device=dev)[None, :] * g          # [b, n] first key of each page
+    inside = pos < cap                                  # pages past the table's end are never read: slot 0
+    pos = torch.where(inside, pos, 0)
+    slot = table.long().gather(1, pos // L).clamp(0, outer - 1) * m + pos % L
+    pages = torch.where(inside, slot // g, 0).to(torch.int32)
+    k_pages, v_pages = (_slot_pages(c, m, L, g) for c in (k_cache, v_cache))
+    return k_pages, v_pages, pages, (lens_before.long() - lp).to(torch.int32), n * g
+
+
+def _leftpad_tensor(cache_leftpad, b, dev):
+    if not isinstance(cache_leftpad, torch.Tensor) or cache_leftpad.dtype != torch.int32 or \
+            tuple(cache_leftpad.shape) != (b,):
+        raise InvalidTypeError(f"cache_leftpad must be an int32 tensor (batch_size,) = ({b},), got "
+                               f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad).__name__)} "
+                               f"{list(getattr(cache_leftpad, 'shape', []))}")
+    if cache_leftpad.device != dev:
+        raise InvalidArgumentError(f"cache_leftpad is on {cache_leftpad.device} but q is on {dev}")
+    return cache_leftpad
+
+
+def _slot_ratio(name, cache, L):
+    """stride(0) / stride(1) of a BSHD cache [outer, L, h, d]: the outer step in key slots (the re-paged view
+    addresses every key as one strided run of slots)."""
+    so, ss = cache.stride(0), cache.stride(1)
+    if cache.shape[0] == 1:
+        return L
+    if ss <= 0 or so % ss:
+        raise NotSupportedError(f"cache_leftpad with {name} strides {tuple(cache.stride())}: its row (or page) "
+                                f"stride must be a multiple of its key stride to re-page it without a copy")
+    return so // ss
+
+
+def _slot_pages(cache, m, L, g):
+    """[outer, L, h, d] -> the [num_pages, g, h, d] view: page P = slots P*g .. P*g + g - 1 of the run."""
+    n_pages = ((cache.shape[0] - 1) * m + L) // g
+    ss, sh, sd = cache.stride(1), cache.stride(2), cache.stride(3)
+    return cache.as_strided((n_pages, g, cache.shape[2], cache.shape[3]), (g * ss, ss, sh, sd),
+                            cache.storage_offset())
+
+
+def _check_leftpad(lp, lens_before, s_new, cap, table, outer, L, table_name):
+    """validate=True (one host sync): 0 <= cache_leftpad <= cache_seqlens, cache_seqlens + seqlen_new within the
+    cache, and the block-table entries those keys use within the container."""
+    lpl, lens = lp.tolist(), lens_before.tolist()
+    for i, (a, n) in enumerate(zip(lpl, lens)):
+        if not 0 <= a <= n:
+            raise InvalidArgumentError(f"cache_leftpad[{i}] = {a} must be in [0, cache_seqlens[{i}]] = [0, {n}]: "
+                                       f"sequence {i}'s keys are cache slots cache_leftpad .. cache_seqlens - 1")
+        if n + s_new > cap:
+            raise InvalidArgumentError(f"cache_seqlens[{i}] = {n} plus seqlen_new = {s_new} exceeds the cache's "
+                                       f"{cap} keys")
+        if table_name is not None and n + s_new > a:
+            used = table[i, a // L:(n + s_new - 1) // L + 1].tolist()
+            bad = [x for x in used if not 0 <= x < outer]
+            what = "block" if table_name == "block_table" else "cache row"
+            if bad:
+                raise InvalidArgumentError(f"{table_name}[{i}] names {what} {bad[0]}, out of range of the "
+                                           f"{outer} {what}s (valid: 0 .. {outer - 1}); sequence {i} reads keys "
+                                           f"{a} .. {n + s_new - 1}")
 
 
 def _append(k_cache, v_cache, page_table, lens_before, k, v, cap):

@@ -398,6 +398,95 @@ def test_kvcache_triton_interpreter():
     close(out, gold, base)
 
 
+# ----------------------------------------------------------------------------- with_kvcache: cache_leftpad
+
+LEFTPAD = [
+    dict(name="append", b=3, sq=2, snew=2, smax=20, lens=[9, 4, 13], lp=[3, 0, 12], causal=True),
+    dict(name="snew_ne_sq_window", b=2, sq=1, snew=3, smax=16, lens=[6, 10], lp=[2, 5], window=(8, 0)),
+    dict(name="noappend_alibi", b=2, sq=3, snew=0, smax=24, lens=[16, 20], lp=[8, 4], causal=True, alibi=True),
+    dict(name="batchidx", b=2, sq=1, snew=1, smax=12, lens=[7, 3], lp=[6, 1], causal=True, batch_idx=[2, 0]),
+    dict(name="paged", b=2, sq=2, snew=2, smax=0, lens=[13, 6], lp=[5, 4], causal=True, page=4),
+    dict(name="rotary", b=2, sq=2, snew=2, smax=16, lens=[5, 9], lp=[1, 3], causal=True, rotary=16),
+    dict(name="aligned_pages", b=2, sq=2, snew=0, smax=16, lens=[12, 16], lp=[4, 8], causal=False),
+    dict(name="no_validate", b=2, sq=2, snew=2, smax=16, lens=[7, 11], lp=[5, 2], causal=True, validate=False),
+]
+
+
+@pytest.mark.parametrize("c", LEFTPAD, ids=lambda c: c["name"])
+def test_kvcache_leftpad(c, target):
+    """cache_leftpad (FlashAttention's semantics, its test's reference): sequence i attends to cache slots
+    cache_leftpad[i] .. cache_seqlens[i] + seqlen_new - 1 re-indexed from 0 (causal / window / ALiBi around
+    that sequence's own diagonal); k/v are appended at cache_seqlens and rotated at absolute positions."""
+    device, backend = target
+    seed = sum(map(ord, c["name"]))
+    g = torch.Generator().manual_seed(seed)
+    b, sq, snew, h, hk, d = c["b"], c["sq"], c["snew"], 4, 2, 32
+    lens = torch.tensor(c["lens"], dtype=torch.int32)
+    lp = torch.tensor(c["lp"], dtype=torch.int32)
+    q = torch.randn(b, sq, h, d, generator=g)
+    kn = torch.randn(b, snew, hk, d, generator=g) if snew else None
+    vn = torch.randn(b, snew, hk, d, generator=g) if snew else None
+    slopes = fusedattn.alibi_slopes(h) if c.get("alibi") else None
+    cos = sin = None
+    if c.get("rotary"):
+        ang = torch.rand(64, c["rotary"] // 2, generator=g) * 6.28
+        cos, sin = ang.cos(), ang.sin()
+    page, bidx, table = c.get("page"), c.get("batch_idx"), None
+    if page:
+        n_blocks, per_seq = 11, 4
+        kc, vc = (torch.randn(n_blocks, page, hk, d, generator=g) for _ in range(2))
+        table = torch.randperm(n_blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
+        dense = lambda cache: cache[table.long()].reshape(b, per_seq * page, hk, d)  # noqa: E731
+    else:
+        kc, vc = (torch.randn(b + 1 if bidx else b, c["smax"], hk, d, generator=g) for _ in range(2))
+        sel = torch.tensor(bidx) if bidx else torch.arange(b)
+        dense = lambda cache: cache[sel]  # noqa: E731
+    k_exp, v_exp = dense(kc).double(), dense(vc).double()
+    q_ref = q.double()
+    if snew:
+        pos_k = lens.long()[:, None] + torch.arange(snew)[None, :]          # absolute positions
+        kr = _rotary_reference(kn, cos, sin, pos_k, True) if cos is not None else kn.double()
+        if cos is not None:
+            q_ref = _rotary_reference(q, cos, sin, lens.long()[:, None] + torch.arange(sq)[None, :], True)
+        for i in range(b):
+            k_exp[i, lens[i]:lens[i] + snew] = kr[i]
+            v_exp[i, lens[i]:lens[i] + snew] = vn[i].double()
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    kc, vc = kc.to(device), vc.to(device)
+    out, lse = flash_attn_with_kvcache(
+        to(q), kc, vc, k=to(kn), v=to(vn), rotary_cos=to(cos), rotary_sin=to(sin), cache_seqlens=to(lens),
+        cache_batch_idx=to(torch.tensor(bidx, dtype=torch.int32)) if bidx else None, cache_leftpad=to(lp),
+        block_table=to(table), causal=c.get("causal", False), window_size=c.get("window", (-1, -1)),
+        alibi_slopes=to(slopes), return_softmax_lse=True, backend=backend, validate=c.get("validate", True))
+    if snew:
+        assert torch.allclose(dense(kc.cpu()).double(), k_exp, atol=1e-6), "k appended at cache_seqlens (absolute)"
+        assert torch.equal(dense(vc.cpu()).double(), v_exp), "v appended at cache_seqlens (absolute)"
+    ref_kw = dict(causal=c.get("causal", False), window=c.get("window", (-1, -1)), alibi=slopes)
+    for i in range(b):
+        keys = slice(int(lp[i]), int(lens[i]) + snew)                     # FlashAttention's key_padding_mask
+        gold, lse_gold = fa_reference(q_ref[i:i + 1], k_exp[i:i + 1, keys], v_exp[i:i + 1, keys], **ref_kw)
+        base, _ = fa_reference(q_ref[i:i + 1].float(), k_exp[i:i + 1, keys].float(), v_exp[i:i + 1, keys].float(),
+                               dtype=torch.float32, **ref_kw)
+        close(out[i:i + 1].cpu(), gold, base, msg=f"sequence {i}; repro: pytest -k 'leftpad and {c['name']}'")
+        check_lse(lse[i:i + 1].cpu(), lse_gold)
+    # the option matters: without the pad the padded keys would count too (each case's pads reach its band)
+    ref_nopad, _ = fa_reference(q_ref[:1], k_exp[:1, : int(lens[0]) + snew], v_exp[:1, : int(lens[0]) + snew],
+                                **ref_kw)
+    assert not torch.allclose(out[:1].cpu().double(), ref_nopad, atol=1e-3), "cache_leftpad changed nothing"
+
+
+def test_kvcache_leftpad_bad_block_table():
+    q = torch.randn(1, 1, 2, 16)
+    pages = torch.randn(4, 4, 2, 16)
+    bt = torch.tensor([[0, 9, 1]], dtype=torch.int32)             # block 9 holds keys 4..7, read from slot 5 on
+    with pytest.raises(ValueError, match=r"block_table\[0\] names block 9, out of range of the 4 blocks"):
+        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=7, cache_leftpad=torch.tensor([5], dtype=torch.int32),
+                                block_table=bt)
+    out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=3, block_table=bt,
+                                  cache_leftpad=torch.tensor([1], dtype=torch.int32))   # keys 1..2: block 0 only
+    assert torch.isfinite(out).all()
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def _qkv(d=16, sq=4, sk=4):
@@ -419,8 +508,10 @@ def test_refusals_name_the_argument():
     with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 tensor"):
         flash_attn_varlen_func(q[0], k[0], v[0], cu, cu.long(), 4, 4)
     kc, vc = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotSupportedError, match="cache_leftpad"):
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"cache_leftpad must be an int32 tensor \(batch_size,\) = \(1,\)"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.ones(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[0\] = 3 must be in \[0, cache_seqlens\[0\]\] = \[0, 2\]"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2, cache_leftpad=torch.full((1,), 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="rotary_cos/rotary_sin need the new k"):
         flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(8, 4), rotary_sin=torch.zeros(8, 4),
                                 cache_seqlens=2)
