@@ -58,7 +58,10 @@ return_attn_probs                   S (partly)          returns (out, softmax_ls
                                                         (fusedattn never materializes probabilities)
 varlen block_table                  S (forward only)    attention_with_kvcache(cu_seqlens_q=, page_table=), key counts
                                                         from cu_seqlens_k; R with dropout_p > 0 or requires_grad
-cu_seqlens_q / cu_seqlens_k         S                   int32 only (TypeError otherwise, as FlashAttention asserts)
+cu_seqlens_q / cu_seqlens_k         S                   int32 only (TypeError otherwise, as FlashAttention asserts;
+                                                        fusedattn.attention_varlen itself also takes int64)
+softmax_lse of rows with no key     S                   +inf, from the band and lengths, and wherever the kernels
+                                                        wrote -inf (fusedattn's convention for an empty row)
 validate (keyword-only addition)    S                   varlen and with_kvcache: offsets, cache_seqlens, block-table
                                                         entries and cache_batch_idx checked (default True); False
                                                         for CUDA-graph capture of trusted metadata
@@ -168,10 +171,14 @@ def _empty_rows(i, off, sk, left, right):
 def _fa_lse(lse, empty, slopes, off, sink=None):
     """fusedattn's lse -> FlashAttention's: minus slope * off under ALiBi, +inf on rows with no key
     (with a sink such a row's lse is the sink's logit: kept). lse [..., h, rows]; empty [..., 1 or h,
-    rows] bool; off broadcastable to [..., 1, rows]."""
+    rows] bool; off broadcastable to [..., 1, rows].
+
+    ``empty`` is the geometry (band and lengths); a row the kernels found empty for any other reason
+    writes lse = -inf (fusedattn's convention, issue 24), which becomes FlashAttention's +inf too."""
     lse = lse.detach()
     if sink is not None:
         empty = torch.zeros_like(empty)
+    empty = empty | (lse == float("-inf"))
     if slopes is not None:
         # slopes [h] or [b, h] against lse [b, h, rows]; or already per token [h, rows] (varlen)
         lse = lse - (slopes if slopes.dim() == lse.dim() == 2 else slopes.unsqueeze(-1)) * off.to(torch.float32)

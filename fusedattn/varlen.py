@@ -24,8 +24,12 @@ __all__ = ["attention_varlen"]
 
 
 def _cu(name, t, device):
+    """Offsets as the kernels read them: int32 [batch + 1]. This door also takes int64 (PyTorch's default
+    integer, e.g. ``torch.cumsum`` of lengths) and converts; FlashAttention's door requires int32, as
+    FlashAttention does. The values are checked before the conversion (``_check_offsets``, under validate),
+    so an offset past int32 is named rather than wrapped."""
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.numel() < 2:
-        raise InvalidTypeError(f"{name} must be an int32 tensor [batch + 1] of cumulative offsets, got "
+        raise InvalidTypeError(f"{name} must be an int32 (or int64) tensor [batch + 1] of cumulative offsets, got "
                                f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
     if t.device != device:
         raise InvalidArgumentError(f"{name} is on {t.device} but q is on {device}")
@@ -61,8 +65,9 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_
         if not isinstance(m, int) or m < 0:
             raise InvalidArgumentError(f"{name} must be an int >= 0, got {m!r}")
     if validate:
-        _check_offsets("cu_seqlens_q", cu_q, q.shape[0], max_seqlen_q)
-        _check_offsets("cu_seqlens_kv", cu_kv, k.shape[0], max_seqlen_kv)
+        # the caller's values (int64 ones before their conversion): within the tensors, hence within int32
+        _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        _check_offsets("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], max_seqlen_kv)
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
     nseq = cu_q.numel() - 1
     slopes = None
@@ -200,7 +205,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seq
         q: ``[total_q, h_q, d]``; k: ``[total_kv, h_kv, d]``; v: ``[total_kv, h_kv, d_v]``; any strides
             with a row stride per token (e.g. slices of a fused QKV projection).
         cu_seqlens_q, cu_seqlens_kv: int32 ``[b + 1]``, cumulative offsets starting at 0: sequence ``i``
-            is rows ``cu[i] : cu[i + 1]``.
+            is rows ``cu[i] : cu[i + 1]``. int64 is accepted and converted to int32 (one small copy; its
+            values are checked first when ``validate``); FlashAttention's door
+            (:func:`fusedattn.flash_attn.flash_attn_varlen_func`) requires int32, as FlashAttention does.
         max_seqlen_q, max_seqlen_kv: ints >= the longest sequence (size the grid, key the dropout counters).
         causal / causal_alignment / window / alibi / softcap / dropout_*: as :func:`fusedattn.attention`,
             applied per sequence (bottom-right alignment uses each sequence's own lengths).

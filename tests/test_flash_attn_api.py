@@ -487,6 +487,51 @@ def test_kvcache_leftpad_bad_block_table():
     assert torch.isfinite(out).all()
 
 
+# ----------------------------------------------------------------------------- item 4 leftovers
+
+def test_cu_seqlens_dtype_per_door():
+    """FlashAttention's door requires int32 offsets (as FlashAttention asserts); the functional door
+    attention_varlen also takes int64 (torch.cumsum's dtype), converts it, and checks its values first."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(9, 2, 16, generator=g) for _ in range(3))
+    cu = _cu([4, 5])
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32 tensor"):
+        flash_attn_varlen_func(q, k, v, cu.long(), cu, 5, 5)
+    out32 = fusedattn.attention_varlen(q, k, v, cu, cu, 5, 5, causal=True)
+    out64 = fusedattn.attention_varlen(q, k, v, cu.long(), cu.long(), 5, 5, causal=True)
+    assert torch.equal(out32, out64)
+    wraps = torch.tensor([0, 4, 2 ** 32 + 9], dtype=torch.int64)      # would wrap to 9 in int32
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 4294967305 exceeds the 9 rows"):
+        fusedattn.attention_varlen(q, k, v, wraps, cu, 5, 5)
+
+
+def test_fa_lse_marks_kernel_empty_rows():
+    """A row the kernels leave empty (lse = -inf, issue 24) that the geometry does not predict still gets
+    FlashAttention's +inf, ALiBi's shift included; finite rows keep their value."""
+    from fusedattn.flash_attn import _fa_lse
+    lse = torch.tensor([[[0.5, float("-inf"), 1.0]]])                     # [b=1, h=1, rows=3]
+    geometry = torch.tensor([[[False, False, True]]])
+    got = _fa_lse(lse, geometry, None, torch.zeros(1, 1, 3))
+    assert got.tolist() == [[[0.5, float("inf"), float("inf")]]]
+    got = _fa_lse(lse, geometry, torch.tensor([0.25]), torch.tensor([[[4, 4, 4]]]))
+    assert got.tolist() == [[[-0.5, float("inf"), float("inf")]]]
+
+
+def test_fa_lse_never_minus_inf_end_to_end():
+    """Every door returns +inf, never -inf, for rows without keys: cache rows with no key at all
+    (cache_seqlens = 0), varlen sequences with no key, bottom-right rows above the diagonal."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 3, 2, 16, generator=g)
+    kc = torch.randn(2, 8, 2, 16, generator=g)
+    _, lse = flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([0, 2], dtype=torch.int32), causal=True,
+                                     return_softmax_lse=True)
+    assert (lse[0] == float("inf")).all() and (lse[1, :, 0] == float("inf")).all() and torch.isfinite(lse[1, :, 2]).all()
+    qv, kv = torch.randn(5, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+    _, lse, _ = flash_attn_varlen_func(qv, kv, kv, _cu([2, 3]), _cu([0, 4]), 3, 4, causal=True,
+                                       return_attn_probs=True)
+    assert not (lse == float("-inf")).any() and (lse[:, :2] == float("inf")).all()
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def _qkv(d=16, sq=4, sk=4):
