@@ -154,17 +154,25 @@ def test_empty_rows_forward_backward(kind, target):
         assert (dbias.cpu()[empty] == 0).all(), f"dBias of empty rows must be 0. {rep}"
 
 
-def keep_mask(kind, b, h_q, s_q, s_kv, gen):
-    """The whole problem's mask as a bool keep-mask [b, h_q, s_q, s_kv] (sliceable by key halves)."""
+def keep_mask(kind, b, h_q, s_q, s_kv, gen, split):
+    """The whole problem's mask as a bool keep-mask [b, h_q, s_q, s_kv] (sliceable by key halves at
+    ``split``)."""
     i = torch.arange(s_q).view(-1, 1)
     j = torch.arange(s_kv).view(1, -1)
     if kind == "causal_br":
         keep = j <= i + (s_kv - s_q)
     elif kind == "window_br":
         keep = (j <= i + (s_kv - s_q)) & (j >= i + (s_kv - s_q) - 3)
-    else:                                                        # random, with whole rows dropped
+    else:
+        # random, with whole rows dropped (1::4) and rows that see one half only, by construction on every
+        # geometry (a random row rarely loses a whole half when the halves are long, as on the GPU's 24 keys):
+        # rows 2::4 keep no key of [split, s_kv) and rows 3::4 none of [0, split), each at least one of its own
         keep = torch.rand(b, h_q, s_q, s_kv, generator=gen) > 0.4
         keep[:, :, 1::4] = False
+        keep[:, :, 2::4, split:] = False
+        keep[:, :, 2::4, 0] = True
+        keep[:, :, 3::4, :split] = False
+        keep[:, :, 3::4, s_kv - 1] = True
     return keep.expand(b, h_q, s_q, s_kv).contiguous()
 
 
@@ -187,8 +195,8 @@ def test_halves_merge_to_whole(kind, target):
           f"{'gpu' if device == 'cuda' else backend}'"
     gen = torch.Generator().manual_seed(2400 + len(kind))
     q, k, v = (torch.randn(b, h, s, d, generator=gen).to(device, dt) for h, s in ((h_q, s_q), (h_kv, s_kv), (h_kv, s_kv)))
-    keep = keep_mask(kind, b, h_q, s_q, s_kv, gen).to(device)
     m = s_kv // 2 + 1
+    keep = keep_mask(kind, b, h_q, s_q, s_kv, gen, m).to(device)
     whole = fusedattn.attention(q, k, v, attn_bias=keep, return_stats=True, backend=backend)
     halves = [fusedattn.attention(q, k[:, :, a:e], v[:, :, a:e], attn_bias=keep[..., a:e], return_stats=True,
                                   backend=backend) for a, e in ((0, m), (m, s_kv))]

@@ -8,7 +8,9 @@ case whose mask combination, s_q kind (1: the decode kernel where it applies; od
 no key under bottom-right bands), dtype and layout rotate, every other head dim a second case with
 d_v != d, and the two reports are cases of their own. Each case checks out, the stats (-inf on
 exactly the rows with no key), dQ, dK, dV (and dBias) with FlashAttention's rule
-(``testing.assert_error_within``: at most 2x PyTorch's own same-precision error plus a floor).
+(``testing.assert_error_within``: at most 2x PyTorch's own same-precision error plus a floor); for the
+gradients the same-precision baseline may also be the float64 backward through the kernels' rounding
+point, O stored in the input dtype (``_reference_rounded_o``), whichever errs more.
 A failure prints ``case.repro()``.
 
     python3 -m pytest -q tests/test_gpu_sweep.py -m gpu        (bench/run_device.sh sweep)
@@ -20,7 +22,7 @@ import torch
 
 import fusedattn
 from fusedattn.reference import attention_reference
-from fusedattn.testing import assert_error_within, assert_lse_close
+from fusedattn.testing import FLOOR, assert_error_within, assert_lse_close, max_err
 
 gpu_only = [pytest.mark.gpu,
             pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU sweep skipped")]
@@ -146,9 +148,57 @@ def _reference(q, k, v, do, kw, dtype):
     return o.detach(), lse, rq.grad, rk.grad, rv.grad, (rb.grad if rb is not None else None)
 
 
+def _reference_rounded_o(q, k, v, do, kw, dtype):
+    """(dq, dk, dv, dbias) in float64 but through the backward's one rounding point that PyTorch's
+    same-precision autograd does not have: ``delta = rowsum(dO * O)`` read from the STORED output, O
+    rounded to ``dtype``, as every FlashAttention-style backward (and FlashAttention's own tests' kernels)
+    computes it. PyTorch's softmax backward takes ``sum_j P_ij dP_ij`` from its own P instead, so where
+    the exact gradient is 0 (a row that sees one key: dS = P (dP - delta) = 0) its error is exactly 0 and
+    the bound would be the floor alone, while the kernel's is ``scale * |delta(round(O)) - delta(O)| *
+    |K|``: rounding noise of O, not a bug.
+
+    dS' = P * (dP - delta') = dS - (delta' - delta)_i P_ij, and P_ij = d lse_i / d s_ij, so the gradients
+    of ``sum(O * dO) - sum_i c_i lse_i`` with ``c = delta' - delta`` (held constant) are exactly those of a
+    backward that reads the rounded O; softcap, bias, ALiBi and dropout follow through autograd."""
+    f64 = torch.float64
+    rq, rk, rv = (t.detach().to(f64).requires_grad_() for t in (q, k, v))
+    rkw = dict(kw)
+    rb = None
+    bias = kw.get("attn_bias")
+    if bias is not None and bias.is_floating_point():
+        rkw["attn_bias"] = rb = bias.detach().to(f64).requires_grad_()
+    o, lse = attention_reference(rq, rk, rv, dtype=f64, **rkw)
+    do64 = do.to(f64)
+    c = (do64 * (o.detach().to(dtype).to(f64) - o.detach())).sum(-1)       # delta' - delta [b, h, s_q]
+    lse = lse[..., 0]
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))       # rows with no key: no term
+    ((o * do64).sum() - (c.to(lse.dtype) * lse).sum()).backward()
+    return rq.grad, rk.grad, rv.grad, (rb.grad if rb is not None else None)
+
+
+def _baseline(gold, base, rounded):
+    """The larger-error of PyTorch's same-precision gradient and the rounded-O one: the kernel may have
+    the error of either rounding path (each a same-precision implementation), not more than 2x it."""
+    if rounded is not None and max_err(rounded, gold) > max_err(base, gold):
+        return rounded
+    return base
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=gpu_only) for c in CASES])
 def test_sweep(case):
     run_case(case, "cuda", "auto")
+
+
+# the three dQ cases the H100 run (Triton 3.6) failed by a hair on the floor alone; on the CPU path here,
+# so the tolerance rule's logic runs without a GPU
+FLOOR_CASES = ["d96-dv112-dropout+causal_tl-one", "d136-dropout+band_br+padding-odd",
+               "d256-dv240-dropout+band_br+padding-gt"]
+
+
+@pytest.mark.parametrize("name", FLOOR_CASES)
+def test_rounded_o_baseline_cpu(name):
+    case = next(c for c in CASES if c.name == name)
+    run_case(case, "cpu", "cpu")
 
 
 def run_case(case, device, backend):
@@ -171,14 +221,16 @@ def run_case(case, device, backend):
         raise AssertionError(f"{type(exc).__name__}: {exc}. {msg}") from exc
     gold = _reference(q, k, v, do, kw, torch.float64)
     base = _reference(q, k, v, do, kw, q.dtype)
+    rounded = _reference_rounded_o(q, k, v, do, kw, q.dtype)
     assert_error_within(out.detach().float(), gold[0], base[0], msg=f"out. {msg}")
     assert_lse_close(stats, gold[1], msg=msg)
     got = (qs.grad, ks.grad, vs.grad, bias.grad if float_bias else None)
-    for name, g, g_ref, b_ref in zip(("dq", "dk", "dv", "dbias"), got, gold[2:], base[2:]):
+    for name, g, g_ref, b_ref, r_ref in zip(("dq", "dk", "dv", "dbias"), got, gold[2:], base[2:], rounded):
         if g_ref is None:
             continue
         assert torch.isfinite(g).all(), f"non-finite {name} ({int((~torch.isfinite(g)).sum())} elements). {msg}"
-        assert_error_within(g.detach().float(), g_ref, b_ref, msg=f"{name}. {msg}")
+        assert_error_within(g.detach().float(), g_ref, _baseline(g_ref, b_ref, r_ref), floor=FLOOR[q.dtype],
+                            msg=f"{name}. {msg}")
     empty = gold[1][..., 0] == float("-inf")
     assert (out.detach()[empty] == 0).all() and (qs.grad[empty] == 0).all(), f"rows with no key: 0. {msg}"
 
