@@ -384,3 +384,118 @@ def test_ragged_graph_errors():
     # ragged_offset_multiplier stays refused
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="ragged_offset_multiplier"):
         cudnn.pygraph().tensor(dim=[3, 1, 1, 1], stride=[1, 1, 1, 1], ragged_offset_multiplier=2)
+
+
+# packed q over padded or paged K/V (chunked prefill, cuDNN's test_sdpa_chunked_prefill.py)
+# ------------------------------------------------------------------------------------------------
+
+def chunked_graph(b, h_q, h_kv, chunk, s_kv, d, dtype, *, paged=None, generate_stats=False, **sdpa_kw):
+    """cuDNN's chunked-prefill graph: Q and O packed (ragged offsets), K/V padded BSHD-strided
+    [b, h_kv, s_kv, d] or, with ``paged=(num_blocks, block)``, paged containers; padding mask."""
+    graph = cudnn.pygraph(io_data_type=dtype, intermediate_data_type=F32, compute_data_type=F32)
+    q = graph.tensor(name="Q", dim=[b, h_q, chunk, d], stride=[h_q * d, d, h_q * d, 1], data_type=dtype)
+    rq = graph.tensor(name="Q_ragged", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64)
+    q.set_ragged_offset(rq)
+    kw = {}
+    if paged is None:
+        k = graph.tensor(name="K", dim=[b, h_kv, s_kv, d], stride=bshd(b, h_kv, s_kv, d), data_type=dtype)
+        v = graph.tensor(name="V", dim=[b, h_kv, s_kv, d], stride=bshd(b, h_kv, s_kv, d), data_type=dtype)
+    else:
+        n, bs = paged
+        k = graph.tensor(name="K", dim=[n, h_kv, bs, d], stride=[h_kv * bs * d, bs * d, d, 1], data_type=dtype)
+        v = graph.tensor(name="V", dim=[n, h_kv, bs, d], stride=[h_kv * bs * d, bs * d, d, 1], data_type=dtype)
+        per = -(-s_kv // bs)
+        kw["paged_attention_k_table"] = graph.tensor(name="pt", dim=[b, 1, per, 1], stride=[per, per, 1, 1],
+                                                     data_type=I32)
+        kw["paged_attention_v_table"] = kw["paged_attention_k_table"]
+        kw["paged_attention_max_seq_len_kv"] = s_kv
+    lq = graph.tensor(name="seq_len_q", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=I32)
+    lkv = graph.tensor(name="seq_len_kv", dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=I32)
+    o, stats = graph.sdpa(name="chunk", q=q, k=k, v=v, use_padding_mask=True, seq_len_q=lq, seq_len_kv=lkv,
+                          generate_stats=generate_stats, **kw, **sdpa_kw)
+    o.set_output(True).set_dim([b, h_q, chunk, d]).set_stride([h_q * d, d, h_q * d, 1])
+    ro = graph.tensor(name="O_ragged", dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT64)
+    o.set_ragged_offset(ro)
+    if stats is not None:
+        stats.set_output(True).set_data_type(F32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    return graph, dict(q=q, rq=rq, k=k, v=v, o=o, ro=ro, lq=lq, lkv=lkv, stats=stats, pt=kw.get("paged_attention_k_table"))
+
+
+@pytest.mark.parametrize("mode", ["chunked_causal_topleft", "plain_varlen", "paged_bottom_right"])
+def test_chunked_prefill(mode, on_target):
+    """Packed q over padded (or paged) K/V, per sequence against float64. cuDNN's own chunked prefill:
+    chunk c of every sequence (chunk tokens) over its first (c + 1) * chunk keys, causal through a top-left
+    band whose right bound is the chunk's offset c * chunk; also sequences of different lengths without a
+    band, and a paged cache with bottom-right causal; Stats padded, -inf past each sequence."""
+    device, _ = on_target
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    cdt = cudnn.data_type.HALF if dtype == torch.float16 else F32
+    b, h_q, h_kv, d, chunk = 2, 4, 2, 16, 5
+    gen = torch.Generator().manual_seed(len(mode))
+    if mode == "chunked_causal_topleft":
+        c = 2                                                    # the third chunk
+        lens_q, lens_kv, s_kv = [chunk, chunk], [(c + 1) * chunk] * 2, (c + 1) * chunk
+        sdpa_kw, ref_kw = dict(diagonal_band_right_bound=c * chunk), dict(window=(-1, c * chunk), attn_scale=1.0)
+    elif mode == "plain_varlen":
+        lens_q, lens_kv, s_kv = [3, 5], [9, 4], 11
+        sdpa_kw, ref_kw = dict(attn_scale=0.3), dict(attn_scale=0.3)
+    else:
+        lens_q, lens_kv, s_kv = [4, 2], [13, 6], 16
+        sdpa_kw = dict(use_causal_mask_bottom_right=True, attn_scale=0.25)
+        ref_kw = dict(causal=True, causal_alignment="bottom_right", attn_scale=0.25)
+    paged = (9, 4) if mode.startswith("paged") else None
+    graph, g = chunked_graph(b, h_q, h_kv, chunk, s_kv, d, cdt, paged=paged, generate_stats=True, **sdpa_kw)
+    cu = cumulative(lens_q)
+    q_t = rand(cu[-1], h_q, d, dtype=dtype, device=device, gen=gen)
+    k_pad = rand(b, s_kv, h_kv, d, dtype=dtype, device=device, gen=gen)          # BSHD memory
+    v_pad = rand(b, s_kv, h_kv, d, dtype=dtype, device=device, gen=gen)
+    o_t = torch.full((cu[-1] + 2, h_q, d), float("nan"), dtype=dtype, device=device)
+    stats_t = torch.full((b, h_q, chunk, 1), float("nan"), device=device)
+    pack = {g["q"]: q_t, g["rq"]: offsets(cu, h_q * d, device).long(), g["o"]: o_t,
+            g["ro"]: offsets(cu, h_q * d, device).long(), g["lq"]: lengths(lens_q, device),
+            g["lkv"]: lengths(lens_kv, device), g["stats"]: stats_t}
+    if paged is None:
+        pack[g["k"]], pack[g["v"]] = k_pad.transpose(1, 2), v_pad.transpose(1, 2)
+    else:
+        n, bs = paged
+        table = torch.randperm(n, generator=gen)[: b * (s_kv // bs)].view(b, 1, -1, 1).to(device, torch.int32)
+        kc, vc = (torch.zeros(n, h_kv, bs, d, dtype=dtype, device=device) for _ in range(2))
+        for i in range(b):
+            for j, blk in enumerate(table[i, 0, :, 0].tolist()):
+                kc[blk] = k_pad[i, j * bs:(j + 1) * bs].transpose(0, 1)
+                vc[blk] = v_pad[i, j * bs:(j + 1) * bs].transpose(0, 1)
+        pack.update({g["k"]: kc, g["v"]: vc, g["pt"]: table})
+    graph.execute(pack, torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8))
+    assert torch.isnan(o_t[cu[-1]:]).all(), "O written past the packed tokens"
+    for i in range(b):
+        k_i = k_pad[i:i + 1, :lens_kv[i]].transpose(1, 2).cpu()
+        v_i = v_pad[i:i + 1, :lens_kv[i]].transpose(1, 2).cpu()
+        gold, gold_lse = attention_reference(seq(q_t, cu, i), k_i, v_i, **ref_kw)
+        base, _ = attention_reference(seq(q_t, cu, i), k_i, v_i, dtype=dtype, **ref_kw)
+        assert_error_within(seq(o_t, cu, i), gold, base, msg=f"O of sequence {i} ({mode}, {on_target})")
+        got_lse = stats_t[i:i + 1, :, :lens_q[i]].cpu().double()
+        torch.testing.assert_close(got_lse, gold_lse.double(), atol=2e-3, rtol=2e-3)
+        assert (stats_t[i, :, lens_q[i]:] == float("-inf")).all(), f"Stats rows past sequence {i}'s length"
+
+
+def test_chunked_prefill_refusals():
+    """What the packed-q path cannot run is named, not run wrong: a top-left causal mask whose bottom-right
+    form would need a negative bound, dropout."""
+    b, h, d, chunk = 2, 2, 16, 4
+    graph, g = chunked_graph(b, h, h, chunk, 8, d, F32, use_causal_mask=True)       # top-left, right bound 0
+    x = torch.randn(2 * chunk, h, d)
+    off = offsets(cumulative([chunk, chunk]), h * d, "cpu").long()
+    pack = {g["q"]: x, g["rq"]: off, g["o"]: torch.empty_like(x), g["ro"]: off,
+            g["lq"]: lengths([chunk, chunk], "cpu"), g["lkv"]: lengths([8, 8], "cpu"),
+            g["k"]: torch.randn(b, h, 8, d), g["v"]: torch.randn(b, h, 8, d)}
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"top-left diagonal band with packed q"):
+        graph.execute(pack)
+    pack[g["lkv"]] = lengths([chunk, chunk], "cpu")              # offset 0: top-left = bottom-right, runs
+    graph.execute(pack)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"dropout with packed q over padded"):
+        chunked_graph(b, h, h, chunk, 8, d, F32, dropout=(0.1, 1, 2))

@@ -72,6 +72,7 @@ class Call:
     table_layout: str = "b1n1"              # "b1n1" | "bn" (seed page tables)
     max_seq_len_kv: Optional[int] = None    # paged: fill seq_len_kv when none is given
     ragged_roles: Tuple[str, ...] = ()      # packed roles; each has a "ragged_<role>" offsets req
+    packed_q_only: bool = False             # packed q/O over padded or paged K/V: attention_with_kvcache
     dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)   # declared dims, for the probe
     dts: Dict[str, torch.dtype] = field(default_factory=dict)
     probe_key: tuple = ()
@@ -107,7 +108,7 @@ def _finish_call(call: Call, node: _Node, s_kv: int):
     shape_sig = tuple(sorted((r.role, tuple(x == 1 for x in r.shape), len(r.shape), str(r.dtype))
                              for r in call.reqs))
     call.probe_key = (call.kind, call.features, static_items, shape_sig, h_q, node.h_kv, d, d_v,
-                      call.kv_layout, call.scale_role, call.seed_role, call.offset_role)
+                      call.kv_layout, call.scale_role, call.seed_role, call.offset_role, call.packed_q_only)
     # The paged block size can matter to the kernels: keep it in the key.
     if node.paged:
         kdims = call.dims["k"]

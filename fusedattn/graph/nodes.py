@@ -167,6 +167,7 @@ class _Node:
         ragged = {role: t for role, t in list(self.inputs.items()) + list(self.outputs.items())
                   if t._ragged_offset is not None}
         self.ragged = {}
+        self.packed_q_only = False
         if not ragged:
             return
         for role, t in ragged.items():
@@ -174,6 +175,14 @@ class _Node:
                 raise cudnnGraphNotSupportedError(
                     f"{w}: {role} {t.label()} has a ragged offset; only {', '.join(self.packed_roles)} and "
                     f"stats can be packed (THD)")
+        # Chunked prefill (cuDNN's test_sdpa_chunked_prefill.py): packed Q and O over padded or paged K/V,
+        # run by fusedattn.attention_with_kvcache(cu_seqlens_q=...); forward only, as that door is.
+        self.packed_q_only = (self.op_name == "sdpa" and "q" in ragged and "k" not in ragged and "v" not in ragged)
+        if self.packed_q_only:
+            self._check_packed_q_only(ragged)
+            self._check_offsets(ragged, b)
+            self.ragged = ragged
+            return
         # A virtual output nobody reads may stay unpacked: it is then not written at all.
         missing = [r for r in self.packed_roles if r not in ragged
                    and not (r in self.outputs and self.outputs[r]._virtual)]
@@ -189,6 +198,28 @@ class _Node:
                 raise cudnnGraphNotSupportedError(
                     f"{w}: {FEATURE_ARGS[feat]} with ragged offsets (packed THD layout) is not supported "
                     f"by fusedattn; the packed path runs causal/band masks, ALiBi, dropout and GQA")
+        self._check_offsets(ragged, b)
+        self.ragged = ragged
+
+    def _check_packed_q_only(self, ragged) -> None:
+        """Packed queries over padded or paged K/V: O packed too (or a virtual O nobody reads), and only
+        what attention_with_kvcache runs (no bias, no dropout)."""
+        w = self.where
+        o = self.outputs.get("o")
+        if "o" not in ragged and not (o is not None and o._virtual):
+            raise cudnnGraphNotSupportedError(
+                f"{w}: q {ragged['q'].label()} has a ragged offset (packed THD layout) but O {o.label()} does "
+                f"not; with padded or "
+                f"paged K/V (chunked prefill) fusedattn writes O packed like q: give O a ragged offset too")
+        for feat, used in (("bias", "bias" in self.inputs), ("dropout", self.dropout is not None)):
+            if used:
+                raise cudnnGraphNotSupportedError(
+                    f"{w}: {FEATURE_ARGS[feat]} with packed q over padded or paged K/V (chunked prefill) is not "
+                    f"supported by fusedattn; that path runs causal/band masks, ALiBi, sinks and GQA")
+
+    def _check_offsets(self, ragged, b) -> None:
+        """Each ragged offset: a [b + 1] INT32/INT64 graph input, and a positive token stride."""
+        w = self.where
         for role, t in ragged.items():
             what = f"the ragged offset of {role} {t.label()}"
             off = check_graph_tensor(self.graph, t._ragged_offset, what, w)
@@ -205,7 +236,6 @@ class _Node:
             if t._dim and t._stride and len(t._stride) == 4 and t._stride[2] <= 0:
                 raise GraphError(f"{w}: {role} {t.label()} has a ragged offset but stride {t._stride[2]} "
                                  f"along the sequence dim; offsets are counted in tokens of that stride")
-        self.ragged = ragged
 
     def _check_ragged_outputs(self) -> None:
         """A packed output must keep each token's heads x head dim inside its token stride
@@ -476,7 +506,8 @@ class SdpaNode(_Node):
                     scale_role="attn_scale" in self.inputs, seed_role="dropout_seed" in self.inputs,
                     offset_role="dropout_offset" in self.inputs,
                     kv_layout=self.kv_layout, table_layout="bn" if self.kv_layout == "paged_nshd" else "b1n1",
-                    max_seq_len_kv=self.max_seq_len_kv if self.paged else None, ragged_roles=ragged_roles)
+                    max_seq_len_kv=self.max_seq_len_kv if self.paged else None, ragged_roles=ragged_roles,
+                    packed_q_only=self.packed_q_only)
         _finish_call(call, self, s_kv)
         return call
 

@@ -7,6 +7,9 @@
     seq_len_q / seq_len_kv  -> checked equal to diff(cu_seqlens) (derived from it when absent)
     Stats [b, h, s, 1]      -> scattered to / gathered from the padded layout (-inf past a length, as
                                cuDNN 9.14+ writes for rows that see no key),
+
+and when only q and O (and Stats) are packed, over padded or paged K/V (cuDNN's chunked prefill), the
+forward runs :func:`fusedattn.attention_with_kvcache` with ``cu_seqlens_q`` (``_packed_q_invocation``).
 """
 from __future__ import annotations
 
@@ -107,27 +110,30 @@ def _ragged_bind(call: Call, t: Dict[str, torch.Tensor], feats) -> _Packed:
                         f"{w}: {name}[{i}] = {g} is shorter than the {n} tokens between the ragged offsets of "
                         f"{lead}: gaps between packed sequences are not supported by fusedattn; pack them back "
                         f"to back (offset[i + 1] = offset[i] + seq_len[i] * token stride)")
-    views = {}
-    for role in call.ragged_roles:
-        r, x = reqs[role], t[role]
-        seq = seqs["q"] if role in _Q_SIDE else seqs["k"]
-        total = seq[-1]
-        _, h, _, dd = r.shape
-        _, hs, tok, ds = r.stride
-        start = tokens[role][0] * tok
-        need = start + (total - 1) * tok + (h - 1) * hs + (dd - 1) * ds + 1 if total else 0
-        if need > _span(x):
-            raise GraphError(f"{w}: {role} {r.label} is too small for its ragged offsets: {total} tokens from "
-                             f"element {start} in strides {list(r.stride)} reach {need} elements, but the bound "
-                             f"tensor (shape {list(x.shape)}, strides {list(x.stride())}) spans {_span(x)}")
-        # the bound buffer may be [total, h, d], flat, or the declared [b, h, s, d]: only its
-        # memory is used, through the graph's strides
-        v = x.as_strided((total, h, dd), (tok, hs, ds), x.storage_offset() + start)
-        views[role] = v[..., 0] if role == "stats" else v
+    views = {role: _packed_view(call, reqs[role], t[role], seqs["q"] if role in _Q_SIDE else seqs["k"],
+                                tokens[role][0]) for role in call.ragged_roles}
     dev = t["q"].device
     return _Packed(views=views, cu_q=torch.tensor(seqs["q"], dtype=torch.int32, device=dev),
                    cu_kv=torch.tensor(seqs["k"], dtype=torch.int32, device=dev), lens_q=lens_q,
                    lens_kv=lens_kv, max_q=max_q, max_kv=max_kv)
+
+
+def _packed_view(call: Call, r: Req, x: torch.Tensor, seq: List[int], first: int) -> torch.Tensor:
+    """The ``[total, h, d]`` view (stats: ``[total, h]``) of a packed role's bound buffer, from its first
+    token ``first`` through the graph's strides, checked to fit in the buffer."""
+    total = seq[-1]
+    _, h, _, dd = r.shape
+    _, hs, tok, ds = r.stride
+    start = first * tok
+    need = start + (total - 1) * tok + (h - 1) * hs + (dd - 1) * ds + 1 if total else 0
+    if need > _span(x):
+        raise GraphError(f"{call.where}: {r.role} {r.label} is too small for its ragged offsets: {total} tokens from "
+                         f"element {start} in strides {list(r.stride)} reach {need} elements, but the bound "
+                         f"tensor (shape {list(x.shape)}, strides {list(x.stride())}) spans {_span(x)}")
+    # the bound buffer may be [total, h, d], flat, or the declared [b, h, s, d]: only its
+    # memory is used, through the graph's strides
+    v = x.as_strided((total, h, dd), (tok, hs, ds), x.storage_offset() + start)
+    return v[..., 0] if r.role == "stats" else v
 
 
 def _padded_index(lens: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +162,8 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
     """``build_invocation`` of a packed call: :func:`fusedattn.attention_varlen` (forward) or
     :func:`_varlen_backward` on views of the bound buffers; ``post`` writes the results in place."""
     from .. import varlen
+    if call.packed_q_only:
+        return _packed_q_invocation(call, t, feats)
     if "sink" in feats:
         raise cudnnGraphNotSupportedError("sink_token with ragged (packed) tensors is not supported yet; use padded "
                                 "tensors with use_padding_mask")
@@ -205,3 +213,112 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
 
     return fn, args, kw, post
 
+
+
+# ---------------------------------------------------------------------------------------------
+# packed queries over padded or paged K/V (chunked prefill): fusedattn.attention_with_kvcache
+# ---------------------------------------------------------------------------------------------
+
+def _packed_q_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
+    """Q and O packed (THD, ragged offsets), K/V padded ``[b, h_kv, s_kv, d]`` or paged, as cuDNN's
+    test_sdpa_chunked_prefill.py builds them: :func:`fusedattn.attention_with_kvcache` with
+    ``cu_seqlens_q``. Sequence ``i`` has the tokens between q's offsets and ``seq_len_kv[i]`` keys (the
+    whole K/V, or ``paged_attention_max_seq_len_kv``, without a padding mask). That door's masks are
+    bottom-right per sequence: a top-left band runs as the same band shifted by ``off = seq_len_kv[i] -
+    seq_len_q[i]`` (read on the host) when every sequence has the same ``off`` and the shifted bounds stay
+    >= 0 (cuDNN's chunked prefill: right bound = off, the bottom-right causal mask); else not supported."""
+    from ..kvcache import attention_with_kvcache
+    w = call.where
+    reqs = {r.role: r for r in call.reqs}
+    tokens = {role: _token_offsets(call, reqs[role], t[f"ragged_{role}"]) for role in call.ragged_roles}
+    seq = [c - tokens["q"][0] for c in tokens["q"]]
+    for role in call.ragged_roles:
+        mine = [c - tokens[role][0] for c in tokens[role]]
+        if mine != seq:
+            raise GraphError(f"{w}: the ragged offsets of {role} and q describe different sequences (tokens from "
+                             f"the first: q {seq[:16]}, {role} {mine[:16]}); {role} is packed like q")
+    lens_q = [e - a for a, e in zip(seq, seq[1:])]
+    b = len(lens_q)
+    max_q = (t.get("_max_seqlen") or (reqs["q"].shape[2],))[0]
+    if lens_q and max(lens_q) > max_q:
+        raise GraphError(f"{w}: a sequence has {max(lens_q)} tokens by the ragged offsets of q, more than q's dims "
+                         f"allow (s_q = {max_q})")
+    views = {role: _packed_view(call, reqs[role], t[role], seq, tokens[role][0]) for role in call.ragged_roles}
+    kw = _options(call, t, feats)
+    kw.pop("deterministic", None)
+    kw["return_stats"] = True
+    k, v, table, layout = t["k"], t["v"], None, "bhsd"
+    if "paged" in feats:
+        table = t["page_table_k"]
+        if not torch.equal(table, t["page_table_v"]):
+            raise cudnnGraphNotSupportedError(f"{w}: different page tables for K and V with packed q: fusedattn's "
+                                              f"K/V-cache path pages K and V through one table")
+        table = table.reshape(table.shape[0], -1)
+        layout = "bshd" if call.kv_layout == "paged_nshd" else "bhsd"
+    lens_kv = None
+    if "padding" in feats and "seq_len_q" in t:
+        given = [int(x) for x in t["seq_len_q"].reshape(-1).tolist()]
+        if given != lens_q:
+            raise GraphError(f"{w}: seq_len_q = {given[:16]} but the ragged offsets of q give {lens_q[:16]}; with "
+                             f"packed q they must agree")
+    if "padding" in feats and "seq_len_kv" in t:
+        lens_kv = t["seq_len_kv"].reshape(-1)
+    elif call.max_seq_len_kv is not None:
+        lens_kv = torch.full((b,), call.max_seq_len_kv, dtype=torch.int32, device=k.device)
+    # the support probe's tiny lengths say nothing of the real offsets: it checks the features, with off 0
+    _bottom_right(call, kw, lens_q, lens_kv, k, table, layout, probing="_max_seqlen" in t)
+    kw["backend"] = t.get("_backend", "auto")
+    cu_q = torch.tensor(seq, dtype=torch.int32, device=t["q"].device)
+    args = (views["q"], k, v)
+    kw.update(page_table=table, seq_len_kv=lens_kv, cu_seqlens_q=cu_q, max_seqlen_q=max_q, cache_layout=layout,
+              validate=False)
+    if "sink" in feats:
+        kw["sink"] = t["sink_token"].reshape(-1)
+    _check_params(attention_with_kvcache, kw)
+
+    def post(result):
+        out, lse = result
+        if "o" in views:
+            views["o"].copy_(out)
+        if "stats" in feats and "stats" in t:
+            if "stats" in views:
+                views["stats"].copy_(lse.t())
+            else:
+                target = t["stats"][..., 0]
+                target.fill_(float("-inf"))          # rows past a sequence's length see no key (cuDNN 9.14+)
+                if lse.numel():
+                    sq, pos = _padded_index(lens_q, target.device)
+                    target[sq, :, pos] = lse.t()
+
+    return attention_with_kvcache, args, kw, post
+
+
+def _bottom_right(call: Call, kw, lens_q: List[int], lens_kv, k, table, layout, probing=False) -> None:
+    """The band of ``kw`` as attention_with_kvcache's bottom-right (causal / window) arguments, in place
+    (``probing``: the support probe's call, whose made-up lengths are not the graph's: no shift)."""
+    align = kw.pop("causal_alignment", "top_left")
+    causal, window = kw.pop("causal", False), kw.pop("window", None)
+    if not causal and window is None:
+        kw["causal"] = False                     # the K/V-cache door's default is causal
+        return
+    left, right = (None, 0) if causal else tuple(None if x == -1 else x for x in window)
+    if causal and window is not None:
+        left = None if window[0] == -1 else window[0]
+    if align == "top_left":
+        if lens_kv is None:
+            cap = k.shape[2] if layout == "bhsd" else k.shape[1]
+            n_kv = [cap * (table.shape[1] if table is not None else 1)] * len(lens_q)
+        else:
+            n_kv = [int(x) for x in lens_kv.tolist()]
+        offs = {n - m for n, m in zip(n_kv, lens_q) if m > 0} if not probing else set()
+        off = offs.pop() if len(offs) == 1 else 0
+        shifted = (None if left is None else left + off, None if right is None else right - off)
+        if len(offs) or any(x is not None and x < 0 for x in shifted):
+            raise cudnnGraphNotSupportedError(
+                f"{call.where}: a top-left diagonal band with packed q over padded or paged K/V runs as a "
+                f"bottom-right one shifted by seq_len_kv - seq_len_q, which must then be the same for every "
+                f"sequence and keep the bounds >= 0 (here bounds {(left, right)}, offsets {sorted(offs | {off})})")
+        left, right = shifted
+    kw["causal"] = right == 0 and left is None
+    if not kw["causal"]:
+        kw["window"] = (-1 if left is None else left, -1 if right is None else right)

@@ -150,7 +150,9 @@ class tensor:  # noqa: N801 (cuDNN's spelling: cudnn.tensor)
         """Packed variable-length layout (THD): ``offset`` is an int ``[b+1, 1, 1, 1]`` graph tensor of
         element offsets of each sequence's first token (cuDNN's ragged offset). An sdpa /
         sdpa_backward node whose q/k/v/o (and dO/dQ/dK/dV) all carry one runs the packed varlen
-        kernels (``graph/ragged.py``); bias or paged K/V with it raise ``cudnnGraphNotSupportedError``."""
+        kernels (``graph/ragged.py``); bias or paged K/V with it raise ``cudnnGraphNotSupportedError``.
+        An sdpa node whose q and O carry one over padded or paged K/V (chunked prefill) runs
+        ``attention_with_kvcache(cu_seqlens_q=...)`` (forward only; no bias or dropout there)."""
         self._check_mutable("set_ragged_offset")
         if offset is not None and not isinstance(offset, tensor):
             raise GraphError(f"tensor {self.label()}: set_ragged_offset expects a graph tensor, "
