@@ -612,6 +612,7 @@ def test_compiling_ahead_compiles_on_threads_and_a_launch_waits_for_it(monkeypat
     monkeypatch.setattr(launch_mod.compat, "ensure_context", lambda device: None)
     monkeypatch.setattr(launch_mod.torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(kernel_cache, "_installed", True)
+    monkeypatch.setattr(launch_mod.prebuilt, "find", lambda *args: None)   # no shipped store for a stand-in
     events, release = [], threading.Event()
 
     class StandIn:
