@@ -35,7 +35,7 @@ from .enums import diagonal_alignment as _alignment   # the methods' parameter s
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .execute import invoke
 from .handle import Handle, create_handle
-from .nodes import Fp8Node, SdpaBackwardNode, SdpaNode
+from .nodes import SdpaBackwardNode, SdpaNode
 from .support import probe
 from .tensors import tensor
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from .execute import build_invocation, invoke
 from .lower import FEATURE_ARGS, Call, Req
-from .nodes import Fp8Node, SdpaBackwardNode, SdpaNode
+from .nodes import SdpaBackwardNode, SdpaNode
 from .support import probe
 
-__all__ = ["FEATURE_ARGS", "Call", "Req", "SdpaNode", "SdpaBackwardNode", "Fp8Node", "build_invocation",
+__all__ = ["FEATURE_ARGS", "Call", "Req", "SdpaNode", "SdpaBackwardNode", "build_invocation",
            "invoke", "probe"]
