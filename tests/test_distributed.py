@@ -39,6 +39,35 @@ CASES = {
     "f32-causal-zigzag-auto-gqa": ((2, 4), "float32", "cpu", 1, 4, 2, 3, 8, 8, True, "zigzag", "auto", False),
     "interp-f32-causal-zigzag-ring-gqa": ((2,), "float32", "triton", 1, 2, 1, 5, 16, 16, True, "zigzag", "ring",
                                           False),
+    # windows (global band; chunks of 7 so the band cuts chunks), softcap, sinks
+    "f64-window-causal-zigzag-ring": ((2, 4), "float64", "cpu", 1, 2, 2, 7, 16, 16, True, "zigzag", "ring", False),
+    "f32-window-full-contiguous-ring-gqa": ((2, 4), "float32", "cpu", 1, 4, 2, 7, 16, 16, False, "contiguous",
+                                            "ring", False),
+    "f32-window-causal-zigzag-allgather": ((4,), "float32", "cpu", 1, 2, 2, 5, 16, 16, True, "zigzag", "allgather",
+                                           False),
+    "f64-softcap-sink-causal-zigzag-ring-gqa": ((2, 4), "float64", "cpu", 1, 4, 2, 5, 16, 16, True, "zigzag", "ring",
+                                                False),
+    "f32-sink-full-zigzag-allgather": ((2,), "float32", "cpu", 1, 2, 2, 5, 16, 16, False, "zigzag", "allgather",
+                                       False),
+    "f32-causal-zigzag-ring-mesh": ((2, 4), "float32", "cpu", 1, 2, 2, 3, 8, 8, True, "zigzag", "ring", False),
+    "f32-causal-zigzag-ring-qgrad-only": ((2,), "float32", "cpu", 1, 2, 2, 3, 8, 8, True, "zigzag", "ring", False),
+    # packed variable-length batches (each sequence a multiple of 2W / W tokens; one empty sequence)
+    "varlen-f64-causal-zigzag-gqa": ((2, 4), "float64", "cpu", 1, 4, 2, (3, 1, 0, 5), 16, 16, True, "zigzag",
+                                     "ring", False),
+    "varlen-f32-full-contiguous-sink": ((2,), "float32", "cpu", 1, 2, 2, (3, 2), 16, 16, False, "contiguous",
+                                        "ring", False),
+}
+# options beyond the table: window / softcap / sink (a [h_q] logit drawn with the inputs) / the group
+# given as a 1-D DeviceMesh / gradients asked for q only
+EXTRA = {
+    "f64-window-causal-zigzag-ring": dict(window=(9, -1)),
+    "f32-window-full-contiguous-ring-gqa": dict(window=(4, 10)),
+    "f32-window-causal-zigzag-allgather": dict(window=(6, 0)),
+    "f64-softcap-sink-causal-zigzag-ring-gqa": dict(softcap=1.5, sink=True),
+    "f32-sink-full-zigzag-allgather": dict(sink=True),
+    "f32-causal-zigzag-ring-mesh": dict(mesh=True),
+    "f32-causal-zigzag-ring-qgrad-only": dict(grads=("q",)),
+    "varlen-f32-full-contiguous-sink": dict(sink=True),
 }
 FIELDS = ("worlds", "dtype", "backend", "b", "h_q", "h_kv", "c", "d", "d_v", "causal", "layout", "variant", "bshd")
 # error cases, run on the 2-rank group: (name, substring every rank's message must contain)
@@ -57,17 +86,35 @@ FP64_FLOOR = 3e-6
 
 
 def case_dict(name):
-    return dict(zip(FIELDS, CASES[name]), name=name)
+    return dict(zip(FIELDS, CASES[name]), name=name, varlen=name.startswith("varlen"), **EXTRA.get(name, {}))
+
+
+def _chunks(cs, world):
+    return 2 * world if cs["layout"] == "zigzag" else world
+
+
+def cu_seqlens_of(cs, world):
+    """Varlen cases: c is a tuple of per-sequence chunk lengths; sequence i has c_i * chunks tokens."""
+    lens = [c * _chunks(cs, world) for c in cs["c"]]
+    return torch.tensor([0] + lens).cumsum(0).to(torch.int32)
 
 
 def make_inputs(cs, world):
-    """Whole-sequence q, k, v, dO (same on every rank and in the parent: seeded by the case name)."""
+    """Whole-sequence q, k, v, dO and the sink (or None), the same on every rank and in the parent
+    (seeded by the case name). Varlen cases: packed [total, h, d]."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{cs['name']}-{world}".encode()))
     dt = getattr(torch, cs["dtype"])
-    s = 2 * world * cs["c"] if cs["layout"] == "zigzag" else world * cs["c"]
-    shapes = [(cs["b"], cs["h_q"], s, cs["d"]), (cs["b"], cs["h_kv"], s, cs["d"]),
-              (cs["b"], cs["h_kv"], s, cs["d_v"]), (cs["b"], cs["h_q"], s, cs["d_v"])]
-    return [torch.randn(sh, generator=gen).to(dt) for sh in shapes]
+    if cs["varlen"]:
+        t = int(cu_seqlens_of(cs, world)[-1])
+        shapes = [(t, cs["h_q"], cs["d"]), (t, cs["h_kv"], cs["d"]), (t, cs["h_kv"], cs["d_v"]),
+                  (t, cs["h_q"], cs["d_v"])]
+    else:
+        s = _chunks(cs, world) * cs["c"]
+        shapes = [(cs["b"], cs["h_q"], s, cs["d"]), (cs["b"], cs["h_kv"], s, cs["d"]),
+                  (cs["b"], cs["h_kv"], s, cs["d_v"]), (cs["b"], cs["h_q"], s, cs["d_v"])]
+    ts = [torch.randn(sh, generator=gen).to(dt) for sh in shapes]
+    sink = (torch.randn(cs["h_q"], generator=gen) + 1.0).to(dt) if cs.get("sink") else None
+    return ts + [sink]
 
 
 def _as_bshd(t):
@@ -91,20 +138,16 @@ def _worker(rank, world, init_file, out_dir):
     def save(name, result):
         torch.save(result, os.path.join(out_dir, f"{name}-r{rank}.pt"))
 
+    mesh = None
     for name in CASES:
         cs = case_dict(name)
         if world not in cs["worlds"] or (cs["backend"] == "triton" and not interp):
             continue
         try:
-            q, k, v, do = make_inputs(cs, world)
-            local = [shard_sequence(t, world, rank, cs["layout"]) for t in (q, k, v, do)]
-            if cs["bshd"]:
-                local = [_as_bshd(t) for t in local]
-            ql, kl, vl = (t.detach().requires_grad_() for t in local[:3])
-            out, stats = context_parallel_attention(ql, kl, vl, causal=cs["causal"], layout=cs["layout"],
-                                                    variant=cs["variant"], backend=cs["backend"], return_stats=True)
-            out.backward(local[3])
-            save(name, dict(out=out.detach(), stats=stats, dq=ql.grad, dk=kl.grad, dv=vl.grad))
+            if cs.get("mesh") and mesh is None:
+                from torch.distributed.device_mesh import init_device_mesh
+                mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+            save(name, _run_case(cs, world, rank, mesh))
         except Exception:  # noqa: BLE001 - reported by the test of this case
             save(name, dict(error=traceback.format_exc()))
             # the group may be out of step now: stop at once (the peers' pending exchanges fail on the
@@ -112,7 +155,9 @@ def _worker(rank, world, init_file, out_dir):
             sys.stdout.flush()
             os._exit(1)
 
+    _failure_cases(world, rank, save)
     if world == 2:
+        _compile_case(rank, save)
         for name in ERRORS:
             try:
                 kw = dict(causal=True, backend="cpu")
@@ -142,6 +187,113 @@ def _worker(rank, world, init_file, out_dir):
             save("after-errors", dict(error=traceback.format_exc()))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _run_case(cs, world, rank, mesh):
+    """One case on this rank: local shards in, local out / stats / gradients out (and the sizes of the
+    K/V messages the ring sent, for the GQA check)."""
+    from fusedattn.distributed import (_comm, context_parallel_attention, context_parallel_attention_varlen,
+                                       shard_sequence, shard_varlen)
+    q, k, v, do, sink = make_inputs(cs, world)
+    if cs["varlen"]:
+        cu = cu_seqlens_of(cs, world)
+        local = [shard_varlen(t, cu, world, rank, cs["layout"]) for t in (q, k, v, do)]
+    else:
+        local = [shard_sequence(t, world, rank, cs["layout"]) for t in (q, k, v, do)]
+        if cs["bshd"]:
+            local = [_as_bshd(t) for t in local]
+    wanted = cs.get("grads", ("q", "k", "v"))
+    ql, kl, vl = (t.detach().requires_grad_(n in wanted) for n, t in zip("qkv", local[:3]))
+    sl = sink.detach().requires_grad_() if sink is not None else None
+    sent = []
+    exchange = _comm.ring_exchange
+
+    def spy(info, send, recv, tag):
+        if tag == _comm.TAG_KV:
+            sent.append(send.numel())
+        return exchange(info, send, recv, tag)
+
+    _comm.ring_exchange = spy
+    try:
+        opts = dict(causal=cs["causal"], layout=cs["layout"], backend=cs["backend"], return_stats=True,
+                    softcap=cs.get("softcap", 0.0), sink=sl)
+        if cs["varlen"]:
+            out, stats = context_parallel_attention_varlen(ql, kl, vl, cu, **opts)
+        else:
+            out, stats = context_parallel_attention(ql, kl, vl, mesh if cs.get("mesh") else None,
+                                                    variant=cs["variant"], window=cs.get("window"), **opts)
+        out.backward(local[3])
+    finally:
+        _comm.ring_exchange = exchange
+    return dict(out=out.detach(), stats=stats, dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                dsink=None if sl is None else sl.grad, sent=sent)
+
+
+# failure cases: (name, pass that fails, the rank that fails (-1: the last), ring step it fails at)
+FAILURES = {"fail-forward": ("forward_step", 1, 1), "fail-backward": ("backward_step", -1, 1)}
+FAIL_MESSAGE = "injected kernel failure"
+
+
+def _failure_cases(world, rank, save):
+    """One rank's kernel raises mid-ring (forward, then backward); every rank must end with an error,
+    quickly, and the group must still work afterwards."""
+    from fusedattn.distributed import ring
+    from fusedattn.distributed import context_parallel_attention
+    for name, (method, bad, at_step) in FAILURES.items():
+        bad = bad % world
+        original = getattr(ring.DenseBlocks, method)
+        steps = []
+
+        def failing(self, src, *args, _original=original, _steps=steps):
+            _steps.append(src)
+            if len(_steps) - 1 == at_step:
+                raise RuntimeError(FAIL_MESSAGE)
+            return _original(self, src, *args)
+
+        if rank == bad:
+            setattr(ring.DenseBlocks, method, failing)
+        t0 = time.monotonic()
+        try:
+            q = torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+            out = context_parallel_attention(q, q, q, causal=True, variant="ring", backend="cpu")
+            out.sum().backward()
+            save(name, dict(message="no error raised", seconds=time.monotonic() - t0))
+        except Exception as exc:  # noqa: BLE001
+            save(name, dict(message=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - t0))
+        finally:
+            setattr(ring.DenseBlocks, method, original)
+    try:
+        q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(rank))
+        save("after-failures", dict(out=context_parallel_attention(q, q, q, causal=True, backend="cpu")))
+    except Exception:  # noqa: BLE001
+        save("after-failures", dict(error=traceback.format_exc()))
+
+
+def _compile_case(rank, save):
+    """A function compiled with torch.compile around context_parallel_attention: it breaks the graph
+    there (the call is eager) and gives the eager result, gradients included."""
+    try:
+        import torch._dynamo
+        from fusedattn.distributed import context_parallel_attention
+
+        def step(x, w):
+            q = (x @ w).view(1, 2, 6, 8)
+            out = context_parallel_attention(q, q, q, causal=True, backend="cpu")
+            return (out.tanh() * 2).sum()
+
+        gen = torch.Generator().manual_seed(rank)
+        x, w = torch.randn(12, 8, generator=gen), torch.randn(8, 8, generator=gen)
+        results = []
+        for fn in (step, torch.compile(step, backend="aot_eager")):
+            wi = w.clone().requires_grad_()
+            loss = fn(x, wi)
+            loss.backward()
+            results.append((loss.detach(), wi.grad))
+        explain = torch._dynamo.explain(step)(x, w)
+        save("compile", dict(eager=results[0], compiled=results[1], graph_breaks=explain.graph_break_count,
+                             reasons=[str(b.reason) for b in explain.break_reasons]))
+    except Exception:  # noqa: BLE001
+        save("compile", dict(error=traceback.format_exc()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,12 +362,27 @@ def _results(group, name):
     return res
 
 
-def _reference(cs, q, k, v, do, dtype):
+def _reference(cs, world, q, k, v, do, sink, dtype):
+    """(out, lse, dq, dk, dv, dsink) of the whole sequence in ``dtype`` (varlen: per sequence, packed;
+    lse [h_q, total] as attention_varlen gives)."""
     from fusedattn.reference import attention_reference
     qs, ks, vs = (t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v))
-    o, lse = attention_reference(qs, ks, vs, causal=cs["causal"], dtype=dtype)
+    ss = sink.detach().to(dtype).clone().requires_grad_() if sink is not None else None
+    opts = dict(causal=cs["causal"], window=cs.get("window"), softcap=cs.get("softcap", 0.0), sink=ss, dtype=dtype)
+    if cs["varlen"]:
+        cu = cu_seqlens_of(cs, world).tolist()
+        outs, lses = [], []
+        for a, b in zip(cu[:-1], cu[1:]):
+            if a == b:
+                continue
+            o, lse = attention_reference(*(t[a:b].transpose(0, 1).unsqueeze(0) for t in (qs, ks, vs)), **opts)
+            outs.append(o[0].transpose(0, 1))
+            lses.append(lse[0, :, :, 0])
+        o, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    else:
+        o, lse = attention_reference(qs, ks, vs, **opts)
     o.backward(do.to(dtype))
-    return o.detach(), lse, qs.grad, ks.grad, vs.grad
+    return o.detach(), lse, qs.grad, ks.grad, vs.grad, None if ss is None else ss.grad
 
 
 PARAMS = [pytest.param(w, n, id=f"w{w}-{n}") for n in CASES for w in CASES[n][0]]
@@ -229,19 +396,39 @@ def test_context_parallel_matches_whole_sequence(groups, world, name):
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if cs["backend"] == "triton" and not interp:
         pytest.skip("Triton interpreter off (TRITON_INTERPRET unset)")
+    from fusedattn.distributed import unshard_varlen
     res = _results(groups(world), name)
-    q, k, v, do = make_inputs(cs, world)
+    q, k, v, do, sink = make_inputs(cs, world)
     dt = getattr(torch, cs["dtype"])
-    gold = _reference(cs, q, k, v, do, torch.float64)
-    base = _reference(cs, q, k, v, do, dt)
+    gold = _reference(cs, world, q, k, v, do, sink, torch.float64)
+    base = _reference(cs, world, q, k, v, do, sink, dt)
     floor = FP64_FLOOR if dt == torch.float64 else None
+    wanted = cs.get("grads", ("q", "k", "v"))
     for i, field in enumerate(("out", "stats", "dq", "dk", "dv")):
-        got = unshard_sequence([r[field] for r in res], cs["layout"])
+        if field[0] == "d" and field[1] not in wanted:
+            assert all(r[field] is None for r in res), f"{field} computed though not asked for"
+            continue
+        if cs["varlen"]:
+            got = unshard_varlen([r[field] for r in res], cu_seqlens_of(cs, world), cs["layout"],
+                                 dim=1 if field == "stats" else 0)
+        else:
+            got = unshard_sequence([r[field] for r in res], cs["layout"])
         assert got.dtype == (torch.float32 if field == "stats" else dt), field
         if field == "stats":      # fp32 everywhere: within fp32 rounding of the true log-sum-exp
-            assert_error_within(got, gold[i], base[i].float(), floor=1e-5, msg=f"{field} ({name}, world {world})")
+            assert_error_within(got.reshape(gold[i].shape), gold[i], base[i].float(), floor=1e-5,
+                                msg=f"{field} ({name}, world {world})")
         else:
             assert_error_within(got, gold[i], base[i], floor=floor, msg=f"{field} ({name}, world {world})")
+    if sink is not None:   # each rank holds its rows' share; the shares sum to the whole gradient
+        got = sum(r["dsink"].to(torch.float64) for r in res)
+        assert all(r["dsink"].dtype == dt for r in res)
+        assert_error_within(got, gold[5], base[5], floor=floor, msg=f"dsink ({name}, world {world})")
+        assert not torch.allclose(res[0]["dsink"].double(), got), "a rank's dsink is not its share"
+    if cs["variant"] == "ring" and world > 1:   # GQA: the K/V messages hold the h_kv heads only
+        per_rank_tokens = (q.shape[0] if cs["varlen"] else q.shape[2]) // world
+        elems = cs["b"] * k.shape[1] * per_rank_tokens * (cs["d"] + cs["d_v"])
+        for r in res:      # W - 1 exchanges in the forward, W - 1 in the backward
+            assert r["sent"] == [elems] * (2 * (world - 1)), (r["sent"], elems)
 
 
 @pytest.mark.parametrize("name", list(ERRORS))
@@ -260,6 +447,40 @@ def test_group_still_works_after_errors(groups):
     torch.testing.assert_close(unshard_sequence([d["out"] for d in res]), want, rtol=1e-5, atol=1e-5)
     for d in res:          # gather_sequence: the whole sequence on every rank
         assert torch.equal(d["gathered"], q)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_one_rank_failing_mid_ring_fails_every_rank(groups, world, name):
+    """Rank ``bad`` raises in its kernel at ring step 1: it re-raises its own error, every other rank a
+    ContextParallelError naming it, all within seconds (no rank waits for the group timeout), and the
+    group is usable afterwards."""
+    _, bad, at_step = FAILURES[name]
+    bad %= world
+    res = _results(groups(world), name)
+    for r, d in enumerate(res):
+        assert d["seconds"] < 20, f"rank {r} took {d['seconds']:.1f} s to fail"
+        if r == bad:
+            assert d["message"] == f"RuntimeError: {FAIL_MESSAGE}", d["message"]
+        else:
+            want = f"rank {bad} at ring step {at_step} (RuntimeError: {FAIL_MESSAGE})"
+            assert d["message"].startswith("ContextParallelError") and want in d["message"], d["message"]
+    import fusedattn
+    from fusedattn.distributed import unshard_sequence
+    after = _results(groups(world), "after-failures")
+    q = unshard_sequence([torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)])
+    torch.testing.assert_close(unshard_sequence([d["out"] for d in after]),
+                               fusedattn.attention(q, q, q, causal=True, backend="cpu"), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_breaks_the_graph_cleanly(groups):
+    res = _results(groups(2), "compile")
+    for r, d in enumerate(res):
+        (loss_e, grad_e), (loss_c, grad_c) = d["eager"], d["compiled"]
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad_c, grad_e, rtol=1e-6, atol=1e-6)
+        assert d["graph_breaks"] >= 1, f"rank {r}: expected a graph break at the call, got none"
+        assert any("disable" in reason for reason in d["reasons"]), d["reasons"]
 
 
 def test_not_initialized_is_a_clear_error():
@@ -314,10 +535,45 @@ def _coverage(world, layout, c, plan):
     return count, work
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def _call_mask(n, m, mask):
+    """A call's kept pairs: ``mask`` None (all) or a top-left band (left, right), None = unbounded."""
+    a = torch.arange(n).view(-1, 1)
+    b = torch.arange(m).view(1, -1)
+    keep = torch.ones(n, m, dtype=torch.bool)
+    if mask is not None:
+        left, right = mask
+        assert (left is None or left >= 0) and (right is None or right >= 0), f"bounds < 0: {mask}"
+        if left is not None:
+            keep &= b >= a - left
+        if right is not None:
+            keep &= b <= a + right
+    return keep
+
+
+def _global_mask(s, causal, window):
+    i = torch.arange(s).view(-1, 1)
+    j = torch.arange(s).view(1, -1)
+    keep = torch.ones(s, s, dtype=torch.bool)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right == -1 else min(right, 0)
+    if left != -1:
+        keep &= j >= i - left
+    if right != -1:
+        keep &= j <= i + right
+    return keep.long()
+
+
+# (causal, window): the plain masks and bands that cut chunks of 3 at every offset
+MASKS = [(True, None), (False, None), (True, (2, -1)), (True, (4, 0)), (False, (1, 1)), (False, (0, 5)),
+         (False, (7, 2)), (True, (0, 0)), (False, (-1, 3))]
+MASK_IDS = [f"{'causal' if c else 'full'}-w{w[0]},{w[1]}" if w else ("causal" if c else "full") for c, w in MASKS]
+
+
+@pytest.mark.parametrize("causal,window", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_ring_plan_covers_the_mask_once(world, layout, causal):
+def test_ring_plan_covers_the_mask_once(world, layout, causal, window):
     from fusedattn.distributed import block_plan, sequence_positions
     c = 3
 
@@ -326,37 +582,69 @@ def test_ring_plan_covers_the_mask_once(world, layout, causal):
         for step in range(world):
             src = (r - step) % world
             kpos = sequence_positions(s, world, src, layout)
-            for q0, q1, k0, k1, cz in block_plan(world, r, src, layout, causal, len(qpos)):
-                n, m = q1 - q0, k1 - k0
-                mask = torch.ones(n, m, dtype=torch.bool).tril() if cz else torch.ones(n, m, dtype=torch.bool)
-                yield qpos[q0:q1], kpos[k0:k1], mask
+            for q0, q1, k0, k1, mask in block_plan(world, r, src, layout, causal, len(qpos), window):
+                yield qpos[q0:q1], kpos[k0:k1], _call_mask(q1 - q0, k1 - k0, mask)
 
     count, work = _coverage(world, layout, c, plan)
-    s = count.shape[0]
-    want = torch.ones(s, s, dtype=torch.int64)
-    assert torch.equal(count, want.tril() if causal else want)
-    if layout == "zigzag":
+    assert torch.equal(count, _global_mask(count.shape[0], causal, window))
+    if layout == "zigzag" and window is None:
         assert len(set(work)) == 1, f"causal work per rank not balanced: {work}"
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("causal,window", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_allgather_plan_covers_the_mask_once(world, layout, causal):
+def test_allgather_plan_covers_the_mask_once(world, layout, causal, window):
     from fusedattn.distributed import gather_plan, sequence_positions
 
     def plan(r, s):
         qpos = sequence_positions(s, world, r, layout)
-        for q0, q1, k_end, cz in gather_plan(world, r, layout, causal, len(qpos)):
-            n = q1 - q0
-            mask = torch.ones(n, k_end, dtype=torch.bool)
-            if cz:
-                mask = mask.tril(k_end - n)          # bottom-right causal
-            yield qpos[q0:q1], torch.arange(k_end), mask
+        for q0, q1, k0, k1, mask in gather_plan(world, r, layout, causal, len(qpos), window):
+            yield qpos[q0:q1], torch.arange(k0, k1), _call_mask(q1 - q0, k1 - k0, mask)
 
     count, _ = _coverage(world, layout, 3, plan)
-    want = torch.ones_like(count)
-    assert torch.equal(count, want.tril() if causal else want)
+    assert torch.equal(count, _global_mask(count.shape[0], causal, window))
+
+
+def test_sink_enters_the_merge_once():
+    """Merging key blocks whose calls carry no sink, then apply_sink once, equals one call with the sink
+    (out and lse); a sink given to every block instead would count W times and differ."""
+    import fusedattn
+    from fusedattn.distributed import merge_partial
+    from fusedattn.distributed.ring import apply_sink
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 10, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    sink = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    want, want_lse = fusedattn.attention_forward(q, k, v, sink=sink, causal=True, causal_alignment="bottom_right",
+                                                 return_stats=True, backend="cpu")
+    outs = []
+    for per_block_sink in (None, sink):
+        out = torch.zeros(1, 2, 6, 8, dtype=torch.float64)
+        lse = torch.full((1, 2, 6), float("-inf"), dtype=torch.float64)
+        for k0, k1, causal in ((0, 4, False), (4, 10, True)):    # keys 4..9: bottom-right diagonal block
+            o, st = fusedattn.attention_forward(q, k[:, :, k0:k1], v[:, :, k0:k1], causal=causal,
+                                                causal_alignment="bottom_right", sink=per_block_sink,
+                                                return_stats=True, backend="cpu")
+            merge_partial(out, lse, o, st[..., 0])
+        if per_block_sink is None:
+            apply_sink(out, lse, sink.view(1, -1, 1))
+        outs.append((out, lse))
+    torch.testing.assert_close(outs[0][0], want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(outs[0][1].float(), want_lse[..., 0], rtol=0, atol=1e-5)
+    assert (outs[1][0] - want).abs().max() > 1e-3, "a sink in every block should count twice"
+
+
+def test_apply_sink_to_a_row_with_no_key():
+    """A row that saw no key (lse -inf after the merge) gets out 0 and lse = sink, as one device gives."""
+    from fusedattn.distributed.ring import apply_sink
+    out = torch.zeros(1, 1, 2, 4)
+    out[0, 0, 1] = 1.0
+    lse = torch.tensor([[[float("-inf"), 0.0]]])
+    apply_sink(out, lse, torch.tensor([0.0]).view(1, -1, 1))
+    assert torch.equal(out[0, 0, 0], torch.zeros(4)) and lse[0, 0, 0] == 0.0
+    torch.testing.assert_close(out[0, 0, 1], torch.full((4,), 0.5))
+    torch.testing.assert_close(lse[0, 0, 1], torch.tensor(2.0).log())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -1,35 +1,22 @@
 """The all-gather variant: every rank gathers the whole K/V once (one collective instead of W - 1
-ring steps), then attends its query chunks in one kernel call each: a query chunk at global
-chunk index g sees the keys ``[0, (g + 1) * c)`` under a bottom-right causal mask (or every key
-without a mask). The backward gathers K/V again (nothing of size W * L is kept between forward and
-backward), computes dK/dV of the whole sequence from the local queries and reduce-scatters them
-to their owners.
+ring steps), then attends its query chunks in one kernel call each (``plans.gather_plan``: a query
+chunk at global chunk index g sees, under a causal mask, the keys ``[0, (g + 1) * c)`` with the
+diagonal as a top-left window; without a mask every key in one call). The backward gathers K/V again
+(nothing of size W * L is kept between forward and backward), computes dK/dV of the whole sequence
+from the local queries and reduce-scatters them to their owners.
 
 Cheaper than the ring where each ring step's kernel is too short to hide a step's latency (short
 local sequences, many ranks); it holds the whole K/V on every rank for the duration of a call.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import torch
 
 from ..functional import attention_backward, attention_forward
 from . import _comm
-from .layout import chunk_ids, shard_sequence, unshard_sequence
-
-# (q_lo, q_hi, k_end, causal): local rows [q_lo, q_hi) against global keys [0, k_end), causal
-# bottom-right aligned (the last query row sees key k_end - 1)
-GatherCall = Tuple[int, int, int, bool]
-
-
-def gather_plan(world: int, rank: int, layout: str, causal: bool, local_len: int) -> List[GatherCall]:
-    total = local_len * world
-    if not causal:
-        return [(0, local_len, total, False)]
-    ids = chunk_ids(world, rank, layout)
-    c = local_len // len(ids)
-    return [(j * c, (j + 1) * c, (g + 1) * c, True) for j, g in enumerate(ids)]
+from .layout import shard_sequence, unshard_sequence
+from .plans import gather_plan, mask_kwargs
+from .ring import acc_dtype, apply_sink
 
 
 def _gather_kv(k, v, info, layout):
@@ -38,37 +25,55 @@ def _gather_kv(k, v, info, layout):
     return (unshard_sequence([p[0] for p in parts], layout), unshard_sequence([p[1] for p in parts], layout))
 
 
-def allgather_forward(q, k, v, info, cfg):
+def _calls(info, cfg, L):
+    return gather_plan(info.world, info.rank, cfg.layout, cfg.causal, L, cfg.window)
+
+
+def _opts(cfg, mask):
+    return dict(attn_scale=cfg.scale, softcap=cfg.softcap, backend=cfg.backend, **mask_kwargs(mask))
+
+
+def allgather_forward(blocks, info, cfg, sink=None):
+    """(out [b, h_q, L, d_v] in q.dtype, lse fp32 [b, h_q, L]) of the local rows (DenseBlocks shards)."""
+    q, k, v = blocks.q, blocks.k, blocks.v
     b, h_q, L, _ = q.shape
     K, V = _gather_kv(k, v, info, cfg.layout)
-    out = torch.empty((b, h_q, L, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h_q, L, 1), dtype=torch.float32, device=q.device)
-    for q0, q1, k_end, causal in gather_plan(info.world, info.rank, cfg.layout, cfg.causal, L):
-        o, st = attention_forward(q[:, :, q0:q1], K[:, :, :k_end], V[:, :, :k_end], attn_scale=cfg.scale,
-                                  causal=causal, causal_alignment="bottom_right", return_stats=True,
-                                  backend=cfg.backend)
-        out[:, :, q0:q1] = o
-        lse[:, :, q0:q1] = st
-    return out, lse
+    out, lse = blocks.accumulators()             # rows no call covers (none today) stay 0 / -inf
+    guard = _comm.StepGuard(keep_going=cfg.check)
+    with guard.at(0):
+        for q0, q1, k0, k1, mask in _calls(info, cfg, L):
+            o, st = attention_forward(q[:, :, q0:q1], K[:, :, k0:k1], V[:, :, k0:k1], return_stats=True,
+                                      **_opts(cfg, mask))
+            out[:, :, q0:q1] = o
+            lse[:, :, q0:q1] = st[..., 0]
+    guard.settle(info, "forward")
+    if sink is not None:
+        apply_sink(out, lse, blocks.sink_view(sink))
+    return out.to(q.dtype), lse.float()
 
 
-def allgather_backward(q, k, v, out, lse, grad_out, info, cfg):
+def allgather_backward(blocks, out, lse, grad_out, info, cfg):
+    q, k, v = blocks.q, blocks.k, blocks.v
     L = q.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     K, V = _gather_kv(k, v, info, cfg.layout)
     dK = torch.zeros(K.shape, dtype=acc, device=q.device)
     dV = torch.zeros(V.shape, dtype=acc, device=q.device)
-    dq = torch.empty_like(q)
-    for q0, q1, k_end, causal in gather_plan(info.world, info.rank, cfg.layout, cfg.causal, L):
-        dq_b, dk_b, dv_b, _ = attention_backward(
-            q[:, :, q0:q1], K[:, :, :k_end], V[:, :, :k_end], out[:, :, q0:q1], grad_out[:, :, q0:q1],
-            lse[:, :, q0:q1], attn_scale=cfg.scale, causal=causal, causal_alignment="bottom_right",
-            deterministic=cfg.deterministic, backend=cfg.backend)
-        dq[:, :, q0:q1] = dq_b
-        dK[:, :, :k_end] += dk_b
-        dV[:, :, :k_end] += dv_b
+    dq = torch.zeros_like(q)
+    guard = _comm.StepGuard(keep_going=cfg.check)
+    with guard.at(0):
+        for q0, q1, k0, k1, mask in _calls(info, cfg, L):
+            dq_b, dk_b, dv_b, _ = attention_backward(
+                q[:, :, q0:q1], K[:, :, k0:k1], V[:, :, k0:k1], out[:, :, q0:q1], grad_out[:, :, q0:q1],
+                lse[:, :, q0:q1], deterministic=cfg.deterministic, **_opts(cfg, mask))
+            dq[:, :, q0:q1] = dq_b
+            dK[:, :, k0:k1] += dk_b
+            dV[:, :, k0:k1] += dv_b
+    # a rank whose kernel failed still takes part in the reduce-scatter (with what it has), then every
+    # rank learns of the failure in settle()
     parts = [_comm.pack((shard_sequence(dK, info.world, r, cfg.layout), shard_sequence(dV, info.world, r, cfg.layout)))
              for r in range(info.world)]
     mine = _comm.reduce_scatter(info, parts)
-    dk, dv = _comm.unpack(mine, (tuple(k.shape), tuple(v.shape)))
+    guard.settle(info, "backward")
+    dk, dv = _comm.unpack(mine, blocks.kv_shapes)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
