@@ -483,6 +483,16 @@ def test_torch_compile_breaks_the_graph_cleanly(groups):
         assert any("disable" in reason for reason in d["reasons"]), d["reasons"]
 
 
+def test_dropout_is_refused_naming_the_kernel_change():
+    """Refused before any communication (single process): the kernels' Philox counters depend on each
+    call's own lengths, so no block could reproduce one device's mask."""
+    from fusedattn import NotSupportedError
+    from fusedattn.distributed import context_parallel_attention
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(NotSupportedError, match="Philox counter.*global row/key origin"):
+        context_parallel_attention(q, q, q, dropout_p=0.1)
+
+
 def test_not_initialized_is_a_clear_error():
     import torch.distributed as dist
     from fusedattn.distributed import context_parallel_attention
