@@ -22,8 +22,11 @@ when it is read: a changed or truncated file is a miss (the JIT compiles), never
 **How a hit launches**: the kernel's parameters are those of Triton's compiled signature (recorded with
 the entry): constexprs dropped, each TMA descriptor expanded to its ``CUtensorMap`` and its shape and
 strides, then Triton's two scratch pointers (null: entries needing scratch memory are not recorded).
-Entries with clusters, cooperative launches or PDL are not recorded either. The GPU tests launch every
-entry of a store both ways (prebuilt and JIT) and compare outputs bitwise (tests/test_prebuilt.py).
+Entries with clusters, cooperative launches or PDL are not recorded either. The GPU test records a store
+from a few configurations (Gluon and portable forward and backward, split-KV decode) in one process and
+runs them from it in another with an empty Triton cache: outputs and gradients bitwise equal, nothing
+compiled (tests/test_prebuilt.py; H100, Triton 3.6). The shipped stores' cold-start call was measured
+the same way (bench --cold-start, bench/NOTES.md 52).
 
 ``FUSEDATTN_PREBUILT=0`` turns the store off (every launch goes through the JIT).
 """
