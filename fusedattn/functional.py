@@ -22,7 +22,7 @@ from .backends import compat
 from .backends import cpu as cpu_backend
 from . import fp8 as _fp8
 from .plan import plan
-from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, make_problem
+from .problem import InvalidArgumentError, InvalidTypeError, make_problem
 
 __all__ = ["attention", "attention_forward", "attention_backward"]
 
@@ -468,8 +468,8 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
             ``out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))``. The stats include it
             (``lse = log(exp(sink_h) + sum_j exp(s_ij))``, as FlashAttention-4 and cuDNN return), so a
             row whose keys are all masked has output 0 and stats ``sink_h`` (rows past ``seq_len_q``
-            keep -inf). Gets its gradient, ``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dO * O)``.
-            Not yet under ``torch.compile`` (NotSupportedError).
+            keep -inf). Gets its gradient, ``dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dO * O)``,
+            eagerly and under ``torch.compile`` (the custom ops take it).
         descale_q, descale_k, descale_v, scale_s, scale_o, out_dtype: FP8 attention (cuDNN's ``sdpa_fp8``
             semantics) for ``torch.float8_e4m3fn`` / ``float8_e5m2`` q, k, v: the real values are
             ``q.float() * descale_q`` ... (per tensor, or per head); P is quantized with ``scale_s``; the
@@ -515,12 +515,9 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
                 validate=validate, backend=backend)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_bias, sink))
-    if torch.compiler.is_compiling() and sink is not None:
-        raise NotSupportedError("NYI: sink= under torch.compile (the custom ops fusedattn::attn_fwd / attn_bwd "
-                                "have no sink argument yet); call attention eagerly")
     if torch.compiler.is_compiling():
         from .ops import attention_op
-        out_t, stats = attention_op(q, k, v, attn_bias, opts, deterministic)
+        out_t, stats = attention_op(q, k, v, attn_bias, opts, deterministic, sink)
         if out is not None:
             out.copy_(out_t)
             out_t = out

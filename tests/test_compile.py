@@ -4,6 +4,8 @@
   through :mod:`fusedattn.nn`) traces to one graph holding ``fusedattn::attn_fwd``, runs its backward
   through ``fusedattn::attn_bwd`` (the op's registered autograd), and matches eager, forward and every
   gradient. CPU path, Triton interpreter and GPU.
+* A learnable sink (``sink=``) compiles too: it enters ``attn_fwd``, its gradient leaves ``attn_bwd``, and
+  output and gradients equal eager's (AOT graphs on the CPU path and the interpreter; inductor on the CPU).
 * Dynamic sequence lengths compile once.
 * ``torch.library.opcheck`` on both ops (schema, fake tensors, autograd registration, AOT dispatch).
 * A CUDA-graph capture of a whole training step (forward, backward, optimizer) replays like eager (GPU).
@@ -130,6 +132,85 @@ def test_dynamic_sequence_length_compiles_once():
     assert len(calls) == 2, f"{len(calls)} graphs compiled for 3 lengths (expected 1 forward + 1 backward)"
 
 
+class SinkModel(nn.Module):
+    """One attention call with a learnable per-head sink (GQA 4/2, d 16, causal with a window of 8 keys
+    to the left, so early rows lean on the sink), the sinks spread so some heads' sinks dominate."""
+
+    def __init__(self, backend="auto"):
+        super().__init__()
+        self.backend = backend
+        self.q = nn.Linear(E, 4 * 16)
+        self.kv = nn.Linear(E, 2 * 2 * 16)
+        self.sink = nn.Parameter(torch.randn(4) * 2.0)
+        self.proj = nn.Linear(4 * 16, E)
+
+    def forward(self, x, use_sink=True):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 16).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 2, 16).unbind(2)
+        o = fusedattn.attention(q, k.transpose(1, 2), v.transpose(1, 2), causal=True, window=(8, 0),
+                                sink=self.sink if use_sink else None, backend=self.backend)
+        return self.proj(o.transpose(1, 2).reshape(b, s, 4 * 16))
+
+
+def _keeping(graphs, kind):
+    """An AOT compiler that records its graph under ``kind`` and runs it as traced."""
+    def compiler(gm, example_inputs):
+        graphs.setdefault(kind, []).append(gm)
+        return make_boxed_func(gm.forward)
+    return compiler
+
+
+def test_compile_sink_matches_eager(target):
+    """sink= under torch.compile(fullgraph=True): the sink enters attn_fwd, its gradient comes out of
+    attn_bwd (both in AOT's graphs, no break), and output and every gradient (the sink's included)
+    equal eager's; the sink matters (the output without it differs, its gradient is not 0)."""
+    device, backend = target
+    backend = "auto" if device == "cuda" else backend
+    torch.manual_seed(0)
+    eager = SinkModel(backend).to(device)
+    compiled_model = copy.deepcopy(eager)
+    graphs = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=_keeping(graphs, "fw"),
+                                                  bw_compiler=_keeping(graphs, "bw")))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, S, E, generator=gen).to(device)
+    dout = torch.randn(B, S, E, generator=gen).to(device)
+    got, got_g = run(compiled, x, dout, params_of=compiled_model)
+    ref, ref_g = run(eager, x, dout)
+    assert fused_ops(graphs["fw"][0]) == ["attn_fwd"], graphs["fw"][0].code
+    assert fused_ops(graphs["bw"][0]) == ["attn_bwd"], graphs["bw"][0].code
+    tol = dict(rtol=1e-4, atol=1e-5) if device == "cpu" else dict(rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(got, ref, **tol)
+    assert got_g.keys() == ref_g.keys() and "sink" in got_g
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], **tol, msg=lambda m: f"grad of {name}: {m}")
+    assert got_g["sink"].abs().min() > 1e-4, f"dsink {got_g['sink']}: the sink took no part"
+    with torch.no_grad():
+        without = eager(x, use_sink=False)
+    assert (got - without).abs().max() > 1e-2, "the sink did not change the output"
+
+
+def test_compile_sink_inductor():
+    """The default compiler (inductor) with a sink, fullgraph, on the CPU path: equal to eager, forward
+    and backward (the sink's gradient included)."""
+    torch.manual_seed(1)
+    eager = SinkModel("cpu")
+    compiled_model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    x, dout = torch.randn(B, S, E, generator=gen), torch.randn(B, S, E, generator=gen)
+    got, got_g = run(compiled, x, dout, params_of=compiled_model)
+    ref, ref_g = run(eager, x, dout)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    for name in ref_g:
+        torch.testing.assert_close(got_g[name], ref_g[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
 @pytest.mark.xfail(strict=True, reason="dropout under torch.compile: attention() draws dropout_seed with "
                    ".item() (a data-dependent guard); the seed needs to enter the op as a tensor")
 def test_compile_dropout_in_training():
@@ -159,10 +240,18 @@ def _fwd_args(case):
         slopes = fusedattn.alibi_slopes(4)
         return (q, k, v, lens_q, lens_kv, None, slopes, 0.25, True, "bottom_right", -1, -1, 0.0, 0.2, 1234, 7,
                 "cpu", False)
+    if case == "sink-lens-window":
+        # bottom-right causal with s_q > s_kv leaves the first rows no key: their softmax is the sink alone
+        q, k, v = rnd(2, 4, 19, 16), rnd(2, 2, 13, 16), rnd(2, 2, 13, 8)
+        lens_q, lens_kv = torch.tensor([19, 7], dtype=torch.int32), torch.tensor([13, 5], dtype=torch.int32)
+        sink = (torch.randn(4, generator=gen) * 2.0).requires_grad_()
+        return (q, k, v, lens_q, lens_kv, None, None, 0.25, True, "bottom_right", 2, -1, 0.0, 0.0, 0, 0, "cpu",
+                None, True, sink)
     raise KeyError(case)
 
 
-OPCHECK_CASES = ["gqa-causal", "bias-window-softcap", "lens-alibi-bottom-right-dropout"]
+OPCHECK_CASES = ["gqa-causal", "bias-window-softcap", "lens-alibi-bottom-right-dropout", "sink-lens-window"]
+N_SCALARS = 11      # attn_fwd's attn_scale .. deterministic; then validate and sink (optional)
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -175,13 +264,24 @@ def test_opcheck_attn_bwd(case):
     args = _fwd_args(case)
     with torch.no_grad():
         out, stats = torch.ops.fusedattn.attn_fwd(*args)
-    q, k, v, lens_q, lens_kv, bias, slopes, *scalars = args
+    q, k, v, lens_q, lens_kv, bias, slopes, *rest = args
+    scalars, (validate, sink) = rest[:N_SCALARS], (rest[N_SCALARS:] + [True, None])[:2]
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     detach = lambda t: None if t is None else t.detach()  # noqa: E731  (no double backward)
     need_dbias = bias is not None
-    torch.library.opcheck(torch.ops.fusedattn.attn_bwd.default,
-                          (detach(q), detach(k), detach(v), out, grad_out, stats, lens_q, lens_kv, detach(bias),
-                           slopes, *scalars, need_dbias))
+    bwd_args = (detach(q), detach(k), detach(v), out, grad_out, stats, lens_q, lens_kv, detach(bias), slopes,
+                *scalars, need_dbias, validate, detach(sink))
+    torch.library.opcheck(torch.ops.fusedattn.attn_bwd.default, bwd_args)
+    dsink = torch.ops.fusedattn.attn_bwd(*bwd_args)[4]
+    assert dsink.shape == ((q.shape[1],) if sink is not None else (0,)) and dsink.dtype == torch.float32
+    if sink is not None:        # the op's dsink is attention_backward's
+        want = fusedattn.attention_backward(detach(q), detach(k), detach(v), out, grad_out, stats,
+                                            attn_scale=0.25, causal=True, causal_alignment="bottom_right",
+                                            window=(2, None),
+                                            seq_len_q=lens_q, seq_len_kv=lens_kv, backend="cpu",
+                                            sink=detach(sink))[4]
+        torch.testing.assert_close(dsink, want, rtol=0, atol=0)
+        assert dsink.abs().min() > 0, f"dsink {dsink}"
 
 
 # ------------------------------------------------------------------------------------------- CUDA graphs
