@@ -670,10 +670,10 @@ def test_not_supported_arguments():
     o.set_output(True)
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="FP8"):
         graph.validate()
-    graph, q, k, v = _qkv_graph(v_shape=(1, 2, 8, 16))
+    graph, q, k, v = _qkv_graph(v_shape=(1, 2, 8, 16))      # k 4 heads, v 2: neither is single (below)
     o, _ = graph.sdpa(q, k, v, is_inference=True)
     o.set_output(True)
-    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="same key/value head count"):
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="k has 4 heads and v has 2"):
         graph.validate()
     graph, q, k, v = _qkv_graph()
     o, _ = graph.sdpa(q, k, v, is_inference=True)
@@ -789,3 +789,135 @@ def test_paged_translation_with_gathering_stand_in(monkeypatch):
     keep = cudnn_keep_mask(b, s_q, n * bs, "bottom_right", None, 0, torch.full((b,), s_q), lens)
     want, _ = ref_attention(q_t, k_t, v_t, 0.5, keep)
     torch.testing.assert_close(res.double(), want, atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# K and V with different head counts (issue 24 item 3): cuDNN maps query head i to K head
+# i // (h_q // h_k) and V head i // (h_q // h_v) (test_mhas.py compute_ref expands each on its own)
+# ------------------------------------------------------------------------------------------------
+
+def ref_kv_heads(q, k, v, scale, keep):
+    """float64 (o, lse) with K and V expanded to h_q heads each on its own, as cuDNN's reference does."""
+    h_q = q.shape[1]
+    k = k.double().repeat_interleave(h_q // k.shape[1], 1)
+    v = v.double().repeat_interleave(h_q // v.shape[1], 1)
+    return ref_attention(q, k, v, scale, keep)
+
+
+# (h_q, h_k, h_v): a single-head K under GQA V, the reverse, and MQA K with MHA V
+KV_HEADS = [(4, 1, 2), (4, 2, 1), (6, 1, 6)]
+
+
+@pytest.mark.parametrize("h_q,h_k,h_v", KV_HEADS, ids=["k1_v2", "k2_v1", "k1_v6"])
+def test_kv_head_counts_differ(on_target, h_q, h_k, h_v):
+    """sdpa and sdpa_backward with h_k != h_v (one of them 1): O, Stats, dQ, dK, dV against float64
+    (causal, padding, d_v != d, K in BSHD memory), every output in a NaN-filled buffer."""
+    device, _ = on_target
+    b, s_q, s_kv, d, d_v, scale = 2, 7, 11, 16, 8, 0.3
+    q_t = rand(b, h_q, s_q, d, device=device, seed=1)
+    k_t = rand(b, s_kv, h_k, d, device=device, seed=2).transpose(1, 2)      # BSHD memory
+    v_t = rand(b, h_v, s_kv, d_v, device=device, seed=3)
+    do_t = rand(b, h_q, s_q, d_v, device=device, seed=4)
+    lens_q = torch.tensor([7, 4], dtype=torch.int32, device=device).view(b, 1, 1, 1)
+    lens_kv = torch.tensor([11, 6], dtype=torch.int32, device=device).view(b, 1, 1, 1)
+    kw = dict(attn_scale=scale, use_causal_mask=True, use_padding_mask=True)
+    nan = lambda *shape: torch.full(shape, float("nan"), device=device)  # noqa: E731
+
+    fwd = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q, k, v, sq, skv = (fwd.tensor_like(t) for t in (q_t, k_t, v_t, lens_q, lens_kv))
+    o, stats = fwd.sdpa(q, k, v, generate_stats=True, seq_len_q=sq, seq_len_kv=skv, **kw)
+    o.set_output(True)
+    stats.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+    fwd.build()
+    o_t, st_t = nan(b, h_q, s_q, d_v), nan(b, h_q, s_q, 1)
+    fwd.execute({q: q_t, k: k_t, v: v_t, sq: lens_q, skv: lens_kv, o: o_t, stats: st_t}, None)
+
+    bwd = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q, k, v, o, dO, stats, sq, skv = (bwd.tensor_like(t) for t in (q_t, k_t, v_t, o_t, do_t, st_t, lens_q, lens_kv))
+    dQ, dK, dV = bwd.sdpa_backward(q=q, k=k, v=v, o=o, dO=dO, stats=stats, seq_len_q=sq, seq_len_kv=skv, **kw)
+    for g, t in ((dQ, q_t), (dK, k_t), (dV, v_t)):
+        g.set_output(True).set_dim(t.size()).set_stride(t.stride())
+    bwd.build()
+    dq_t, dk_t, dv_t = (torch.full_like(t, float("nan")) for t in (q_t, k_t, v_t))
+    bwd.execute({q: q_t, k: k_t, v: v_t, o: o_t, dO: do_t, stats: st_t, sq: lens_q, skv: lens_kv,
+                 dQ: dq_t, dK: dk_t, dV: dv_t}, None)
+
+    keep = cudnn_keep_mask(b, s_q, s_kv, "top_left", None, 0, lens_q.cpu(), lens_kv.cpu())
+    qr, kr, vr = (t.detach().cpu().double().requires_grad_() for t in (q_t, k_t, v_t))
+    want_o, want_lse = ref_kv_heads(qr, kr, vr, scale, keep)
+    want_o.backward(do_t.cpu().double())
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(o_t.cpu().double(), want_o.detach(), **tol)
+    torch.testing.assert_close(st_t.cpu().double(), want_lse, **tol)
+    for got, ref, name in ((dq_t, qr, "dQ"), (dk_t, kr, "dK"), (dv_t, vr, "dV")):
+        torch.testing.assert_close(got.cpu().double(), ref.grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_kv_head_counts_differ_paged(on_target):
+    """A paged forward with K's containers holding 2 heads and V's 1 (each with its own table)."""
+    device, _ = on_target
+    b, h_q, h_k, h_v, s_q, s, d, bs = 2, 4, 2, 1, 5, 32, 16, 16
+    q_t = rand(b, h_q, s_q, d, device=device, seed=1)
+    k_t, v_t = rand(b, h_k, s, d, device=device, seed=2), rand(b, h_v, s, d, device=device, seed=3)
+    nb = s // bs
+    tables = [torch.randperm(b * nb, generator=torch.Generator().manual_seed(i)).view(b, 1, nb, 1).to(torch.int32)
+              for i in (5, 6)]
+    containers = []
+    for x, table in ((k_t, tables[0]), (v_t, tables[1])):
+        c = torch.empty(b * nb, x.shape[1], bs, d, device=device)
+        for i in range(b):
+            for j in range(nb):
+                c[table[i, 0, j, 0]] = x[i, :, j * bs:(j + 1) * bs]
+        containers.append(c)
+    tk_t, tv_t = (t.to(device) for t in tables)
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    q, kc, vc, tk, tv = (graph.tensor_like(t) for t in (q_t, *containers, tk_t, tv_t))
+    o, _ = graph.sdpa(q=q, k=kc, v=vc, is_inference=True, attn_scale=0.25, use_causal_mask_bottom_right=True,
+                      paged_attention_k_table=tk, paged_attention_v_table=tv, paged_attention_max_seq_len_kv=27)
+    o.set_output(True)
+    graph.build()
+    out = torch.full((b, h_q, s_q, d), float("nan"), device=device)
+    graph.execute({q: q_t, kc: containers[0], vc: containers[1], tk: tk_t, tv: tv_t, o: out})
+    keep = cudnn_keep_mask(b, s_q, 27, "bottom_right", None, 0)
+    want, _ = ref_kv_heads(q_t.cpu(), k_t[:, :, :27].cpu(), v_t[:, :, :27].cpu(), 0.25, keep)
+    torch.testing.assert_close(out.cpu().double(), want, atol=1e-4, rtol=1e-4)
+
+
+def _kv_heads_graphs(h_q, h_k, h_v):
+    """An sdpa graph and an sdpa_backward graph (declared tensors, not built) with these head counts."""
+    b, s, d = 1, 8, 16
+    fwd, q, k, v = _qkv_graph((b, h_q, s, d), (b, h_k, s, d), (b, h_v, s, d))
+    o, _ = fwd.sdpa(q, k, v, is_inference=True)
+    o.set_output(True)
+    bwd, q, k, v = _qkv_graph((b, h_q, s, d), (b, h_k, s, d), (b, h_v, s, d))
+    o, do = (bwd.tensor(name=n, dim=[b, h_q, s, d], stride=[h_q * s * d, s * d, d, 1]) for n in ("O", "dO"))
+    st = bwd.tensor(name="Stats", dim=[b, h_q, s, 1], stride=[h_q * s, s, 1, 1], data_type=cudnn.data_type.FLOAT)
+    for g in bwd.sdpa_backward(q=q, k=k, v=v, o=o, dO=do, stats=st):
+        g.set_output(True)
+    return fwd, bwd
+
+
+def test_kv_head_counts_refused():
+    """Other h_k != h_v pairs are valid cuDNN graphs fusedattn cannot run: cudnnGraphNotSupportedError
+    naming both counts (forward and backward); a count that does not divide h_q is malformed (GraphError);
+    a single-head K or V with ragged offsets is not supported either."""
+    for graph in _kv_heads_graphs(6, 2, 3):
+        with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="k has 2 heads and v has 3"):
+            graph.validate()
+    for graph in _kv_heads_graphs(4, 1, 3):
+        with pytest.raises(cudnn.GraphError, match=r"query heads \(4\).*k has 1, v has 3"):
+            graph.validate()
+    for graph in _kv_heads_graphs(4, 1, 2):
+        graph.validate()            # the supported pair, for contrast
+    b, h_q, s, d = 2, 4, 8, 16
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    off = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    lens = [graph.tensor(dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32) for _ in "qk"]
+    q, k, v = (graph.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1])
+               for n, h in (("Q", h_q), ("K", 1), ("V", 2)))
+    for t in (q, k, v):
+        t.set_ragged_offset(off)
+    o, _ = graph.sdpa(q, k, v, is_inference=True, use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
+    o.set_output(True).set_dim([b, h_q, s, d]).set_stride([s * h_q * d, d, h_q * d, 1]).set_ragged_offset(off)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"k has 1 heads and v has 2.*ragged"):
+        graph.validate()

@@ -142,3 +142,27 @@ def head_dims_unsupported(d: int, d_v: int, limit=True) -> Optional[str]:
                     f"{MAX_HEAD_DIM}")
     return None
 
+
+
+def kv_heads(h_q: int, h_k: int, h_v: int, where: str):
+    """How the kernels run K with ``h_k`` heads and V with ``h_v``: ``(h_kv, expand, why)``.
+
+    cuDNN reads K and V head by head on their own: query head i reads K head ``i // (h_q // h_k)`` and V
+    head ``i // (h_q // h_v)`` (its reference expands each separately), so both must divide h_q (else
+    GraphError: malformed). The kernels take one ``h_kv`` for both. When the counts differ and one is 1,
+    that tensor seen with head stride 0 as ``[b, h_kv, s, d]`` (``expand``: a view, no copy) reads the
+    same rows for every head, so ``h_kv = max(h_k, h_v)`` gives cuDNN's mapping: ``expand`` is the role
+    so seen ("k" or "v"; None when h_k == h_v). Any other pair (6 query heads, K 2 and V 3, say) would
+    need K or V copied head by head or a kernel with two head counts: ``why`` says so (not supported,
+    raised by the caller once the rest of the graph is checked), else None.
+    """
+    if h_k == h_v:
+        return h_k, None, None      # the common check (GQA/MQA) names a bad ratio
+    if h_q % h_k or h_q % h_v:
+        raise GraphError(f"{where}: query heads ({h_q}) must be a multiple of key/value heads: k has {h_k}, "
+                         f"v has {h_v} (query head i reads k head i // (h_q // h_k), v head i // (h_q // h_v))")
+    if min(h_k, h_v) == 1:
+        return max(h_k, h_v), "k" if h_k == 1 else "v", None
+    return h_k, None, (f"k has {h_k} heads and v has {h_v}: fusedattn runs K and V with different head "
+                       f"counts only when one of them has a single head (its kernels take one key/value "
+                       f"head count)")

@@ -58,6 +58,8 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
     elif call.kv_layout != "dense":
         # probe without paging: the tiny inputs carry dense k/v under these roles
         k, v = t["k_dense"], t["v_dense"]
+    if call.kv_expand is not None:
+        k, v = _expand_kv(call.kv_expand, k, v)
     backend = t.get("_backend", "auto")
     if call.kind == "fwd":
         fn = fn_mod.attention_forward
@@ -69,6 +71,11 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
         fn = fn_mod.attention_backward
         args = (t["q"], k, v, t["o"], t["dO"], t["stats"])
         kw["dq"], kw["dk"], kw["dv"] = t["dQ"], t["dK"], t["dV"]
+        if call.kv_expand is not None:
+            # the expanded tensor's gradient, one per expanded head (a stride-0 output would race):
+            # summed into the graph's dK / dV by post
+            expanded = k if call.kv_expand == "k" else v
+            kw["d" + call.kv_expand] = fn_mod._like_layout(t["dQ"], expanded.shape, expanded.dtype)
     kw["backend"] = backend
     # cuDNN reads seq_len_q / seq_len_kv at execute without checking their values (no host sync, and a
     # graph may be replayed inside a CUDA graph): the functional door's per-call value check is off here
@@ -78,6 +85,10 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
     def post(result):
         if "rng_dump" in feats:
             _write_rng_dump(t, kw)
+        if call.kind == "bwd" and call.kv_expand is not None:
+            # d(expand)/dx: the sum over the expanded heads, in fp32, rounded once into the graph's tensor
+            per_head = kw["d" + call.kv_expand]
+            t["dK" if call.kv_expand == "k" else "dV"].copy_(per_head.sum(1, keepdim=True, dtype=torch.float32))
         if call.kind == "bwd" and "dbias" in feats:
             dbias = result[3]
             if dbias is None:
@@ -91,6 +102,16 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
 
     return fn, args, kw, post
 
+
+
+def _expand_kv(role: str, k: torch.Tensor, v: torch.Tensor):
+    """(k, v) with one head count: the single-head tensor named by ``role`` ("k" or "v") seen with the
+    other's heads through a head stride of 0 (a view, no copy; :func:`.checks.kv_heads` says why that
+    is cuDNN's mapping). Dim 1 is the head dim of dense ``[b, h, s, d]`` tensors and of paged
+    containers ``[num_blocks, h, block_size, d]`` alike."""
+    if role == "k":
+        return k.expand(-1, v.shape[1], -1, -1), v
+    return k, v.expand(-1, k.shape[1], -1, -1)
 
 
 def invoke(call: Call, t: Dict[str, torch.Tensor]):

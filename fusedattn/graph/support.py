@@ -35,27 +35,29 @@ def _tiny_tensors(call: Call, device: torch.device, backend: str) -> Dict[str, t
 
     dts = call.dts
     qdt = dts["q"]
+    # a single-head K or V run as h_kv heads (call.kv_expand) keeps its single head here: execute expands it
+    h_k, h_v = (1 if call.kv_expand == "k" else h_kv), (1 if call.kv_expand == "v" else h_kv)
     t = {"_backend": backend, "q": rnd((1, h_q, sq, d), qdt)}
     if call.kv_layout == "dense":
         skv = min(s_kv, 5)
-        t["k"] = rnd((1, h_kv, skv, d), qdt)
-        t["v"] = rnd((1, h_kv, skv, d_v), qdt)
+        t["k"] = rnd((1, h_k, skv, d), qdt)
+        t["v"] = rnd((1, h_v, skv, d_v), qdt)
     else:
         kdims = call.dims["k"]
         bs = kdims[1] if call.kv_layout == "paged_nshd" else kdims[2]
         skv = bs
         if call.kv_layout == "paged_nshd":
-            t["k"] = rnd((1, bs, h_kv, d), qdt)
-            t["v"] = rnd((1, bs, h_kv, d_v), qdt)
+            t["k"] = rnd((1, bs, h_k, d), qdt)
+            t["v"] = rnd((1, bs, h_v, d_v), qdt)
             tshape = (1, 1)
         else:
-            t["k"] = rnd((1, h_kv, bs, d), qdt)
-            t["v"] = rnd((1, h_kv, bs, d_v), qdt)
+            t["k"] = rnd((1, h_k, bs, d), qdt)
+            t["v"] = rnd((1, h_v, bs, d_v), qdt)
             tshape = (1, 1, 1, 1)
         t["page_table_k"] = torch.zeros(tshape, dtype=dts["page_table_k"], device=device)
         t["page_table_v"] = torch.zeros(tshape, dtype=dts["page_table_v"], device=device)
-        t["k_dense"] = rnd((1, h_kv, skv, d), qdt)
-        t["v_dense"] = rnd((1, h_kv, skv, d_v), qdt)
+        t["k_dense"] = rnd((1, h_k, skv, d), qdt)
+        t["v_dense"] = rnd((1, h_v, skv, d_v), qdt)
     full = (1, h_q, sq, skv)
     if "bias" in dts:
         shape = tuple(1 if x == 1 else f for x, f in zip(call.dims["bias"], full))
