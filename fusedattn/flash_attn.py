@@ -54,6 +54,10 @@ learnable_sink (keyword-only, FA4)  S (func, varlen,    FlashAttention-4's name 
 q_descale / k_descale / v_descale   S (func, forward)   FlashAttention-3's FP8 keywords for float8_e4m3fn q, k, v
 (keyword-only, FA3)                                     (batch_size, nheads_k) equal across the batch, or one element;
                                                         cuDNN's FP8 semantics (fusedattn.fp8), bf16 output
+kvcache q/k/v_descale (FA3)         S (emulated)        float8 k_cache / v_cache with k_descale / v_descale (an FP8 K/V
+                                                        cache, fusedattn.kvcache_fp8; k / v quantized on append); a
+                                                        float8 q with q_descale is dequantized to fp32 and the output
+                                                        is bf16 (FA3's); same (batch_size, nheads_k) rule as above
 return_attn_probs                   S (partly)          returns (out, softmax_lse, None): S_dmask is always None
                                                         (fusedattn never materializes probabilities)
 varlen block_table                  S (forward only)    attention_with_kvcache(cu_seqlens_q=, page_table=), key counts
@@ -99,8 +103,10 @@ import math
 
 import torch
 
+from .fp8 import _scale as _fp8_scale, is_fp8
 from .functional import attention
 from .kvcache import attention_with_kvcache
+from .kvcache_fp8 import quantize_for_cache
 from .problem import MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError
 from .varlen import attention_varlen
 
@@ -466,7 +472,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            backend="auto", validate=True, learnable_sink=None):
+                            backend="auto", validate=True, learnable_sink=None, q_descale=None, k_descale=None,
+                            v_descale=None):
     """FlashAttention's ``flash_attn_with_kvcache`` on :func:`fusedattn.attention_with_kvcache` (forward only).
 
     Args:
@@ -497,6 +504,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         validate: check ``cache_seqlens`` (within the cache, room for k/v), the block table's entries and that
             ``cache_batch_idx`` names no cache row twice when appending (an addition; one host sync each).
             False for CUDA-graph capture of trusted metadata: nothing is read or written out of bounds.
+        k_descale, v_descale: FlashAttention-3's keywords for an FP8 K/V cache (``torch.float8_e4m3fn`` k_cache /
+            v_cache, required then): fp32 ``(batch_size, nheads_k)`` equal across the batch, or one element; the
+            cache holds ``k_cache * k_descale`` and ``k`` / ``v`` (q's dtype) are quantized on append
+            (:mod:`fusedattn.kvcache_fp8`: semantics and error bound; emulated for now).
+        q_descale: with a float8 ``q`` (FA3 feeds one FP8 type): ``(batch_size, nheads_k)`` as above (query head
+            ``i`` uses column ``i // (nheads // nheads_k)``) or one element; q is dequantized to fp32 and the
+            output is bf16, as FA3 returns for FP8.
 
     Returns:
         ``out (batch_size, seqlen_q, nheads, headdim_v)``, or ``(out, softmax_lse (batch_size, nheads, seqlen_q))``.
@@ -518,6 +532,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise InvalidArgumentError("k/v (append) need cache_seqlens: the length of each cache before appending")
     b, s_q, h_q, d = q.shape
     dev = q.device
+    q, out_dtype = _fa3_query(q, q_descale, k_cache.shape[2])
+    descale_k, descale_v = _fa3_cache_descales(k_cache, v_cache, k_descale, v_descale, b)
+    if k is not None and v is not None and (is_fp8(k) or is_fp8(v)):
+        k, v = _fa3_fp8_new_kv(k, v, k_cache, descale_k, descale_v, q.dtype)
 
     if block_table is not None and cache_batch_idx is not None:
         raise NotSupportedError("cache_batch_idx together with block_table: the block table already selects "
@@ -589,20 +607,69 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if s_new == s_q:
             k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)       # fusedattn appends (BHSD views)
         elif s_new > 0:
+            if descale_k is not None:          # an FP8 cache stores the quantized k / v (kvcache_fp8's rule)
+                k, v = (quantize_for_cache(x, _fp8_scale(sc, name, dev, x.shape[2], "flash_attn_with_kvcache")
+                                           .reshape(1, 1, -1, 1), c.dtype)
+                        for x, sc, name, c in ((k, descale_k, "k_descale", k_cache), (v, descale_v, "v_descale",
+                                                                                       v_cache)))
             _append(k_cache, v_cache, page_table, lens_before, k, v, cap)
 
     out, stats = attention_with_kvcache(
         q.transpose(1, 2), k_cache, v_cache, page_table=page_table, seq_len_kv=seq_len_kv, k_new=k_new, v_new=v_new,
         attn_scale=_scale(softmax_scale, d), causal=bool(causal), window=window,
         alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
-        return_stats=True, validate=validate, backend=backend, sink=learnable_sink)
-    out = out.transpose(1, 2)
+        return_stats=True, validate=validate, backend=backend, sink=learnable_sink, descale_k=descale_k,
+        descale_v=descale_v)
+    out = out.transpose(1, 2).to(out_dtype)
     if not return_softmax_lse:
         return out
     sk = seq_len_kv.long() if seq_len_kv is not None else torch.full((b,), cap, device=dev)
     off = (sk - s_q).view(b, 1, 1)
     empty = _empty_rows(torch.arange(s_q, device=dev).view(1, 1, s_q), off, sk.view(b, 1, 1), left, right)
     return out, _fa_lse(stats[..., 0], empty, slopes, off, learnable_sink)
+
+
+def _fa3_query(q, q_descale, nheads_k):
+    """``(q, output dtype)``: a float8 q (FA3's FP8 path) dequantized to fp32 with ``q_descale`` (the output then
+    bf16, FA3's); any other q as it is (q_descale refused)."""
+    if not is_fp8(q):
+        if q_descale is not None:
+            raise InvalidArgumentError(f"q_descale given but q is {q.dtype}; it goes with a float8 q (FA3's FP8 path)")
+        return q, q.dtype
+    if q_descale is None:
+        raise InvalidArgumentError(f"q is {q.dtype}, so q_descale is required (fp32 (batch_size, nheads_k) or one "
+                                   f"element: the factor that turns a stored byte into its value)")
+    h_q = q.shape[2]
+    qd = _fa3_descale("q_descale", q_descale, q.shape[0], nheads_k, h_q // max(1, nheads_k))
+    qd = _fp8_scale(qd, "q_descale", q.device, h_q, "flash_attn_with_kvcache").reshape(1, 1, -1, 1)
+    return q.float() * qd, torch.bfloat16
+
+
+def _fa3_fp8_new_kv(k, v, k_cache, descale_k, descale_v, q_dtype):
+    """FA3's all-FP8 call: float8 k / v (already in the cache's type and scale) as fp32 values ``k * k_descale``,
+    which the append quantizes back to the very same bytes (a 4-bit significand times the descale, divided
+    by it in fp32, is within 2 fp32 ulps of the byte's value: it rounds back to it)."""
+    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or q_dtype != torch.float32:
+        raise InvalidTypeError(f"float8 k / v ({k.dtype} / {v.dtype}) need a float8 q (with q_descale) and a cache "
+                               f"of the same type ({k_cache.dtype}); or pass k / v in q's dtype (quantized on append)")
+    h_kv = k.shape[2]
+    return tuple(x.float() * _fp8_scale(sc, name, x.device, h_kv, "flash_attn_with_kvcache").reshape(1, 1, -1, 1)
+                 for x, sc, name in ((k, descale_k, "k_descale"), (v, descale_v, "v_descale")))
+
+
+def _fa3_cache_descales(k_cache, v_cache, k_descale, v_descale, b):
+    """FA3's k_descale / v_descale as attention_with_kvcache's descale_k / descale_v ([nheads_k] or one
+    element), with the errors naming FA3's argument names."""
+    fp8_cache = is_fp8(k_cache) or is_fp8(v_cache)
+    for name, x in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if fp8_cache and x is None:
+            raise InvalidArgumentError(f"k_cache / v_cache are {k_cache.dtype} / {v_cache.dtype}, so {name} is "
+                                       f"required (fp32 (batch_size, nheads_k) or one element)")
+        if not fp8_cache and x is not None:
+            raise InvalidArgumentError(f"{name} given but k_cache / v_cache are {k_cache.dtype} / {v_cache.dtype}; "
+                                       f"it goes with a float8 cache")
+    h_kv = k_cache.shape[2]
+    return (_fa3_descale("k_descale", k_descale, b, h_kv, 1), _fa3_descale("v_descale", v_descale, b, h_kv, 1))
 
 
 def _check_distinct_rows(cache_batch_idx):

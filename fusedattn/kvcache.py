@@ -14,7 +14,9 @@ import math
 
 import torch
 
+from .fp8 import is_fp8
 from .functional import _check_out, _fill_sink_lse, _like_layout, attention_forward
+from .kvcache_fp8 import cache_descales, dequantize_cache, quantize_for_cache
 from .plan import choose_backend
 from .problem import (IO_DTYPES, InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes,
                       alibi_slopes_2d, check_head_dims, make_band, sink_logits)
@@ -29,7 +31,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
                            seq_len_q=None, cu_seqlens_q=None, max_seqlen_q=None,
                            attn_scale=None, causal=True, window=None, alibi=False, softcap=0.0,
                            cache_layout="bhsd", num_splits=None, return_stats=False, validate=True,
-                           backend="auto", out=None, sink=None):
+                           backend="auto", out=None, sink=None, descale_k=None, descale_v=None):
     r"""Attention of new query tokens against a K/V cache, optionally appending their keys/values first.
 
     ``softmax(scale * q @ K^T [+ ALiBi], masked) @ V`` where ``K``/``V`` are the first
@@ -108,6 +110,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             one more softmax term ``exp(sink_h)`` per row, no value row, included in the stats. With
             split keys it joins one split's partial only, so the merge counts it once. Forward only
             (no gradient here).
+        descale_k, descale_v: for FP8 caches (``torch.float8_e4m3fn`` or ``float8_e5m2`` k_cache / v_cache, both
+            one type), required then and refused otherwise: floats, one-element fp32 tensors or one per kv head
+            ``[h_kv]``; the cache holds ``k_cache * descale_k``. q stays fp16 / bf16 / fp32, k_new / v_new in
+            q's dtype are quantized on append (``sat_rne(k_new / descale_k)``). Semantics, rounding points and
+            the error bound: :mod:`fusedattn.kvcache_fp8`. Emulated for now (dequantized in torch, then the
+            fp32 path): the cache's bytes are halved, not yet the time.
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and layout, or ``(out, stats)``.
@@ -133,7 +141,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
         q = _packed_q(q, cu_seqlens_q, max_seqlen_q, seq_len_q)      # [1, h_q, total_q, d] view
         k_new, v_new = (_packed_view(name, t) for name, t in (("k_new", k_new), ("v_new", v_new)))
     c = _Call(q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window, alibi,
-              softcap, cache_layout, num_splits, backend, seq_len_q, cu_seqlens_q, max_seqlen_q, sink)
+              softcap, cache_layout, num_splits, backend, seq_len_q, cu_seqlens_q, max_seqlen_q, sink,
+              descale_k, descale_v)
     if c.packed:
         shape_o = (q.shape[2], c.h_q, c.d_v)
         if out is None:
@@ -164,8 +173,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
                 lse.fill_(float("-inf"))     # no key at all: the log of an empty sum
                 if c.sink is not None:       # ... but for the sink's term
                     _fill_sink_lse(lse, {"sink": c.sink, "seq_len_q": c.seq_len_q})
-        elif c.backend == "cpu":
-            c.run_cpu(out, stats)
+        elif c.backend == "cpu" or c.fp8:
+            c.run_cpu(out, stats)           # FP8 caches: the emulation (dequantize, then the fp32 path)
         else:
             c.run_triton(out, lse)
     return (out, stats) if return_stats else out
@@ -176,7 +185,7 @@ class _Call:
 
     def __init__(self, q, k_cache, v_cache, page_table, seq_len_kv, k_new, v_new, attn_scale, causal, window,
                  alibi, softcap, cache_layout, num_splits, backend, seq_len_q=None, cu_seqlens_q=None,
-                 max_seqlen_q=None, sink=None):
+                 max_seqlen_q=None, sink=None, descale_k=None, descale_v=None):
         _tensor("q", q, "[b, h_q, s_q, d]")
         dev = q.device
         if q.dtype not in IO_DTYPES:
@@ -190,9 +199,11 @@ class _Call:
             kind = ("[num_blocks, block_size, h_kv, d]" if self.paged else "[b, s_max, h_kv, d]")
         _tensor("k_cache", k_cache, kind + (" (a paged container, since page_table is given)" if self.paged else ""))
         _tensor("v_cache", v_cache, kind.replace(", d]", ", d_v]"))
+        self.fp8 = is_fp8(k_cache) or is_fp8(v_cache)       # dtypes checked by cache_descales, below
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.dtype != q.dtype:
-                raise InvalidTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+            if not self.fp8 and t.dtype != q.dtype:
+                raise InvalidTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match "
+                                       f"(or be float8 with descale_k / descale_v)")
             if t.device != dev:
                 raise InvalidArgumentError(f"{name} is on {t.device} but q is on {dev}")
         if cache_layout == "bshd":
@@ -219,6 +230,7 @@ class _Call:
             raise InvalidArgumentError(
                 f"query heads ({self.h_q}) must be a multiple of the caches' kv heads ({self.h_kv}) for GQA/MQA")
         self.g = self.h_q // self.h_kv
+        self.descale_k, self.descale_v = cache_descales(k_cache, v_cache, descale_k, descale_v, self.h_kv, dev)
 
         if self.paged:
             self.page_table = _page_table(page_table, self.b, dev)
@@ -256,7 +268,8 @@ class _Call:
                     raise InvalidArgumentError(f"{name} must have shape [b, h_kv, s_q, {last}] = {list(want)}, "
                                                f"got {list(t.shape)}")
                 if t.dtype != q.dtype:
-                    raise InvalidTypeError(f"{name} has dtype {t.dtype} but the cache has {q.dtype}")
+                    raise InvalidTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match"
+                                           + (" (an FP8 cache quantizes them on append)" if self.fp8 else ""))
                 if t.device != dev:
                     raise InvalidArgumentError(f"{name} is on {t.device} but q is on {dev}")
             if self.seq_len_kv is None and self.cap < self.s_q:
@@ -356,7 +369,9 @@ class _Call:
     def append(self):
         """Write k_new/v_new into the caches (in place) at seq_len_kv - s_q .. seq_len_kv - 1."""
         from .backends.triton.args import misaligned
-        if self.backend == "triton" and not any(misaligned(t) for t in (self.k_cache, self.v_cache, self.page_table,
+        if self.fp8:
+            _append_fp8(self)
+        elif self.backend == "triton" and not any(misaligned(t) for t in (self.k_cache, self.v_cache, self.page_table,
                                                                           self.seq_len_kv, self.seq_len_q,
                                                                           self.cu_seqlens_q)):
             from .backends.triton.decode import launch_append
@@ -369,27 +384,42 @@ class _Call:
     # -- the two paths
     def run_cpu(self, out, stats, q=None):
         """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward
-        (q: the padded queries [b, h_q, s_q, d] of a packed call)."""
+        (q: the padded queries [b, h_q, s_q, d] of a packed call).
+
+        FP8 caches (the emulation, any device): the gathered bytes are dequantized to fp32 and the dense
+        forward runs in fp32 on the call's backend; out (q's dtype) takes the fp32 result, rounded once."""
         k, v = self.k_cache, self.v_cache
         lens = self.seq_len_kv
+        longest = self.cap
+        if lens is not None and (self.paged or self.fp8):
+            longest = int(lens.clamp(0, self.cap).max())         # read only up to the longest sequence
         if self.paged:
-            n_pages = self.page_table.shape[1]
-            if lens is not None:
-                longest = int(lens.clamp(0, self.cap).max())
-                n_pages = max(1, -(-longest // self.page_size))
+            n_pages = max(1, -(-longest // self.page_size))
             idx = self.page_table[:, :n_pages].long().clamp(0, self.num_pages - 1)       # [b, n_pages]
             k, v = (_gather_pages(t, idx) for t in (k, v))
+        elif self.fp8:
+            k, v = k[:, :, :max(1, longest)], v[:, :, :max(1, longest)]        # dequantize only the used rows
+        backend, out_dense = "cpu", out
+        if self.fp8:
+            k, v = dequantize_cache(k, self.descale_k), dequantize_cache(v, self.descale_v)
+            q = (self.q if q is None else q).float()
+            backend = self.backend
+            if out.dtype != torch.float32:
+                out_dense = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         if lens is not None:
             # keys past a sequence's length may hold anything (NaN from torch.empty, a previous
             # sequence): the CPU forward multiplies their zero probabilities by V, so zero them
             past = torch.arange(k.shape[2], device=k.device)[None, :] >= lens.long()[:, None]
             k, v = (t.masked_fill(past[:, None, :, None], 0) for t in (k, v))
-        out_, _ = attention_forward(
+        attention_forward(
             self.q if q is None else q, k, v, attn_scale=self.scale, causal=self.causal,
             causal_alignment="bottom_right", window=self.window, seq_len_q=self.lens_q, seq_len_kv=lens,
-            alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap, backend="cpu", out=out,
-            stats_out=stats, sink=self.sink, validate=False)     # lengths: checked by self.validate(), or clamped (validate=False)
-        return out_
+            alibi=self.slopes if self.slopes is not None else False, softcap=self.softcap, backend=backend,
+            out=out_dense, stats_out=stats, sink=self.sink,
+            validate=False)     # lengths: checked by self.validate(), or clamped (validate=False)
+        if out_dense is not out:
+            out.copy_(out_dense)
+        return out
 
     def run_packed(self, out, stats):
         """Packed new tokens: append, then attend. out [total_q, h_q, d_v], stats fp32 [h_q, total_q] or None.
@@ -400,7 +430,7 @@ class _Call:
         seq_len_kv on the device (no sync). The CPU path pads the queries and runs run_cpu."""
         if self.k_new is not None and self.s_q > 0:
             self.append()
-        if self.backend == "cpu":
+        if self.backend == "cpu" or self.fp8:
             from .varlen import _pad, _unpad
             q_pad, _ = _pad(self.q[0].transpose(0, 1), self.cu_seqlens_q, self.b, self.s_q)
             o = torch.empty((self.b, self.h_q, self.s_q, self.d_v), dtype=self.q.dtype, device=self.q.device)
@@ -579,6 +609,18 @@ def _append_torch(c):
         return
     for cache, new in ((c.k_cache, c.k_new), (c.v_cache, c.v_new)):
         cache.transpose(1, 2)[first, second] = new.transpose(1, 2)[bi, ti]
+
+
+def _append_fp8(c):
+    """The append into FP8 caches: k_new / v_new quantized with the caches' descales (kvcache_fp8's rule),
+    then written by the torch append (any device; a Triton append would round with its own conversion)."""
+    k_new, v_new = c.k_new, c.v_new
+    c.k_new = quantize_for_cache(k_new, c.descale_k, c.k_cache.dtype)
+    c.v_new = quantize_for_cache(v_new, c.descale_v, c.v_cache.dtype)
+    try:
+        _append_torch(c)
+    finally:
+        c.k_new, c.v_new = k_new, v_new
 
 
 def _packed_q(q, cu_seqlens_q, max_seqlen_q, seq_len_q):

@@ -8,6 +8,8 @@
   gradients) of the dequantized inputs, and the per-element bound of :mod:`fusedattn.fp8`'s docstring
   on the emulation's distance to it. Both assume consistent scales (``scale_s * descale_s == 1``,
   ``scale_dP * descale_dP == 1``, powers of two in practice) and ``scale_s <= FP8_MAX``.
+* :func:`fp8_kvcache_bound`: an FP8 K/V cache (:mod:`fusedattn.kvcache_fp8`): float64 attention of the
+  unquantized and of the dequantized K / V, and the bounds on the emulation's distance to each.
 """
 from __future__ import annotations
 
@@ -157,3 +159,60 @@ def fp8_backward_bound(q8, k8, v8, o, dO8, *, grad_dtype, attn_scale=None, causa
     def out(ref, bnd, name):
         return bnd + (ug + 2 * EPS32) * (ref.abs() + bnd) + ag / f[name]
     return (dQ, dK, dV), (out(dQ, bdQ, "scale_dQ"), out(dK, bdK, "scale_dK"), out(dV, bdV, "scale_dV"))
+
+
+def fp8_kvcache_bound(q, k, v, k8, v8, *, descale_k, descale_v, out_dtype, attn_scale=None, causal=True, window=None,
+                      seq_len_q=None, seq_len_kv=None):
+    """An FP8 K/V cache (:mod:`fusedattn.kvcache_fp8`) against float64, on dense BHSD tensors.
+
+    Args: ``q [b, h_q, s_q, d]`` (any float; the queries as given), ``k, v [b, h_kv, s_kv, d | d_v]`` the
+    *unquantized* keys / values, ``k8, v8`` the cache's bytes for them (same shapes, gathered dense),
+    descales as :func:`fusedattn.attention_with_kvcache` takes them (per tensor or ``[h_kv]``), ``out_dtype``
+    q's dtype. The mask is the cache's: bottom-right causal / window, padded ``seq_len_q`` / ``seq_len_kv``.
+
+    Returns ``(o_ref, o_deq, bound, bound_deq)``, ``[b, h_q, s_q, d_v]`` float64: attention of the
+    unquantized K / V and of the dequantized cache; the bound on ``|out - o_ref|`` (the module docstring's)
+    and on ``|out - o_deq|`` (fp32 and the output's rounding only). Assumes no value saturated."""
+    mask = dict(causal=causal, causal_alignment="bottom_right", window=window, seq_len_q=seq_len_q,
+                seq_len_kv=seq_len_kv)
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    g = h_q // h_kv
+    u8, a8 = ROUNDING[k8.dtype]
+    uo, ao = ROUNDING[out_dtype]
+    scale = attn_scale if attn_scale is not None else d ** -0.5
+    keep = _dense_keep(b, s_q, s_kv, device=q.device, **mask)
+    qd = q.double()
+
+    def per_head(s):
+        s = (s if isinstance(s, torch.Tensor) else torch.tensor(float(s))).double().to(q.device)
+        return s.reshape(1, -1, 1, 1)
+
+    def grouped(x):
+        return x.repeat_interleave(g, 1)
+    dk, dv = per_head(descale_k), per_head(descale_v)
+    K, V = grouped(k.double()), grouped(v.double())
+    Kq, Vq = grouped(k8.double() * dk), grouped(v8.double() * dv)
+    # storage: |K' - K| <= dK (the fp32 division before the rounding adds 2 eps relative)
+    dK = grouped((u8 + 2 * EPS32) * k.double().abs() + a8 * dk)
+    dV = grouped((u8 + 2 * EPS32) * v.double().abs() + a8 * dv)
+
+    p, _ = _softmax((qd @ K.transpose(-1, -2)) * scale, keep)
+    pq, _ = _softmax((qd @ Kq.transpose(-1, -2)) * scale, keep)
+    o_ref, o_deq = p @ V, pq @ Vq
+    # fp32 terms (fusedattn.fp8's): relative error of P and of the sum over keys, taken twice
+    A = ((qd.abs() @ Kq.abs().transpose(-1, -2)) * scale).masked_fill(~keep, 0).amax(-1, keepdim=True)
+    delta = 2 * (d + 3) * EPS32 * A + (s_kv + 6) * EPS32
+    gamma = (s_kv + 4) * EPS32
+    fp32 = 2 * (delta + gamma * (1 + delta))
+
+    # against the dequantized cache: fp32 only, then the output's rounding
+    b_deq = fp32 * (pq @ Vq.abs())
+    bound_deq = b_deq + uo * (o_deq.abs() + b_deq) + ao
+    # against the unquantized K / V: the logits move by at most E_i, so P by a factor exp(+-2 E_i)
+    E = ((qd.abs() @ dK.transpose(-1, -2)) * scale).masked_fill(~keep, 0).amax(-1, keepdim=True)
+    r = torch.exp(2 * E)
+    spread = torch.einsum("bhij,bhijc->bhic", p, (V.unsqueeze(2) - o_ref.unsqueeze(3)).abs())
+    b1 = r * (p @ dV) + (r - 1) * spread + r * fp32 * (p @ (V.abs() + dV))
+    bound = b1 + uo * (o_ref.abs() + b1) + ao
+    return o_ref, o_deq, bound, bound_deq

@@ -1,0 +1,376 @@
+"""FP8 K/V caches (issue 27 item 4, fusedattn.kvcache_fp8): e4m3 caches, contiguous and paged, per-tensor and
+per-head descales, read by attention_with_kvcache (decode, prefill, padded and packed queries) and the
+FlashAttention door; appends quantized exactly; against float64 attention of the unquantized K / V within the
+derived bound (fusedattn.reference_fp8.fp8_kvcache_bound) and of the dequantized cache within fp32's.
+
+Hostile data: cache slots past each sequence's length and the slots an append must fill hold NaN bytes, unused
+pages too, unused page-table slots -1 and the page table is shuffled, so a read that should not happen or a
+missing write poisons the output."""
+import math
+
+import pytest
+import torch
+
+from fusedattn import fp8
+from fusedattn.flash_attn import flash_attn_with_kvcache
+from fusedattn.kvcache import attention_with_kvcache
+from fusedattn.problem import InvalidArgumentError, InvalidTypeError, NotSupportedError
+from fusedattn.reference_fp8 import fp8_kvcache_bound
+from fusedattn.testing import assert_lse_close
+from fusedattn.reference import attention_reference
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+NAN_BYTE = 0x7F          # e4m3's NaN (S.1111.111); e5m2's 0x7F is a NaN too
+
+
+def _descale(x, fp8_dtype, per_head, pow2):
+    """amax / FP8_MAX per tensor or per kv head (x [b, h_kv, s, d]): fp32 [1] or [h_kv]; a power of two
+    (exact division) or not (the append's division rounds)."""
+    amax = x.float().abs().amax(dim=(0, 2, 3)) if per_head else x.float().abs().amax().reshape(1)
+    ds = amax / fp8.FP8_MAX[fp8_dtype]
+    if pow2:
+        ds = torch.exp2(torch.ceil(torch.log2(ds)))
+    return ds
+
+
+def _pack_bytes(x8):
+    return x8.view(torch.uint8)
+
+
+class Cache:
+    """Unquantized dense K / V, the FP8 cache holding them (contiguous or paged), queries and new tokens."""
+
+    def __init__(self, *, paged, s_q=1, lens=(45, 17, 30), b=3, h_q=4, h_kv=2, d=32, d_v=24, page=8,
+                 dtype=torch.bfloat16, fp8_dtype=E4M3, per_head=True, pow2=False, append=True, seq_len_q=None,
+                 seed=0, device="cpu"):
+        g = torch.Generator().manual_seed(seed)
+        self.b, self.h_kv, self.s_q, self.append, self.fp8_dtype = b, h_kv, s_q, append, fp8_dtype
+        self.lens = torch.tensor(lens, dtype=torch.int32)
+        self.lens_q = torch.tensor(seq_len_q, dtype=torch.int32) if seq_len_q is not None else None
+        cap = max(lens) + 5
+        head_gain = torch.tensor([4.0 ** i for i in range(h_kv)]).view(1, h_kv, 1, 1)   # per-head scales matter
+        self.k = (torch.randn(b, h_kv, cap, d, generator=g) * head_gain).to(dtype)
+        self.v = (torch.randn(b, h_kv, cap, d_v, generator=g) * head_gain).to(dtype)
+        self.q = torch.randn(b, h_q, s_q, d, generator=g).to(dtype)
+        self.dk = _descale(self.k, fp8_dtype, per_head, pow2)
+        self.dv = _descale(self.v, fp8_dtype, per_head, pow2)
+        self.k8 = fp8.quantize(self.k.float() / self.dk.view(1, -1, 1, 1), fp8_dtype)    # dense bytes
+        self.v8 = fp8.quantize(self.v.float() / self.dv.view(1, -1, 1, 1), fp8_dtype)
+        # which slots the cache already holds (the rest, new tokens included, start as NaN bytes)
+        n_new = self.lens_q if self.lens_q is not None else torch.full((b,), s_q if append else 0)
+        slot = torch.arange(cap)[None, :]
+        held = slot < (self.lens - (n_new if append else 0))[:, None]
+        self.new_slots = (slot < self.lens[:, None]) & ~held                              # [b, cap]
+        kc, vc = (torch.where(held[:, None, :, None], x.view(torch.uint8), NAN_BYTE).view(fp8_dtype)
+                  for x in (self.k8, self.v8))
+        self.page_table = None
+        if paged:
+            n_pages = -(-cap // page)
+            pad = n_pages * page - cap
+            kc, vc = (torch.cat([x, torch.full((b, h_kv, pad, x.shape[3]), NAN_BYTE, dtype=torch.uint8)
+                                 .view(fp8_dtype)], 2) for x in (kc, vc))
+            perm = torch.randperm(b * n_pages + 3, generator=g)                             # 3 unused pages
+            table = perm[:b * n_pages].view(b, n_pages).to(torch.int32)
+            cont = lambda x: torch.full((b * n_pages + 3, h_kv, page, x.shape[3]), NAN_BYTE,   # noqa: E731
+                                        dtype=torch.uint8).view(fp8_dtype)
+            kp, vp = cont(kc), cont(vc)
+            for i in range(b):
+                used = -(-int(self.lens[i]) // page)
+                for j in range(n_pages):
+                    kp[table[i, j]] = kc[i, :, j * page:(j + 1) * page]
+                    vp[table[i, j]] = vc[i, :, j * page:(j + 1) * page]
+                table[i, used:] = -1                                                         # never read
+            kc, vc, self.page_table = kp, vp, table
+        self.k_cache, self.v_cache = kc, vc
+        self.k_new = self.v_new = None
+        if append:
+            idx = (self.lens - n_new)[:, None] + torch.arange(s_q)[None, :]                 # [b, s_q]
+            idx = idx.clamp(0, cap - 1)
+            self.k_new = torch.stack([self.k[i, :, idx[i]] for i in range(b)])              # [b, h_kv, s_q, d]
+            self.v_new = torch.stack([self.v[i, :, idx[i]] for i in range(b)])
+        if device != "cpu":
+            for name in ("q", "k_cache", "v_cache", "page_table", "k_new", "v_new", "lens", "lens_q", "dk", "dv"):
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, t.to(device))
+
+    def kwargs(self):
+        return dict(page_table=self.page_table, seq_len_kv=self.lens, k_new=self.k_new, v_new=self.v_new,
+                    seq_len_q=self.lens_q, descale_k=self.dk, descale_v=self.dv)
+
+    def dense_cache_bytes(self):
+        """The cache read back densely (through the page table): [b, h_kv, cap, d] float8."""
+        cap = self.k8.shape[2]
+        if self.page_table is None:
+            return self.k_cache[:, :, :cap].cpu(), self.v_cache[:, :, :cap].cpu()
+        out = []
+        for c in (self.k_cache.cpu(), self.v_cache.cpu()):
+            t = self.page_table.cpu().long().clamp(min=0)
+            pages = c[t]                                                 # [b, n, h, page, d]
+            out.append(pages.permute(0, 2, 1, 3, 4).reshape(self.b, self.h_kv, -1, c.shape[-1])[:, :, :cap])
+        return tuple(out)
+
+    def check(self, out, stats, lower=0.0):
+        """The stored bytes, then out against float64 of the dequantized cache (tight) and of the unquantized
+        K / V (the derived bound, reached to at least ``lower`` of it)."""
+        k8, v8 = self.dense_cache_bytes()
+        kept = (torch.arange(k8.shape[2])[None, :] < self.lens[:, None].cpu())[:, None, :, None]
+        if self.append:      # the appended slots hold exactly torch's own cast of k_new / descale_k
+            sel = self.new_slots[:, None, :, None].expand_as(k8)
+            m = fp8.FP8_MAX[self.fp8_dtype]
+            want = (self.k.float() / self.dk.cpu().view(1, -1, 1, 1)).clamp(-m, m).to(self.fp8_dtype)
+            assert torch.equal(_pack_bytes(k8)[sel], _pack_bytes(want)[sel])
+            want = (self.v.float() / self.dv.cpu().view(1, -1, 1, 1)).clamp(-m, m).to(self.fp8_dtype)
+            sel = self.new_slots[:, None, :, None].expand_as(v8)
+            assert torch.equal(_pack_bytes(v8)[sel], _pack_bytes(want)[sel])
+        assert torch.equal(_pack_bytes(k8).where(kept, 0), _pack_bytes(self.k8).where(kept, 0))
+        assert torch.equal(_pack_bytes(v8).where(kept, 0), _pack_bytes(self.v8).where(kept, 0))
+        # every slot the call read holds the expected bytes; the rest stay out of the reference
+        zero = lambda x, m: x.where(m, torch.zeros((), dtype=x.dtype))                # noqa: E731
+        k8z, v8z = zero(self.k8.float(), kept).to(self.fp8_dtype), zero(self.v8.float(), kept).to(self.fp8_dtype)
+        o_ref, o_deq, bound, bound_deq = fp8_kvcache_bound(
+            self.q.cpu(), zero(self.k.float(), kept), zero(self.v.float(), kept), k8z, v8z, descale_k=self.dk.cpu(),
+            descale_v=self.dv.cpu(), out_dtype=self.q.dtype, seq_len_kv=self.lens.cpu(),
+            seq_len_q=self.lens_q.cpu() if self.lens_q is not None else None)
+        got = out.detach().cpu().double()
+        assert not torch.isnan(got).any(), "NaN in the output: a slot past a length or an unwritten append was read"
+        err_deq, err = (got - o_deq).abs(), (got - o_ref).abs()
+        assert (err_deq <= bound_deq).all(), f"vs the dequantized cache: {(err_deq / bound_deq).max():.3f} x bound"
+        ratio = (err / bound).nan_to_num(0.0).max().item()
+        assert ratio <= 1.0, f"error exceeds the derived bound by {ratio:.3f}x"
+        assert ratio >= lower, f"bound vacuous here: error only {ratio:.4f} of it"
+        # stats: the log-sum-exp of the dequantized scores
+        K = (k8z.double() * self.dk.cpu().double().view(1, -1, 1, 1))
+        V = (v8z.double() * self.dv.cpu().double().view(1, -1, 1, 1))
+        _, lse = attention_reference(self.q.cpu().double(), K, V, causal=True, causal_alignment="bottom_right",
+                                     seq_len_kv=self.lens.cpu(),
+                                     seq_len_q=self.lens_q.cpu() if self.lens_q is not None else None)
+        assert_lse_close(stats, lse, tol=1e-5)
+        return ratio
+
+
+GEOMS = {
+    "decode_contig": dict(paged=False),
+    "decode_paged": dict(paged=True),
+    "decode_paged_no_append": dict(paged=True, append=False),
+    "prefill_paged": dict(paged=True, s_q=13, lens=(45, 17, 30)),
+    "prefill_contig_padded_q": dict(paged=False, s_q=7, seq_len_q=(7, 3, 0), lens=(45, 9, 30)),
+}
+
+
+@pytest.mark.parametrize("scales", ["per_tensor_pow2", "per_head"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("geom", list(GEOMS))
+def test_fp8_cache_within_derived_bound(geom, dtype, scales):
+    c = Cache(dtype=dtype, per_head=scales == "per_head", pow2=scales != "per_head", **GEOMS[geom])
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
+    assert out.dtype == dtype
+    c.check(out, stats, lower=0.02)         # measured: 4-16% of the bound (its worst case needs aligned roundings)
+
+
+@pytest.mark.parametrize("geom", ["decode_paged", "prefill_paged"])
+def test_fp8_cache_on_each_target(geom, target):
+    device, backend = target
+    c = Cache(device=device, **GEOMS[geom])
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend=backend, **c.kwargs())
+    c.check(out, stats)
+
+
+def test_packed_queries():
+    """cu_seqlens_q: packed new tokens against a paged FP8 cache equal the padded call, row for row."""
+    lens_q = (4, 1, 0)
+    pad = Cache(paged=True, s_q=4, seq_len_q=lens_q, lens=(45, 17, 30), seed=4)
+    packed = Cache(paged=True, s_q=4, seq_len_q=lens_q, lens=(45, 17, 30), seed=4)
+    out_pad, st_pad = attention_with_kvcache(pad.q, pad.k_cache, pad.v_cache, return_stats=True, **pad.kwargs())
+    pad.check(out_pad, st_pad)
+    rows = [(i, t) for i in range(3) for t in range(lens_q[i])]
+    take = lambda x: torch.stack([x[i, :, t] for i, t in rows])                     # noqa: E731  [total, h, d]
+    cu = torch.tensor([0, 4, 5, 5], dtype=torch.int32)
+    kw = packed.kwargs()
+    kw.update(seq_len_q=None, k_new=take(packed.k_new), v_new=take(packed.v_new))
+    out, st = attention_with_kvcache(take(packed.q), packed.k_cache, packed.v_cache, cu_seqlens_q=cu, max_seqlen_q=4,
+                                     return_stats=True, **kw)
+    assert torch.equal(out, take(out_pad))
+    assert torch.equal(st, torch.stack([st_pad[i, :, t, 0] for i, t in rows]).T)
+    assert torch.equal(packed.k_cache.view(torch.uint8), pad.k_cache.view(torch.uint8))     # same appends
+
+
+def test_e5m2_cache():
+    c = Cache(paged=True, fp8_dtype=E5M2, per_head=True, seed=2)
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
+    c.check(out, stats)
+
+
+def test_bound_is_reached():
+    """Values just below a rounding midpoint (1 + 1/16 - 2^-12 rounds down to 1), q = 0 (uniform P): every
+    value loses almost u8 of itself in the same direction, so the error reaches > 90% of the bound."""
+    c = Cache(paged=True, dtype=torch.float32, per_head=False, pow2=True, append=True, seed=1)
+    c.q.zero_()
+    c.v.copy_(1 + 1 / 16 - 2 ** -12)
+    c.dv = torch.ones(1)
+    c.v8 = fp8.quantize(c.v, E4M3)
+    c.v_new.copy_(1 + 1 / 16 - 2 ** -12)
+    c.v_cache.view(torch.uint8).copy_(torch.where(c.v_cache.float().isnan(), NAN_BYTE, 0x38))   # 1.0 everywhere held
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
+    assert c.check(out, stats) > 0.9
+
+
+def test_per_head_descales_matter():
+    """The per-head descale of head 1 scales head 1's values: passing one per-tensor descale instead changes
+    the output of the heads reading kv head 1 (and only those)."""
+    c = Cache(paged=False, append=False, per_head=True, seed=3)
+    out = attention_with_kvcache(c.q, c.k_cache, c.v_cache, **c.kwargs())
+    kw = dict(c.kwargs(), descale_v=c.dv[:1])
+    other = attention_with_kvcache(c.q, c.k_cache, c.v_cache, **kw)
+    assert torch.equal(out[:, :2], other[:, :2]) and not torch.equal(out[:, 2:], other[:, 2:])
+
+
+def test_append_rounds_and_saturates_as_torch_casts():
+    """Non-power-of-two descales (the division rounds), values past 448 * descale (saturate, not inf / NaN),
+    a NaN stays NaN: the stored bytes are torch's own cast of clamp(k_new / descale_k)."""
+    c = Cache(paged=True, append=True, per_head=True, pow2=False, seed=5)
+    c.k_new[0, 0, 0, :4] = torch.tensor([1e4, -1e4, float("inf"), float("nan")], dtype=c.k_new.dtype)
+    attention_with_kvcache(c.q, c.k_cache, c.v_cache, **c.kwargs())
+    k8, _ = c.dense_cache_bytes()
+    pos = int(c.lens[0]) - 1
+    got = k8[0, 0, pos, :4].float()
+    assert got[:3].tolist() == [448.0, -448.0, 448.0] and math.isnan(got[3].item())
+    want = fp8.quantize(c.k_new.float() / c.dk.view(1, -1, 1, 1), E4M3)
+    torch_cast = (c.k_new.float() / c.dk.view(1, -1, 1, 1)).clamp(-448, 448).to(E4M3)
+    assert torch.equal(want.view(torch.uint8), torch_cast.view(torch.uint8))
+    for i in range(c.b):
+        n = int(c.lens[i])
+        assert torch.equal(k8[i, :, n - 1].view(torch.uint8), want[i, :, 0].view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, err, words", [
+    (dict(descale_k=torch.ones(3)), InvalidArgumentError, ["descale_k", "per head (2)", "[3]"]),
+    (dict(descale_v=torch.ones(2, 2)), InvalidArgumentError, ["descale_v", "[2, 2]"]),
+    (dict(descale_k=None), InvalidArgumentError, ["descale_k", "required", "float8_e4m3fn"]),
+    (dict(descale_v=None), InvalidArgumentError, ["descale_v", "required"]),
+    (dict(descale_k="0.5"), InvalidTypeError, ["descale_k"]),
+    (dict(descale_k=torch.ones(1, dtype=torch.int32)), InvalidTypeError, ["descale_k", "int32"]),
+    (dict(v_cache="e5m2"), InvalidTypeError, ["v_cache", "float8_e5m2", "k_cache"]),
+    (dict(v_cache="bf16"), InvalidTypeError, ["v_cache", "bfloat16"]),
+    (dict(k_new="fp16"), InvalidTypeError, ["k_new", "float16", "quantizes"]),
+], ids=["k_descale_shape", "v_descale_shape", "no_descale_k", "no_descale_v", "descale_str", "descale_int",
+        "mixed_fp8_types", "fp8_and_bf16", "k_new_dtype"])
+def test_bad_fp8_input_names_the_argument(change, err, words):
+    c = Cache(paged=True)
+    kw = c.kwargs()
+    k_cache, v_cache = c.k_cache, c.v_cache
+    if change.get("v_cache") == "e5m2":
+        v_cache = v_cache.float().nan_to_num(0).to(E5M2)
+    elif change.get("v_cache") == "bf16":
+        v_cache = v_cache.float().nan_to_num(0).to(torch.bfloat16)
+    elif change.get("k_new") == "fp16":
+        kw["k_new"] = c.k_new.to(torch.float16)
+    else:
+        kw.update(change)
+    with pytest.raises(err) as e:
+        attention_with_kvcache(c.q, k_cache, v_cache, **kw)
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in: {e.value}"
+
+
+def test_16bit_cache_refuses_descales():
+    c = Cache(paged=False, append=False)
+    k, v = c.k.to(torch.bfloat16), c.v.to(torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match="descale_k given but k_cache is torch.bfloat16"):
+        attention_with_kvcache(c.q, k, v, seq_len_kv=c.lens, descale_k=c.dk)
+    with pytest.raises(InvalidArgumentError, match="descale_v given"):
+        attention_with_kvcache(c.q, k, v, seq_len_kv=c.lens, descale_v=1.0)
+    attention_with_kvcache(c.q, k, v, seq_len_kv=c.lens)                     # and without them it runs
+
+
+# ---------------------------------------------------------------------------------------------
+# the FlashAttention door: FlashAttention-3's k_descale / v_descale / q_descale
+# ---------------------------------------------------------------------------------------------
+
+def _bshd_cache(c):
+    return c.k_cache.transpose(1, 2), c.v_cache.transpose(1, 2)       # BSHD views of the same bytes
+
+
+def _fa3(x, b):          # FA3's (batch_size, nheads_k) descale, equal rows
+    return x.view(1, -1).expand(b, -1).contiguous()
+
+
+def test_flash_attn_door_fp8_cache():
+    a, ref = Cache(paged=True, seed=6), Cache(paged=True, seed=6)
+    kc, vc = _bshd_cache(a)
+    out = flash_attn_with_kvcache(a.q.transpose(1, 2), kc, vc, k=a.k_new.transpose(1, 2), v=a.v_new.transpose(1, 2),
+                                  cache_seqlens=a.lens - 1, block_table=a.page_table, causal=True,
+                                  k_descale=_fa3(a.dk, a.b), v_descale=_fa3(a.dv, a.b))
+    want = attention_with_kvcache(ref.q, ref.k_cache, ref.v_cache, **ref.kwargs())
+    assert torch.equal(out.transpose(1, 2), want)
+    assert torch.equal(a.k_cache.view(torch.uint8), ref.k_cache.view(torch.uint8))
+
+
+def test_flash_attn_door_all_fp8_call():
+    """FA3's all-FP8 call: float8 q, k_cache, v_cache and new k / v with q/k/v_descale; the new k / v bytes land
+    in the cache unchanged, the output is bf16 and equals the dequantized-q call."""
+    a, ref = Cache(paged=False, seed=7, dtype=torch.float32), Cache(paged=False, seed=7, dtype=torch.float32)
+    q8, dq = fp8.quantize_per_tensor(a.q)
+    k8 = fp8.quantize(a.k_new.float() / a.dk.view(1, -1, 1, 1), E4M3)
+    v8 = fp8.quantize(a.v_new.float() / a.dv.view(1, -1, 1, 1), E4M3)
+    kc, vc = _bshd_cache(a)
+    out = flash_attn_with_kvcache(q8.transpose(1, 2), kc, vc, k=k8.transpose(1, 2), v=v8.transpose(1, 2),
+                                  cache_seqlens=a.lens - 1, causal=True, q_descale=torch.full((a.b, a.h_kv), dq.item()),
+                                  k_descale=_fa3(a.dk, a.b), v_descale=_fa3(a.dv, a.b))
+    assert out.dtype == torch.bfloat16
+    want = attention_with_kvcache(q8.float() * dq, ref.k_cache, ref.v_cache, **ref.kwargs())
+    assert torch.equal(out.transpose(1, 2), want.to(torch.bfloat16))
+    assert torch.equal(a.k_cache.view(torch.uint8), ref.k_cache.view(torch.uint8))
+    assert torch.equal(a.v_cache.view(torch.uint8), ref.v_cache.view(torch.uint8))
+
+
+def test_flash_attn_door_append_longer_than_q():
+    """seqlen_new != seqlen_q (the door's own scatter): the new keys are quantized with the cache's descale."""
+    c = Cache(paged=True, append=False, seed=8)
+    kc, vc = _bshd_cache(c)
+    k_new = torch.randn(c.b, 3, c.h_kv, c.k.shape[-1]).to(torch.bfloat16)
+    v_new = torch.randn(c.b, 3, c.h_kv, c.v.shape[-1]).to(torch.bfloat16)
+    before = c.lens - 3
+    flash_attn_with_kvcache(c.q.transpose(1, 2), kc, vc, k=k_new, v=v_new, cache_seqlens=before,
+                            block_table=c.page_table, causal=True, k_descale=_fa3(c.dk, c.b), v_descale=_fa3(c.dv, c.b))
+    k8, _ = c.dense_cache_bytes()
+    want = fp8.quantize(k_new.float() / c.dk.view(1, 1, -1, 1), E4M3)           # BSHD
+    for i in range(c.b):
+        n = int(before[i])
+        assert torch.equal(k8[i, :, n:n + 3].view(torch.uint8), want[i].transpose(0, 1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("kw, err, words", [
+    (dict(k_descale=None), InvalidArgumentError, ["k_descale", "required"]),
+    (dict(v_descale="diff"), NotSupportedError, ["v_descale", "batch"]),
+    (dict(k_descale="shape"), InvalidArgumentError, ["k_descale", "(batch_size, nheads_k)"]),
+    (dict(q_descale=torch.ones(1)), InvalidArgumentError, ["q_descale", "float8 q"]),
+], ids=["no_k_descale", "v_descale_per_batch", "k_descale_shape", "q_descale_16bit_q"])
+def test_flash_attn_door_bad_descales(kw, err, words):
+    c = Cache(paged=False, append=False)
+    kc, vc = _bshd_cache(c)
+    args = dict(k_descale=_fa3(c.dk, c.b), v_descale=_fa3(c.dv, c.b))
+    args.update(kw)
+    if kw.get("v_descale") == "diff":
+        args["v_descale"] = torch.arange(1.0, 1.0 + c.b * c.h_kv).view(c.b, c.h_kv)
+    if kw.get("k_descale") == "shape":
+        args["k_descale"] = torch.ones(c.b + 1, c.h_kv)
+    with pytest.raises(err) as e:
+        flash_attn_with_kvcache(c.q.transpose(1, 2), kc, vc, cache_seqlens=c.lens, **args)
+    for w in words:
+        assert w in str(e.value), f"{w!r} not in: {e.value}"
+    with pytest.raises(InvalidArgumentError, match="k_descale given"):
+        flash_attn_with_kvcache(c.q.transpose(1, 2), c.k.transpose(1, 2), c.v.transpose(1, 2), k_descale=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+@pytest.mark.parametrize("geom", list(GEOMS))
+def test_gpu_fp8_cache_within_derived_bound(geom):
+    c = Cache(device="cuda", per_head=True, **GEOMS[geom])
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
+    c.check(out, stats)
