@@ -115,7 +115,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             ``[h_kv]``; the cache holds ``k_cache * descale_k``. q stays fp16 / bf16 / fp32, k_new / v_new in
             q's dtype are quantized on append (``sat_rne(k_new / descale_k)``). Semantics, rounding points and
             the error bound: :mod:`fusedattn.kvcache_fp8`. Emulated for now (dequantized in torch, then the
-            fp32 path): the cache's bytes are halved, not yet the time.
+            fp32 path; num_splits is ignored): the cache's bytes are halved, not yet the time.
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and layout, or ``(out, stats)``.

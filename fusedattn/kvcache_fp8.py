@@ -46,8 +46,9 @@ fp32 terms are those of :mod:`fusedattn.fp8`'s bound (relative ``2 (d + 3) eps A
 ``u8 * sum_j P |V| + 2 E_i * sum_j P |V - O|``: the value rounding costs up to 6% of ``sum_j P |V|``, the key
 rounding grows with the logits' size (``E_i ~ u8 * attn_scale * sum_c |q_c| |K_c|``). Random data lands far
 inside (the roundings' signs cancel: the worst element at 4-16% of its bound in the tests); values placed
-just below a rounding midpoint, read with uniform P, reach over 90% of it (``tests/test_fp8_kvcache.py``). A future FP8 kernel that rounds P to 16 bits before ``P @ V``
-adds ``u_16 * sum_j P |V'|`` to this bound, and must state it.
+just below a rounding midpoint, read with uniform P, reach over 90% of it (``tests/test_fp8_kvcache.py``).
+A future FP8 kernel that rounds P to 16 bits before ``P @ V`` adds ``u_16 * sum_j P |V'|`` to this bound,
+and must state it.
 
 Execution (the emulation; correct, not fast): the used pages / rows of each sequence are gathered through
 the page table (torch indexing: only the keys up to the longest ``seq_len_kv`` are read), dequantized to fp32
