@@ -6,10 +6,11 @@ or ``TRITON_CACHE_DIR``), keyed by the GPU architecture, the Triton version and 
 the kernel's source and every compile-time constant and specialization. So a kernel compiled once, by
 any process, is loaded in milliseconds by every later one, and a stale entry (another Triton, another
 kernel source) is never found. Triton writes each entry to a temporary name and renames it into place,
-so processes sharing the cache never read a half-written entry (``tests/test_warmup.py``).
+so processes sharing the cache never read a half-written entry (``tests/test_kernel_cache.py``).
 
 ``warmup`` runs the common configurations (the benchmark's: ``shared/ANCHORS.md``'s eight, each mask
-kind, decode and paged prefill) at their real sizes (shapes decide the kernels' specializations) inside
+kind, decode and paged prefill; then ``bench --cold-start``'s call and two packed varlen batches) at
+their real sizes (shapes decide the kernels' specializations) inside
 ``backends.triton.launch.compiling_ahead``: nothing runs on the GPU, and every kernel compiles on a pool
 of threads, side by side. Without it, a process's first call compiles only what it needs, its backward's
 kernels side by side with its forward's (``functional._compile_backward_ahead``).
@@ -60,6 +61,10 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
         _first_call(device)
         if verbose:
             print(f"warmup: bench --cold-start's call: {len(ahead.futures)} compiles started", flush=True)
+        for max_len in (2048, 1999):        # the JIT specializes an int on divisibility by 16
+            _varlen_call(device, max_len)
+        if verbose:
+            print(f"warmup: packed varlen batches: {len(ahead.futures)} compiles started", flush=True)
     ahead.wait()
     torch.cuda.synchronize(device)
     return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start,
@@ -74,6 +79,19 @@ def _first_call(device: torch.device) -> None:
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                for _ in range(3))
     out = attention(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+
+
+def _varlen_call(device: torch.device, max_len: int) -> None:
+    """A packed batch (``attention_varlen``): 8 sequences of 256 to ``max_len`` tokens, h 32, d 128,
+    bf16, causal, forward and backward."""
+    from .varlen import attention_varlen
+    lens = torch.linspace(256, max_len, 8).round().int()
+    lens[-1] = max_len
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()]).to(device)
+    q, k, v = (torch.randn(int(lens.sum()), 32, 128, device=device, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    out = attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=True)
     out.backward(torch.ones_like(out))
 
 
