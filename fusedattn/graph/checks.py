@@ -4,7 +4,7 @@ fusedattn cannot run."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..problem import MAX_HEAD_DIM
 from .enums import data_type
@@ -142,6 +142,22 @@ def head_dims_unsupported(d: int, d_v: int, limit=True) -> Optional[str]:
                     f"{MAX_HEAD_DIM}")
     return None
 
+
+
+def dense_qkv_dims(q: tensor, k: tensor, v: tensor, where: str) -> Tuple[int, ...]:
+    """``(b, h_q, s_q, d, h_k, h_v, s_kv, d_v)`` of dense ``q [b, h_q, s_q, d]``, ``k [b, h_k, s_kv, d]`` and
+    ``v [b, h_v, s_kv, d_v]``: batch sizes, q's and k's head dims and k's and v's lengths must agree
+    (GraphError); the head counts are for the caller (:func:`kv_heads`)."""
+    b, h_q, s_q, d = need_dims(q, "q", where)
+    kb, h_k, s_kv, d_k = need_dims(k, "k", where)
+    vb, h_v, s_v, d_v = need_dims(v, "v", where)
+    if kb != b or vb != b:
+        raise GraphError(f"{where}: batch sizes differ: q {q._dim}, k {k._dim}, v {v._dim}")
+    if d_k != d:
+        raise GraphError(f"{where}: k {k.label()} has head dim {d_k} but q {q.label()} has {d}")
+    if s_v != s_kv:
+        raise GraphError(f"{where}: k and v must have the same sequence length: k {k._dim}, v {v._dim}")
+    return b, h_q, s_q, d, h_k, h_v, s_kv, d_v
 
 
 def kv_heads(h_q: int, h_k: int, h_v: int, where: str):

@@ -12,8 +12,8 @@ from typing import Dict
 
 import torch
 
-from .checks import (_FLOAT_DTS, _FP8_DTS, _index_tensor, _scalar_tensor, dense_strides_like, head_dims_unsupported,
-                     infer_output, need_dims, packed_strides, resolve_dt)
+from .checks import (_FLOAT_DTS, _FP8_DTS, _index_tensor, _scalar_tensor, dense_qkv_dims, dense_strides_like,
+                     head_dims_unsupported, infer_output, need_dims, packed_strides, resolve_dt)
 from .enums import data_type
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .lower import Call, _finish_call, _req
@@ -62,15 +62,9 @@ class _Fp8Node(_Node):
     def _check_qkv(self, ctx):
         w, io_dt = self.where, ctx.io_data_type
         q, k, v = (self.inputs[r] for r in ("q", "k", "v"))
-        b, h_q, s_q, d = need_dims(q, "q", w)
-        kb, h_k, s_kv, d_k = need_dims(k, "k", w)
-        vb, h_v, s_v, d_v = need_dims(v, "v", w)
-        if kb != b or vb != b:
-            raise GraphError(f"{w}: batch sizes differ: q {q._dim}, k {k._dim}, v {v._dim}")
-        if d_k != d:
-            raise GraphError(f"{w}: k {k.label()} has head dim {d_k} but q {q.label()} has {d}")
-        if s_v != s_kv or h_k != h_v:
-            raise GraphError(f"{w}: k and v must share heads and sequence length: k {k._dim}, v {v._dim}")
+        b, h_q, s_q, d, h_k, h_v, s_kv, d_v = dense_qkv_dims(q, k, v, w)
+        if h_k != h_v:
+            raise GraphError(f"{w}: k and v must have the same number of heads for FP8: k {k._dim}, v {v._dim}")
         self.h_kv = h_k
         self.dims = (b, h_q, s_q, s_kv, d, d_v)
         for role in ("q", "k", "v"):

@@ -9,8 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .checks import (_FLOAT_DTS, _FP8_DTS, _INDEX_DTS, _index_tensor, _scalar_tensor, check_broadcast,
-                     check_float_io, dense_strides_like, head_dims_unsupported, infer_output, kv_heads,
-                     need_dims, packed_strides, resolve_dt)
+                     check_float_io, dense_qkv_dims, dense_strides_like, head_dims_unsupported, infer_output,
+                     kv_heads, need_dims, packed_strides, resolve_dt)
 from .enums import data_type, tensor_reordering
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .lower import FEATURE_ARGS, Call, Req, _finish_call, _req
@@ -573,15 +573,7 @@ class SdpaBackwardNode(_Node):
         """Check dims against each other, infer dQ / dK / dV like Q / K / V."""
         w, io_dt = self.where, ctx.io_data_type
         q, k, v, o, do, st = (self.inputs[r] for r in ("q", "k", "v", "o", "dO", "stats"))
-        b, h_q, s_q, d = need_dims(q, "q", w)
-        kb, h_k, s_kv, d_k = need_dims(k, "k", w)
-        vb, h_v, s_v, d_v = need_dims(v, "v", w)
-        if kb != b or vb != b:
-            raise GraphError(f"{w}: batch sizes differ: q {q._dim}, k {k._dim}, v {v._dim}")
-        if d_k != d:
-            raise GraphError(f"{w}: k {k.label()} has head dim {d_k} but q {q.label()} has {d}")
-        if s_v != s_kv:
-            raise GraphError(f"{w}: k and v must have the same sequence length: k {k._dim}, v {v._dim}")
+        b, h_q, s_q, d, h_k, h_v, s_kv, d_v = dense_qkv_dims(q, k, v, w)
         self.h_kv, self.kv_expand, kv_why = kv_heads(h_q, h_k, h_v, w)
         for role, t in (("o", o), ("dO", do)):
             dims = need_dims(t, role, w)
