@@ -88,7 +88,7 @@ def test_bench_config_names_are_unique_and_filterable():
 
     args = bench.parse_args(["--configs", "all"])
     names = [c.name for c in bench.select_configs(args)]
-    assert len(names) == len(set(names)) == 8 + 4 + 6 + 2
+    assert len(names) == len(set(names)) == 8 + 4 + 6 + 4
     only = bench.select_configs(bench.parse_args(["--only", "h32kv8,paged16"]))
     assert [c.name for c in only] == ["b4-h32kv8-s4096-d128-bf16-causal",
                                       "decode-b64-h32kv8-kv4096-d128-bf16-contig",
@@ -96,7 +96,9 @@ def test_bench_config_names_are_unique_and_filterable():
                                       "decode-b64-h32kv8-kv4096-d128-bf16-paged64",
                                       "decode-b8-h32-kv16384-d128-bf16-paged16",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-contig",
-                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64"]
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged16",
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64",
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged256"]
 
 
 def test_masked_table_gives_each_library_its_own_mask_cost():
