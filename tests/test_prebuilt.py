@@ -316,3 +316,19 @@ def test_shipped_store_is_intact_and_current(store):
     # the cold-start call's kernels are there (bench --cold-start loaded 3 on the H100, Triton 3.6)
     names = {e["name"] for e in index["kernels"].values()}
     assert {"_attn_fwd_sm90", "_attn_bwd_dq_sm90", "_attn_bwd_dkdv_sm90", "_decode_fwd"} <= names
+
+
+def test_a_kernel_the_driver_refuses_falls_back_to_the_jit(recorded, monkeypatch):
+    """A cubin the driver will not load (an old driver, say) is not launched: ``_loads`` warns once and
+    says no, and ``find`` then answers None (the JIT compiles the kernel, as without a store)."""
+    from fusedattn.backends import cuda_driver, prebuilt
+    store = prebuilt.Store(recorded["store"])
+    shipped = store.kernel(recorded["probe_key"])
+
+    def refuse(device):
+        raise cuda_driver.CudaError("fusedattn: loading kernel _probe failed: CUDA error 222 (unsupported PTX)")
+    monkeypatch.setattr(shipped, "function", refuse)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert prebuilt._loads(shipped, 0) is False
+    assert any("could not be loaded" in str(w.message) and "_probe" in str(w.message) for w in caught)

@@ -265,6 +265,8 @@ def find(kernel, args: tuple, kwargs: dict, device: int):
     memo = store.memo.get((kernel, specs), _UNSEEN)
     if memo is _UNSEEN:     # hashing the key costs more than a launch: once per specialization
         memo = store.memo[(kernel, specs)] = store.kernel(_hash_key(ident, specs, arch))
+    if memo is not None and device not in memo.functions and not _loads(memo, device):
+        memo = store.memo[(kernel, specs)] = None
     if memo is not None:
         stats["hits"] += 1
         if _DEBUG:
@@ -272,6 +274,20 @@ def find(kernel, args: tuple, kwargs: dict, device: int):
     else:
         _missed(kernel, specs)
     return memo
+
+
+def _loads(shipped: "PrebuiltKernel", device: int) -> bool:
+    """Load ``shipped`` onto ``device`` before its first launch. A driver without the calls we use, or one
+    that refuses the cubin (too old for its PTX version, say), turns the store off for that kernel with one
+    warning: the JIT compiles it instead, as without a store."""
+    from .cuda_driver import CudaError
+    try:
+        shipped.function(device)
+        return True
+    except (CudaError, OSError, AttributeError) as exc:
+        compat.warn_once(f"prebuilt-load-{shipped.name}", f"a shipped kernel ({shipped.name}) could not be loaded "
+                                                          f"({exc}); compiling it instead")
+        return False
 
 
 _DEBUG = os.environ.get("FUSEDATTN_PREBUILT_DEBUG", "0") != "0"
