@@ -670,11 +670,6 @@ def test_not_supported_arguments():
     o.set_output(True)
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="FP8"):
         graph.validate()
-    graph, q, k, v = _qkv_graph(v_shape=(1, 2, 8, 16))      # k 4 heads, v 2: neither is single (below)
-    o, _ = graph.sdpa(q, k, v, is_inference=True)
-    o.set_output(True)
-    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="k has 4 heads and v has 2"):
-        graph.validate()
     graph, q, k, v = _qkv_graph()
     o, _ = graph.sdpa(q, k, v, is_inference=True)
     o.set_output(True).set_data_type(cudnn.data_type.HALF)
@@ -804,13 +799,15 @@ def ref_kv_heads(q, k, v, scale, keep):
     return ref_attention(q, k, v, scale, keep)
 
 
-# (h_q, h_k, h_v): a single-head K under GQA V, the reverse, and MQA K with MHA V
-KV_HEADS = [(4, 1, 2), (4, 2, 1), (6, 1, 6)]
+# (h_q, h_k, h_v): a single-head K under GQA V, the reverse, and MQA K with MHA V (stride-0 views); then
+# neither single (gather copies to lcm(h_k, h_v) heads): coprime counts both ways, lcm 12 = h_q with
+# neither count 1 nor h_q, and MHA K with GQA V (only V copied)
+KV_HEADS = [(4, 1, 2), (4, 2, 1), (6, 1, 6), (6, 2, 3), (6, 3, 2), (12, 6, 4), (6, 6, 3)]
 
 
-@pytest.mark.parametrize("h_q,h_k,h_v", KV_HEADS, ids=["k1_v2", "k2_v1", "k1_v6"])
+@pytest.mark.parametrize("h_q,h_k,h_v", KV_HEADS, ids=[f"q{q}_k{k}_v{v}" for q, k, v in KV_HEADS])
 def test_kv_head_counts_differ(on_target, h_q, h_k, h_v):
-    """sdpa and sdpa_backward with h_k != h_v (one of them 1): O, Stats, dQ, dK, dV against float64
+    """sdpa and sdpa_backward with h_k != h_v (both dividing h_q): O, Stats, dQ, dK, dV against float64
     (causal, padding, d_v != d, K in BSHD memory), every output in a NaN-filled buffer."""
     device, _ = on_target
     b, s_q, s_kv, d, d_v, scale = 2, 7, 11, 16, 8, 0.3
@@ -853,10 +850,12 @@ def test_kv_head_counts_differ(on_target, h_q, h_k, h_v):
         torch.testing.assert_close(got.cpu().double(), ref.grad, **tol, msg=lambda m: f"{name}: {m}")
 
 
-def test_kv_head_counts_differ_paged(on_target):
-    """A paged forward with K's containers holding 2 heads and V's 1 (each with its own table)."""
+@pytest.mark.parametrize("h_q,h_k,h_v", [(4, 2, 1), (6, 2, 3)], ids=["q4_k2_v1", "q6_k2_v3"])
+def test_kv_head_counts_differ_paged(on_target, h_q, h_k, h_v):
+    """A paged forward with K's and V's containers holding different head counts (each with its own
+    table): a single-head V (a stride-0 view), and K 2 / V 3 (both containers copied to 6 heads)."""
     device, _ = on_target
-    b, h_q, h_k, h_v, s_q, s, d, bs = 2, 4, 2, 1, 5, 32, 16, 16
+    b, s_q, s, d, bs = 2, 5, 32, 16, 16
     q_t = rand(b, h_q, s_q, d, device=device, seed=1)
     k_t, v_t = rand(b, h_k, s, d, device=device, seed=2), rand(b, h_v, s, d, device=device, seed=3)
     nb = s // bs
@@ -897,27 +896,26 @@ def _kv_heads_graphs(h_q, h_k, h_v):
     return fwd, bwd
 
 
-def test_kv_head_counts_refused():
-    """Other h_k != h_v pairs are valid cuDNN graphs fusedattn cannot run: cudnnGraphNotSupportedError
-    naming both counts (forward and backward); a count that does not divide h_q is malformed (GraphError);
-    a single-head K or V with ragged offsets is not supported either."""
-    for graph in _kv_heads_graphs(6, 2, 3):
-        with pytest.raises(cudnn.cudnnGraphNotSupportedError, match="k has 2 heads and v has 3"):
-            graph.validate()
-    for graph in _kv_heads_graphs(4, 1, 3):
-        with pytest.raises(cudnn.GraphError, match=r"query heads \(4\).*k has 1, v has 3"):
-            graph.validate()
-    for graph in _kv_heads_graphs(4, 1, 2):
-        graph.validate()            # the supported pair, for contrast
+@pytest.mark.parametrize("h_k,h_v", [(1, 2), (2, 4)], ids=["k1_v2", "k2_v4"])
+def test_kv_head_counts_refused(h_k, h_v):
+    """A head count that does not divide h_q is malformed (GraphError, forward and backward, one count
+    single or neither); different counts with ragged offsets (packed THD) are not supported
+    (cudnnGraphNotSupportedError naming both counts), a view or a copy alike."""
+    for h_q, bad_k, bad_v in ((4, 1, 3), (6, 4, 3)):
+        for graph in _kv_heads_graphs(h_q, bad_k, bad_v):
+            with pytest.raises(cudnn.GraphError, match=rf"query heads \({h_q}\).*k has {bad_k}, v has {bad_v}"):
+                graph.validate()
+    for graph in _kv_heads_graphs(4, h_k, h_v):
+        graph.validate()            # the same pair, dense: supported
     b, h_q, s, d = 2, 4, 8, 16
     graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
     off = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
     lens = [graph.tensor(dim=[b, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32) for _ in "qk"]
     q, k, v = (graph.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1])
-               for n, h in (("Q", h_q), ("K", 1), ("V", 2)))
+               for n, h in (("Q", h_q), ("K", h_k), ("V", h_v)))
     for t in (q, k, v):
         t.set_ragged_offset(off)
     o, _ = graph.sdpa(q, k, v, is_inference=True, use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
     o.set_output(True).set_dim([b, h_q, s, d]).set_stride([s * h_q * d, d, h_q * d, 1]).set_ragged_offset(off)
-    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"k has 1 heads and v has 2.*ragged"):
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=rf"k has {h_k} heads and v has {h_v}.*ragged"):
         graph.validate()

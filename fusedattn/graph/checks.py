@@ -160,25 +160,25 @@ def dense_qkv_dims(q: tensor, k: tensor, v: tensor, where: str) -> Tuple[int, ..
     return b, h_q, s_q, d, h_k, h_v, s_kv, d_v
 
 
-def kv_heads(h_q: int, h_k: int, h_v: int, where: str):
-    """How the kernels run K with ``h_k`` heads and V with ``h_v``: ``(h_kv, expand, why)``.
+def kv_heads(h_q: int, h_k: int, h_v: int, where: str) -> Tuple[int, Optional[Tuple[int, int]]]:
+    """How the kernels run K with ``h_k`` heads and V with ``h_v``: ``(h_kv, kv_counts)``.
 
     cuDNN reads K and V head by head on their own: query head i reads K head ``i // (h_q // h_k)`` and V
     head ``i // (h_q // h_v)`` (its reference expands each separately), so both must divide h_q (else
-    GraphError: malformed). The kernels take one ``h_kv`` for both. When the counts differ and one is 1,
-    that tensor seen with head stride 0 as ``[b, h_kv, s, d]`` (``expand``: a view, no copy) reads the
-    same rows for every head, so ``h_kv = max(h_k, h_v)`` gives cuDNN's mapping: ``expand`` is the role
-    so seen ("k" or "v"; None when h_k == h_v). Any other pair (6 query heads, K 2 and V 3, say) would
-    need K or V copied head by head or a kernel with two head counts: ``why`` says so (not supported,
-    raised by the caller once the rest of the graph is checked), else None.
+    GraphError: malformed). The kernels take one ``h_kv`` for both, and map query head i to kv head
+    ``i // (h_q // h_kv)``. With ``h_kv = lcm(h_k, h_v)`` (it divides h_q, a common multiple of both) and
+    K widened to h_kv heads so that its head j is K head ``j // (h_kv // h_k)`` (V likewise), query head i
+    reads K head ``(i // (h_q // h_kv)) // (h_kv // h_k) = i // (h_q // h_k)``: cuDNN's mapping. E.g.
+    h_q 6, K 2, V 3: h_kv 6, K heads 0 0 0 1 1 1, V heads 0 0 1 1 2 2.
+
+    Widening (execute's ``_widen_heads``) is a stride-0 view for a single-head tensor (no copy) and a
+    gather copy of the tensor otherwise (one copy each of K and V, or of their paged containers); the
+    backward sums each widened head's gradient back onto the head it was copied from (fp32).
+    ``kv_counts`` is ``(h_k, h_v)`` when they differ, else None (nothing to widen).
     """
     if h_k == h_v:
-        return h_k, None, None      # the common check (GQA/MQA) names a bad ratio
+        return h_k, None            # the common check (GQA/MQA) names a bad ratio
     if h_q % h_k or h_q % h_v:
         raise GraphError(f"{where}: query heads ({h_q}) must be a multiple of key/value heads: k has {h_k}, "
                          f"v has {h_v} (query head i reads k head i // (h_q // h_k), v head i // (h_q // h_v))")
-    if min(h_k, h_v) == 1:
-        return max(h_k, h_v), "k" if h_k == 1 else "v", None
-    return h_k, None, (f"k has {h_k} heads and v has {h_v}: fusedattn runs K and V with different head "
-                       f"counts only when one of them has a single head (its kernels take one key/value "
-                       f"head count)")
+    return math.lcm(h_k, h_v), (h_k, h_v)

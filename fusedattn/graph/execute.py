@@ -58,8 +58,11 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
     elif call.kv_layout != "dense":
         # probe without paging: the tiny inputs carry dense k/v under these roles
         k, v = t["k_dense"], t["v_dense"]
-    if call.kv_expand is not None:
-        k, v = _expand_kv(call.kv_expand, k, v)
+    widened = {}        # "k" / "v" -> the graph's head count, for each tensor run with h_kv heads
+    if call.kv_counts is not None:
+        h_kv = call.dims["_sizes"][2]
+        widened = {role: h for role, h in zip("kv", call.kv_counts) if h != h_kv}
+        k, v = _widen_heads(k, h_kv), _widen_heads(v, h_kv)
     backend = t.get("_backend", "auto")
     if call.kind == "fwd":
         fn = fn_mod.attention_forward
@@ -71,11 +74,11 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
         fn = fn_mod.attention_backward
         args = (t["q"], k, v, t["o"], t["dO"], t["stats"])
         kw["dq"], kw["dk"], kw["dv"] = t["dQ"], t["dK"], t["dV"]
-        if call.kv_expand is not None:
-            # the expanded tensor's gradient, one per expanded head (a stride-0 output would race):
-            # summed into the graph's dK / dV by post
-            expanded = k if call.kv_expand == "k" else v
-            kw["d" + call.kv_expand] = fn_mod._like_layout(t["dQ"], expanded.shape, expanded.dtype)
+        for role, x in (("k", k), ("v", v)):
+            if role in widened:
+                # one gradient per widened head (several heads writing one graph head would race):
+                # summed back into the graph's dK / dV by post
+                kw["d" + role] = fn_mod._like_layout(t["dQ"], x.shape, x.dtype)
     kw["backend"] = backend
     # cuDNN reads seq_len_q / seq_len_kv at execute without checking their values (no host sync, and a
     # graph may be replayed inside a CUDA graph): the functional door's per-call value check is off here
@@ -85,10 +88,9 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
     def post(result):
         if "rng_dump" in feats:
             _write_rng_dump(t, kw)
-        if call.kind == "bwd" and call.kv_expand is not None:
-            # d(expand)/dx: the sum over the expanded heads, in fp32, rounded once into the graph's tensor
-            per_head = kw["d" + call.kv_expand]
-            t["dK" if call.kv_expand == "k" else "dV"].copy_(per_head.sum(1, keepdim=True, dtype=torch.float32))
+        if call.kind == "bwd":
+            for role, h in widened.items():
+                t["d" + role.upper()].copy_(_fold_heads(kw["d" + role], h))
         if call.kind == "bwd" and "dbias" in feats:
             dbias = result[3]
             if dbias is None:
@@ -104,14 +106,30 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
 
 
 
-def _expand_kv(role: str, k: torch.Tensor, v: torch.Tensor):
-    """(k, v) with one head count: the single-head tensor named by ``role`` ("k" or "v") seen with the
-    other's heads through a head stride of 0 (a view, no copy; :func:`.checks.kv_heads` says why that
-    is cuDNN's mapping). Dim 1 is the head dim of dense ``[b, h, s, d]`` tensors and of paged
-    containers ``[num_blocks, h, block_size, d]`` alike."""
-    if role == "k":
-        return k.expand(-1, v.shape[1], -1, -1), v
-    return k, v.expand(-1, k.shape[1], -1, -1)
+def _widen_heads(x: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """``x`` (dim 1 its ``h`` heads, h dividing ``h_kv``) seen or copied as ``h_kv`` heads, head j of the
+    result being head ``j // (h_kv // h)`` of ``x``: with the kernels' query head -> kv head mapping that is
+    cuDNN's own for K and V of different head counts (:func:`.checks.kv_heads` shows why).
+
+    One head: a view with head stride 0 (no copy). More: a gather copy (``repeat_interleave`` along
+    heads), one copy of ``x`` per call, because the kernels take one head count for K and V. Dim 1 holds
+    the heads of dense ``[b, h, s, d]`` tensors and of paged containers ``[num_blocks, h, block_size, d]``
+    alike (a paged container is copied whole).
+    """
+    h = x.shape[1]
+    if h == h_kv:
+        return x
+    if h == 1:
+        return x.expand(-1, h_kv, -1, -1)
+    return x.repeat_interleave(h_kv // h, dim=1)
+
+
+def _fold_heads(per_head: torch.Tensor, h: int) -> torch.Tensor:
+    """The gradient of :func:`_widen_heads` to ``h`` heads: ``per_head [b, h_kv, s, d]`` (one gradient per
+    widened head) summed over the ``h_kv // h`` heads each original head became, in fp32 so the sum is
+    rounded once, into the graph's data type by the caller's copy."""
+    h_kv = per_head.shape[1]
+    return per_head.unflatten(1, (h, h_kv // h)).sum(2, dtype=torch.float32)
 
 
 def invoke(call: Call, t: Dict[str, torch.Tensor]):

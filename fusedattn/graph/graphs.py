@@ -216,9 +216,11 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
             q: [b, h_q, s_q, d]. k: [b, h_kv, s_kv, d], v: [b, h_kv, s_kv, d_v]; any strides
                 (BSHD memory seen through ``.transpose(1, 2)`` included). GQA/MQA when
                 ``h_q % h_kv == 0``. With paging, k/v are containers [num_blocks, h_kv, block_size, d].
-                k and v may have different head counts h_k != h_v (query head i reads k head
-                ``i // (h_q // h_k)`` and v head ``i // (h_q // h_v)``, as cuDNN) when one of them is 1
-                (dense or paged, not packed); other pairs raise cudnnGraphNotSupportedError.
+                k and v may have different head counts h_k != h_v, both dividing h_q (query head i
+                reads k head ``i // (h_q // h_k)`` and v head ``i // (h_q // h_v)``, as cuDNN; dense or
+                paged, not packed). Both run widened to ``lcm(h_k, h_v)`` heads: a single-head one as a
+                stride-0 view, any other as a gather copy (one copy of it, or of its paged container, per
+                execute).
             is_inference / generate_stats: stats are produced when ``generate_stats=True`` (or
                 ``is_inference=False``); both may be given if they agree; neither means no stats.
             attn_scale: float or a one-element graph tensor; None applies no scale (cuDNN's rule).
@@ -332,7 +334,8 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
                       attn_bias=None, dropout_seed=None, dropout_offset=None, left_bound=None,
                       right_bound=None, sliding_window=None):
         """Gradients of :meth:`sdpa`: dQ [b, h_q, s_q, d], dK [b, h_k, s_kv, d], dV [b, h_v, s_kv, d_v]
-        (h_k, h_v as k's and v's: a single-head one gets the sum over the query heads that read it).
+        (h_k, h_v as k's and v's: with h_k != h_v each head gets the sum, in fp32, of the gradients of
+        the widened heads it was copied to, i.e. over the query heads that read it).
 
         Args (cuDNN frontend 1.32's names, order and defaults; every keyword also accepts None, meaning
         "not given"): q, k, v as in :meth:`sdpa`; o and dO [b, h_q, s_q, d_v]; stats fp32 [b, h_q, s_q, 1]

@@ -73,8 +73,8 @@ class Call:
     max_seq_len_kv: Optional[int] = None    # paged: fill seq_len_kv when none is given
     ragged_roles: Tuple[str, ...] = ()      # packed roles; each has a "ragged_<role>" offsets req
     packed_q_only: bool = False             # packed q/O over padded or paged K/V: attention_with_kvcache
-    kv_expand: Optional[str] = None         # "k" / "v": that single-head tensor is run as h_kv heads
-    #                                         (stride 0, a view; graph.checks.kv_heads), its gradient summed
+    kv_counts: Optional[Tuple[int, int]] = None   # (h_k, h_v) when they differ: both run widened to
+    #                                               h_kv heads (graph.checks.kv_heads), gradients summed back
     dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)   # declared dims, for the probe
     dts: Dict[str, torch.dtype] = field(default_factory=dict)
     probe_key: tuple = ()
@@ -103,7 +103,7 @@ def _finish_call(call: Call, node: _Node, s_kv: int):
         call.dts[r.role] = r.dtype
     b, h_q, s_q, _, d, d_v = node.dims
     call.dims["_sizes"] = (b, h_q, node.h_kv, s_q, s_kv, d, d_v)
-    call.kv_expand = getattr(node, "kv_expand", None)      # the FP8 nodes run K and V as given
+    call.kv_counts = getattr(node, "kv_counts", None)      # the FP8 nodes run K and V as given
     static_items = tuple(sorted((k, v if not isinstance(v, float) else "float")
                                 for k, v in call.static.items()))
     # Shapes enter the key without b / s (they do not change what is supported), but the
@@ -112,7 +112,7 @@ def _finish_call(call: Call, node: _Node, s_kv: int):
                              for r in call.reqs))
     call.probe_key = (call.kind, call.features, static_items, shape_sig, h_q, node.h_kv, d, d_v,
                       call.kv_layout, call.scale_role, call.seed_role, call.offset_role, call.packed_q_only,
-                      call.kv_expand)
+                      call.kv_counts)
     # The paged block size can matter to the kernels: keep it in the key.
     if node.paged:
         kdims = call.dims["k"]

@@ -99,17 +99,17 @@ class _Node:
         if value is not None and value is not False:
             self.unsupported.append(f"{name}{': ' + why if why else ''}")
 
-    def _refuse_kv_heads(self, why: Optional[str]) -> None:
-        """Raise cudnnGraphNotSupportedError for K/V head counts fusedattn cannot run (``why`` from
-        :func:`~.checks.kv_heads`), or for a single-head K or V seen with more heads in a packed (THD)
-        call: the packed paths take the tensors as they are. At the end of validate, so malformed
+    def _refuse_kv_heads(self) -> None:
+        """Raise cudnnGraphNotSupportedError for K and V with different head counts (``self.kv_counts``,
+        from :func:`~.checks.kv_heads`) in a packed (THD) call: the packed paths take K and V as they are,
+        while the dense and paged ones widen them to one head count. At the end of validate, so malformed
         graphs report their own error first."""
-        if why is None and self.kv_expand is not None and self.ragged:
-            h_k, h_v = (1, self.h_kv) if self.kv_expand == "k" else (self.h_kv, 1)
-            why = (f"k has {h_k} heads and v has {h_v}: different key/value head counts run with dense or "
-                   f"paged K/V only, not with ragged offsets (packed THD)")
-        if why is not None:
-            raise cudnnGraphNotSupportedError(f"{self.where}: {why}")
+        if self.kv_counts is not None and self.ragged:
+            h_k, h_v = self.kv_counts
+            raise cudnnGraphNotSupportedError(
+                f"{self.where}: k has {h_k} heads and v has {h_v}: different key/value head counts run with "
+                f"dense or paged K/V only, not with ragged offsets (packed THD); give k and v the same head "
+                f"count (repeat_interleave along heads) or drop the ragged offsets")
 
     # -- validate helpers -------------------------------------------------------------------
     def _validate_common(self, ctx, b, h_q, s_q, s_kv, d, d_v, io_dt):
@@ -416,7 +416,7 @@ class SdpaNode(_Node):
         if d_k != d:
             raise GraphError(f"{w}: k {k.label()} has head dim {d_k} but q {q.label()} has {d} "
                              f"(dims q {q._dim}, k {k._dim})")
-        self.h_kv, self.kv_expand, kv_why = kv_heads(h_q, h_k, h_v, w)
+        self.h_kv, self.kv_counts = kv_heads(h_q, h_k, h_v, w)
         if not self.paged:
             if kd[0] != b or vd[0] != b:
                 raise GraphError(f"{w}: batch sizes differ: q {q._dim}, k {k._dim}, v {v._dim}")
@@ -453,7 +453,7 @@ class SdpaNode(_Node):
                 raise GraphError(f"{w}: Stats {self.stats.label()} must be FLOAT (fp32 log-sum-exp), got "
                                  f"{self.stats._data_type.name}")
         self._check_ragged_outputs()
-        self._refuse_kv_heads(kv_why)
+        self._refuse_kv_heads()
         # Last, so malformed graphs report their own error. Where cuDNN refuses (Hopper, cuDNN 9.19):
         # its validate() wants head dims that are multiples of 8; larger ones than it runs pass
         # validate and fail at check_support, where `probe` checks our upper limit.
@@ -574,7 +574,7 @@ class SdpaBackwardNode(_Node):
         w, io_dt = self.where, ctx.io_data_type
         q, k, v, o, do, st = (self.inputs[r] for r in ("q", "k", "v", "o", "dO", "stats"))
         b, h_q, s_q, d, h_k, h_v, s_kv, d_v = dense_qkv_dims(q, k, v, w)
-        self.h_kv, self.kv_expand, kv_why = kv_heads(h_q, h_k, h_v, w)
+        self.h_kv, self.kv_counts = kv_heads(h_q, h_k, h_v, w)
         for role, t in (("o", o), ("dO", do)):
             dims = need_dims(t, role, w)
             if dims != [b, h_q, s_q, d_v]:
@@ -613,7 +613,7 @@ class SdpaBackwardNode(_Node):
                     f"{w}: {role} {out.label()} is {out._data_type.name} but q is {grad_dt.name}; fusedattn "
                     f"writes gradients in the inputs' data type")
         self._check_ragged_outputs()
-        self._refuse_kv_heads(kv_why)
+        self._refuse_kv_heads()
         # Last, so malformed graphs report their own error. cuDNN's backward validate() refuses
         # head dims it cannot run (multiples of 8 up to 256 on Hopper): so does ours.
         why = head_dims_unsupported(d, d_v)

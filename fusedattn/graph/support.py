@@ -35,8 +35,8 @@ def _tiny_tensors(call: Call, device: torch.device, backend: str) -> Dict[str, t
 
     dts = call.dts
     qdt = dts["q"]
-    # a single-head K or V run as h_kv heads (call.kv_expand) keeps its single head here: execute expands it
-    h_k, h_v = (1 if call.kv_expand == "k" else h_kv), (1 if call.kv_expand == "v" else h_kv)
+    # K and V with different head counts (call.kv_counts) keep them here: execute widens both to h_kv
+    h_k, h_v = call.kv_counts or (h_kv, h_kv)
     t = {"_backend": backend, "q": rnd((1, h_q, sq, d), qdt)}
     if call.kv_layout == "dense":
         skv = min(s_kv, 5)
