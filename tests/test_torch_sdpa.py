@@ -29,6 +29,12 @@ SDPA = fa_torch._TORCH_SDPA
 def cpu_routing(monkeypatch):
     """Route CPU tensors to fusedattn (tests only) and count the calls fusedattn takes."""
     monkeypatch.setattr(fa_torch, "_ALLOW_CPU", True)
+    yield _count_calls(monkeypatch)
+    fa_torch.deactivate()
+
+
+def _count_calls(monkeypatch) -> list:
+    """Wrap the fusedattn entry the integration calls; returns the list of each call's keyword args."""
     calls = []
     real = fa_torch.attention
 
@@ -37,8 +43,7 @@ def cpu_routing(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fa_torch, "attention", counting)
-    yield calls
-    fa_torch.deactivate()
+    return calls
 
 
 def _assert_close(got, want, rel):
@@ -390,15 +395,7 @@ def test_flash_slot_kernels_on_cpu(cpu_routing):
 
 @pytest.fixture
 def gpu_calls(monkeypatch):
-    calls = []
-    real = fa_torch.attention
-
-    def counting(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fa_torch, "attention", counting)
-    yield calls
+    yield _count_calls(monkeypatch)
     fa_torch.deactivate()
 
 

@@ -41,18 +41,16 @@ class _Node:
     packed_roles: Tuple[str, ...] = ()   # roles that are packed together (THD); Stats may be too, or not
 
     def _input(self, role: str, value, arg: Optional[str] = None):
-        t = check_graph_tensor(self.graph, value, arg or role, self.where)
-        if t is not None:
-            self.inputs[role] = t
-            self.order.append(t)
-            t._roles.append(f"{self.name}.{role}")
-        return t
+        return self._attach(self.inputs, role, value, arg)
 
     def _written(self, role: str, value, arg: Optional[str] = None):
         """A user-created tensor the node writes (rng_dump, dBias)."""
+        return self._attach(self.outputs, role, value, arg)
+
+    def _attach(self, table: dict, role: str, value, arg: Optional[str]):
         t = check_graph_tensor(self.graph, value, arg or role, self.where)
         if t is not None:
-            self.outputs[role] = t
+            table[role] = t
             self.order.append(t)
             t._roles.append(f"{self.name}.{role}")
         return t

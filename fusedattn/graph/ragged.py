@@ -191,19 +191,7 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
 
     def post(result):
         if call.kind == "fwd":
-            out, lse = result
-            if "o" in views:           # a virtual O nobody reads may be unpacked: not written
-                views["o"].copy_(out)
-            if "stats" in feats and "stats" in t:
-                if "stats" in views:
-                    views["stats"].copy_(lse.t())
-                else:
-                    # padded Stats [b, h, s, 1]: rows past a sequence's length see no key: -inf (cuDNN 9.14+)
-                    target = t["stats"][..., 0]
-                    target.fill_(float("-inf"))
-                    if lse.numel():
-                        seq, pos = _padded_index(pk.lens_q, target.device)
-                        target[seq, :, pos] = lse.t()
+            _write_forward(result, views, t, feats, pk.lens_q)
         else:
             for role, g in zip(("dQ", "dK", "dV"), result):
                 if role in views:
@@ -277,20 +265,27 @@ def _packed_q_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
     _check_params(attention_with_kvcache, kw)
 
     def post(result):
-        out, lse = result
-        if "o" in views:
-            views["o"].copy_(out)
-        if "stats" in feats and "stats" in t:
-            if "stats" in views:
-                views["stats"].copy_(lse.t())
-            else:
-                target = t["stats"][..., 0]
-                target.fill_(float("-inf"))          # rows past a sequence's length see no key (cuDNN 9.14+)
-                if lse.numel():
-                    sq, pos = _padded_index(lens_q, target.device)
-                    target[sq, :, pos] = lse.t()
+        _write_forward(result, views, t, feats, lens_q)
 
     return attention_with_kvcache, args, kw, post
+
+
+def _write_forward(result, views: dict, t: dict, feats, lens_q) -> None:
+    """Write a packed forward's (out, lse) into the graph's tensors: O through its packed view (a virtual O
+    nobody reads may be unpacked: not written), Stats packed, or padded [b, h, s, 1] with -inf on the rows
+    past each sequence's length, which see no key (cuDNN 9.14+)."""
+    out, lse = result
+    if "o" in views:
+        views["o"].copy_(out)
+    if "stats" in feats and "stats" in t:
+        if "stats" in views:
+            views["stats"].copy_(lse.t())
+        else:
+            target = t["stats"][..., 0]
+            target.fill_(float("-inf"))
+            if lse.numel():
+                seq, pos = _padded_index(lens_q, target.device)
+                target[seq, :, pos] = lse.t()
 
 
 def _bottom_right(call: Call, kw, lens_q: List[int], lens_kv, k, table, layout, probing=False) -> None:
