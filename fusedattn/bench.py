@@ -67,7 +67,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class Config:
-    """One benchmark problem. ``mask`` is "" (plain), padding, alibi, window or dropout."""
+    """One benchmark problem. ``mask`` is "" (plain), padding, alibi, window, dropout or sink (a
+    learnable per-head sink logit, issue 26)."""
 
     table: str                  # anchors | masked | decode | prefill | cpu
     b: int
@@ -168,6 +169,9 @@ def masked_configs() -> List[Config]:
         replace(base, mask="alibi"),
         Config("masked", 2, 16, 16, 8192, 8192, 128, "bf16", causal=True, mask="window", window=1024),
         replace(base, mask="dropout", dropout_p=0.1),
+        # issue 26: a sink costs at most 3% (within 0.97x of the same problem without one)
+        replace(base, mask="sink"),
+        Config("masked", 2, 16, 16, 8192, 8192, 128, "bf16", mask="sink"),
     ]
 
 
@@ -260,6 +264,8 @@ def make_inputs(cfg: Config, device) -> Inputs:
     if cfg.mask == "alibi":
         from fusedattn.problem import alibi_slopes
         inp.extra["slopes"] = alibi_slopes(cfg.h_q, device)
+    if cfg.mask == "sink":
+        inp.extra["sink"] = torch.randn(cfg.h_q, dtype=torch.float32, device=device).requires_grad_(q.requires_grad)
     if cfg.page_block:
         _add_paged_cache(cfg, inp)
     return inp
@@ -416,7 +422,8 @@ def _explicit_mask(cfg: Config, inp: Inputs) -> torch.Tensor:
 
 
 def _autograd_runner(attn: Callable[[Inputs], torch.Tensor], inp: Inputs) -> Runner:
-    """Forward under no_grad; backward is autograd.grad of one kept forward (retain_graph)."""
+    """Forward under no_grad; backward is autograd.grad of one kept forward (retain_graph), with the
+    sink's gradient too where the config has one."""
 
     def fwd():
         with torch.no_grad():
@@ -425,7 +432,7 @@ def _autograd_runner(attn: Callable[[Inputs], torch.Tensor], inp: Inputs) -> Run
     def make_bwd():
         out = attn(inp)
         d_out = torch.randn_like(out)
-        leaves = (inp.q, inp.k, inp.v)
+        leaves = (inp.q, inp.k, inp.v) + ((inp.extra["sink"],) if "sink" in inp.extra else ())
         return lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True)
 
     return Runner(fwd, make_bwd)
@@ -455,6 +462,8 @@ def prepare_ours(cfg: Config, need_bwd: bool):
     def attn(inp):
         # lengths are trusted metadata here (validate=False, as the cache configs): no host sync per call
         extra = {"seq_len_q": inp.extra["lens"], "seq_len_kv": inp.extra["lens"], "validate": False} if cfg.lens else {}
+        if cfg.mask == "sink":
+            extra["sink"] = inp.extra["sink"]
         return attention(inp.q, inp.k, inp.v, **kw, **extra)
 
     return lambda inp: _autograd_runner(attn, inp)
@@ -471,6 +480,11 @@ def _ours_kwargs(cfg: Config) -> dict:
     return kw
 
 
+def _refuse_sink(cfg: Config, who: str) -> None:
+    if cfg.mask == "sink":
+        raise Unsupported(f"{who}: no sink")
+
+
 def prepare_sdpa(backend_name: str):
     """A factory for SDPA pinned to one backend through ``sdpa_kernel``."""
 
@@ -482,6 +496,7 @@ def prepare_sdpa(backend_name: str):
             raise Unsupported(f"skip: math would need {math_bytes(cfg) / 1e9:.0f} GB")
         if cfg.page_block:
             raise Unsupported("SDPA has no paged K/V cache")
+        _refuse_sink(cfg, "SDPA")
 
         def attn(inp):
             with sdpa_kernel(backend):
@@ -541,6 +556,7 @@ def prepare_flex(cfg: Config, need_bwd: bool):
 
     if cfg.mask == "dropout":
         raise Unsupported("FlexAttention has no dropout")
+    _refuse_sink(cfg, "FlexAttention (a score_mod cannot add a column)")
     if cfg.page_block:
         raise Unsupported("paged cache not wired for FlexAttention here")
     flex = _flex_compiled()
@@ -561,7 +577,7 @@ def prepare_fa4(cfg: Config, need_bwd: bool):
     """FlashAttention-4 (CuTe DSL); it takes BSHD tensors, so the views are transposed back."""
     from flash_attn.cute import flash_attn_func
 
-    if cfg.mask in ("padding", "alibi", "dropout") or cfg.page_block:
+    if cfg.mask in ("padding", "alibi", "dropout", "sink") or cfg.page_block:
         raise Unsupported(f"not wired for FA4: {cfg.mask or 'paged'}")
     kw = {"causal": cfg.causal and cfg.s_q > 1}
     if cfg.mask == "window":
@@ -680,6 +696,7 @@ def prepare_cudnn(cfg: Config, need_bwd: bool):
     """cuDNN frontend: graphs built once per config, executed with each input set's buffers."""
     import cudnn
 
+    _refuse_sink(cfg, "cuDNN frontend here")
     handle = _cudnn_handle()
     state: Dict[str, object] = {}
 

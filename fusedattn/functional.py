@@ -160,12 +160,12 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         # few query rows per kv head (decode): the split-KV kernel packs a GQA group into one tile
         decode.launch_decode_problem(p, extras, q, k, v, out, lse)
         return
-    if pl.fwd_gluon and not p.has_sink:
-        # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one);
-        # a sink takes the portable kernel (the Gluon forward has no HAS_SINK switch yet)
+    if pl.fwd_gluon:
+        # Hopper: the warp-specialized Gluon kernel when the tensors suit TMA (else the portable one)
         gluon = _gluon_kernels("forward", "fwd_sm90")
         fwd_sm90 = gluon[0] if gluon is not None else None
-        lens = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+        lens = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"],
+                    sink=extras["sink"])
         if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, **lens) and _gluon_ran(
                 "forward", lambda: fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, **lens) or True):
             return

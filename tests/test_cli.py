@@ -117,3 +117,32 @@ def test_masked_table_gives_each_library_its_own_mask_cost():
     assert cells["cuDNN frontend (no mask)"] == "600" and cells["ours (no mask)"] == "500"
     assert cells["ours/best"] == "1.20"            # 300 / 250, not 300 / 600
     assert cells["ours/no-mask"] == "0.60" and cells["cuDNN/no-mask"] == "0.42"
+
+
+def test_bench_sink_config_times_ours_with_the_sink_and_declines_the_rest():
+    """The masked table's sink rows (issue 26): ours runs with the sink (its gradient among the
+    backward's leaves, the sink changing the output), every alternative declines instead of timing
+    the problem without a sink."""
+    import torch
+
+    from fusedattn import bench
+
+    cfg = bench.Config("masked", 1, 2, 2, 9, 9, 8, "fp32", causal=True, mask="sink")
+    assert [c.mask for c in bench.masked_configs()].count("sink") == 2
+    inp = bench.make_inputs(cfg, "cpu")
+    assert inp.extra["sink"].shape == (2,) and inp.extra["sink"].requires_grad
+    runner = bench.prepare_ours(cfg, True)(inp)
+    with_sink = runner.fwd()
+    without = bench.prepare_ours(cfg.unmasked(), True)(inp).fwd()
+    assert (with_sink - without).abs().max() > 1e-4          # the sink is really passed
+    grads = runner.make_bwd()()
+    assert len(grads) == 4 and grads[3].shape == (2,) and torch.isfinite(grads[3]).all()
+    for prep in (bench.prepare_sdpa("MATH"), bench.prepare_flex, bench.prepare_fa4):
+        try:
+            prep(cfg, True)
+        except bench.Unsupported as exc:
+            assert "sink" in str(exc)
+        except ImportError:
+            pass                                             # FA4 / cuDNN not installed here
+        else:
+            raise AssertionError(f"{prep} accepted a sink config")

@@ -37,7 +37,7 @@ def _random_case(seed):
     return random_hopper_case(seed, LENGTHS)
 
 
-def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None), persistent=None):
+def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None), persistent=None, sink=None):
     """Run one case on the Gluon kernel and check it against the float64 reference and the
     Triton forward. lens: per-batch (len_q, len_kv) lists (either None: unpadded side); the
     reference and the Triton kernel see clean inputs, the Gluon kernel sees the padding rows
@@ -46,9 +46,12 @@ def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None), per
     persistent: None (the kernel's default grid) or launch_fwd_sm90's persistent-grid keywords
     (persistent, dynamic, head_group, ctas); the output and LSE must then also be bit-identical
     to the one-tile grid's (each work tile runs the same instructions), written into a second
-    pair of NaN-filled buffers."""
+    pair of NaN-filled buffers.
+
+    sink: None, or the per-head sink logits (a list of h_q floats, -inf for a head without one)."""
     from fusedattn.backends.gluon.fwd_sm90 import TILE_D, launch_fwd_sm90, supports
-    msg = case.repro(nodeid) + (f" lens={lens}" if lens != (None, None) else "")
+    msg = (case.repro(nodeid) + (f" lens={lens}" if lens != (None, None) else "")
+           + (f" sink={sink}" if sink is not None else ""))
     gen = torch.Generator().manual_seed(case.seed)
     dt = getattr(torch, case.dtype)
     q = guarded((case.b, case.h_q, case.s_q, case.d), dt, "cuda", case.layout, gen)
@@ -60,9 +63,11 @@ def run_case(case, nodeid, write_lse=True, pingpong=None, lens=(None, None), per
     for name, n in zip(("seq_len_q", "seq_len_kv"), lens):
         if n is not None:
             kw[name] = torch.tensor(n, dtype=torch.int32, device="cuda")
+    if sink is not None:
+        kw["sink"] = torch.tensor(sink, dtype=torch.float32, device="cuda")
     p, extras = make_problem(q.view, k.view, v.view, **kw)
     slopes = extras["slopes"]
-    seq = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+    seq = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"], sink=extras["sink"])
     assert supports(p, q.view, k.view, v.view, out.view, head_dims=tuple(TILE_D), slopes=slopes, **seq), \
         f"supports() refused a case it should run. {msg}"
 
@@ -254,6 +259,60 @@ def test_gluon_fwd_padding_random(seed, request):
     case = dataclasses.replace(case, b=4, d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3, window=window)
     run_case(case, request.node.nodeid, write_lse=seed % 2 == 0, pingpong=rng.random() < 0.5,
              lens=pad_case(case, PAD_SIDES[seed % 3], 7000 + seed))
+
+
+# ------------------------------------------------------------------------------------------------
+# sinks (fwd_sm90 [Note] sinks): one more softmax term per head, folded in the epilogue
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_fwd_sink_random(seed, request):
+    """Sink logits from -inf (a head without one) to 12 (a sink that outweighs every key) on random
+    geometries: every head dim, any mask, sometimes a window, ALiBi (the sink joins in the loop's
+    shifted frame), padding or dropout, both grids (persistent bit-identical to the one-tile grid)."""
+    rng = random.Random(seed)
+    case = _random_case(9500 + seed)
+    window = rng.choice([None, None, (rng.randrange(0, 300), rng.choice([0, -1, 50]))])
+    case = dataclasses.replace(case, d=(64, 128, 224, 256)[seed % 4], alibi=rng.random() < 0.3, window=window,
+                               dropout=rng.choice([0.0, 0.0, 0.2]))
+    lens = (None, None)
+    if seed % 3 == 0:
+        case = dataclasses.replace(case, b=4)
+        lens = pad_case(case, "both", 9500 + seed)
+    sink = [rng.choice([float("-inf"), -3.0, 0.5, 2.0, 12.0]) for _ in range(case.h_q)]
+    persistent = dict(persistent=True, ctas=1 + seed % 5) if seed % 2 else None
+    run_case(case, request.node.nodeid, write_lse=seed % 4 != 1, lens=lens, persistent=persistent, sink=sink)
+
+
+def test_gluon_fwd_sink_routes_to_gluon(monkeypatch):
+    """attention(..., sink=) on an H100 runs the Gluon forward (not the portable kernel), and its
+    output, stats and gradients match the float64 reference."""
+    from fusedattn.backends.gluon import fwd_sm90
+    from fusedattn.backends.triton import fwd as triton_fwd
+    calls = []
+    real = fwd_sm90.launch_fwd_sm90
+    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", lambda *a, **kw: calls.append("gluon") or real(*a, **kw))
+    real_tri = triton_fwd.launch_fwd
+    monkeypatch.setattr(triton_fwd, "launch_fwd", lambda *a, **kw: calls.append("triton") or real_tri(*a, **kw))
+    gen = torch.Generator().manual_seed(26)
+    q, k, v = (torch.randn(2, 300, 4, 128, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+               .requires_grad_() for _ in range(3))
+    sink = torch.tensor([0.3, -1.0, 2.5, 7.0], device="cuda", requires_grad=True)
+    out, stats = fusedattn.attention(q, k, v, causal=True, sink=sink, return_stats=True)
+    assert calls == ["gluon"], f"forward launches: {calls}"
+    gold_o, gold_lse = attention_reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), causal=True,
+                                           sink=sink.detach().cpu())
+    base_o, _ = attention_reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), causal=True,
+                                    sink=sink.detach().cpu(), dtype=torch.bfloat16)
+    assert_error_within(out.detach().cpu(), gold_o, base_o, msg="sink through attention()")
+    assert_lse_close(stats.detach().cpu().double(), gold_lse, msg="sink through attention()")
+    out.float().square().sum().backward()
+    qd, kd, vd, sd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v, sink))
+    ref, _ = attention_reference(qd, kd, vd, causal=True, sink=sd)
+    ref.square().sum().backward()
+    for name, got, want in (("dq", q.grad, qd.grad), ("dk", k.grad, kd.grad), ("dv", v.grad, vd.grad)):
+        scale = want.abs().max().item()
+        assert max_err(got.cpu(), want) <= 0.02 * scale + 1e-3, f"{name} off by {max_err(got.cpu(), want):.3e}"
+    assert torch.allclose(sink.grad.cpu().double(), sd.grad, rtol=2e-2, atol=2e-2), (sink.grad, sd.grad)
 
 
 def test_gluon_fwd_supports():

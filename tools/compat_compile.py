@@ -27,6 +27,9 @@ CASES = [
     ("gluon fwd d128 padded dropout", lambda: gluon_check.compile_fwd(128, False, "bf16", seq_q=True, seq_kv=True,
                                                                        dropout=True)),
     ("gluon fwd d128 persistent", lambda: gluon_check.compile_fwd(128, True, "bf16", persistent=True)),
+    # issue 26: sinks in the Gluon forward (both grids; with ALiBi's row shift)
+    ("gluon fwd d64 sink persistent", lambda: gluon_check.compile_fwd(64, False, "bf16", persistent=True, sink=True)),
+    ("gluon fwd d128 causal sink alibi", lambda: gluon_check.compile_fwd(128, True, "bf16", alibi=True, sink=True)),
     ("gluon dq d128 causal", lambda: gluon_dq_check.compile_dq(128, True, "bf16")),
     ("gluon dq d256", lambda: gluon_dq_check.compile_dq(256, False, "fp16")),
     ("gluon dkdv d128 causal", lambda: gluon_bwd_check.compile_dkdv(128, True, "bf16")),

@@ -36,7 +36,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
-                persistent=False, dynamic=True, dropout=False):
+                persistent=False, dynamic=True, dropout=False, sink=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -54,12 +54,13 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",
            "HEAD_GROUP": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32",
-           "DROP_RESCALE": "fp32"}
+           "DROP_RESCALE": "fp32", "SINK": "*fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
-                 PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout)
+                 PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
+                 HAS_SINK=sink)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)

@@ -156,6 +156,12 @@ path make, built by the threads that hold the scores from one Philox call per 2 
 them all, and the epilogue scales O by 1 / (1 - p). The Philox words cost more issue slots than the
 tile's two matmuls, so the dropout forward is integer-issue-bound (bench/NOTES.md 48).
 
+[Note] sinks (compile-time ``HAS_SINK``): a per-head sink logit is one more softmax term with no
+value row, so it enters once, in the epilogue (``_fwd_write``), as in the Triton kernel
+(``triton/common.fold_sink``): the row max and sum take it, O is only rescaled, the stats include
+it. A row with no key still writes output 0, with lse = sink. The loop is untouched, so a sink costs
+one rescale of O per work tile; the backward needs no switch (P = exp(s - lse) with that lse).
+
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
 d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
@@ -733,17 +739,31 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, drop, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-               DROPOUT: gl.constexpr):
+               len_q, slope2, drop, SINK, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
+               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
     with plain stores. Returns with the TMA store in flight (the caller waits: tma.store_wait).
-    DROPOUT: O is scaled by drop[5] = 1 / (1 - p) (``dropout.state``), the kept probabilities' factor."""
+    DROPOUT: O is scaled by drop[5] = 1 / (1 - p) (``dropout.state``), the kept probabilities' factor.
+    HAS_SINK: the head's sink logit (fp32 ``SINK[head]``) joins the row's sum first (module docstring,
+    [Note] sinks)."""
     WG_M: gl.constexpr = stage.shape[2]
     HEAD_D: gl.constexpr = stage.shape[3]
     o_layout: gl.constexpr = o.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if HAS_SINK:
+        # base 2, in the loop's frame: ALiBi's rows are shifted by slope2 * (row - row0) (_softmax_tile)
+        sink2 = gl.load(SINK + head) * LOG2E_C + gl.zeros_like(m_i)
+        if HAS_ALIBI:
+            sink2 = sink2 + slope2 * (rows - row0).to(gl.float32)
+        m_new = gl.maximum(m_i, sink2)
+        # a row with neither a key nor a sink (-inf) stays empty: max 0, so no -inf - -inf arises
+        m_new = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_new)           # 0 where the row saw no key (m_i -inf)
+        l_i = l_i * alpha + gl.exp2(sink2 - m_new)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
     l_o = gl.convert_layout(l_i, row_o)
     ok = l_o > 0.0
     if HAS_SEQ_Q:
@@ -774,10 +794,10 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
 @gluon.jit
 def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                   o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
-                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
+                  n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop, SINK,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
@@ -796,7 +816,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, drop, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
+               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK)
     tma.store_wait(0)
 
 
@@ -974,12 +994,12 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
 def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                              k_empty, v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                              SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale, win_left,
-                             win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                             win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, SINK,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             QSTAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                             QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -1040,7 +1060,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-                   len_q, slope2, drop, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT)
+                   len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -1056,20 +1076,21 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
 @gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
-                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, SINK,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                    REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
-                   DROPOUT: gl.constexpr = False):
+                   DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
     nprog) or, DYNAMIC, from the tile counter COUNTER (int32, 0 at launch, left 0); QSTAGES Q
     slots per consumer warpgroup (1 or 2). COUNTER, N_M, N_BH and HEAD_GROUP are unused by the
     one-tile grid. DROPOUT: Philox seed and counter offset (int64), threshold p * 2^16 and
-    1 / (1 - p) (``dropout.py``); unused otherwise."""
+    1 / (1 - p) (``dropout.py``); unused otherwise. HAS_SINK: SINK holds fp32 [H_Q] sink logits
+    (module docstring, [Note] sinks); unused otherwise."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -1110,14 +1131,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
-                                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
-                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
+                                        SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
+                                        HAS_SINK)),
             (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
-                                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
-                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG)),
+                                        SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
+                                        HAS_SINK)),
             (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                         q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                         H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, HAS_LEFT,
@@ -1151,13 +1174,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG)),
+                             SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                             HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG)),
+                             SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, BLOCK_N, STAGES,
@@ -1212,11 +1235,12 @@ def _lengths_ok(t, p) -> bool:
             and t.numel() == p.b and t.stride(0) == 1)
 
 
-def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, seq_len_kv=None) -> bool:
+def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None) -> bool:
     """True when this kernel computes exactly what ``p`` asks for on these tensors.
 
     head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``).
-    seq_len_q / seq_len_kv: the normalized length tensors (``extras``) when p has them.
+    seq_len_q / seq_len_kv: the normalized length tensors (``extras``) when p has them; sink: the
+    fp32 [h_q] sink logits when p.has_sink.
     The problem half is cached per problem (the planner's callers ask on every forward); the
     tensor half (GPU, dtypes, TMA's stride rules) is checked each call."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(head_dims)
@@ -1226,6 +1250,8 @@ def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, se
         return False
     if (p.has_seq_len_q and not _lengths_ok(seq_len_q, p)) or (p.has_seq_len_kv and not _lengths_ok(seq_len_kv, p)):
         return False
+    if p.has_sink and not _sink_ok(p, sink):
+        return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, out))
 
 
@@ -1234,6 +1260,12 @@ def _slopes_ok(p, slopes) -> bool:
     slopes), unit stride on heads."""
     return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
             and tuple(slopes.shape) == (p.b, p.h_q) and slopes.stride(-1) == 1)
+
+
+def _sink_ok(p, sink) -> bool:
+    """Sink logits as the kernel reads them: fp32 [h_q], contiguous, on the GPU (``problem`` makes them so)."""
+    return (isinstance(sink, torch.Tensor) and sink.dtype == torch.float32 and sink.is_cuda
+            and tuple(sink.shape) == (p.h_q, ) and sink.stride(0) == 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1255,12 +1287,12 @@ def _problem_ok(p, dims) -> bool:
 @functools.lru_cache(maxsize=256)
 def _fwd_problem_ok(p, dims) -> bool:
     """The forward also takes sliding windows (any band), ALiBi (slopes in the kernel), padding
-    (per-batch lengths) and dropout; ``_problem_ok``, the backward's filter too, refuses those."""
-    if (p.alibi is None and not p.has_seq_len_q and not p.has_seq_len_kv and not p.has_dropout
+    (per-batch lengths), dropout and sinks; ``_problem_ok``, the backward's filter too, refuses those."""
+    if (p.alibi is None and not p.has_seq_len_q and not p.has_seq_len_kv and not p.has_dropout and not p.has_sink
             and (p.band is None or (p.band.left is None and p.band.right == 0))):
         return _problem_ok(p, dims)
     plain = dataclasses.replace(p, alibi=None, band=None, has_seq_len_q=False, has_seq_len_kv=False, dropout_p=0.0,
-                                dropout_seed=0, dropout_offset=0)
+                                dropout_seed=0, dropout_offset=0, has_sink=False)
     return _problem_ok(plain, dims)
 
 
@@ -1336,13 +1368,14 @@ def _persistent_default(p) -> bool:
     return PERSISTENT[(kind, TILE_D[p.d])]
 
 
-def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, block_n=None,
+def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None, block_n=None,
                     stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
     (any strides) or None; slopes: fp32 [b, h_q] ALiBi slopes (natural units) when p.alibi;
     seq_len_q / seq_len_kv: int32 [b] lengths when p.has_seq_len_q / p.has_seq_len_kv (padding:
-    rows past len_q are written as 0, keys past len_kv are masked). Writes out and lse in place.
+    rows past len_q are written as 0, keys past len_kv are masked); sink: fp32 [h_q] sink logits when
+    p.has_sink (the stats include the sink's term). Writes out and lse in place.
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); persistent (the
     persistent grid, default ``PERSISTENT`` per mask kind and head dim), dynamic (its tile
@@ -1361,6 +1394,8 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
+    if p.has_sink and sink is None:
+        raise ValueError("the problem has a sink: pass sink")
     n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
     dynamic = True if dynamic is None else bool(dynamic)
     counter = _tile_counter(q.device) if persistent and dynamic else lse_arg
@@ -1388,7 +1423,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
-        *dropout.kernel_args(p),
+        *dropout.kernel_args(p), sink if p.has_sink else lse_arg,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
@@ -1396,6 +1431,6 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
-        num_warps=4,
+        HAS_SINK=p.has_sink, num_warps=4,
     )
     return out, lse
