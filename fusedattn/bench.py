@@ -421,9 +421,9 @@ def _explicit_mask(cfg: Config, inp: Inputs) -> torch.Tensor:
     return keep
 
 
-def _autograd_runner(attn: Callable[[Inputs], torch.Tensor], inp: Inputs) -> Runner:
+def _autograd_runner(attn: Callable[[Inputs], torch.Tensor], inp: Inputs, sink: bool = False) -> Runner:
     """Forward under no_grad; backward is autograd.grad of one kept forward (retain_graph), with the
-    sink's gradient too where the config has one."""
+    sink's gradient too where ``attn`` takes the config's sink (``sink``)."""
 
     def fwd():
         with torch.no_grad():
@@ -432,7 +432,7 @@ def _autograd_runner(attn: Callable[[Inputs], torch.Tensor], inp: Inputs) -> Run
     def make_bwd():
         out = attn(inp)
         d_out = torch.randn_like(out)
-        leaves = (inp.q, inp.k, inp.v) + ((inp.extra["sink"],) if "sink" in inp.extra else ())
+        leaves = (inp.q, inp.k, inp.v) + ((inp.extra["sink"],) if sink else ())
         return lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True)
 
     return Runner(fwd, make_bwd)
@@ -466,7 +466,7 @@ def prepare_ours(cfg: Config, need_bwd: bool):
             extra["sink"] = inp.extra["sink"]
         return attention(inp.q, inp.k, inp.v, **kw, **extra)
 
-    return lambda inp: _autograd_runner(attn, inp)
+    return lambda inp: _autograd_runner(attn, inp, sink=cfg.mask == "sink")
 
 
 def _ours_kwargs(cfg: Config) -> dict:

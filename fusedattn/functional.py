@@ -165,7 +165,7 @@ def _run_forward(p, extras, pl, q, k, v, out, lse):
         gluon = _gluon_kernels("forward", "fwd_sm90")
         fwd_sm90 = gluon[0] if gluon is not None else None
         lens = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"],
-                    sink=extras["sink"])
+                    sink=extras["sink"], page_table_k=extras["page_table_k"], page_table_v=extras["page_table_v"])
         if fwd_sm90 is not None and fwd_sm90.supports(p, q, k, v, out, **lens) and _gluon_ran(
                 "forward", lambda: fwd_sm90.launch_fwd_sm90(p, q, k, v, out, lse, **lens) or True):
             return

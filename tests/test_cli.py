@@ -133,10 +133,11 @@ def test_bench_sink_config_times_ours_with_the_sink_and_declines_the_rest():
     assert inp.extra["sink"].shape == (2,) and inp.extra["sink"].requires_grad
     runner = bench.prepare_ours(cfg, True)(inp)
     with_sink = runner.fwd()
-    without = bench.prepare_ours(cfg.unmasked(), True)(inp).fwd()
-    assert (with_sink - without).abs().max() > 1e-4          # the sink is really passed
+    plain = bench.prepare_ours(cfg.unmasked(), True)(inp)       # "ours (no mask)" on the same inputs
+    assert (with_sink - plain.fwd()).abs().max() > 1e-4          # the sink is really passed
     grads = runner.make_bwd()()
     assert len(grads) == 4 and grads[3].shape == (2,) and torch.isfinite(grads[3]).all()
+    assert len(plain.make_bwd()()) == 3                          # no sink leaf where no sink is used
     for prep in (bench.prepare_sdpa("MATH"), bench.prepare_flex, bench.prepare_fa4):
         try:
             prep(cfg, True)

@@ -53,7 +53,7 @@ def fwd_spec(d, bm, bn, dtype="bf16", **sw):
     """(pointer types, constexprs) of one forward variant; ``sw`` overrides switches."""
     ptr = f"*{dtype}"
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32",
-                TABLE_K="*i32", TABLE_V="*i32", CU_Q="*i32", CU_KV="*i32")
+                TABLE_K="*i32", TABLE_V="*i32", CU_Q="*i32", CU_KV="*i32", SINK="*fp32")
     bd = max(16, triton.next_power_of_2(d))     # args.block_dim: tl.dot needs 16 at least
     c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
              WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1,

@@ -30,6 +30,10 @@ CASES = [
     # issue 26: sinks in the Gluon forward (both grids; with ALiBi's row shift)
     ("gluon fwd d64 sink persistent", lambda: gluon_check.compile_fwd(64, False, "bf16", persistent=True, sink=True)),
     ("gluon fwd d128 causal sink alibi", lambda: gluon_check.compile_fwd(128, True, "bf16", alibi=True, sink=True)),
+    # issue 25 item 3: paged K/V in the Gluon forward (pages smaller and larger than a key tile)
+    ("gluon fwd d128 paged16 padded persistent", lambda: gluon_check.compile_fwd(128, True, "bf16", bottom_right=True,
+                                                                               seq_kv=True, persistent=True, page=16)),
+    ("gluon fwd d64 paged256", lambda: gluon_check.compile_fwd(64, True, "fp16", bottom_right=True, page=256)),
     ("gluon dq d128 causal", lambda: gluon_dq_check.compile_dq(128, True, "bf16")),
     ("gluon dq d256", lambda: gluon_dq_check.compile_dq(256, False, "fp16")),
     ("gluon dkdv d128 causal", lambda: gluon_bwd_check.compile_dkdv(128, True, "bf16")),

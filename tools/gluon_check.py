@@ -36,7 +36,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
-                persistent=False, dynamic=True, dropout=False, sink=False):
+                persistent=False, dynamic=True, dropout=False, sink=False, page=0):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = fwd_sm90.TILE_D[d]
@@ -45,22 +45,24 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
     stages = stages or max(1, default_stages * default_n // block_n)
     ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
     kl = fwd_sm90._smem_layout(block_n, d, tdt)
+    box = min(page, block_n) if page else block_n     # paged: TMA boxes of at most one page
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
-           "k_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
-           "v_desc": f"tensordesc<{dtype}[1, 1, {block_n}, {d}],{kl!r}>",
+           "k_desc": f"tensordesc<{dtype}[1, 1, {box}, {d}],{kl!r}>",
+           "v_desc": f"tensordesc<{dtype}[1, 1, {box}, {d}],{kl!r}>",
            "o_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",
            "HEAD_GROUP": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32",
-           "DROP_RESCALE": "fp32", "SINK": "*fp32"}
+           "DROP_RESCALE": "fp32", "SINK": "*fp32", "PT_K": "*i32", "PT_V": "*i32", "stride_ptk": "i32",
+           "stride_ptv": "i32", "MAX_PAGES": "i32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
-                 HAS_SINK=sink)
+                 HAS_SINK=sink, PAGE=page)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)

@@ -162,6 +162,15 @@ value row, so it enters once, in the epilogue (``_fwd_write``), as in the Triton
 it. A row with no key still writes output 0, with lse = sink. The loop is untouched, so a sink costs
 one rescale of O per work tile; the backward needs no switch (P = exp(s - lse) with that lse).
 
+[Note] paged K/V (compile-time ``PAGE``, the page size in keys; 0: contiguous). K and V are containers
+[blocks, h_kv, PAGE, d] read through int32 page tables [b, pages] (chunked prefill against a serving
+cache, ``attention_with_kvcache``). Only the load warp changes (``_kv_ring_loads_paged_at``): a key
+tile of BLOCK_N keys is BLOCK_N / BOX TMA copies of BOX = min(PAGE, BLOCK_N) rows, each from the page
+the table names into its row slice of the ring slot, all on the slot's one ready barrier; with pages
+larger than a tile, one copy from inside the page. The consumers see the same tiles as on a
+contiguous cache, so results are bit-identical to it. Page sizes: powers of two of at least 8 keys (a
+box never crosses a page; slices keep the swizzle's 8-row atom whole); others take the portable kernel.
+
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
 d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
@@ -299,10 +308,11 @@ def _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT: gl.c
 
 @gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                  v_empty, batch, head, kv_head, start_m, t_lo, n_tiles,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr):
+                  v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr, PAGE: gl.constexpr):
     """Load warp: Q once, then K and V of key tile t_lo + j (j < n_tiles) into slot j % STAGES
-    once the consumers freed it. Padded: a CTA with n_tiles = 0 computes nothing and loads nothing."""
+    once the consumers freed it. Padded: a CTA with n_tiles = 0 computes nothing and loads nothing.
+    PAGE > 0: K/V come from pages of PAGE keys (``_kv_ring_loads_paged_at``; pages: its tables)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     load_q = True
     if PADDED:
@@ -313,8 +323,12 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
         tma_load(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
         tma_load(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
-    _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo, n_tiles,
-                   BLOCK_N, STAGES)
+    if PAGE > 0:
+        _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
+                                t_lo, n_tiles, 0, pages, PAGE, BLOCK_N, STAGES)
+    else:
+        _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
+                       n_tiles, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -940,13 +954,51 @@ def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready,
 
 
 @gluon.jit
+def _paged_tile_loads(desc, ring_slot, ready, table_row, max_pages, key0, kv_head, PAGE: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
+    """One K (or V) tile of BLOCK_N keys from key0 on, gathered from its pages: BLOCK_N / BOX TMA loads
+    of BOX = min(PAGE, BLOCK_N) rows (the descriptor's box), each into its row slice of the ring slot,
+    all completing on ``ready``. A page index past the table (the last tile's keys beyond the cache)
+    is clamped to the table's last entry: those keys are masked (or their rows zeroed, padded)."""
+    BOX: gl.constexpr = desc.block_type.shape[2]
+    mbarrier.expect(ready, desc.block_type.nbytes * (BLOCK_N // BOX))
+    for c in gl.static_range(BLOCK_N // BOX):
+        key = key0 + c * BOX
+        page = gl.load(table_row + gl.minimum(key // PAGE, max_pages - 1))
+        # coordinates are [block, head, row in the page, column] of the paged container's 4-D view
+        tma_load(desc, [page, kv_head, key % PAGE, 0], ready, ring_slot.slice(c * BOX, BOX, dim=2))
+
+
+@gluon.jit
+def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
+                            n_tiles, ring0, pages, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """``_kv_ring_loads_at`` over a paged K/V cache (module docstring, [Note] paged K/V): key tile
+    t_lo + j of sequence ``batch`` is read through the page tables ``pages`` = (PT_K, PT_V, stride_ptk,
+    stride_ptv, MAX_PAGES): int32 [b, MAX_PAGES] rows of block indices into the containers."""
+    PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES = pages
+    row_k = PT_K + batch.to(gl.int64) * stride_ptk
+    row_v = PT_V + batch.to(gl.int64) * stride_ptv
+    for j in range(n_tiles):
+        it = ring0 + j
+        slot = it % STAGES
+        phase = ((it // STAGES) & 1) ^ 1     # as _kv_ring_loads_at
+        key0 = (t_lo + j) * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), phase)
+        _paged_tile_loads(k_desc, k_smem.index(slot), k_ready.index(slot), row_k, MAX_PAGES, key0, kv_head, PAGE,
+                          BLOCK_N)
+        mbarrier.wait(v_empty.index(slot), phase)
+        _paged_tile_loads(v_desc, v_smem.index(slot), v_ready.index(slot), row_v, MAX_PAGES, key0, kv_head, PAGE,
+                          BLOCK_N)
+
+
+@gluon.jit
 def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                              q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV, H_Q,
-                             GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right,
+                             GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
-                             DYNAMIC: gl.constexpr):
+                             DYNAMIC: gl.constexpr, PAGE: gl.constexpr):
     """Load warp of the persistent grid. For each work tile (i-th of this CTA): wait until Q slot
     i % QSTAGES is free (both consumers' q_empty), post the tile number there, load the two Q
     halves onto q_ready0 / q_ready1 (or, for a tile with nothing to load, arrive on them
@@ -977,8 +1029,12 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
         else:
             mbarrier.arrive(q_ready0.index(qs))
             mbarrier.arrive(q_ready1.index(qs))
-        _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
-                          n_tiles, ring, BLOCK_N, STAGES)
+        if PAGE > 0:
+            _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch,
+                                    kv_head, t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES)
+        else:
+            _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
+                              t_lo, n_tiles, ring, BLOCK_N, STAGES)
         ring += n_tiles
         i += 1
         tile = _next_tile(tile, COUNTER, total, DYNAMIC)
@@ -1076,13 +1132,13 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
 @gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
-                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, SINK,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, SINK, PT_K, PT_V, stride_ptk, stride_ptv,
+                   MAX_PAGES, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                    REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
-                   DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False):
+                   DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1090,12 +1146,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     slots per consumer warpgroup (1 or 2). COUNTER, N_M, N_BH and HEAD_GROUP are unused by the
     one-tile grid. DROPOUT: Philox seed and counter offset (int64), threshold p * 2^16 and
     1 / (1 - p) (``dropout.py``); unused otherwise. HAS_SINK: SINK holds fp32 [H_Q] sink logits
-    (module docstring, [Note] sinks); unused otherwise."""
+    (module docstring, [Note] sinks); unused otherwise. PAGE > 0: k_desc / v_desc view paged containers
+    [blocks, H_KV, PAGE, d] and PT_K / PT_V are int32 [b, MAX_PAGES] page tables (batch strides
+    stride_ptk / stride_ptv; module docstring, [Note] paged K/V); unused otherwise."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
     dtype: gl.constexpr = q_desc.dtype
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
+    pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
@@ -1143,9 +1202,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                         HAS_SINK)),
             (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                         q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
-                                        H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, HAS_LEFT,
-                                        HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES,
-                                        QSTAGES, DYNAMIC)),
+                                        H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
+                                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N,
+                                        STAGES, QSTAGES, DYNAMIC, PAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         pid_m = gl.program_id(0)
@@ -1183,8 +1242,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
-                             v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, BLOCK_N, STAGES,
-                             PADDED)),
+                             v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
+                             STAGES, PADDED, PAGE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1235,12 +1294,14 @@ def _lengths_ok(t, p) -> bool:
             and t.numel() == p.b and t.stride(0) == 1)
 
 
-def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None) -> bool:
+def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None,
+             page_table_k=None, page_table_v=None) -> bool:
     """True when this kernel computes exactly what ``p`` asks for on these tensors.
 
     head_dims: the head dims to accept (default ``SUPPORTED_DIMS``; at most those of ``TILE_D``).
     seq_len_q / seq_len_kv: the normalized length tensors (``extras``) when p has them; sink: the
-    fp32 [h_q] sink logits when p.has_sink.
+    fp32 [h_q] sink logits when p.has_sink; page_table_k / page_table_v: the int32 [b, pages] tables
+    when p.paged (k / v are then the containers [blocks, h_kv, page, d]).
     The problem half is cached per problem (the planner's callers ask on every forward); the
     tensor half (GPU, dtypes, TMA's stride rules) is checked each call."""
     dims = SUPPORTED_DIMS if head_dims is None else tuple(head_dims)
@@ -1252,6 +1313,8 @@ def supports(p, q, k, v, out, *, head_dims=None, slopes=None, seq_len_q=None, se
         return False
     if p.has_sink and not _sink_ok(p, sink):
         return False
+    if p.paged and not (_table_ok(page_table_k, p) and _table_ok(page_table_v, p)):
+        return False
     return all(t.dtype == p.dtype and _tma_ready(t) for t in (q, k, v, out))
 
 
@@ -1260,6 +1323,18 @@ def _slopes_ok(p, slopes) -> bool:
     slopes), unit stride on heads."""
     return (isinstance(slopes, torch.Tensor) and slopes.dtype == torch.float32 and slopes.is_cuda
             and tuple(slopes.shape) == (p.b, p.h_q) and slopes.stride(-1) == 1)
+
+
+def _table_ok(t, p) -> bool:
+    """A page table as the kernel reads it: int32 [b, pages] on the GPU, unit stride along pages."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.is_cuda and t.dim() == 2
+            and t.shape[0] == p.b and t.shape[1] >= 1 and t.stride(1) == 1)
+
+
+def _page_fits(page, d) -> bool:
+    """Pages the paged loads can gather: a power of two of at least 8 keys (a whole number of TMA
+    boxes per key tile, or of key tiles per page; 8 rows keep the 128-byte swizzle's atom whole)."""
+    return page >= 8 and page & (page - 1) == 0 and d in TILE_D
 
 
 def _sink_ok(p, sink) -> bool:
@@ -1287,12 +1362,14 @@ def _problem_ok(p, dims) -> bool:
 @functools.lru_cache(maxsize=256)
 def _fwd_problem_ok(p, dims) -> bool:
     """The forward also takes sliding windows (any band), ALiBi (slopes in the kernel), padding
-    (per-batch lengths), dropout and sinks; ``_problem_ok``, the backward's filter too, refuses those."""
+    (per-batch lengths), dropout, sinks and paged K/V; ``_problem_ok``, the backward's filter too, refuses those."""
     if (p.alibi is None and not p.has_seq_len_q and not p.has_seq_len_kv and not p.has_dropout and not p.has_sink
-            and (p.band is None or (p.band.left is None and p.band.right == 0))):
+            and not p.paged and (p.band is None or (p.band.left is None and p.band.right == 0))):
         return _problem_ok(p, dims)
+    if p.paged and not _page_fits(p.page_size, p.d):
+        return False
     plain = dataclasses.replace(p, alibi=None, band=None, has_seq_len_q=False, has_seq_len_kv=False, dropout_p=0.0,
-                                dropout_seed=0, dropout_offset=0, has_sink=False)
+                                dropout_seed=0, dropout_offset=0, has_sink=False, paged=False, page_size=0)
     return _problem_ok(plain, dims)
 
 
@@ -1306,12 +1383,13 @@ def _smem_layout(rows, d, dtype):
     return _LAYOUTS[key]
 
 
-def _tma(t, rows) -> Tma:
+def _tma(t, rows, box_rows=None) -> Tma:
     """4-D TMA descriptor arguments of t with box [1, 1, rows, tile width] (for ``launch.launch``); the
     box may be wider than t's last dim (d=224 on 256-wide tiles): TMA zero-fills the columns past it
-    and clips stores."""
+    and clips stores. box_rows: a box of fewer rows that fills a ``rows``-row tile in slices (paged
+    K/V), in the tile's shared-memory layout (the swizzle depends on the row width only)."""
     d = TILE_D[t.shape[-1]]
-    return Tma(t, t.shape, _geometry(t)[1], (1, 1, rows, d), _smem_layout(rows, d, t.dtype))
+    return Tma(t, t.shape, _geometry(t)[1], (1, 1, box_rows or rows, d), _smem_layout(rows, d, t.dtype))
 
 
 def _desc(t, rows) -> TensorDescriptor:
@@ -1368,14 +1446,17 @@ def _persistent_default(p) -> bool:
     return PERSISTENT[(kind, TILE_D[p.d])]
 
 
-def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None, block_n=None,
+def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None,
+                    page_table_k=None, page_table_v=None, block_n=None,
                     stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
     (any strides) or None; slopes: fp32 [b, h_q] ALiBi slopes (natural units) when p.alibi;
     seq_len_q / seq_len_kv: int32 [b] lengths when p.has_seq_len_q / p.has_seq_len_kv (padding:
     rows past len_q are written as 0, keys past len_kv are masked); sink: fp32 [h_q] sink logits when
-    p.has_sink (the stats include the sink's term). Writes out and lse in place.
+    p.has_sink (the stats include the sink's term); page_table_k / page_table_v: int32 [b, pages] when
+    p.paged, k / v then being the containers [blocks, h_kv, page, d] (any strides, unit last).
+    Writes out and lse in place.
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); persistent (the
     persistent grid, default ``PERSISTENT`` per mask kind and head dim), dynamic (its tile
@@ -1396,6 +1477,8 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     if p.has_sink and sink is None:
         raise ValueError("the problem has a sink: pass sink")
+    if p.paged and (page_table_k is None or page_table_v is None):
+        raise ValueError("the problem is paged: pass page_table_k and page_table_v")
     n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
     dynamic = True if dynamic is None else bool(dynamic)
     counter = _tile_counter(q.device) if persistent and dynamic else lse_arg
@@ -1416,14 +1499,21 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     else:
         grid = (n_m, n_bh)
         head_group = 1
+    if p.paged:
+        # a TMA box never crosses a page: min(page, block_n) rows per load (_paged_tile_loads)
+        k_tma, v_tma = (_tma(t, block_n, box_rows=min(p.page_size, block_n)) for t in (k, v))
+        tables = (page_table_k, page_table_v, page_table_k.stride(0), page_table_v.stride(0), page_table_k.shape[1])
+    else:
+        k_tma, v_tma = _tma(k, block_n), _tma(v, block_n)
+        tables = (lse_arg, lse_arg, 0, 0, 1)
     launch(
         _attn_fwd_sm90, grid,
-        _tma(q, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(out, WG_M), lse_arg, *lse_strides,
+        _tma(q, WG_M), k_tma, v_tma, _tma(out, WG_M), lse_arg, *lse_strides,
         slopes if p.alibi is not None else lse_arg, slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
-        *dropout.kernel_args(p), sink if p.has_sink else lse_arg,
+        *dropout.kernel_args(p), sink if p.has_sink else lse_arg, *tables,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
@@ -1431,6 +1521,6 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
-        HAS_SINK=p.has_sink, num_warps=4,
+        HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, num_warps=4,
     )
     return out, lse

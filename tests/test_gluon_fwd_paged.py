@@ -1,0 +1,143 @@
+"""The Gluon sm_90 forward over a paged K/V cache (fwd_sm90 [Note] paged K/V; issue 25 item 3).
+
+Each case scatters a contiguous K/V into shuffled pages of a larger container whose unused slots hold
+NaN, then runs ``attention_forward`` with the page tables (as ``attention_with_kvcache``'s prefill
+does): pages smaller than a key tile (several TMA boxes per tile), equal to it and larger (several
+tiles per page), head dims 64/128/256, GQA, bottom-right causal or no mask, per-sequence key lengths
+(0, 1, odd, full) or none, both grids. Checked against the float64 reference by FlashAttention's rule,
+bit for bit against the same kernel on the contiguous K/V (the same tiles in the same order), LSE too,
+and that the Gluon kernel, not the portable one, ran. Every failure message carries a one-line repro.
+GPU-only (Hopper): skipped, visibly, elsewhere.
+"""
+import random
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.reference import attention_reference
+from fusedattn.testing import assert_error_within, assert_lse_close, max_err
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped"),
+              pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90,
+                                 reason="the Gluon forward kernel is Hopper-only (compute capability 9.x)")]
+
+
+def shuffled_table(b, per_seq, gen):
+    """int32 [b, per_seq]: distinct block indices in shuffled order, among b * per_seq + b blocks (one
+    spare block per sequence, never referenced, so unused blocks exist)."""
+    return torch.randperm(b * per_seq + b, generator=gen)[:b * per_seq].to(torch.int32).view(b, per_seq)
+
+
+def scatter_pages(t, table, page):
+    """t [b, h, s, d] written into the pages ``table`` names: a container [blocks, h, page, d] over
+    [blocks, page, h, d] memory (the page-major layout caches use); every slot no key lands in (the
+    last page's tail, the spare blocks) holds NaN."""
+    b, h, s, d = t.shape
+    per_seq = table.shape[1]
+    n_blocks = b * per_seq + b
+    src = torch.nn.functional.pad(t, (0, 0, 0, per_seq * page - s), value=float("nan"))
+    src = src.reshape(b, h, per_seq, page, d).permute(0, 2, 3, 1, 4).reshape(b * per_seq, page, h, d)
+    container = torch.full((n_blocks, page, h, d), float("nan"), dtype=t.dtype, device=t.device)
+    container[table.reshape(-1).long().to(t.device)] = src
+    return container.transpose(1, 2)
+
+
+def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodeid, monkeypatch, persistent=None):
+    """One case: the paged forward against the float64 reference and, bit for bit, against the same
+    kernel on the contiguous K/V. lens: per-sequence key lengths, or None (then s_kv must fill whole
+    pages: every key the table reaches is a key)."""
+    from fusedattn.backends.gluon import fwd_sm90
+    msg = (f"repro: pytest {nodeid} ; seed={seed} b={b} h={h_q}/{h_kv} s_q={s_q} s_kv={s_kv} d={d} page={page} "
+           f"causal={causal} lens={lens} {dtype} persistent={persistent}")
+    per_seq = -(-s_kv // page)
+    assert lens is not None or per_seq * page == s_kv, "a case without lengths needs whole pages"
+    calls = []
+    real = fwd_sm90.launch_fwd_sm90
+
+    def counted(p, *a, **kw):
+        calls.append(p.paged)
+        if persistent is not None:
+            kw["persistent"] = persistent
+        return real(p, *a, **kw)
+
+    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", counted)
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to("cuda", dt).transpose(1, 2)
+               for s, h in ((s_q, h_q), (s_kv, h_kv), (s_kv, h_kv)))
+    table = shuffled_table(b, per_seq, gen).cuda()
+    k_pages, v_pages = scatter_pages(k, table, page), scatter_pages(v, table, page)
+    lens_t = torch.tensor(lens if lens is not None else [s_kv] * b, dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, causal_alignment="bottom_right", return_stats=True)
+    if lens is not None:
+        kw["seq_len_kv"] = lens_t
+    out, stats = fusedattn.attention_forward(q, k_pages, v_pages, page_table_k=table, page_table_v=table, **kw)
+    torch.cuda.synchronize()
+    assert calls == [True], f"the Gluon forward did not take the paged call ({calls}). {msg}"
+
+    # the reference and the contiguous run see the table's reach (pages * page keys), the tail empty
+    reach = per_seq * page
+    k_log, v_log = (torch.nn.functional.pad(t, (0, 0, 0, reach - s_kv)) for t in (k, v))
+    ref_kw = dict(causal=causal, causal_alignment="bottom_right", seq_len_kv=lens_t.cpu())
+    gold_o, gold_lse = attention_reference(q.cpu(), k_log.cpu(), v_log.cpu(), **ref_kw)
+    base_o, _ = attention_reference(q.cpu(), k_log.cpu(), v_log.cpu(), dtype=dt, **ref_kw)
+    assert_error_within(out.cpu(), gold_o, base_o, msg=msg)
+    assert_lse_close(stats.cpu().double(), gold_lse, msg=msg)
+    calls.clear()
+    out_c, stats_c = fusedattn.attention_forward(q, k_log, v_log, **kw)
+    assert calls == [False], f"the contiguous run did not take the Gluon forward ({calls}). {msg}"
+    assert torch.equal(out.view(torch.int16), out_c.view(torch.int16)), \
+        f"paged differs from contiguous by {max_err(out.cpu(), out_c.cpu()):.3e}. {msg}"
+    assert torch.equal(stats, stats_c), f"paged LSE differs from contiguous. {msg}"
+
+
+@pytest.mark.parametrize("page", [8, 16, 64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gluon_fwd_paged_pages_and_dims(page, d, request, monkeypatch):
+    """Every page size against every key-tile width (64 or 128 keys: pages of 8..256 keys are
+    8..1/2 boxes per tile), GQA 4/2, bottom-right causal chunked prefill, per-sequence lengths."""
+    seed = page * 10 + d
+    run_paged(seed, 3, 4, 2, 200, 777, d, page, True, [777, 1, 530], "bfloat16", request.node.nodeid, monkeypatch)
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")
+def test_gluon_fwd_paged_random(seed, request, monkeypatch):
+    """Random geometry: lengths 0 / 1 / odd / full, queries longer or shorter than the keys, no mask or
+    causal, fp16/bf16, MQA/GQA, the one-tile or the persistent grid."""
+    rng = random.Random(seed)
+    b = rng.choice([1, 2, 4])
+    h_kv = rng.choice([1, 2])
+    h_q = h_kv * rng.choice([1, 2, 4])
+    s_kv = rng.choice([64, 300, 1000, 2048])
+    s_q = rng.choice([17, 128, 513])
+    lens = [rng.choice([0, 1, s_kv, rng.randrange(1, s_kv + 1)]) for _ in range(b)]
+    run_paged(5000 + seed, b, h_q, h_kv, s_q, s_kv, rng.choice([64, 128, 256]), rng.choice([16, 32, 64, 256]),
+              rng.random() < 0.7, lens, rng.choice(["float16", "bfloat16"]), request.node.nodeid, monkeypatch,
+              persistent=rng.choice([None, True, False]))
+
+
+def test_gluon_fwd_paged_no_lengths(request, monkeypatch):
+    """No per-sequence lengths: the table's whole reach (pages * page) is keys."""
+    run_paged(77, 2, 8, 2, 300, 1024, 128, 64, True, None, "bfloat16", request.node.nodeid, monkeypatch)
+
+
+def test_gluon_fwd_paged_refuses_odd_pages():
+    """Pages the TMA boxes cannot tile (not a power of two, or under 8 keys) go to the portable kernel,
+    which computes the same attention."""
+    from fusedattn.backends.gluon import fwd_sm90
+    from fusedattn.problem import make_problem
+    gen = torch.Generator().manual_seed(3)
+    for page in (4, 24, 48):
+        q = torch.randn(1, 4, 64, 128, generator=gen).to("cuda", torch.bfloat16)
+        kv = torch.randn(8, 4, page, 128, generator=gen).to("cuda", torch.bfloat16)
+        table = torch.arange(8, dtype=torch.int32, device="cuda").view(1, 8)
+        p, _ = make_problem(q, kv, kv, page_table_k=table, page_table_v=table)
+        assert not fwd_sm90.supports(p, q, kv, kv, torch.empty_like(q), page_table_k=table, page_table_v=table), page
+        out = fusedattn.attention_forward(q, kv, kv, page_table_k=table, page_table_v=table)[0]
+        flat = kv.transpose(0, 1).reshape(1, 4, 8 * page, 128).cpu()      # pages in table order
+        ref = attention_reference(q.cpu(), flat, flat)[0]
+        base = attention_reference(q.cpu(), flat, flat, dtype=torch.bfloat16)[0]
+        assert_error_within(out.cpu(), ref, base, msg=f"page {page}")
