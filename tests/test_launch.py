@@ -100,6 +100,34 @@ def _repeat_calls_check(causal):
     check(odd, bhsd(), bhsd())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: direct-launch test skipped")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_repeat_calls_skip_the_jit_and_stay_correct(splits):
+    """Decode (one query row against a growing cache, as generate() calls it) is host-bound: a repeat
+    signature launches the split-KV kernel and its combine directly (decode._DECODE / _COMBINE), and a
+    new cache length that keeps the signature reuses the entry; results stay within the rule."""
+    from fusedattn.backends.triton import decode
+    gen = torch.Generator().manual_seed(splits)
+    b, h_q, h_kv, d = 3, 8, 2, 64
+
+    def step(s_kv):
+        q = torch.randn(b, 1, h_q, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(b, h_kv, s_kv, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+        out = fusedattn.attention_with_kvcache(q, k, v, num_splits=splits)
+        gold, _ = attention_reference(q.cpu(), k.cpu(), v.cpu())
+        base, _ = attention_reference(q.cpu(), k.cpu(), v.cpu(), dtype=torch.bfloat16)
+        assert_error_within(out.cpu(), gold, base, msg=f"decode s_kv={s_kv} splits={splits}")
+
+    step(300)
+    direct = decode._DECODE.direct_launches, decode._COMBINE.direct_launches
+    for s_kv in (301, 302, 303):          # the same signature class (not == 1, not % 16, int32)
+        step(s_kv)
+    assert decode._DECODE.direct_launches >= direct[0] + 3, "repeat decode calls went through the JIT"
+    if splits > 1:
+        assert decode._COMBINE.direct_launches >= direct[1] + 3, "repeat combines went through the JIT"
+
+
 def test_gluon_signature_key_separates_what_the_jit_specializes_on():
     """backends/gluon/launch.py: equal keys for new data of the same metadata; a new key for a new
     dtype, alignment, box, integer class (== 1, divisible by 16, width), constexpr or an unknown type."""

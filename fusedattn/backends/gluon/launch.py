@@ -26,6 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .. import compat
 from ..triton.launch import Launcher
+from ..triton.launch import signature_key as _signature_key
 
 __all__ = ["Tma", "launch", "signature_key"]
 
@@ -47,36 +48,15 @@ class Tma(NamedTuple):
                                 self.padding)
 
 
-_Tensor = torch.Tensor
-_INT32 = (-2 ** 31, 2 ** 31)
-
-
 def signature_key(args, kwargs) -> tuple:
-    """The cache key of one launch: what the JIT specializes on for each positional argument (a
-    tensor's dtype and 16-byte alignment, an integer's value class: == 1, divisible by 16, width;
-    a descriptor's dtype, box and layout) and the values of the keyword ones (constexprs and launch
-    options; the call site fixes their order). One pass with the common types first: this runs on
-    every launch (~20 arguments)."""
-    key = []
-    add = key.append
-    lo, hi = _INT32
-    for a in args:
-        kind = type(a)
-        if kind is int:
-            add((a == 1, a % 16 == 0, lo <= a < hi))
-        elif kind is Tma:
-            # the layout by identity: layouts are built once and kept (``fwd_sm90._smem_layout``),
-            # and a frozen dataclass's hash rebuilds a tuple of its fields on every call
-            add((a.base.dtype, a.block_shape, id(a.layout)))
-        elif kind is _Tensor:
-            add((a.dtype, a.data_ptr() % 16 == 0))
-        elif kind is bool:
-            add(a)
-        elif kind is float:
-            add(float)
-        else:
-            raise TypeError(f"fusedattn: unexpected kernel argument type {kind}")
-    return tuple(key), tuple(kwargs.items())
+    """The cache key of one launch (``triton.launch.signature_key``), a :class:`Tma` keyed by its dtype, box
+    and layout (the layout by identity: layouts are built once and kept, ``fwd_sm90._smem_layout``, and a
+    frozen dataclass's hash rebuilds a tuple of its fields on every call)."""
+    return _signature_key(args, kwargs, Tma, _tma_key)
+
+
+def _tma_key(a: Tma) -> tuple:
+    return a.base.dtype, a.block_shape, id(a.layout)
 
 
 def _jit_arg(a):

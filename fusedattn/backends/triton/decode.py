@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .args import LOG2E_PY, block_dim, slope_batch_stride
 from .common import LN2, fold_sink, load_tile, scores_base2
-from .launch import jit_launch
+from .launch import Launcher, jit_launch, signature_key
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -508,29 +508,32 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     ptv_strides = page_table_v.stride() if page_table_v is not None else pt_strides
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     grid = (b * h_kv, num_splits, m_tiles)
-    jit_launch(_decode_fwd, grid,
-        q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
-        seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
-        out, lse_arg, o_part, lse_part, sink if sink is not None else q,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
-        slope_batch_stride(slopes), b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
-        qk_scale, float(softcap), win_left, win_right,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=block_dim(d), BLOCK_DV=block_dim(d_v),
-        PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
-        HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
-        BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
-        SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw,
-    )
+    args = (q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
+            seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
+            out, lse_arg, o_part, lse_part, sink if sink is not None else q,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
+            slope_batch_stride(slopes), b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
+            qk_scale, float(softcap), win_left, win_right)
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                  BLOCK_D=block_dim(d), BLOCK_DV=block_dim(d_v),
+                  PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
+                  HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
+                  BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
+                  SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
+    # decode is host-bound (a few microseconds of GPU work per layer): a repeat signature launches the
+    # compiled kernel directly instead of through Triton's dispatcher (launch.Launcher; bench/NOTES.md 54)
+    _DECODE(signature_key(args, kwargs), grid, *args, **kwargs)
     if split:
         rows = b * h_q * s_q
         block_r = 64 if q.device.type == "cpu" else 16       # the interpreter: fewer, larger programs
-        jit_launch(_decode_combine, (triton.cdiv(rows, block_r),),
-            o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides,
-            rows, h_q, s_q, d_v, num_splits,
-            BLOCK_R=block_r, BLOCK_DV=triton.next_power_of_2(d_v), WRITE_LSE=lse is not None, num_warps=4,
-        )
+        args = (o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides, rows, h_q, s_q, d_v, num_splits)
+        kwargs = dict(BLOCK_R=block_r, BLOCK_DV=triton.next_power_of_2(d_v), WRITE_LSE=lse is not None,
+                      num_warps=4)
+        _COMBINE(signature_key(args, kwargs), (triton.cdiv(rows, block_r),), *args, **kwargs)
+
+
+_DECODE, _COMBINE = Launcher(_decode_fwd), Launcher(_decode_combine)
 
 
 # ----------------------------------------------------------------------------- the problem door

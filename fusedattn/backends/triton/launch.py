@@ -179,6 +179,36 @@ def jit_launch(kernel, grid, *args, **kwargs):
     return compiled
 
 
+_Tensor = torch.Tensor
+_INT32 = (-2 ** 31, 2 ** 31)
+
+
+def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
+    """A :class:`Launcher` key for one launch: what the JIT specializes on for each positional argument
+    (a tensor's dtype and 16-byte alignment, an integer's value class: == 1, divisible by 16, width; a
+    bool's value; a float as a float) and the values of the keyword ones (constexprs and launch
+    options; the call site fixes their order). other_kind / other_key: one more argument type and its
+    key (Gluon's TMA descriptors). One pass with the common types first: this runs on every launch."""
+    key = []
+    add = key.append
+    lo, hi = _INT32
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            add((a == 1, a % 16 == 0, lo <= a < hi))
+        elif kind is other_kind:
+            add(other_key(a))
+        elif kind is _Tensor:
+            add((a.dtype, a.data_ptr() % 16 == 0))
+        elif kind is bool:
+            add(a)
+        elif kind is float:
+            add(float)
+        else:
+            raise TypeError(f"fusedattn: unexpected kernel argument type {kind}")
+    return tuple(key), tuple(kwargs.items())
+
+
 def direct_c(compiled, tail, args):
     """:class:`Launcher`'s default ``direct``: the compiled kernel's C launcher called with the arguments
     as given (``compat.direct_launch``; None where this Triton's launcher is not one it knows)."""
