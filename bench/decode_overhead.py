@@ -10,25 +10,12 @@ fusedattn's call, so the layer that costs the time is named.
 """
 import cProfile
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 import fusedattn
-
-
-def host_ms(fn, n=300):
-    """Host milliseconds per call to enqueue ``fn`` (no sync inside the loop)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / n
-    torch.cuda.synchronize()
-    return host
+from overhead import host_ms     # bench/overhead.py (this folder is on sys.path when run as a script)
 
 
 def gpu_ms(fn, n=300):
