@@ -88,7 +88,8 @@ def test_bench_config_names_are_unique_and_filterable():
 
     args = bench.parse_args(["--configs", "all"])
     names = [c.name for c in bench.select_configs(args)]
-    assert len(names) == len(set(names)) == 8 + 4 + 6 + 4
+    # anchors, masked (4 masks + 2 sink rows), decode, prefill (4 caches + 2 packed)
+    assert len(names) == len(set(names)) == 8 + 6 + 6 + 6
     only = bench.select_configs(bench.parse_args(["--only", "h32kv8,paged16"]))
     assert [c.name for c in only] == ["b4-h32kv8-s4096-d128-bf16-causal",
                                       "decode-b64-h32kv8-kv4096-d128-bf16-contig",
@@ -98,7 +99,9 @@ def test_bench_config_names_are_unique_and_filterable():
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-contig",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged16",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64",
-                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged256"]
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged256",
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged16-varlen",
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64-varlen"]
 
 
 def test_masked_table_gives_each_library_its_own_mask_cost():
@@ -147,3 +150,27 @@ def test_bench_sink_config_times_ours_with_the_sink_and_declines_the_rest():
             pass                                             # FA4 / cuDNN not installed here
         else:
             raise AssertionError(f"{prep} accepted a sink config")
+
+
+def test_bench_varlen_prefill_is_the_padded_prefill_packed():
+    """The prefill table's varlen rows (issue 25 item 3): the same chunks packed as FlashAttention's
+    varlen layout over the same paged cache give the padded rows' output, row for row."""
+    import torch
+
+    from fusedattn import bench
+
+    names = [c.name for c in bench.prefill_configs()]
+    assert sum(n.endswith("-varlen") for n in names) == 2 and len(set(names)) == len(names)
+    torch.manual_seed(0)
+    cfg = bench.Config("prefill", 2, 4, 2, 5, 19, 8, "fp32", causal=True, page_block=4)
+    inp = bench.make_inputs(cfg, "cpu")
+    padded = bench.prepare_ours(cfg, False)(inp).fwd()                       # [b, h, s_q, d]
+    packed = bench.prepare_ours(bench.replace(cfg, mask="varlen"), False)(inp).fwd()   # [b * s_q, h, d]
+    assert packed.shape == (cfg.b * cfg.s_q, cfg.h_q, cfg.d)
+    torch.testing.assert_close(packed, padded.transpose(1, 2).reshape(packed.shape), rtol=1e-5, atol=1e-5)
+    try:
+        bench.prepare_cudnn(bench.replace(cfg, mask="varlen"), False)
+    except ImportError:
+        pass                                                  # cuDNN frontend not installed here
+    except bench.Unsupported as exc:
+        assert "paged" in str(exc)
