@@ -318,3 +318,26 @@ def test_importing_fusedattn_does_not_import_transformers():
             "assert 'transformers' not in sys.modules, 'transformers imported'; "
             "import fusedattn.integrations.transformers; assert 'transformers' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_packed_row_with_boundaries_matches_sequences_one_by_one(name, monkeypatch):
+    """Packed sequences with their boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``: what
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds) run fusedattn's varlen path, each
+    sequence attending only to itself (window and softcap included), with no [s, s] mask; logits equal
+    the sequences run one by one."""
+    import fusedattn.integrations.transformers as integration
+    calls = []
+    real = integration.attention_varlen
+    monkeypatch.setattr(integration, "attention_varlen", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = _model(name)
+    lens = (9, 16, 5)
+    ids = _ids(1, sum(lens), seed=7)
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    cu = torch.tensor([0, 9, 25, 30], dtype=torch.int32)
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=16, max_length_k=16,
+                       use_cache=False).logits
+        single = torch.cat([model(ids[:, a:b], use_cache=False).logits for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    assert calls, "the packed boundaries did not reach fusedattn's varlen path"
+    _assert_close(packed, single, f"{name} packed with boundaries vs one by one")

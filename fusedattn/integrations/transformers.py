@@ -44,6 +44,12 @@ What :func:`attention_forward` honours (the signature of transformers' attention
   concatenates it to the scores and drops its column after the softmax; the sink gets its gradient.
   ``position_bias`` (T5-style) is not supported: raises ``fusedattn.NotSupportedError``.
 * ``output_attentions``: weights are never materialized; returns None (one warning), as sdpa.
+* Packed sequences with their boundaries (``cu_seq_lens_q`` / ``cu_seq_lens_k``, and ``max_length_q`` /
+  ``max_length_k`` when given: what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds to
+  the batch and transformers hands every attention call, batch 1) -> :func:`fusedattn.attention_varlen`
+  over the packed tokens: each sequence attends only to itself, with no ``[s, s]`` mask (the mask
+  transformers may also build from ``position_ids`` says the same and is not read). Packed rows given by
+  ``position_ids`` alone get transformers' block-diagonal mask, read as above.
 """
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..functional import attention
 from ..problem import NotSupportedError
+from ..varlen import attention_varlen
 
 __all__ = ["register", "attention_forward", "NAME"]
 
@@ -104,8 +111,39 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if sliding_window is not None and sliding_window > 0 and s_kv > 0:
             window = (int(sliding_window) - 1, 0 if causal else -1)
         opts.update(causal=causal, causal_alignment="top_left", window=window)
+    packed = _packed_boundaries(query, kwargs)
+    if packed is not None:
+        return _attention_packed(query, key, value, packed, is_causal, kwargs.get("sliding_window"), opts), None
     out = attention(query, key, value, **opts)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_boundaries(query: torch.Tensor, kwargs: dict):
+    """(cu_q, cu_k, max_q, max_k) when transformers passes packed-sequence boundaries for a batch of one
+    packed row, else None. cu_* int32 [n + 1]; max_* ints (computed from cu_* when not given)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None or query.shape[0] != 1:
+        return None
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    max_q = int(max_q) if max_q is not None else int(cu_q.diff().max())
+    max_k = int(max_k) if max_k is not None else int(cu_k.diff().max())
+    return cu_q, cu_k, max_q, max_k
+
+
+def _attention_packed(query, key, value, packed, is_causal, sliding_window, opts):
+    """The packed row [1, h, total, d] as fusedattn's varlen layout [total, h, d] (views, no copy), each
+    sequence causal from its own start (as FlashAttention's varlen call in transformers), the window
+    likewise; returns [1, total, h_q, d_v]."""
+    cu_q, cu_k, max_q, max_k = packed
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    causal = bool(is_causal) and max_q > 1
+    window = None
+    if sliding_window is not None and sliding_window > 0:
+        window = (int(sliding_window) - 1, 0 if causal else -1)
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, attn_scale=opts["attn_scale"], causal=causal,
+                           window=window, softcap=opts["softcap"], dropout_p=opts["dropout_p"], sink=opts["sink"])
+    return out.unsqueeze(0)
 
 
 def register(name: str = NAME) -> None:
