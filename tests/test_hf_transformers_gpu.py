@@ -290,3 +290,20 @@ def test_packed_row_matches_sequences_one_by_one(name):
                     f"(its float32 eager packed row is off by {_err(ref_packed, ref):.3g})")
     got = _logits(fa_m, ids, position_ids=pos, use_cache=False)[0]
     _assert_within(f"{name} packed row vs one by one (baseline {base})", got, want, ref)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_row_with_boundaries_matches_sequences_one_by_one(name):
+    """As above, with the boundaries passed as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    passes them (cu_seq_lens_q/k, max_length_q/k): fusedattn then runs its varlen kernels over the packed
+    row (no mask); the reference and baseline run one sequence at a time, so every model, GptOss
+    included, has a check."""
+    ref_m, base_m, fa_m, base = _models(name)
+    seqs = [_ids(1, 70, seed=3), _ids(1, 58, seed=4)]
+    ids = torch.cat(seqs, dim=1)
+    pos = torch.cat([torch.arange(s.shape[1], device=DEVICE) for s in seqs])[None]
+    cu = torch.tensor([0, 70, 128], dtype=torch.int32, device=DEVICE)
+    ref, want = (torch.cat([_logits(m, s, use_cache=False)[0] for s in seqs]) for m in (ref_m, base_m))
+    got = _logits(fa_m, ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=70, max_length_k=70)[0]
+    _assert_within(f"{name} packed row with boundaries vs one by one (baseline {base})", got, want, ref)
