@@ -67,8 +67,9 @@ cu_seqlens_q / cu_seqlens_k         S                   int32 only (TypeError ot
 softmax_lse of rows with no key     S                   +inf, from the band and lengths, and wherever the kernels
                                                         wrote -inf (fusedattn's convention for an empty row)
 validate (keyword-only addition)    S                   varlen and with_kvcache: offsets, cache_seqlens, block-table
-                                                        entries and cache_batch_idx checked (default True); False
-                                                        for CUDA-graph capture of trusted metadata
+                                                        entries, cache_batch_idx and rotary positions checked
+                                                        (default True); False for CUDA-graph capture of trusted
+                                                        metadata: no device value read back (positions clamped)
 kvcache k, v (append)               S                   written into the caches in place at cache_seqlens ..
                                                         (fusedattn's append when seqlen_new == seqlen_q, else a
                                                         PyTorch scatter before the call)
@@ -501,9 +502,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: accepted and ignored (fusedattn chooses its split).
         return_softmax_lse: also return ``softmax_lse``.
         backend: fusedattn's backend (an addition).
-        validate: check ``cache_seqlens`` (within the cache, room for k/v), the block table's entries and that
-            ``cache_batch_idx`` names no cache row twice when appending (an addition; one host sync each).
-            False for CUDA-graph capture of trusted metadata: nothing is read or written out of bounds.
+        validate: check ``cache_seqlens`` (within the cache, room for k/v), the block table's entries, that
+            ``cache_batch_idx`` names no cache row twice when appending and that rotary_cos has a row for every
+            position (an addition; one host sync each). False for CUDA-graph capture of trusted metadata:
+            nothing is read back to the host, nor read or written out of bounds (append and rotary positions
+            are clamped into range).
         k_descale, v_descale: FlashAttention-3's keywords for an FP8 K/V cache (``torch.float8_e4m3fn`` k_cache /
             v_cache, required then): fp32 ``(batch_size, nheads_k)`` equal across the batch, or one element; the
             cache holds ``k_cache * k_descale`` and ``k`` / ``v`` (q's dtype) are quantized on append
@@ -586,10 +589,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         t_k = base[:, None] + torch.arange(s_new, device=dev)[None, :]
         t_q = base[:, None] + (torch.arange(s_q, device=dev)[None, :] if (causal or window is not None)
                                else torch.zeros(1, s_q, dtype=torch.long, device=dev))
-        need = int(max(t_k.max().item() if s_new else 0, t_q.max().item() if s_q else 0)) + 1
-        if need > rotary_cos.shape[0]:
-            raise InvalidArgumentError(f"rotary_cos/rotary_sin have seqlen_ro = {rotary_cos.shape[0]} rows but "
-                                       f"position {need - 1} is needed (cache_seqlens + seqlen)")
+        if validate:                    # one host sync: the largest position must have its row
+            need = int(max(t_k.max().item() if s_new else 0, t_q.max().item() if s_q else 0)) + 1
+            if need > rotary_cos.shape[0]:
+                raise InvalidArgumentError(f"rotary_cos/rotary_sin have seqlen_ro = {rotary_cos.shape[0]} rows but "
+                                           f"position {need - 1} is needed (cache_seqlens + seqlen)")
+        else:                           # no host read (CUDA-graph capture): positions clamped to the table
+            if rotary_cos.shape[0] == 0:
+                raise InvalidArgumentError("rotary_cos/rotary_sin have seqlen_ro = 0 rows")
+            t_k, t_q = (t.clamp(0, rotary_cos.shape[0] - 1) for t in (t_k, t_q))
         k = _rotary(k, rotary_cos, rotary_sin, t_k, rotary_interleaved)
         q = _rotary(q, rotary_cos, rotary_sin, t_q, rotary_interleaved)
 
@@ -612,7 +620,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                            .reshape(1, 1, -1, 1), c.dtype)
                         for x, sc, name, c in ((k, descale_k, "k_descale", k_cache), (v, descale_v, "v_descale",
                                                                                        v_cache)))
-            _append(k_cache, v_cache, page_table, lens_before, k, v, cap)
+            _append(k_cache, v_cache, page_table, lens_before, k, v, cap, validate)
 
     out, stats = attention_with_kvcache(
         q.transpose(1, 2), k_cache, v_cache, page_table=page_table, seq_len_kv=seq_len_kv, k_new=k_new, v_new=v_new,
@@ -775,17 +783,28 @@ def _check_leftpad(lp, lens_before, s_new, cap, table, outer, L, table_name):
                                            f"{a} .. {n + s_new - 1}")
 
 
-def _append(k_cache, v_cache, page_table, lens_before, k, v, cap):
-    """Write k/v (seqlen_new != seqlen_q, which fusedattn's append does not take) into the BSHD caches."""
+def _append(k_cache, v_cache, page_table, lens_before, k, v, cap, validate=True):
+    """Write k/v (seqlen_new != seqlen_q, which fusedattn's append does not take) into the BSHD caches.
+
+    validate: check cache_seqlens on the host (one sync). False reads nothing back (CUDA-graph capture):
+    positions are clamped into the cache and block-table entries into the container instead, so an
+    untrusted length writes to a wrong slot of the cache, never out of it."""
     b, s_new = k.shape[:2]
     dev = k.device
     pos = lens_before.long()[:, None] + torch.arange(s_new, device=dev)[None, :]       # [b, s_new]
-    if bool(((lens_before < 0) | (pos[:, -1] >= cap)).any()):
-        raise InvalidArgumentError(f"cache_seqlens + seqlen_new (seqlen_new = {s_new}) exceeds the cache's "
-                                   f"{cap} keys, or cache_seqlens is negative")
+    if validate:
+        if bool(((lens_before < 0) | (pos[:, -1] >= cap)).any()):
+            raise InvalidArgumentError(f"cache_seqlens + seqlen_new (seqlen_new = {s_new}) exceeds the cache's "
+                                       f"{cap} keys, or cache_seqlens is negative")
+    else:
+        if cap <= 0:
+            raise InvalidArgumentError(f"seqlen_new = {s_new} keys to append but the cache holds none")
+        pos = pos.clamp(0, cap - 1)
     if page_table is not None:
         bs = k_cache.shape[1]
         first = page_table.long().gather(1, pos // bs)
+        if not validate:
+            first = first.clamp(0, k_cache.shape[0] - 1)
         second = pos % bs
     else:
         first = torch.arange(b, device=dev)[:, None].expand(b, s_new)

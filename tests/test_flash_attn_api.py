@@ -7,7 +7,10 @@ on rows with no key), forward and gradients, by FlashAttention's 2x rule. Also: 
 variants equal the unpacked ones, cache_seqlens counts the cache BEFORE appending, and every
 refusal names its argument.
 """
+import contextlib
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from fusedattn.flash_attn import (flash_attn_func, flash_attn_kvpacked_func, fla
                                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                                   flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from fusedattn.problem import NotSupportedError
+from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
 
 from conftest import INTERPRET
@@ -61,11 +65,12 @@ def fa_reference(q, k, v, *, scale=None, causal=False, window=(-1, -1), softcap=
     return out, lse[..., 0].double()
 
 
-def check_lse(got, gold):
-    assert got.dtype == torch.float32
-    assert torch.equal(torch.isinf(got), torch.isinf(gold)), "rows with no key must give softmax_lse = +inf"
+def check_lse(got, gold, msg=""):
+    assert got.dtype == torch.float32, msg
+    assert torch.equal(torch.isinf(got), torch.isinf(gold)), f"rows with no key must give softmax_lse = +inf. {msg}"
     fin = ~torch.isinf(gold)
-    assert torch.allclose(got[fin].double(), gold[fin], atol=1e-4, rtol=1e-5), (got - gold)[fin].abs().max()
+    assert torch.allclose(got[fin].double(), gold[fin], atol=1e-4, rtol=1e-5), \
+        f"softmax_lse off by {(got - gold)[fin].abs().max():.3e}. {msg}"
 
 
 def close(got, gold, base, msg=""):
@@ -659,3 +664,597 @@ def test_bad_cache_metadata_names_the_argument(target):
     with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 9 is out of range"):
         flash_attn_varlen_func(qv, pages, pv, good, _cu([6, 3]).to(device), 3, 6, block_table=bt,
                                backend=backend)
+
+
+# ----------------------------------------------------------------------------- review: supported paths without a test
+# varlen dropout; [batch_size, nheads] ALiBi and softmax_scale on the caches; window / softcap / ALiBi on paged
+# varlen; learnable_sink on varlen and with_kvcache; deterministic; the packed functions' returns and options;
+# the remaining refusals; validate=False reading nothing back to the host.
+
+_TARGET_IDS = {("cpu", "cpu"): "cpu", ("cpu", "triton"): "interp", ("cuda", "triton"): "gpu"}
+
+
+def _repro(test, target=None, case=None):
+    """The one-line command that reruns one case of a test."""
+    words = [test] + [w for w in (case, _TARGET_IDS.get(tuple(target)) if target else None) if w]
+    return f"repro: pytest tests/test_flash_attn_api.py -k '{' and '.join(words)}'"
+
+
+def _target_dtype(device):
+    return torch.float16 if device == "cuda" else torch.float32      # as the file's other target tests
+
+
+def _offsets(lens):
+    return [0] + torch.tensor(lens).cumsum(0).tolist()
+
+
+def _reference_pair(q, k, v, dtype, do=None, **ref_kw):
+    """fa_reference on CPU copies of q [1, sq, h, d], k, v: float64 (gold) and dtype (base, PyTorch's
+    same-precision error), each ``(out, lse, (dq, dk, dv) or None)``; gradients when ``do`` is given."""
+    res = []
+    for dt in (torch.float64, dtype):
+        leaves = [t.detach().cpu().to(dt).requires_grad_(do is not None) for t in (q, k, v)]
+        out, lse = fa_reference(*leaves, dtype=dt, **ref_kw)
+        grads = torch.autograd.grad(out, leaves, do.cpu().to(dt)) if do is not None else None
+        res.append((out.detach(), lse, grads))
+    return res
+
+
+def _sink_reference_pair(q, k, v, sink, dtype, do=None, **ref_kw):
+    """fusedattn.reference.attention_reference(sink=) with bottom-right causal (FlashAttention's) on CPU copies
+    of BSHD q [1, sq, h, d], k, v and sink [h] (as tests/test_sinks.py builds it): float64 (gold) and dtype
+    (base; its sink fp32), each ``(out [1, sq, h, dv], lse [1, h, sq] float64, (dq, dk, dv, dsink) or None)``."""
+    res = []
+    for dt in (torch.float64, dtype):
+        leaves = [t.detach().cpu().to(dt).requires_grad_(do is not None) for t in (q, k, v)]
+        s = sink.detach().cpu().to(torch.float64 if dt == torch.float64 else torch.float32)
+        s.requires_grad_(do is not None)
+        out, lse = attention_reference(*(t.transpose(1, 2) for t in leaves), sink=s, causal_alignment="bottom_right",
+                                       dtype=dt, **ref_kw)
+        out = out.transpose(1, 2)
+        grads = torch.autograd.grad(out, leaves + [s], do.cpu().to(dt)) if do is not None else None
+        res.append((out.detach(), lse[..., 0].double(), grads))
+    return res
+
+
+# --- flash_attn_func / qkvpacked
+
+def test_func_deterministic_backward_bitwise(target):
+    """deterministic=True on flash_attn_func: two backward passes give bitwise-equal dq, dk, dv, and they are
+    right. On the GPU the shape is one where deterministic=False may take the single-pass Hopper backward
+    (no mask, d = 128, dQ reduced with atomic adds: not bitwise reproducible); GQA 4:1, several tiles."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_func_deterministic_backward_bitwise", target)
+    s_q, s_k, d = (384, 512, 128) if device == "cuda" else (40, 72, 32)
+    q, k, v, do = (t.to(dtype) for t in _dense_inputs(dict(b=2, sq=s_q, sk=s_k, h=4, hk=1, d=d), 61)[:4])
+    runs = []
+    for _ in range(2):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, deterministic=True, backend=backend)
+        runs.append(torch.autograd.grad(out, leaves, do.to(device)))
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), f"{name} differs between two backward runs ({(a - b).abs().max():.3e}). {repro}"
+    gold, base = _reference_pair(q, k, v, dtype, do)
+    for name, got, gd, bs in zip(("dq", "dk", "dv"), runs[0], gold[2], base[2]):
+        close(got.cpu(), gd, bs, f"{name}. {repro}")
+
+
+def test_qkvpacked_return_attn_probs(target):
+    """flash_attn_qkvpacked_func(return_attn_probs=True) returns (out, softmax_lse, None): equal to
+    flash_attn_func's on the views, softmax_lse [batch, nheads, seqlen] fp32 against the reference."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_qkvpacked_return_attn_probs", target)
+    qkv = torch.randn(2, 13, 3, 4, 16, generator=torch.Generator().manual_seed(62)).to(device, dtype)
+    kw = dict(causal=True, window_size=(5, -1), softcap=3.0, softmax_scale=0.3)
+    res = flash_attn_qkvpacked_func(qkv, return_attn_probs=True, backend=backend, **kw)
+    assert isinstance(res, tuple) and len(res) == 3 and res[2] is None, f"(out, lse, None) expected. {repro}"
+    out, lse, _ = res
+    assert lse.shape == (2, 4, 13) and lse.dtype == torch.float32, f"lse {lse.shape} {lse.dtype}. {repro}"
+    ref_out, ref_lse, _ = flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], return_attn_probs=True,
+                                          backend=backend, **kw)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), f"packed != unpacked. {repro}"
+    gold, base = _reference_pair(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dtype, causal=True, window=(5, -1),
+                                 softcap=3.0, scale=0.3)
+    close(out.cpu(), gold[0], base[0], f"out. {repro}")
+    check_lse(lse.cpu(), gold[1], repro)
+
+
+# --- varlen: dropout, [batch, nheads] ALiBi, learnable_sink, packed options
+
+def test_varlen_dropout_reproducible_unbiased_and_differentiable(target):
+    """flash_attn_varlen_func(dropout_p=0.3), as test_dropout_reproducible_and_differentiable for the dense
+    function: the same torch seed gives the same output (fusedattn.attention_varlen's under that seed),
+    another seed another mask; kept probabilities are scaled by 1 / (1 - p) (with v = 1 each output is the
+    kept mass / (1 - p): mean 1, where no dropout gives exactly 1); q, k and v get finite gradients."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_varlen_dropout_reproducible_unbiased_and_differentiable", target)
+    g = torch.Generator().manual_seed(31)
+    lens = [5, 11, 8]
+    cu = _cu(lens).to(device)
+    q, k, v, do = (torch.randn(sum(lens), 2, 16, generator=g).to(device, dtype) for _ in range(4))
+
+    def run(q_, k_, v_, seed, p=0.3):
+        torch.manual_seed(seed)
+        return flash_attn_varlen_func(q_, k_, v_, cu, cu, 11, 11, dropout_p=p, causal=True, backend=backend)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    a = run(*leaves, 5)
+    grads = torch.autograd.grad(a, leaves, do)
+    b = run(q, k, v, 5)
+    torch.manual_seed(5)      # the same seed draw as fusedattn.attention_varlen's
+    c = fusedattn.attention_varlen(q, k, v, cu, cu, 11, 11, causal=True, causal_alignment="bottom_right",
+                                   dropout_p=0.3, backend=backend)
+    assert torch.equal(a.detach(), b) and torch.equal(b, c), f"same seed, same mask expected. {repro}"
+    assert not torch.equal(b, run(q, k, v, 6)), f"another seed gave the same mask. {repro}"
+    assert not torch.allclose(b, run(q, k, v, 5, p=0.0)), f"dropout_p=0.3 changed nothing. {repro}"
+    for name, gr in zip(("dq", "dk", "dv"), grads):
+        assert torch.isfinite(gr).all() and gr.abs().sum() > 0, f"{name} not finite or all zero. {repro}"
+
+    lens = [64, 64]                                    # non-causal: 64 keys a row, 512 (row, head) samples
+    cu = _cu(lens).to(device)
+    q, k = (torch.randn(128, 4, 16, generator=g).to(device, dtype) for _ in range(2))
+    ones = torch.ones(128, 4, 16, device=device, dtype=dtype)
+    torch.manual_seed(7)
+    out = flash_attn_varlen_func(q, k, ones, cu, cu, 64, 64, dropout_p=0.3, backend=backend).float()
+    mass = out[..., 0]                                 # kept mass / (1 - p), the same in every column
+    assert not torch.allclose(mass, torch.ones_like(mass), atol=1e-2), f"no probability was dropped. {repro}"
+    assert (mass >= 0).all() and (mass <= 1 / 0.7 + 1e-2).all(), f"kept mass / (1 - p) out of range. {repro}"
+    assert abs(mass.mean().item() - 1.0) < 0.03, f"mean {mass.mean().item():.4f}: the scaling is biased. {repro}"
+
+
+def test_varlen_batch_alibi_matches_reference(target):
+    """alibi_slopes [batch_size, nheads] on flash_attn_varlen_func (causal, bottom-right per sequence;
+    sequence 2 has rows with no key): sequence i reads row i; out, softmax_lse, dq, dk, dv against the
+    reference with that row, and row 0 for every sequence would give another result."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_varlen_batch_alibi_matches_reference", target)
+    g = torch.Generator().manual_seed(41)
+    lq, lk, h, hk, d = [4, 9, 6], [7, 9, 3], 4, 2, 16
+    q = torch.randn(sum(lq), h, d, generator=g).to(dtype)
+    k, v = (torch.randn(sum(lk), hk, d, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(sum(lq), h, d, generator=g).to(dtype)
+    slopes = torch.rand(3, h, generator=g) + 0.25
+    cq, ck = _cu(lq).to(device), _cu(lk).to(device)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flash_attn_varlen_func(*leaves, cq, ck, max(lq), max(lk), causal=True, alibi_slopes=slopes.to(device),
+                                         return_attn_probs=True, backend=backend)
+    grads = [gr.cpu() for gr in torch.autograd.grad(out, leaves, do.to(device))]
+    out, lse = out.detach().cpu(), lse.cpu()
+    oq, ok = _offsets(lq), _offsets(lk)
+    for i in range(3):
+        rq, rk = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        gold, base = _reference_pair(q[rq][None], k[rk][None], v[rk][None], dtype, do[rq][None], causal=True,
+                                     alibi=slopes[i:i + 1])
+        msg = f"sequence {i}. {repro}"
+        close(out[rq][None], gold[0], base[0], f"out, {msg}")
+        check_lse(lse[:, rq][None], gold[1], msg)
+        for name, got, gd, bs in zip(("dq", "dk", "dv"), (grads[0][rq], grads[1][rk], grads[2][rk]), gold[2], base[2]):
+            close(got[None], gd, bs, f"{name}, {msg}")
+    with torch.no_grad():
+        row0 = flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), cq, ck, max(lq), max(lk), causal=True,
+                                      alibi_slopes=slopes[0].to(device), backend=backend).cpu()
+    assert not torch.allclose(row0[oq[1]:], out[oq[1]:], atol=1e-3), f"alibi_slopes' batch rows ignored. {repro}"
+
+
+def test_varlen_learnable_sink_matches_reference(target):
+    """learnable_sink on flash_attn_varlen_func (unpaged, causal bottom-right per sequence): each sequence
+    against attention_reference(sink=); softmax_lse includes the sink (a row with no key: lse = its sink,
+    out = 0); dq, dk, dv and dsink (summed over the sequences) by FlashAttention's rule."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_varlen_learnable_sink_matches_reference", target)
+    g = torch.Generator().manual_seed(51)
+    lq, lk, h, hk, d = [3, 8, 5], [6, 8, 2], 4, 2, 32          # sequence 2: 5 queries, 2 keys: rows with no key
+    q = torch.randn(sum(lq), h, d, generator=g).to(dtype)
+    k, v = (torch.randn(sum(lk), hk, d, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(sum(lq), h, d, generator=g).to(dtype)
+    sink = torch.randn(h, generator=g) * 2.0        # some heads' sinks dominate, others hardly count
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v, sink)]
+    out, lse, _ = flash_attn_varlen_func(*leaves[:3], _cu(lq).to(device), _cu(lk).to(device), max(lq), max(lk),
+                                         causal=True, learnable_sink=leaves[3], return_attn_probs=True,
+                                         backend=backend)
+    grads = [gr.cpu() for gr in torch.autograd.grad(out, leaves, do.to(device))]
+    out, lse = out.detach().cpu(), lse.cpu()
+    oq, ok = _offsets(lq), _offsets(lk)
+    dsink_gold, dsink_base = torch.zeros(h, dtype=torch.float64), torch.zeros(h, dtype=torch.float64)
+    for i in range(3):
+        rq, rk = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        gold, base = _sink_reference_pair(q[rq][None], k[rk][None], v[rk][None], sink, dtype, do[rq][None],
+                                          causal=True)
+        msg = f"sequence {i}. {repro}"
+        close(out[rq][None], gold[0], base[0], f"out, {msg}")
+        check_lse(lse[:, rq][None], gold[1], msg)
+        for name, got, gd, bs in zip(("dq", "dk", "dv"), (grads[0][rq], grads[1][rk], grads[2][rk]), gold[2], base[2]):
+            close(got[None], gd, bs, f"{name}, {msg}")
+        dsink_gold += gold[2][3]
+        dsink_base += base[2][3].double()
+    assert (out[oq[2]:oq[2] + 3] == 0).all(), f"rows with no key (only the sink) must give 0. {repro}"
+    assert_error_within(grads[3], dsink_gold, dsink_base, factor=3.0, floor=1e-4, msg=f"dsink. {repro}")
+
+
+PACKED_OPTIONS = [
+    dict(name="window", window_size=(3, 1)),
+    dict(name="softcap_causal_scale", causal=True, softcap=2.5, softmax_scale=0.4),
+    dict(name="alibi_heads", causal=True, alibi="heads"),
+    dict(name="alibi_batch_window", window_size=(4, 0), alibi="batch"),
+]
+
+
+@pytest.mark.parametrize("c", PACKED_OPTIONS, ids=lambda c: c["name"])
+def test_varlen_packed_options_equal_unpacked(c, target):
+    """flash_attn_varlen_qkvpacked_func and flash_attn_varlen_kvpacked_func pass window_size, softcap,
+    softmax_scale and alibi_slopes ([nheads] and [batch_size, nheads]) through: out, softmax_lse and the
+    gradients (landing in qkv / kv) equal flash_attn_varlen_func's on the same views, and differ from the
+    call without the option."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_varlen_packed_options_equal_unpacked", target, c["name"])
+    g = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    opts = {key: val for key, val in c.items() if key not in ("name", "alibi")}
+    slopes = {"heads": torch.rand(2, generator=g) + 0.25, "batch": torch.rand(3, 2, generator=g) + 0.25}.get(
+        c.get("alibi"))
+    if slopes is not None:
+        opts["alibi_slopes"] = slopes.to(device)
+    plain = dict(causal=opts.get("causal", False))
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_()
+
+    cu = _cu([4, 9, 2]).to(device)
+    qkv = leaf(15, 3, 2, 16)
+    qkv2 = qkv.detach().clone().requires_grad_()
+    do = torch.randn(15, 2, 16, generator=g).to(device, dtype)
+    packed = flash_attn_varlen_qkvpacked_func(qkv, cu, 9, return_attn_probs=True, backend=backend, **opts)
+    views = flash_attn_varlen_func(qkv2[:, 0], qkv2[:, 1], qkv2[:, 2], cu, cu, 9, 9, return_attn_probs=True,
+                                   backend=backend, **opts)
+    assert torch.equal(packed[0], views[0]) and torch.equal(packed[1], views[1]), f"qkvpacked out / lse. {repro}"
+    dqkv, dqkv_views = torch.autograd.grad(packed[0], qkv, do)[0], torch.autograd.grad(views[0], qkv2, do)[0]
+    assert torch.equal(dqkv, dqkv_views), f"qkvpacked dqkv. {repro}"
+    with torch.no_grad():
+        other = flash_attn_varlen_qkvpacked_func(qkv, cu, 9, backend=backend, **plain)
+    assert not torch.allclose(other, packed[0].detach(), atol=1e-3), f"qkvpacked ignored {c['name']}. {repro}"
+
+    cq, ck = _cu([2, 5, 3]).to(device), _cu([6, 5, 4]).to(device)
+    q, kv = leaf(10, 2, 16), leaf(15, 2, 2, 16)
+    q2, kv2 = (t.detach().clone().requires_grad_() for t in (q, kv))
+    do = torch.randn(10, 2, 16, generator=g).to(device, dtype)
+    packed = flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 5, 6, return_attn_probs=True, backend=backend, **opts)
+    views = flash_attn_varlen_func(q2, kv2[:, 0], kv2[:, 1], cq, ck, 5, 6, return_attn_probs=True, backend=backend,
+                                   **opts)
+    assert torch.equal(packed[0], views[0]) and torch.equal(packed[1], views[1]), f"kvpacked out / lse. {repro}"
+    grads, grads_views = torch.autograd.grad(packed[0], (q, kv), do), torch.autograd.grad(views[0], (q2, kv2), do)
+    for name, a, b in zip(("dq", "dkv"), grads, grads_views):
+        assert torch.equal(a, b), f"kvpacked {name}. {repro}"
+    with torch.no_grad():
+        other = flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 5, 6, backend=backend, **plain)
+    assert not torch.allclose(other, packed[0].detach(), atol=1e-3), f"kvpacked ignored {c['name']}. {repro}"
+
+
+# --- paged varlen (block_table): softmax_scale, window_size, softcap, alibi_slopes
+
+PAGED_VARLEN = [
+    dict(name="softmax_scale", causal=True, scale=0.21),
+    dict(name="window", window=(5, 2)),
+    dict(name="softcap", causal=True, softcap=2.0),
+    dict(name="alibi_heads", causal=True, alibi="heads"),
+    dict(name="alibi_batch_window", window=(6, 0), alibi="batch"),
+    dict(name="all_at_once", causal=True, window=(9, -1), softcap=4.0, alibi="batch", scale=0.3),
+]
+
+
+@pytest.mark.parametrize("c", PAGED_VARLEN, ids=lambda c: c["name"])
+def test_varlen_block_table_options(c, target):
+    """flash_attn_varlen_func with block_table (packed queries over paged caches, forward) under
+    softmax_scale, window_size, softcap and alibi_slopes ([nheads], [batch_size, nheads]): each sequence
+    against the reference on its gathered keys (sequence 1 has more queries than keys: rows with no key),
+    and the options change the result."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_varlen_block_table_options", target, c["name"])
+    g = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    lq, lk, page, h, hk, d = [3, 6, 7], [20, 5, 31], 8, 4, 2, 40
+    kc, vc = (torch.randn(14, page, hk, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(14, generator=g)[:12].view(3, 4).to(torch.int32)
+    q = torch.randn(sum(lq), h, d, generator=g).to(dtype)
+    slopes = {"heads": torch.rand(h, generator=g) + 0.25, "batch": torch.rand(3, h, generator=g) + 0.25}.get(
+        c.get("alibi"))
+    kw = dict(causal=c.get("causal", False), window_size=c.get("window", (-1, -1)), softcap=c.get("softcap", 0.0),
+              softmax_scale=c.get("scale"))
+
+    def run(**kw_):
+        return flash_attn_varlen_func(q.to(device), kc.to(device), vc.to(device), _cu(lq).to(device),
+                                      _cu(lk).to(device), max(lq), max(lk), block_table=table.to(device),
+                                      return_attn_probs=True, backend=backend, **kw_)
+
+    out, lse, _ = run(alibi_slopes=None if slopes is None else slopes.to(device), **kw)
+    out, lse = out.cpu(), lse.cpu()
+    oq = _offsets(lq)
+    for i in range(3):
+        keys, values = (torch.cat([cache[j] for j in table[i].tolist()])[:lk[i]][None] for cache in (kc, vc))
+        alibi = slopes if slopes is None or slopes.dim() == 1 else slopes[i:i + 1]
+        gold, base = _reference_pair(q[oq[i]:oq[i + 1]][None], keys, values, dtype, causal=kw["causal"],
+                                     window=kw["window_size"], softcap=kw["softcap"], scale=kw["softmax_scale"],
+                                     alibi=alibi)
+        msg = f"sequence {i}. {repro}"
+        close(out[oq[i]:oq[i + 1]][None], gold[0], base[0], f"out, {msg}")
+        check_lse(lse[:, oq[i]:oq[i + 1]][None], gold[1], msg)
+    plain = run(causal=kw["causal"])[0].cpu()
+    assert not torch.allclose(plain, out, atol=1e-3), f"the options changed nothing. {repro}"
+
+
+# --- with_kvcache: [batch, nheads] ALiBi, softmax_scale, learnable_sink, int64 cache_seqlens
+
+KVC_OPTIONS = [
+    dict(name="batch_alibi", causal=True, alibi=True),
+    dict(name="batch_alibi_window_paged", window=(5, 0), alibi=True, page=4),
+    dict(name="softmax_scale", causal=True, scale=0.41),
+    dict(name="softmax_scale_softcap_paged", scale=0.2, softcap=3.0, page=4),
+]
+
+
+def _kvcache_inputs(g, dtype, b, sq, h, hk, d, page=None):
+    """q, the new k / v (seqlen_new = seqlen_q: fusedattn's append), the caches (contiguous [b, 20, hk, d],
+    or pages of ``page`` keys with a shuffled block table) and ``dense`` (cache -> [b, keys, hk, d])."""
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    kn, vn = (torch.randn(b, sq, hk, d, generator=g).to(dtype) for _ in range(2))
+    if page:
+        per_seq, n_blocks = 20 // page, b * 20 // page + 2
+        kc, vc = (torch.randn(n_blocks, page, hk, d, generator=g).to(dtype) for _ in range(2))
+        table = torch.randperm(n_blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
+        return q, kn, vn, kc, vc, table, lambda cache: cache[table.long()].reshape(b, per_seq * page, hk, d)
+    kc, vc = (torch.randn(b, 20, hk, d, generator=g).to(dtype) for _ in range(2))
+    return q, kn, vn, kc, vc, None, lambda cache: cache
+
+
+@pytest.mark.parametrize("c", KVC_OPTIONS, ids=lambda c: c["name"])
+def test_kvcache_batch_alibi_and_softmax_scale(c, target):
+    """flash_attn_with_kvcache (appending k/v, contiguous or paged) with alibi_slopes [batch_size, nheads]
+    (sequence i reads row i around its own diagonal) and with a non-default softmax_scale: out and
+    softmax_lse against the reference per sequence; row 0 for every sequence, or the default scale,
+    would give another result."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_kvcache_batch_alibi_and_softmax_scale", target, c["name"])
+    g = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    b, sq, h, hk, d = 3, 2, 4, 2, 16
+    lens = [3, 10, 15]
+    q, kn, vn, kc, vc, table, dense = _kvcache_inputs(g, dtype, b, sq, h, hk, d, c.get("page"))
+    slopes = torch.rand(b, h, generator=g) + 0.25 if c.get("alibi") else None
+    kw = dict(causal=c.get("causal", False), window_size=c.get("window", (-1, -1)), softcap=c.get("softcap", 0.0),
+              softmax_scale=c.get("scale"))
+
+    def run(**kw_):
+        return flash_attn_with_kvcache(q.to(device), kc.to(device), vc.to(device), kn.to(device), vn.to(device),
+                                       cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device),
+                                       block_table=None if table is None else table.to(device),
+                                       return_softmax_lse=True, backend=backend, **kw_)
+
+    out, lse = (t.cpu() for t in run(alibi_slopes=None if slopes is None else slopes.to(device), **kw))
+    k_exp, v_exp = dense(kc).clone(), dense(vc).clone()
+    for i, n in enumerate(lens):
+        k_exp[i, n:n + sq], v_exp[i, n:n + sq] = kn[i], vn[i]
+    for i, n in enumerate(lens):
+        gold, base = _reference_pair(q[i:i + 1], k_exp[i:i + 1, :n + sq], v_exp[i:i + 1, :n + sq], dtype,
+                                     causal=kw["causal"], window=kw["window_size"], softcap=kw["softcap"],
+                                     scale=kw["softmax_scale"], alibi=None if slopes is None else slopes[i:i + 1])
+        close(out[i:i + 1], gold[0], base[0], f"out, sequence {i}. {repro}")
+        check_lse(lse[i:i + 1], gold[1], f"sequence {i}. {repro}")
+    if slopes is not None:
+        other = run(alibi_slopes=slopes[0].to(device), **kw)[0].cpu()
+        assert not torch.allclose(other[1:], out[1:], atol=1e-3), f"alibi_slopes' batch rows ignored. {repro}"
+    else:
+        other = run(**{**kw, "softmax_scale": None})[0].cpu()
+        assert not torch.allclose(other, out, atol=1e-3), f"softmax_scale ignored. {repro}"
+
+
+KVC_SINK = [
+    dict(name="empty_rows", lens=[0, 2, 12], append=False),          # no key at all; a row above the diagonal
+    dict(name="append_paged", lens=[3, 9, 14], append=True, page=4),
+]
+
+
+@pytest.mark.parametrize("c", KVC_SINK, ids=lambda c: c["name"])
+def test_kvcache_learnable_sink_matches_reference(c, target):
+    """learnable_sink on flash_attn_with_kvcache (forward only, causal): each sequence against
+    attention_reference(sink=) on its cache; softmax_lse includes the sink (a row with no key: lse = its
+    sink, out = 0)."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_kvcache_learnable_sink_matches_reference", target, c["name"])
+    g = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    b, sq, h, hk, d = 3, 3, 4, 2, 32
+    q, kn, vn, kc, vc, table, dense = _kvcache_inputs(g, dtype, b, sq, h, hk, d, c.get("page"))
+    sink = torch.randn(h, generator=g) * 2.0
+    snew = sq if c["append"] else 0
+    out, lse = flash_attn_with_kvcache(
+        q.to(device), kc.to(device), vc.to(device), kn.to(device) if snew else None, vn.to(device) if snew else None,
+        cache_seqlens=torch.tensor(c["lens"], dtype=torch.int32, device=device),
+        block_table=None if table is None else table.to(device), causal=True, learnable_sink=sink.to(device),
+        return_softmax_lse=True, backend=backend)
+    out, lse = out.cpu(), lse.cpu()
+    k_exp, v_exp = dense(kc).clone(), dense(vc).clone()
+    for i, n in enumerate(c["lens"]):
+        k_exp[i, n:n + snew], v_exp[i, n:n + snew] = kn[i, :snew], vn[i, :snew]
+    for i, n in enumerate(c["lens"]):
+        gold, base = _sink_reference_pair(q[i:i + 1], k_exp[i:i + 1, :n + snew], v_exp[i:i + 1, :n + snew], sink,
+                                          dtype, causal=True)
+        close(out[i:i + 1], gold[0], base[0], f"out, sequence {i}. {repro}")
+        check_lse(lse[i:i + 1], gold[1], f"sequence {i}. {repro}")
+    if not c["append"]:
+        assert (out[0] == 0).all() and (out[1, 0] == 0).all(), f"rows with only the sink must give 0. {repro}"
+        assert torch.allclose(lse[0], sink.view(h, 1).expand(h, sq)), f"no key: lse = the sink. {repro}"
+
+
+@pytest.mark.parametrize("snew", [1, 3], ids=["fused_append", "pytorch_append"])
+def test_kvcache_int64_cache_seqlens_equals_int32(snew, target):
+    """cache_seqlens as int64 (torch's default integer type) is accepted: the same appended caches, output
+    and softmax_lse as with int32 (fusedattn's append, seqlen_new == seqlen_q, and the PyTorch scatter)."""
+    device, backend = target
+    repro = _repro("test_kvcache_int64_cache_seqlens_equals_int32", target, f"{snew}")
+    g = torch.Generator().manual_seed(71 + snew)
+    q = torch.randn(2, 1, 4, 16, generator=g).to(device)
+    kc, vc = (torch.randn(2, 12, 2, 16, generator=g).to(device) for _ in range(2))
+    kn, vn = (torch.randn(2, snew, 2, 16, generator=g).to(device) for _ in range(2))
+    res = []
+    for dt in (torch.int32, torch.int64):
+        caches = kc.clone(), vc.clone()
+        out, lse = flash_attn_with_kvcache(q, *caches, kn, vn, cache_seqlens=torch.tensor([4, 8], dtype=dt,
+                                                                                           device=device),
+                                           causal=True, return_softmax_lse=True, backend=backend)
+        res.append((out, lse) + caches)
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), *res):
+        assert torch.equal(a, b), f"{name}: int64 cache_seqlens differs from int32. {repro}"
+
+
+# --- refusals
+
+def test_varlen_and_kvcache_refusals_name_the_argument():
+    """max_seqlen_q / max_seqlen_k not an int, max_seqlen_k past the block table's capacity, block_table with
+    tensors that require grad (allowed under no_grad), learnable_sink with block_table, with_kvcache's k
+    without v (or v without k): each a clear error naming the argument."""
+    repro = _repro("test_varlen_and_kvcache_refusals_name_the_argument")
+    g = torch.Generator().manual_seed(81)
+    q = torch.randn(8, 2, 16, generator=g)
+    pages, pv = (torch.randn(4, 4, 2, 16, generator=g) for _ in range(2))
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)            # capacity 2 blocks x 4 = 8 keys
+    cq, ck = _cu([4, 4]), _cu([5, 8])
+    for bad in (4.0, True, "4"):
+        with pytest.raises(ValueError, match=f"max_seqlen_q must be an int, got {bad!r}"):
+            flash_attn_varlen_func(q, q, q, cq, cq, bad, 4)
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int, got 4.5"):
+        flash_attn_varlen_func(q, pages, pv, cq, ck, 4, 4.5, block_table=bt)
+    with pytest.raises(ValueError, match=r"max_seqlen_k = 9 exceeds the block table's capacity of 8 keys "
+                                         r"\(2 blocks x page_block_size 4\)"):
+        flash_attn_varlen_func(q, pages, pv, cq, ck, 4, 9, block_table=bt)
+    k_grad = pages.clone().requires_grad_()
+    with pytest.raises(NotSupportedError, match="block_table with tensors that require grad: paged K/V is forward"):
+        flash_attn_varlen_func(q, k_grad, pv, cq, ck, 4, 8, block_table=bt)
+    with torch.no_grad():
+        out = flash_attn_varlen_func(q, k_grad, pv, cq, ck, 4, 8, block_table=bt)
+    assert torch.isfinite(out).all(), f"block_table under torch.no_grad(). {repro}"
+    with pytest.raises(NotSupportedError, match="learnable_sink with block_table"):
+        flash_attn_varlen_func(q, pages, pv, cq, ck, 4, 8, block_table=bt, learnable_sink=torch.zeros(2))
+    qc, kc = torch.randn(2, 1, 2, 16, generator=g), torch.randn(2, 8, 2, 16, generator=g)
+    kn = torch.randn(2, 1, 2, 16, generator=g)
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        flash_attn_with_kvcache(qc, kc, kc.clone(), k=kn, cache_seqlens=3)
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        flash_attn_with_kvcache(qc, kc, kc.clone(), v=kn, cache_seqlens=3)
+
+
+# --- validate=False reads nothing back to the host (the door's promise for CUDA-graph capture)
+
+_HOST_READS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def _host_reads_fail(monkeypatch, door_only):
+    """While inside, torch.Tensor's host reads (item, bool, tolist, int, float, index) raise: from anywhere,
+    or (door_only) when called from fusedattn/flash_attn.py. Yields the list of reads seen, so that a read
+    whose error some ``except`` swallowed still fails the test."""
+    door = os.path.join("fusedattn", "flash_attn.py")
+    seen = []
+
+    def guard(name, orig):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if not door_only or caller.f_code.co_filename.endswith(door):
+                seen.append(f"Tensor.{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+                raise AssertionError(f"host read: {seen[-1]}")
+            return orig(self, *args, **kwargs)
+        return read
+
+    with monkeypatch.context() as m:
+        for name in _HOST_READS:
+            m.setattr(torch.Tensor, name, guard(name, getattr(torch.Tensor, name)))
+        yield seen
+
+
+NO_HOST_READ = [
+    dict(name="append_snew_ne_sq", sq=1, snew=3),
+    dict(name="rotary", sq=2, snew=2, rotary=True),
+    dict(name="rotary_append_snew_ne_sq_paged", sq=1, snew=3, rotary=True, page=4),
+]
+
+
+@pytest.mark.parametrize("c", NO_HOST_READ, ids=lambda c: c["name"])
+def test_kvcache_validate_false_reads_nothing_back(c, target, monkeypatch):
+    """flash_attn_with_kvcache(validate=False) reads no device value back to the host on the paths that did
+    (the PyTorch append when seqlen_new != seqlen_q; rotary's position check). GPU: under
+    torch.cuda.set_sync_debug_mode("error"). CPU tensors: torch.Tensor's host reads made to raise, from
+    anywhere under the Triton interpreter (the whole call), from fusedattn/flash_attn.py on the CPU backend
+    (which computes on the host by design). The results (out, lse, caches) equal validate=True's."""
+    device, backend = target
+    dtype = _target_dtype(device)
+    repro = _repro("test_kvcache_validate_false_reads_nothing_back", target, c["name"])
+    g = torch.Generator().manual_seed(sum(map(ord, c["name"])))
+    b, h, hk, d, page = 2, 4, 2, 32, c.get("page")
+    q = torch.randn(b, c["sq"], h, d, generator=g).to(dtype)
+    kn, vn = (torch.randn(b, c["snew"], hk, d, generator=g).to(dtype) for _ in range(2))
+    kc, vc = (torch.randn(12 if page else b, page or 20, hk, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(12, generator=g)[:10].view(b, 5).to(torch.int32) if page else None
+    ang = torch.rand(32, 8, generator=g) * 6.28
+    rotary = dict(rotary_cos=ang.cos().to(device, dtype), rotary_sin=ang.sin().to(device, dtype)) \
+        if c.get("rotary") else {}
+
+    def inputs():                      # fresh device copies (the call appends in place), made before any check
+        return [t.to(device) for t in (q, kc, vc, kn, vn)], dict(
+            cache_seqlens=torch.tensor([5, 11], dtype=torch.int32, device=device),
+            block_table=None if table is None else table.to(device), **rotary)
+
+    def call(args, kw, validate):
+        out, lse = flash_attn_with_kvcache(*args, **kw, causal=True, return_softmax_lse=True, backend=backend,
+                                           validate=validate)
+        return out, lse, args[1], args[2]
+
+    want = call(*inputs(), validate=True)      # also loads / compiles the kernels outside the check
+    args, kw = inputs()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = call(args, kw, validate=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        with _host_reads_fail(monkeypatch, door_only=backend == "cpu") as seen:
+            try:
+                got = call(args, kw, validate=False)
+            except AssertionError as e:
+                raise AssertionError(f"{e}. {repro}") from None
+        assert not seen, f"host reads with validate=False: {seen}. {repro}"
+    for name, a, b_ in zip(("out", "lse", "k_cache", "v_cache"), want, got):
+        assert torch.equal(a, b_), f"{name}: validate=False differs from validate=True. {repro}"
+
+
+def test_kvcache_validate_false_clamps_untrusted_positions(target):
+    """validate=False trusts cache_seqlens: an append past the cache's end or a rotary position past
+    rotary_cos's rows is clamped into range (nothing read or written out of bounds, earlier slots kept)
+    where validate=True names the problem."""
+    device, backend = target
+    repro = _repro("test_kvcache_validate_false_clamps_untrusted_positions", target)
+    g = torch.Generator().manual_seed(91)
+    q = torch.randn(1, 1, 2, 16, generator=g).to(device)
+    kc, vc = (torch.randn(1, 8, 2, 16, generator=g).to(device) for _ in range(2))
+    kn, vn = (torch.randn(1, 3, 2, 16, generator=g).to(device) for _ in range(2))
+    with pytest.raises(ValueError, match="cache_seqlens \\+ seqlen_new \\(seqlen_new = 3\\) exceeds the cache's 8"):
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=7, backend=backend)
+    caches = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, *caches, kn, vn, cache_seqlens=7, backend=backend, validate=False)
+    assert torch.isfinite(out).all(), f"append past the end, validate=False. {repro}"
+    assert torch.equal(caches[0][:, :7], kc[:, :7]) and torch.equal(caches[1][:, :7], vc[:, :7]), \
+        f"slots before cache_seqlens were overwritten. {repro}"
+
+    ang = torch.rand(6, 4, generator=g).to(device)
+    rot = dict(rotary_cos=ang.cos(), rotary_sin=ang.sin())
+    q2, kn2 = torch.randn(1, 2, 2, 16, generator=g).to(device), torch.randn(1, 2, 2, 16, generator=g).to(device)
+    with pytest.raises(ValueError, match="seqlen_ro = 6 rows but position 6 is needed"):
+        flash_attn_with_kvcache(q2, kc.clone(), vc.clone(), kn2, kn2, cache_seqlens=5, causal=True, backend=backend,
+                                **rot)
+    out = flash_attn_with_kvcache(q2, kc.clone(), vc.clone(), kn2, kn2, cache_seqlens=5, causal=True,
+                                  backend=backend, validate=False, **rot)
+    assert torch.isfinite(out).all(), f"rotary past seqlen_ro, validate=False. {repro}"
