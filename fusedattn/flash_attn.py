@@ -101,6 +101,7 @@ strides, any page size); dropout masks differ (same distribution); ``S_dmask`` i
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -136,10 +137,10 @@ def _window(window_size, causal):
                                    f"got {window_size!r}")
     bounds = []
     for side, w in zip(("left", "right"), window_size):
-        try:
-            w = int(w)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"window_size[{side}] must be an int, got {w!r}") from None
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            # int(1.5) would be 1 and int("3") 3: a silent window of another width
+            raise InvalidArgumentError(f"window_size[{side}] must be an int, got {w!r}")
+        w = int(w)
         bounds.append(None if w < 0 else w)
     left, right = bounds
     if causal:
@@ -547,9 +548,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if block_table is None:
         if cache_batch_idx is not None:
             # each cache row is one page of seqlen_cache keys: page_table[i] = [cache_batch_idx[i]]
-            if not isinstance(cache_batch_idx, torch.Tensor) or tuple(cache_batch_idx.shape) != (b,):
+            if not isinstance(cache_batch_idx, torch.Tensor) or tuple(cache_batch_idx.shape) != (b,) or \
+                    cache_batch_idx.dtype not in (torch.int32, torch.int64):
                 raise InvalidArgumentError(f"cache_batch_idx must be an int tensor (batch_size,) = ({b},), got "
-                                           f"{getattr(cache_batch_idx, 'shape', type(cache_batch_idx).__name__)}")
+                                           f"{getattr(cache_batch_idx, 'shape', type(cache_batch_idx).__name__)} "
+                                           f"{getattr(cache_batch_idx, 'dtype', '')}")
             page_table = cache_batch_idx.to(device=dev, dtype=torch.int32).view(b, 1)
             if validate and k is not None:
                 _check_distinct_rows(cache_batch_idx)

@@ -44,10 +44,30 @@ def _check_out(name, t, shape, dtype, device):
         raise InvalidTypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
     if t.device != device:
         raise InvalidArgumentError(f"{name} is on {t.device}, expected {device}")
+    if _overlaps(t):
+        raise InvalidArgumentError(
+            f"{name} has overlapping memory (strides {tuple(t.stride())} for shape {list(t.shape)}, e.g. an "
+            f".expand()ed tensor): an output needs one element per memory location; pass a fresh tensor")
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (a stride 0 from ``expand``, ``as_strided``): with
+    the dims sorted by stride, each stride must step past everything the smaller ones reach. Dense
+    tensors in any dim order (BSHD memory) and slices pass."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False
+    reach = 0
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _stats_view(stats, p, device, name="stats"):
     """Accept stats as [b,h_q,s_q,1] or [b,h_q,s_q] fp32; return the [b,h_q,s_q] view."""
+    if not isinstance(stats, torch.Tensor):
+        raise InvalidTypeError(f"{name} must be a float32 torch.Tensor [b, h_q, s_q, 1], got {type(stats).__name__}")
     if stats.dim() == 4 and stats.shape[-1] == 1:
         stats = stats[..., 0]
     _check_out(name, stats, (p.b, p.h_q, p.s_q), torch.float32, device)
@@ -252,6 +272,10 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
                              dropout_offset=dropout_offset, sink=sink, validate=validate)
     pl = plan(p, backend)
+    if need_dbias and p.bias != "float":
+        raise InvalidArgumentError(
+            "need_dbias=True needs a float attn_bias (its gradient); got "
+            + ("no attn_bias" if p.bias is None else "a bool attn_bias (a mask has no gradient)"))
     shape_o = (p.b, p.h_q, p.s_q, p.d_v)
     _check_out("out", out, shape_o, q.dtype, q.device)
     _check_out("grad_out", grad_out, shape_o, q.dtype, q.device)

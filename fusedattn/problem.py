@@ -197,6 +197,43 @@ def check_seq_len_values(extras, s_q: int, s_kv: int, device) -> None:
             + ". Pass validate=False to skip this check (then lengths are clamped into range).")
 
 
+def check_page_table_values(extras, problem, num_blocks: int, device) -> None:
+    """Every page-table slot a sequence uses (the first ceil(len_kv / page_size), len_kv its
+    ``seq_len_kv`` or the tables' capacity) names a block in [0, num_blocks) (``validate=True``; one
+    device-to-host copy; skipped in CUDA graph capture). Slots past a sequence's keys are never read
+    and may hold anything (-1)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    b, page = problem.b, problem.page_size
+    lens = extras["seq_len_kv"]
+    lens = (torch.full((b,), problem.s_kv, dtype=torch.int32, device=device) if lens is None
+            else lens.clamp(0, problem.s_kv))
+    for name in ("page_table_k", "page_table_v"):
+        table = extras[name]
+        used = (torch.arange(table.shape[1], device=device).view(1, -1) * page) < lens.view(-1, 1)
+        bad = used & ((table < 0) | (table >= num_blocks))
+        if not bool(bad.any()):         # the one sync per table
+            continue
+        i, j = (int(x) for x in bad.nonzero()[0])
+        n = int(lens[i])
+        raise InvalidArgumentError(
+            f"{name}[{i}, {j}] = {int(table[i, j])} is out of range of the containers' {num_blocks} blocks "
+            f"(valid: 0 .. {num_blocks - 1}); sequence {i} of {n} keys uses slots 0 .. {-(-n // page) - 1}. "
+            "Pass validate=False to skip this check.")
+
+
+def check_device_type(device) -> None:
+    """fusedattn runs CPU tensors (the CPU path, Triton's interpreter) and CUDA tensors; anything else
+    (meta, mps, ...) is refused here rather than failing inside a kernel."""
+    if device.type not in ("cpu", "cuda"):
+        raise NotSupportedError(f"q, k, v are on {device}; fusedattn runs on CPU and CUDA tensors only")
+
+
+def _is_flag(x) -> bool:
+    """A bool-like option (bool, 0 / 1, None for off, numpy's bool): not a string or a list by mistake."""
+    return x is None or (isinstance(x, (bool, int)) and x in (0, 1)) or type(x).__name__ in ("bool_", "bool")
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """Everything static about one attention call (shapes, dtype, options).
@@ -321,6 +358,8 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
     # the lengths' values change call to call (never part of the cache key): checked on every call
     if validate:
         check_seq_len_values(extras, problem.s_q, problem.s_kv, q.device)
+        if problem.paged:
+            check_page_table_values(extras, problem, k.shape[0], q.device)
     return problem, extras
 
 
@@ -354,6 +393,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         raise InvalidTypeError(f"q, k, v must share a dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (k.device == q.device and v.device == q.device):
         raise InvalidArgumentError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
+    check_device_type(q.device)
     if q.dtype == torch.float64 and q.device.type != "cpu":
         raise InvalidTypeError("float64 is supported on the CPU path only (for gradcheck); use float32/16 on the GPU")
     if bk != b or bv != b:
@@ -373,6 +413,8 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
 
     if attn_scale is None:
         attn_scale = 1.0 / math.sqrt(d)
+    if isinstance(attn_scale, bool):
+        raise InvalidTypeError(f"attn_scale must be a float, got {attn_scale!r}")
     try:
         attn_scale = float(attn_scale)
     except (TypeError, ValueError):
@@ -380,6 +422,8 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
     if not math.isfinite(attn_scale) or attn_scale <= 0:
         raise InvalidArgumentError(f"attn_scale must be finite and > 0, got {attn_scale}")
 
+    if not _is_flag(causal):
+        raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
     band = make_band(bool(causal), causal_alignment, window, s_q, s_kv)
     extras = {
         "page_table_k": tables.get("page_table_k"),
@@ -415,15 +459,20 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
     if isinstance(alibi, torch.Tensor):
         alibi_kind = "tensor"
         extras["slopes"] = alibi_slopes_2d(alibi, b, h_q, q.device)
+    elif not _is_flag(alibi):
+        raise InvalidTypeError(f"alibi must be True / False (the paper's slopes or none) or a float tensor of "
+                               f"slopes [h_q] or [b, h_q], got {alibi!r}")
     elif alibi:
         alibi_kind = "default"
         extras["slopes"] = _default_slopes(h_q, q.device).expand(b, h_q)
 
-    try:
-        softcap = float(softcap or 0.0)
-        dropout_p = float(dropout_p or 0.0)
-    except (TypeError, ValueError):
-        raise InvalidTypeError("softcap and dropout_p must be floats") from None
+    for name, val in (("softcap", softcap), ("dropout_p", dropout_p)):
+        try:
+            float(val or 0.0)
+        except (TypeError, ValueError):
+            raise InvalidTypeError(f"{name} must be a float, got {val!r}") from None
+    softcap = float(softcap or 0.0)
+    dropout_p = float(dropout_p or 0.0)
     if not math.isfinite(softcap) or softcap < 0:
         raise InvalidArgumentError(f"softcap must be >= 0 (0 = off), got {softcap}")
     if not (0.0 <= dropout_p < 1.0):

@@ -18,7 +18,8 @@ import torch
 
 from . import functional
 from .plan import plan
-from .problem import InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes_2d, make_problem
+from .problem import (InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes_2d, check_device_type,
+                      make_problem)
 
 __all__ = ["attention_varlen"]
 
@@ -54,6 +55,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise InvalidArgumentError(f"{name} must be 3-D packed [total, heads, head_dim], got "
                                        f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    check_device_type(q.device)
     for name in ("attn_bias", "seq_len_q", "seq_len_kv"):
         if opts.get(name) is not None:
             raise NotSupportedError(f"{name} with packed variable-length batches is not supported")
@@ -62,7 +64,7 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_
     if cu_q.numel() != cu_kv.numel():
         raise InvalidArgumentError(f"cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_kv has {cu_kv.numel()}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
-        if not isinstance(m, int) or m < 0:
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise InvalidArgumentError(f"{name} must be an int >= 0, got {m!r}")
     if validate:
         # the caller's values (int64 ones before their conversion): within the tensors, hence within int32
@@ -84,22 +86,32 @@ def make_varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_
     return p, extras, q4, k4, v4
 
 
+def _spans(cu, total, s):
+    """(start, length) of each sequence, clamped as the kernels clamp them (``validate=False`` offsets that
+    decrease or run past the tensor): the start into [0, total], the length into [0, min(s, total - start)]."""
+    c = cu.cpu().tolist()
+    spans = []
+    for i in range(len(c) - 1):
+        start = min(max(c[i], 0), total)
+        spans.append((start, max(0, min(c[i + 1] - c[i], s, total - start))))
+    return spans
+
+
 def _pad(x, cu, b, s):
     """[total, h, d] -> [b, h, s, d] zero-padded, and the lengths."""
-    c = cu.cpu().tolist()
+    spans = _spans(cu, x.shape[0], s)
     out = x.new_zeros((b, s) + tuple(x.shape[1:]))
-    for i in range(b):
-        out[i, : c[i + 1] - c[i]] = x[c[i]:c[i + 1]]
-    lens = torch.tensor([c[i + 1] - c[i] for i in range(b)], dtype=torch.int32, device=x.device)
+    for i, (start, n) in enumerate(spans):
+        out[i, :n] = x[start:start + n]
+    lens = torch.tensor([n for _, n in spans], dtype=torch.int32, device=x.device)
     return out.transpose(1, 2), lens
 
 
 def _unpad(x, cu, total):
     """[b, h, s, ...] -> [total, h, ...]."""
-    c = cu.cpu().tolist()
     out = x.new_zeros((total, x.shape[1]) + tuple(x.shape[3:]))
-    for i in range(len(c) - 1):
-        out[c[i]:c[i + 1]] = x[i, :, : c[i + 1] - c[i]].transpose(0, 1)
+    for i, (start, n) in enumerate(_spans(cu, total, x.shape[2])):
+        out[start:start + n] = x[i, :, :n].transpose(0, 1)
     return out
 
 
