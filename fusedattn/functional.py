@@ -128,8 +128,10 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     the Gluon dQ pass refuses. deterministic=False, no mask, d=128: the single-pass backward (dQ reduced
     with TMA adds into fp32, so not bitwise reproducible) where it accepts the call; deterministic=None
     means torch.are_deterministic_algorithms_enabled(). A sink changes nothing in these kernels (the lse
-    includes it); its gradient (into ``dsink``) needs delta, which the single-pass kernel keeps to
-    itself, so a sink takes the two passes."""
+    includes it); its gradient (into ``dsink``) needs delta: the two passes share theirs, and beside the
+    single-pass kernel (which keeps its delta to itself) the separate delta pass computes it once more
+    (one read of O and dO: ~25 us against ~1.6 ms of backward at b2 h16 8k d128, so a sink keeps the
+    single pass, bench/NOTES.md 54)."""
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
     if mods is None:
         return False
@@ -137,13 +139,19 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     causal_long = p.band is not None and p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
-    if not deterministic and dsink is None and (p.band is None or causal_long) and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
+    if not deterministic and (p.band is None or causal_long) and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
         # H100 (bench/gluon_fused_sweep.py, bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two
         # passes with no mask; under a causal mask 1.00 / 1.07x at 16k and 1.04 / 1.02x at GQA 4k (two
         # runs), 0.92 / 0.97x at 2k (which keeps the two passes); delta comes from the kernel that also
         # zeroes its fp32 dQ accumulator (out=). fused.supports refuses every band but causal.
         from .backends.triton.args import aligned
-        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=aligned(out))
+        out = aligned(out)
+        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=out)
+        if dsink is not None:
+            from .backends.triton.bwd import launch_delta
+            delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+            launch_delta(p, out, grad_out, delta)
+            dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
         return True
     opts = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)

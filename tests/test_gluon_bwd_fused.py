@@ -195,3 +195,38 @@ def test_gluon_fused_supports():
     base = torch.randn(2 * 64 * 128 + 3, device="cuda", dtype=torch.bfloat16)
     odd = base[3:].view(1, 2, 64, 128)            # base pointer 6 bytes off 16-byte alignment
     check(False, "misaligned base", odd, mk(1, 2, 64, 128), mk(1, 2, 64, 128))
+
+
+@pytest.mark.parametrize("s", (600, 1000))
+def test_gluon_fused_with_sink(s, monkeypatch):
+    """A learnable sink keeps the single-pass backward (bench/NOTES.md 54: taking the two passes for it cost
+    0.86x at b2 h16 8k): attention(..., sink=) with no mask and deterministic=False launches the fused kernel
+    once and no two-pass kernel, and dQ, dK, dV and dsink (from the separate delta pass) match float64."""
+    import fusedattn
+    from fusedattn.backends.gluon import bwd_dq_sm90, bwd_fused_sm90
+    calls = []
+    for mod, name in ((bwd_fused_sm90, "launch_bwd_fused_sm90"), (bwd_dq_sm90, "launch_dq_sm90")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    gen = torch.Generator().manual_seed(54 + s)
+    q, k, v = (torch.randn(2, s, 4, 128, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    sink = torch.tensor([0.3, -1.0, 2.5, 7.0], device="cuda", requires_grad=True)
+    do = torch.randn(2, 4, s, 128, generator=gen).to("cuda", torch.bfloat16)
+    out = fusedattn.attention(q, k, v, sink=sink, deterministic=False)
+    out.backward(do)
+    torch.cuda.synchronize()
+    assert calls == ["launch_bwd_fused_sm90"], f"backward launches: {calls} (repro: s={s})"
+    qd, kd, vd, sd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v, sink))
+    gold, gold_lse = attention_reference(qd, kd, vd, sink=sd)
+    gold.backward(do.cpu().double())
+    base = reference_grads(q, k, v, do, torch.bfloat16, sink=sink.detach())
+    for name, got, want, same_prec in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), (qd.grad, kd.grad, vd.grad),
+                                          base):
+        assert_error_within(got.cpu(), want, same_prec, msg=f"{name} with a sink (repro: s={s})")
+    # dsink = -sum over rows of p_sink * delta (2 x s rows, fp32 sums): bounded relative to sum |p_sink * delta|
+    p_sink = torch.exp(sd.detach().view(1, 4, 1) - gold_lse.detach()[..., 0])
+    delta = (gold.detach() * do.cpu().double()).sum(-1)
+    scale = (p_sink * delta.abs()).sum(dim=(0, 2))
+    err = (sink.grad.cpu().double() - sd.grad).abs()
+    assert (err <= 2e-2 * scale + 1e-3).all(), f"dsink {sink.grad.tolist()} vs {sd.grad.tolist()} (repro: s={s})"
