@@ -216,7 +216,10 @@ def test_gluon_fused_with_sink(s, monkeypatch):
     out = fusedattn.attention(q, k, v, sink=sink, deterministic=False)
     out.backward(do)
     torch.cuda.synchronize()
-    assert calls == ["launch_bwd_fused_sm90"], f"backward launches: {calls} (repro: s={s})"
+    # (the first forward under autograd also runs the backward's plan once, launching nothing, to compile it
+    # ahead: functional._compile_backward_ahead; so the fused entry may be counted twice)
+    assert "launch_bwd_fused_sm90" in calls and "launch_dq_sm90" not in calls, \
+        f"backward launches: {calls} (repro: s={s})"
     qd, kd, vd, sd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v, sink))
     gold, gold_lse = attention_reference(qd, kd, vd, sink=sd)
     gold.backward(do.cpu().double())

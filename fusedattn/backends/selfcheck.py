@@ -34,9 +34,18 @@ def _probe(out, x, n, big, scale, flag, one, nothing, BLOCK: tl.constexpr):
     tl.store(out + offs, r, mask=keep)
 
 
+def _probe_values(shape, dtype, device):
+    """Distinct, irregular probe inputs that leave the user's random stream alone (a probe drawing from
+    the CUDA generator would shift every random number the user draws after the first launch)."""
+    n = 1
+    for size in shape:
+        n *= size
+    return torch.arange(n, device=device, dtype=torch.float32).mul_(0.7).sin_().mul_(3).reshape(shape).to(dtype)
+
+
 def _check_plain(device) -> str:
     """'' when the probe's two launches agree, else what went wrong."""
-    x = torch.randn(64, device=device)
+    x = _probe_values((64, ), torch.float32, device)
     n, scale = 37, 1.5
     outs = []
     for fast in (False, True):
@@ -100,7 +109,7 @@ def _check_tma(device) -> str:
     rows, cols = 16, 64
     layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float16)
     kernel = _gluon_probe()
-    src = torch.randn(3 * rows, cols, device=device, dtype=torch.float16)
+    src = _probe_values((3 * rows, cols), torch.float16, device)
     row, scale = rows, 2.0
     outs = []
     for fast in (False, True):
@@ -123,11 +132,13 @@ def _check_tma(device) -> str:
 def fast_launch_ok(with_descriptors: bool) -> bool:
     """Whether the fast path passed its probe in this process (runs the probe on the first ask). Asked
     while a CUDA graph is being captured, it answers False without probing (a probe would launch into
-    the capture) and probes on a later ask."""
+    the capture) and probes on a later ask; so too under CUDA's sync debug mode (the probe reads its
+    result back to the host, which that mode warns of or refuses: a refusal must not turn the fast path
+    off for the rest of the process)."""
     kind = "tma" if with_descriptors else "plain"
     ok = _RESULT.get(kind)
     if ok is None:
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
             return False
         _RESULT[kind] = False           # a probe that fails half way leaves the fast path off
         try:
