@@ -447,13 +447,11 @@ def test_gpu_fallbacks(gpu_calls):
         assert not gpu_calls
         F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.bfloat16())
     assert len(gpu_calls) == 1
-    # PyTorch's own SDPA on the same inputs, called again: where it is not bitwise repeatable itself (its
-    # fused kernels may pick another plan per call), "PyTorch's result" means within its own spread
-    agains = [SDPA(*a, **kw) for a, kw in cases]
-    for i, (got, want, again) in enumerate(zip(gots, wants, agains)):
-        spread = (again.float() - want.float()).abs().max().item()
-        assert torch.equal(got, want) or (got.float() - want.float()).abs().max().item() <= 2 * spread, \
-            f"case {i}: the fallback is not PyTorch's result (PyTorch's own spread {spread:.3g})"
+    # bit for bit, NaN where PyTorch gives NaN (a float32 mask beside bf16 q gives NaN rows on torch 2.11's
+    # H100 path; falling back means reproducing that too)
+    for i, (got, want) in enumerate(zip(gots, wants)):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), \
+            f"case {i}: the fallback is not PyTorch's result"
 
 
 @gpu
