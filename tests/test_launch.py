@@ -53,6 +53,36 @@ def test_make_problem_memo_returns_fresh_extras_and_still_validates():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: direct-launch test skipped")
+def test_sync_debug_mode_does_not_turn_the_fast_path_off(monkeypatch):
+    """The self-check's probe reads back to the host once. Asked first under
+    ``torch.cuda.set_sync_debug_mode("error")`` (as validate=False callers check that nothing syncs), it
+    used to fail there and turn the fast path off for the rest of the process (test_launch failed after
+    test_flash_attn_api's validate=False tests in the same worker, H100); it now probes with the mode off."""
+    from fusedattn import plan as plan_mod
+    from fusedattn.backends import selfcheck
+    monkeypatch.setenv("FUSEDATTN_GLUON", "0")
+    monkeypatch.setattr(selfcheck, "_RESULT", {})
+    plan_mod._plan_cached.cache_clear()
+    fwd._FWD.cache.clear()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 2, 100, 64, generator=gen).to("cuda", torch.float16) for _ in range(3))
+        first, _ = fusedattn.attention_forward(q, k, v, validate=False)      # compiles: a cache entry
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again, _ = fusedattn.attention_forward(q, k, v, validate=False)  # the repeat asks for the fast path
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert selfcheck._RESULT.get("plain") is True, "the probe failed under sync debug mode"
+        assert fwd._FWD.cache and all(e[3] is not None and e[3] is not _UNASKED for e in fwd._FWD.cache.values()), \
+            "no direct C launch after a first ask under sync debug mode"
+        assert torch.equal(first, again)
+    finally:
+        plan_mod._plan_cached.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: direct-launch test skipped")
 @pytest.mark.parametrize("causal", [False, True])
 def test_repeat_calls_launch_the_cached_kernel_and_stay_correct(causal, monkeypatch):
     """The second call with the same metadata takes the direct path (a cache entry exists before

@@ -132,19 +132,24 @@ def _check_tma(device) -> str:
 def fast_launch_ok(with_descriptors: bool) -> bool:
     """Whether the fast path passed its probe in this process (runs the probe on the first ask). Asked
     while a CUDA graph is being captured, it answers False without probing (a probe would launch into
-    the capture) and probes on a later ask; so too under CUDA's sync debug mode (the probe reads its
-    result back to the host, which that mode warns of or refuses: a refusal must not turn the fast path
-    off for the rest of the process)."""
+    the capture) and probes on a later ask. The probe reads its result back to the host once; under
+    CUDA's sync debug mode it runs with that mode off (the mode is for the caller's own syncs: this one
+    is fusedattn's, once per process, and a refusal there turned the fast path off for good)."""
     kind = "tma" if with_descriptors else "plain"
     ok = _RESULT.get(kind)
     if ok is None:
-        if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode() != 0:
+        if torch.cuda.is_current_stream_capturing():
             return False
         _RESULT[kind] = False           # a probe that fails half way leaves the fast path off
         try:
             device = torch.cuda.current_device()
             compat.ensure_context(device)
-            why = _check_tma(device) if with_descriptors else _check_plain(device)
+            debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                why = _check_tma(device) if with_descriptors else _check_plain(device)
+            finally:
+                torch.cuda.set_sync_debug_mode(debug_mode)
         except Exception as exc:        # any failure of the probe means: do not take the fast path
             why = f"the probe raised {type(exc).__name__}: {str(exc)[:300]}"
         ok = not why
