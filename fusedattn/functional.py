@@ -22,7 +22,7 @@ from .backends import compat
 from .backends import cpu as cpu_backend
 from . import fp8 as _fp8
 from .plan import plan
-from .problem import InvalidArgumentError, InvalidTypeError, make_problem
+from .problem import InvalidArgumentError, InvalidTypeError, check_deterministic, make_problem
 
 __all__ = ["attention", "attention_forward", "attention_backward"]
 
@@ -275,6 +275,7 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     With ``sink`` (float [h_q], the forward's; its stats include the sink) the result has a fifth
     element, dsink fp32 [h_q] (written into ``dsink`` when given): ``-sum_rows exp(sink - lse) * delta``.
     """
+    check_deterministic(deterministic)
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -539,6 +540,7 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
     if scale_s is not None or scale_o is not None or out_dtype is not None:
         raise InvalidArgumentError("scale_s / scale_o / out_dtype are FP8 options; they need float8 q, k, v with "
                                    "descale_q / descale_k / descale_v")
+    check_deterministic(deterministic)
     if dropout_p and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2 ** 62, (1,)).item())
     opts = dict(attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment, window=window,

@@ -229,6 +229,13 @@ def check_device_type(device) -> None:
         raise NotSupportedError(f"q, k, v are on {device}; fusedattn runs on CPU and CUDA tensors only")
 
 
+def check_deterministic(deterministic) -> None:
+    """``deterministic`` is None (follow ``torch.are_deterministic_algorithms_enabled()``) or a bool: a
+    string such as "no" would otherwise read as True."""
+    if deterministic is not None and not _is_flag(deterministic):
+        raise InvalidTypeError(f"deterministic must be None, True or False, got {deterministic!r}")
+
+
 def _is_flag(x) -> bool:
     """A bool-like option (bool, 0 / 1, None for off, numpy's bool): not a string or a list by mistake."""
     return x is None or (isinstance(x, (bool, int)) and x in (0, 1)) or type(x).__name__ in ("bool_", "bool")
@@ -355,6 +362,8 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
                 _PLAIN.clear()
             # the lengths are the caller's tensors: never kept (normalized per call above)
             _PLAIN[key] = (problem, dict(extras, seq_len_q=None, seq_len_kv=None))
+    if validate is not True and validate is not False and (validate is None or not _is_flag(validate)):
+        raise InvalidTypeError(f"validate must be True or False, got {validate!r}")
     # the lengths' values change call to call (never part of the cache key): checked on every call
     if validate:
         check_seq_len_values(extras, problem.s_q, problem.s_kv, q.device)

@@ -130,6 +130,14 @@ CASES = [
     ("att-scale-bool", lambda be: att(be, q_(), kv_(), kv_(), attn_scale=True), ITE,
      ["attn_scale must be a float", "True"]),                                                          # fixed
     ("att-causal-str", lambda be: att(be, q_(), kv_(), kv_(), causal="no"), ITE, ["causal must be a bool"]),  # fixed
+    ("att-deterministic-str", lambda be: att(be, q_(), kv_(), kv_(), deterministic="no"), ITE,
+     ["deterministic must be None, True or False"]),                                                 # fixed
+    ("att-validate-none", lambda be: att(be, q_(), kv_(), kv_(), validate=None), ITE,
+     ["validate must be True or False"]),                                                            # fixed
+    ("att-validate-str", lambda be: fwd(be, q_(), kv_(), kv_(), validate="yes"), ITE,
+     ["validate must be True or False"]),                                                            # fixed
+    ("bwd-deterministic-list", lambda be: bwd(be, deterministic=[True]), ITE,
+     ["deterministic must be None, True or False"]),                                                 # fixed
     ("att-alignment", lambda be: att(be, q_(), kv_(), kv_(), causal=True, causal_alignment="bottom"), IAE,
      ["causal_alignment must be one of"]),
     ("att-window-3", lambda be: att(be, q_(), kv_(), kv_(), window=(1, 2, 3)), IAE, ["window must be a pair"]),
