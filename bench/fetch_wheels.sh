@@ -3,7 +3,7 @@
 # at the repository root. The GPU machine has no network: the lead names `.whl` in the
 # device call's `carry`, and bench/run_device.sh installs whatever .whl/ holds.
 #
-#   bash bench/fetch_wheels.sh            # cuDNN frontend (ANCHORS.md: 1.32.0) + apache-tvm-ffi + pytest
+#   bash bench/fetch_wheels.sh            # cuDNN frontend (ANCHORS.md: 1.32.0) + apache-tvm-ffi + pytest + looseversion
 #
 # Wheels are for the GPU machine, not for here: CPython 3.12, manylinux x86_64, --no-deps
 # (each dependency it really needs is named). nvidia-cudnn-frontend's metadata also asks
@@ -46,6 +46,8 @@ WHEELS=(
     # pytest for `run_device.sh tests`, in case the machine's image lacks it (pure Python, ~2 MB;
     # packaging>=24, its fourth need, is in the image through torch's and lightning's own needs)
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0
+    # cuDNN frontend's own SDPA tests (run_device.sh cudnn-tests) import looseversion (pure Python, 9 kB)
+    looseversion==1.3.0
 )
 
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

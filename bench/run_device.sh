@@ -40,6 +40,11 @@
 #   models         python3 -m fusedattn bench --models (a Llama-shaped model's train step and generate(), fusedattn
 #                  beside sdpa, tokens/s; prints "skipped" without transformers: carry its wheels in .whl)
 #   hf-example     python3 examples/hf_llama.py (needs transformers too)
+#   cudnn-tests    cuDNN frontend's own SDPA tests (test_mhas.py, test_sdpa_thd.py, test_sdpa_chunked_prefill.py,
+#                  fetched into the git-ignored .cudnn_fe_tests/: bench/cudnn_fe_suite.py's docstring says how) on
+#                  a seeded sample, with the real cuDNN frontend (the .whl wheel) and with fusedattn as `cudnn`,
+#                  in separate processes; one table, case | cuDNN | fusedattn, in $OUT/cudnn-tests/. Carry
+#                  .whl and .cudnn_fe_tests. CFE_N cases (default 40), CFE_SEED (24), CFE_WORKERS (8, xdist)
 #
 # Another Triton: carry .triton/triton-VERSION-slim.tar.xz (../shared/tools/pack-triton.sh VERSION .triton)
 # and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own); set
@@ -238,6 +243,11 @@ for part in "${PARTS[@]}"; do
         sdpa)          run_part sdpa python3 -m pytest -q -rfEs tests/test_torch_sdpa.py -n "${TEST_WORKERS:-4}" ;;
         models)        run_part models python3 -m fusedattn bench --models ;;
         hf-example)    run_part hf-example python3 examples/hf_llama.py ;;
+        cudnn-tests)   if [ -f .cudnn_fe_tests/test_mhas.py ]; then
+                           run_part cudnn-tests python3 bench/cudnn_fe_suite.py -n "${CFE_N:-40}" --seed "${CFE_SEED:-24}" \
+                               --workers "${CFE_WORKERS:-8}" --budget $(( $(left) - 30 )) --out "$OUT/cudnn-tests"
+                       else say "cudnn-tests: .cudnn_fe_tests/ was not carried (fetch it: bench/cudnn_fe_suite.py)"
+                            STATUS[cudnn-tests]=skipped; fi ;;
         tests-sample)  FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-4} run_part tests-sample python3 -m pytest -q \
                            -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ${TEST_K:+-k "$TEST_K"} ;;
         *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;
