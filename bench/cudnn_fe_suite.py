@@ -321,9 +321,10 @@ def _env(side: str, seed: int, extra=None) -> dict:
     env["CFE_SEED"] = str(seed)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.pop("PYTEST_ADDOPTS", None)
-    env.pop("CFE_RESULTS", None)
-    env.pop("CFE_COLLECT_OUT", None)
+    # a pytest of our own around this run (tests/test_cudnn_fe_suite.py under xdist) must not leak in
+    for var in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST",
+                "CFE_RESULTS", "CFE_COLLECT_OUT"):
+        env.pop(var, None)
     if extra:
         env.update(extra)
     return env
