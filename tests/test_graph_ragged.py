@@ -61,9 +61,10 @@ def seq(x, cu, i):
     return x[cu[i]:cu[i + 1]].transpose(0, 1)[None].detach().cpu()
 
 
-def ragged_fwd_graph(b, h_q, h_kv, s_q, s_kv, d, dtype, *, generate_stats=True, **sdpa_kw):
+def ragged_fwd_graph(b, h_q, h_kv, s_q, s_kv, d, dtype, *, generate_stats=True, override=False, **sdpa_kw):
     """cuDNN's ragged sample: returns (graph, tensors by name)."""
-    graph = cudnn.pygraph(io_data_type=dtype, intermediate_data_type=F32, compute_data_type=F32)
+    graph = cudnn.pygraph(io_data_type=dtype, intermediate_data_type=F32, compute_data_type=F32,
+                          is_override_shape_enabled=override)
     q = graph.tensor(name="Q", dim=[b, h_q, s_q, d], stride=bshd(b, h_q, s_q, d), data_type=dtype)
     k = graph.tensor(name="K", dim=[b, h_kv, s_kv, d], stride=bshd(b, h_kv, s_kv, d), data_type=dtype)
     v = graph.tensor(name="V", dim=[b, h_kv, s_kv, d], stride=bshd(b, h_kv, s_kv, d), data_type=dtype)
@@ -142,6 +143,73 @@ def test_ragged_forward(case, on_target):
     # padded Stats rows past a sequence's length see no key: -inf, as cuDNN (9.14 and later) writes
     for i in range(b):
         assert (stats_t[i, :, lens_q[i]:] == float("-inf")).all(), f"Stats rows past sequence {i}'s length"
+
+
+def test_override_shapes_reuse_one_graph(on_target):
+    """cuDNN frontend's THD and chunked-prefill tests (test/python/test_sdpa_thd.py,
+    test_sdpa_chunked_prefill.py) build one graph with ``is_override_shape_enabled=True``, cache it without
+    the batch's maximum query length, and run it with ``execute(..., override_uids=, override_shapes=,
+    override_strides=)`` at the batch's own ``[b, h, s_max, d]`` dims, passing a packed ``[T, h, d]``
+    tensor's own (3-entry) strides for Q and O. Here a graph built for s_q 6 / s_kv 12 runs a batch whose
+    longest query is 11 (Stats not overridden: inferred anew), then again at its own dims, unchanged."""
+    device, _ = on_target
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    cdt = cudnn.data_type.HALF if dtype == torch.float16 else F32
+    b, h_q, h_kv, d = 3, 4, 2, 16
+    graph, g = ragged_fwd_graph(b, h_q, h_kv, 6, 12, d, cdt, override=True, attn_scale=0.3)
+    gen = torch.Generator().manual_seed(16)
+    ws = torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8)
+
+    def run(lens_q, lens_kv, s_q, override):
+        cu_q, cu_kv = cumulative(lens_q), cumulative(lens_kv)
+        q_t = rand(cu_q[-1], h_q, d, dtype=dtype, device=device, gen=gen)
+        k_t, v_t = (rand(cu_kv[-1], h_kv, d, dtype=dtype, device=device, gen=gen) for _ in range(2))
+        o_t = torch.full((cu_q[-1], h_q, d), float("nan"), dtype=dtype, device=device)
+        stats_t = torch.full((b, h_q, s_q, 1), float("nan"), device=device)
+        pack = {g["q"]: q_t, g["k"]: k_t, g["v"]: v_t, g["o"]: o_t, g["stats"]: stats_t,
+                g["ragged_q"]: offsets(cu_q, h_q * d, device), g["ragged_kv"]: offsets(cu_kv, h_kv * d, device),
+                g["seq_len_q"]: lengths(lens_q, device), g["seq_len_kv"]: lengths(lens_kv, device)}
+        if override:
+            # cuDNN's own order and values: the packed tensors' strides, the declared 4-D shapes
+            names = ["q", "ragged_q", "k", "v", "seq_len_q", "seq_len_kv", "o"]
+            shapes = [[b, h_q, s_q, d], pack[g["ragged_q"]].shape, [b, h_kv, 12, d], [b, h_kv, 12, d],
+                      pack[g["seq_len_q"]].shape, pack[g["seq_len_kv"]].shape, [b, h_q, s_q, d]]
+            graph.execute(pack, ws, override_uids=[g[n].get_uid() for n in names], override_shapes=shapes,
+                          override_strides=[pack[g[n]].stride() for n in names])
+        else:
+            graph.execute(pack, ws)
+        for i in range(b):
+            gold, gold_lse = attention_reference(seq(q_t, cu_q, i), seq(k_t, cu_kv, i), seq(v_t, cu_kv, i),
+                                                 attn_scale=0.3)
+            base, _ = attention_reference(seq(q_t, cu_q, i), seq(k_t, cu_kv, i), seq(v_t, cu_kv, i),
+                                          attn_scale=0.3, dtype=dtype)
+            assert_error_within(seq(o_t, cu_q, i), gold, base, msg=f"O of sequence {i} (override={override})")
+            torch.testing.assert_close(stats_t[i:i + 1, :, :lens_q[i]].cpu().double(), gold_lse.double(),
+                                       atol=2e-3, rtol=2e-3)
+            assert (stats_t[i, :, lens_q[i]:] == float("-inf")).all(), f"Stats past sequence {i} (override={override})"
+
+    run((9, 2, 11), (10, 3, 12), 11, override=True)      # longer than the graph's s_q 6
+    run((9, 2, 11), (10, 3, 12), 11, override=True)      # the cached lowering
+    run((5, 1, 6), (7, 3, 12), 6, override=False)        # the graph itself is unchanged
+
+
+def test_override_shapes_refusals():
+    """Overrides on a graph built without is_override_shape_enabled, lists of unequal lengths, an unknown
+    uid and a shape of another rank are GraphErrors naming the argument."""
+    b, h, d = 2, 2, 16
+    plain, g = ragged_fwd_graph(b, h, h, 4, 4, d, F32)
+    over, g2 = ragged_fwd_graph(b, h, h, 4, 4, d, F32, override=True)
+    uid = g2["q"].get_uid()
+    cases = [
+        (plain, dict(override_uids=[g["q"].get_uid()], override_shapes=[[b, h, 8, d]]), "is_override_shape_enabled"),
+        (over, dict(override_uids=[uid], override_shapes=[]), "one entry per uid"),
+        (over, dict(override_uids=[987654], override_shapes=[[b, h, 8, d]]), "uid 987654 is not a tensor"),
+        (over, dict(override_uids=[uid], override_shapes=[[b, h, 8]]), "has 3 dims"),
+        (over, dict(override_uids=["q"], override_shapes=[[b, h, 8, d]]), "override_uids are ints"),
+    ]
+    for graph, kw, needle in cases:
+        with pytest.raises(cudnn.GraphError, match=needle):
+            graph.execute({}, None, **kw)
 
 
 def test_ragged_forward_lengths_from_offsets_and_packed_stats(on_target):

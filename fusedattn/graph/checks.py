@@ -69,6 +69,8 @@ def infer_output(t: tensor, role: str, where: str, dims, default_strides, dt: da
                          f"together (got dim {t._dim}, stride {t._stride}), or both left unset to be inferred")
     if not t._dim:
         t._dim, t._stride = list(dims), list(default_strides)
+        if t._graph is not None:
+            t._graph._inferred_uids.add(t._uid)      # inferred anew when execute overrides shapes
     elif list(t._dim) != list(dims):
         raise GraphError(f"{where}: output {role} {t.label()} has dims {t._dim}, but the operation "
                          f"produces {list(dims)}")

@@ -24,6 +24,7 @@ which demands the order); ``execute`` before ``build_plans`` is an error.
 """
 from __future__ import annotations
 
+import copy
 import numbers
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -76,8 +77,11 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         intermediate_data_type, compute_data_type: accepted; fusedattn computes the softmax and
             accumulates in fp32 whatever they say (never less precise than asked).
         handle: the default handle for ``execute``.
-        sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled,
-        is_override_shape_enabled: accepted for compatibility and unused.
+        is_override_shape_enabled: lets ``execute`` run the graph at other dims/strides
+            (``override_uids`` / ``override_shapes`` / ``override_strides``), as cuDNN's THD and
+            chunked-prefill code does to reuse one graph across batches of another maximum length.
+        sm_count, sm_version, kernel_cache, device_property, is_dynamic_shape_enabled: accepted for
+            compatibility and unused.
         backend: fusedattn's extension: ``"auto"`` (Triton on a GPU, the CPU path on the CPU),
             ``"triton"`` (forces the Triton kernel; on CPU tensors that is Triton's interpreter),
             or ``"cpu"``; passed to the functional layer. Default: ``DEFAULT_BACKEND`` ("auto").
@@ -109,6 +113,9 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         self._uid_to_tensor: Dict[int, tensor] = {}
         self._workspace_size = 0          # the functional layer allocates its own scratch
         self._seen_inputs: List[tensor] = []   # graph inputs in the order operations first read them
+        self._override_shape = bool(is_override_shape_enabled)
+        self._inferred_uids: set = set()       # outputs whose dims validate inferred (not the user's)
+        self._override_calls: dict = {}        # execute's overrides -> the calls lowered at those dims
 
     # ------------------------------------------------------------------------------------------
     # state
@@ -463,6 +470,7 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         if not self._nodes:
             raise GraphError(f"graph {self.name!r} has no operation; add one with sdpa(...) or sdpa_backward(...)")
         self._assign_uids()
+        self._inferred_uids = set()
         ctx = _Ctx(io_data_type=self._io_dt)
         for node in self._nodes:
             node.validate(ctx)
@@ -675,14 +683,14 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
         if self._state < _BUILT:
             raise GraphError(f"graph {self.name!r}: execute before the graph is built; call build_plans() "
                              f"(or build([cudnn.heur_mode.A]))")
+        calls = self._calls
         if override_uids or override_shapes or override_strides:
-            raise cudnnGraphNotSupportedError("execute: override_uids/override_shapes/override_strides "
-                                              "(dynamic shapes) are not supported; build a graph per shape")
+            calls = self._overridden_calls(override_uids, override_shapes, override_strides)
         h = self._resolve_handle(handle)
         bound = self._bind(variant_pack)
         device = None
         with torch.no_grad():
-            for call in self._calls:
+            for call in calls:
                 t = {"_backend": self._backend}
                 for r in call.reqs:
                     x = bound.get(r.uid)
@@ -706,10 +714,61 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
                             raise GraphError(f"{call.where}: {r.role} {r.label} is on {x.device} but the "
                                              f"other tensors are on {device}")
                     t[r.role] = x
-                if call is self._calls[0]:
+                if call is calls[0]:
                     self._check_workspace(workspace, device)
                 with h.stream_context(device):
                     invoke(call, t)
+
+    def _overridden_calls(self, override_uids, override_shapes, override_strides) -> list:
+        """The graph's calls lowered at ``execute``'s override dims/strides (cuDNN's
+        ``is_override_shape_enabled`` graphs), cached per override.
+
+        A copy of the graph takes the new dims (and strides where one has as many entries as the
+        dims: cuDNN frontend's THD tests pass a packed ``[T, h, d]`` tensor's own strides for a
+        ``[b, h, s, d]`` graph tensor, so a stride of another rank keeps the graph's), is validated,
+        lowered and support-checked as at build; outputs whose dims were inferred are inferred anew.
+        """
+        w = f"graph {self.name!r}: execute"
+        if not self._override_shape:
+            raise GraphError(f"{w}: override_uids / override_shapes / override_strides need a graph created "
+                             f"with is_override_shape_enabled=True")
+        uids = list(override_uids or [])
+        shapes = list(override_shapes or [])
+        strides = list(override_strides) if override_strides is not None else [None] * len(uids)
+        if not (len(uids) == len(shapes) == len(strides)):
+            raise GraphError(f"{w}: override_uids ({len(uids)}), override_shapes ({len(shapes)}) and "
+                             f"override_strides ({len(strides)}) need one entry per uid")
+        try:
+            key = tuple((int(u), tuple(int(x) for x in shape), None if st is None else tuple(int(x) for x in st))
+                        for u, shape, st in zip(uids, shapes, strides))
+        except (TypeError, ValueError):
+            raise GraphError(f"{w}: override_uids are ints, override_shapes / override_strides lists of ints; "
+                             f"got {uids!r}, {shapes!r}, {strides!r}") from None
+        calls = self._override_calls.get(key)
+        if calls is not None:
+            return calls
+        # the copy shares the handle and starts with no overrides of its own
+        clone = copy.deepcopy(self, {id(self._handle): self._handle, id(self._override_calls): {}})
+        for uid in clone._inferred_uids:
+            t = clone._uid_to_tensor[uid]
+            t._dim = t._stride = None
+        for uid, shape, stride in key:
+            t = clone._uid_to_tensor.get(uid)
+            if t is None:
+                raise GraphError(f"{w}: override uid {uid} is not a tensor of this graph "
+                                 f"(uids: {sorted(clone._uid_to_tensor)})")
+            if t._dim and len(shape) != len(t._dim):
+                raise GraphError(f"{w}: override shape {list(shape)} for {t.label()} has {len(shape)} dims; "
+                                 f"the tensor has {len(t._dim)}")
+            t._dim = list(shape)
+            if stride is not None and len(stride) == len(shape):
+                t._stride = list(stride)
+        clone._state, clone._calls = _OPEN, []
+        clone.check_support()
+        if len(self._override_calls) >= 64:
+            self._override_calls.clear()
+        self._override_calls[key] = clone._calls
+        return clone._calls
 
     def __repr__(self):
         ops = ", ".join(n.where for n in self._nodes) or "no operations"
