@@ -48,7 +48,7 @@
 #
 # Another Triton: carry .triton/triton-VERSION-slim.tar.xz (../shared/tools/pack-triton.sh VERSION .triton)
 # and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own); set
-# TRITON_PACK=VERSION to choose among packs a warm machine still holds. FUSEDATTN_TEST_SAMPLE=N with the
+# TRITON_PACK=VERSION to choose among packs a warm machine still holds (TRITON_PACK=native: the machine's own). FUSEDATTN_TEST_SAMPLE=N with the
 # tests parts runs every N-th test of each file.
 # Extra args after `--` go to every bench part (e.g. `-- --only b4-h32kv8 --pass fwd`).
 #
@@ -91,6 +91,9 @@ use_packed_triton() {
     # A Triton packed by ../shared/tools/pack-triton.sh and carried in .triton/ replaces the machine's.
     # TRITON_PACK=VERSION picks one where a warm machine kept an earlier call's pack too
     local pack
+    # TRITON_PACK=native: the machine's own Triton even where a pack was carried (without it, the newest
+    # carried pack is taken: a call carrying 3.7.1 ran its "native" part on 3.7.1, bench/NOTES.md 55)
+    [ "${TRITON_PACK:-}" = native ] && return 0
     if [ -n "${TRITON_PACK:-}" ]; then pack=.triton/triton-$TRITON_PACK-slim.tar.xz; [ -f "$pack" ] || {
         say "TRITON_PACK=$TRITON_PACK but $pack was not carried"; exit 1; }
     else pack=$(ls -t .triton/triton-*-slim.tar.xz 2>/dev/null | head -1); fi
