@@ -254,7 +254,7 @@ def sink_grad(sink, lse, delta):
     delta [b, h_q, s_q] or [b * h_q, s_q] fp32."""
     h_q = sink.shape[0]
     # few element-wise kernels (on the GPU each is a launch beside a ~1 ms backward): lse -inf -> +inf in
-    # one nan_to_num (p_sink 0 there, never inf * 0), the negation folded into the subtraction's order
+    # one nan_to_num (p_sink 0 there, never inf * 0), then in place: exp, negate, times delta
     lse = torch.nan_to_num(lse.reshape(-1, h_q, lse.shape[-1]).to(delta.dtype), neginf=float("inf"))
     neg_p_sink = torch.sub(sink.to(delta.dtype).view(1, h_q, 1), lse).exp_().neg_()
     return neg_p_sink.mul_(delta.reshape(lse.shape)).sum(dim=(0, 2)).float()
