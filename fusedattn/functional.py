@@ -127,11 +127,13 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
     the Gluon dQ pass refuses. deterministic=False, no mask, d=128: the single-pass backward (dQ reduced
     with TMA adds into fp32, so not bitwise reproducible) where it accepts the call; deterministic=None
-    means torch.are_deterministic_algorithms_enabled(). A sink changes nothing in these kernels (the lse
+    means torch.are_deterministic_algorithms_enabled(). A sink changes nothing in dQ, dK, dV (the lse
     includes it); its gradient (into ``dsink``) needs delta: the two passes share theirs, and beside the
     single-pass kernel (which keeps its delta to itself) the separate delta pass computes it once more
     (one read of O and dO: ~25 us against ~1.6 ms of backward at b2 h16 8k d128, so a sink keeps the
-    single pass, bench/NOTES.md 54)."""
+    single pass, bench/NOTES.md 54). deterministic=False: the kernel that computes delta also adds the
+    sink's gradient into dsink with atomics (``_sink_acc``), no launch of its own; deterministic:
+    ``cpu.sink_grad`` from delta (a few torch kernels, bitwise reproducible)."""
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
     if mods is None:
         return False
@@ -148,10 +150,13 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
         out = aligned(out)
         fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=out)
         if dsink is not None:
+            # deterministic is False here: the delta pass adds the sink's gradient itself
             from .backends.triton.bwd import launch_delta
             delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-            launch_delta(p, out, grad_out, delta)
-            dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
+            acc = _sink_acc(dsink)
+            launch_delta(p, out, grad_out, delta, lse=lse, sink=extras["sink"], dsink=acc)
+            if acc is not dsink:
+                dsink.copy_(acc)
         return True
     opts = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
@@ -165,18 +170,34 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     if not (write_delta or dq_pass.supports(p, q, k, v, grad_out, dq, **opts)):
         return False
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    # the sink's gradient from the kernel that computes delta (atomics), unless deterministic
+    acc = _sink_acc(dsink) if dsink is not None and not deterministic else None
     if not write_delta:
         from .backends.triton.bwd import launch_delta
-        launch_delta(p, out, grad_out, delta)
-    dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out if write_delta else None, **opts)
+        launch_delta(p, out, grad_out, delta, lse=lse, sink=extras["sink"], dsink=acc)
+    dq_pass.launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, out=out if write_delta else None,
+                           sink=extras["sink"], dsink=acc if write_delta else None, **opts)
     if dkdv_pass.supports(p, q, k, v, grad_out, dk, dv, **opts):
         dkdv_pass.launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, **opts)
     else:
         from .backends.triton.bwd import launch_bwd
         launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, False, delta=delta)
-    if dsink is not None:
+    if acc is not None:
+        if acc is not dsink:
+            dsink.copy_(acc)
+    elif dsink is not None:
         dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
     return True
+
+
+def _sink_acc(dsink):
+    """The buffer the kernels add the sink's gradient into with atomics (fp32 contiguous [h_q], zeroed
+    here): ``dsink`` itself when contiguous (autograd's, the Graph door's), else a fresh one the caller
+    copies into dsink afterwards. One memset in place of ``cpu.sink_grad``'s ~7 small kernels (~20-30 us
+    beside a ~0.86 ms backward at b4 h32 2k d128 causal on the H100, issue 26)."""
+    if dsink.is_contiguous():
+        return dsink.zero_()
+    return torch.zeros(dsink.shape, dtype=torch.float32, device=dsink.device)
 
 
 def _run_forward(p, extras, pl, q, k, v, out, lse):
@@ -376,8 +397,11 @@ def _compile_backward_ahead(p, extras, pl, q, k, v, deterministic) -> None:
     from .backends.triton.launch import compiling_ahead
     out = _like_layout(q, (p.b, p.h_q, p.s_q, p.d_v), q.dtype)
     lse = torch.empty((p.b, p.h_q, p.s_q), dtype=torch.float32, device=q.device)
+    # with a sink, a dsink too: the backward's kernels then are its HAS_SINK variants (they fold dsink in)
+    dsink = torch.empty((p.h_q,), dtype=torch.float32, device=q.device) if p.has_sink else None
     with compiling_ahead():
-        _run_backward(p, extras, pl, q, k, v, out, torch.empty_like(out), lse, deterministic=deterministic)
+        _run_backward(p, extras, pl, q, k, v, out, torch.empty_like(out), lse, deterministic=deterministic,
+                      dsink=dsink)
 
 
 class _Attention(torch.autograd.Function):
@@ -467,7 +491,8 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         dropout_offset: int added to the Philox counter.
         deterministic: True: the backward is bitwise reproducible (no atomics). False allows the
             faster single-pass Hopper backward where it applies (no mask, d=128), whose dQ is
-            reduced with atomic adds (FlashAttention's and cuDNN's meaning of the flag; both
+            reduced with atomic adds, and a sink's gradient summed with atomic adds by the Hopper
+            backward's delta kernel (FlashAttention's and cuDNN's meaning of the flag; both
             default to False). None (default): ``torch.are_deterministic_algorithms_enabled()``,
             read when the backward runs.
         return_stats: also return the log-sum-exp of the scaled scores, fp32 ``[b, h_q, s_q, 1]``

@@ -201,13 +201,27 @@ def test_gluon_fused_supports():
 def test_gluon_fused_with_sink(s, monkeypatch):
     """A learnable sink keeps the single-pass backward (bench/NOTES.md 54: taking the two passes for it cost
     0.86x at b2 h16 8k): attention(..., sink=) with no mask and deterministic=False launches the fused kernel
-    once and no two-pass kernel, and dQ, dK, dV and dsink (from the separate delta pass) match float64."""
+    once and no two-pass kernel; dsink comes from the separate delta pass with the sink folded in
+    (``launch_delta(..., dsink=)``, atomics; issue 26), never from torch's ``cpu.sink_grad``; dQ, dK, dV and
+    dsink match float64."""
     import fusedattn
+    from fusedattn.backends import cpu as cpu_backend
     from fusedattn.backends.gluon import bwd_dq_sm90, bwd_fused_sm90
+    from fusedattn.backends.triton import bwd as triton_bwd
+    from fusedattn.backends.triton import launch as launch_mod
     calls = []
     for mod, name in ((bwd_fused_sm90, "launch_bwd_fused_sm90"), (bwd_dq_sm90, "launch_dq_sm90")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    real_delta, real_sink_grad = triton_bwd.launch_delta, cpu_backend.sink_grad
+
+    def delta_counted(*a, **kw):
+        if getattr(launch_mod._ahead, "active", None) is None:      # run, not compiled ahead
+            calls.append("launch_delta+dsink" if kw.get("dsink") is not None else "launch_delta")
+        return real_delta(*a, **kw)
+    monkeypatch.setattr(triton_bwd, "launch_delta", delta_counted)
+    monkeypatch.setattr(cpu_backend, "sink_grad",
+                        lambda *a, **kw: calls.append("sink_grad") or real_sink_grad(*a, **kw))
     gen = torch.Generator().manual_seed(54 + s)
     q, k, v = (torch.randn(2, s, 4, 128, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16).requires_grad_()
                for _ in range(3))
@@ -220,6 +234,8 @@ def test_gluon_fused_with_sink(s, monkeypatch):
     # ahead: functional._compile_backward_ahead; so the fused entry may be counted twice)
     assert "launch_bwd_fused_sm90" in calls and "launch_dq_sm90" not in calls, \
         f"backward launches: {calls} (repro: s={s})"
+    assert "launch_delta+dsink" in calls and "launch_delta" not in calls and "sink_grad" not in calls, \
+        f"dsink not folded into the delta pass: {calls} (repro: s={s})"
     qd, kd, vd, sd = (t.detach().cpu().double().requires_grad_() for t in (q, k, v, sink))
     gold, gold_lse = attention_reference(qd, kd, vd, sink=sd)
     gold.backward(do.cpu().double())

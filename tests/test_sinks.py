@@ -4,7 +4,9 @@ Checked against the float64 reference (``fusedattn.reference``, the sink as an a
 0) by FlashAttention's rule (``testing.assert_error_within``: at most 2x PyTorch's same-precision
 error plus a floor) on the CPU path, the real Triton kernels under the interpreter and the GPU:
 forward, stats (which include the sink), backward with dsink; the split-KV decode (the sink counted
-once whatever the split count); packed batches; the Graph and FlashAttention doors.
+once whatever the split count); packed batches; the Graph and FlashAttention doors. dsink folded into
+the kernel that computes delta (deterministic=False: the Triton delta pass under the interpreter, the
+Gluon dQ pass and the delta pass on Hopper) against float64 and against torch's ``cpu.sink_grad``.
 Each seeded case prints a one-line repro on failure.
 """
 import pytest
@@ -271,3 +273,197 @@ def test_sink_graph_dsink_needs_sink():
     with pytest.raises(cudnn.GraphError, match="dSink_token given without sink_token"):
         graph.sdpa_backward(q, q, q, q, q, graph.tensor_like(torch.empty(1, 2, 4, 1)),
                             dSink_token=graph.tensor_like(torch.empty(1, 2, 1, 1)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# issue 26: the sink's gradient folded into the kernel that computes delta (deterministic=False)
+
+def _delta_pass_inputs(seed, device, layout, group, padded):
+    """q, k, v (fp32, ``layout``), sink, the forward's out and stats (a sink-aware forward), dO with NaN
+    in the rows past seq_len_q, and the problem's keyword arguments."""
+    from conftest import HAS_CUDA
+    gen = torch.Generator().manual_seed(seed)
+    b, h_kv, s_q, s_kv, d = 2, 2, 77, 50, 40          # 77 rows: two 64-row programs per head, one partial
+    h_q = h_kv * group
+    q = guarded((b, h_q, s_q, d), torch.float32, device, layout=layout, gen=gen).view
+    k = guarded((b, h_kv, s_kv, d), torch.float32, device, layout=layout, gen=gen).view
+    v = guarded((b, h_kv, s_kv, d), torch.float32, device, layout=layout, gen=gen).view
+    sink = (torch.randn(h_q, generator=gen) * 2.0).to(device)
+    sink[0] = 6.0                                     # a sink that dominates its rows
+    kw = dict(causal=True, causal_alignment="bottom_right")
+    if padded:
+        # batch 0 sees no key (lse = sink, out = 0, delta = 0); batch 1's rows past 30 have lse -inf
+        kw.update(seq_len_q=torch.tensor([77, 30], dtype=torch.int32, device=device),
+                  seq_len_kv=torch.tensor([0, 50], dtype=torch.int32, device=device))
+    out, stats = fusedattn.attention_forward(q, k, v, sink=sink, return_stats=True,
+                                             backend="triton" if HAS_CUDA else "cpu", **kw)
+    do = guarded((b, h_q, s_q, d), torch.float32, device, layout=layout, gen=gen).view
+    if padded:
+        do[1, :, 30:] = float("nan")                  # padding rows of dO may hold anything
+    return q, k, v, sink, out, stats, do, kw
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("group", [1, 3], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_delta_pass_adds_dsink(layout, group, padded):
+    """bwd.launch_delta(..., lse=, sink=, dsink=) (the Gluon backward's delta pass, deterministic=False)
+    writes delta and adds -sum_rows exp(sink - lse) * delta into a zeroed dsink with one atomic per
+    program: against float64 autograd by the reference rule (PyTorch's fp32 ``cpu.sink_grad`` as the
+    same-precision error), rows with lse -inf and NaN in dO's padding rows giving 0; the stats in the
+    caller's layout (BSHD memory seen as [b, h, s]); and the sink-free launch unchanged."""
+    from conftest import HAS_CUDA, INTERPRET
+    if not (HAS_CUDA or INTERPRET):
+        pytest.skip("needs the GPU or Triton's interpreter")
+    from fusedattn.backends import cpu as cpu_backend
+    from fusedattn.backends.triton import bwd
+    from fusedattn.problem import make_problem
+    device = "cuda" if HAS_CUDA else "cpu"
+    repro = f"repro: pytest tests/test_sinks.py -k 'test_delta_pass_adds_dsink and {layout}' (group={group}, " \
+            f"padded={padded})"
+    q, k, v, sink, out, stats, do, kw = _delta_pass_inputs(60 + group + 10 * padded, device, layout, group, padded)
+    b, h_q, s_q, _ = q.shape
+    lse = stats[..., 0]
+    if layout == "bshd":
+        mem = torch.full((b, s_q, h_q), float("nan"), device=device)
+        mem.copy_(lse.transpose(1, 2))
+        lse = mem.transpose(1, 2)
+    p, extras = make_problem(q, k, v, sink=sink, **kw)
+    delta = torch.full((b * h_q, s_q), float("nan"), device=device)
+    dsink = torch.zeros(h_q, device=device)
+    bwd.launch_delta(p, out, do, delta, lse=lse, sink=extras["sink"], dsink=dsink)
+
+    rows_ok = torch.ones(b, h_q, s_q, dtype=torch.bool, device=device)
+    if padded:
+        rows_ok[1, :, 30:] = False
+    want_delta = (out.double() * do.double()).sum(-1)
+    torch.testing.assert_close(delta.view(b, h_q, s_q)[rows_ok].double(), want_delta[rows_ok], rtol=1e-5,
+                               atol=1e-4, msg=repro)
+    # float64 autograd of the reference; dO's NaN padding rows are no gradient of anything (zeroed)
+    leaves = [_leaf(t, torch.float64) for t in (q, k, v, sink)]
+    gold_out, _ = attention_reference(*leaves[:3], sink=leaves[3], **kw)
+    gold = torch.autograd.grad(gold_out, leaves[3], torch.where(rows_ok[..., None], do, 0.0).double())[0]
+    base = cpu_backend.sink_grad(extras["sink"], stats[..., 0], torch.where(rows_ok, want_delta.float(), 0.0))
+    assert not torch.isnan(dsink).any(), f"NaN in dsink {dsink.tolist()}. {repro}"
+    assert_error_within(dsink, gold, base.double(), factor=3.0, floor=1e-4, msg=f"dsink. {repro}")
+
+    # without dsink: the same delta, nothing else touched
+    again = torch.full_like(delta, float("nan"))
+    bwd.launch_delta(p, out, do, again)
+    assert torch.equal(again[rows_ok.view(b * h_q, s_q)], delta[rows_ok.view(b * h_q, s_q)]), repro
+
+
+
+def test_delta_pass_launch_key_includes_the_sink(monkeypatch):
+    """launch_delta's Launcher key (backends/triton/launch.py's contract: everything the JIT specializes on)
+    tells the HAS_SINK launch from the plain one, and the stats' strides apart (a repeat call with another
+    layout must not reuse a kernel specialized on the first one's)."""
+    from fusedattn.backends.triton import bwd
+    from fusedattn.problem import make_problem
+    seen = []
+    monkeypatch.setattr(bwd, "_PREPROCESS", lambda key, grid, *a, **kw: seen.append((key, kw["HAS_SINK"])))
+    q = torch.randn(1, 4, 33, 16)
+    p, extras = make_problem(q, q, q, sink=torch.zeros(4))
+    delta, dsink = torch.empty(4, 33), torch.zeros(4)
+    lse = torch.empty(1, 4, 33)
+    lse_t = torch.empty(1, 33, 4).transpose(1, 2)
+    bwd.launch_delta(p, q, q, delta)
+    bwd.launch_delta(p, q, q, delta, lse=lse, sink=extras["sink"], dsink=dsink)
+    bwd.launch_delta(p, q, q, delta, lse=lse_t, sink=extras["sink"], dsink=dsink)
+    bwd.launch_delta(p, q, q, delta, lse=lse, sink=extras["sink"], dsink=dsink)
+    assert [flag for _, flag in seen] == [False, True, True, True]
+    keys = [key for key, _ in seen]
+    assert len(set(keys[:3])) == 3 and keys[1] == keys[3]
+
+# the Gluon two-pass backward with a sink (H100/H200): (d, kwargs of attention, lengths) -> the kernel that
+# computes delta and takes the sink there: "causal_2k" (issue 26's bench row, below
+# functional._FUSED_CAUSAL_MIN_KEYS keys: two passes) and "causal_padded" (rows that see no key, rows past
+# seq_len_q, CTAs with no key tile) the dQ pass (WRITE_DELTA); "plain_padded" and "d256_plain" (the fused
+# kernel refuses them) the separate delta pass
+GLUON_SINK_ROUTES = {
+    "causal_2k": (128, 2048, 2048, dict(causal=True)),
+    "causal_padded": (128, 1000, 1100, dict(causal=True, causal_alignment="bottom_right",
+                                            seq_len_q=[1000, 333], seq_len_kv=[900, 0])),
+    "plain_padded": (128, 1000, 1100, dict(seq_len_q=[1000, 333], seq_len_kv=[900, 0])),
+    "d256_plain": (256, 777, 777, {}),
+}
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon backward is Hopper-only (compute capability 9.x): GPU test skipped")
+@pytest.mark.parametrize("route", GLUON_SINK_ROUTES)
+def test_gluon_two_pass_backward_folds_dsink(route, monkeypatch):
+    """deterministic=False: the kernel that computes delta (the Gluon dQ pass under a band, else the
+    separate delta pass) adds dsink with atomics and torch's ``cpu.sink_grad`` never runs; deterministic=True
+    keeps sink_grad (bitwise reproducible run to run). Both give dsink within fp32 summation order of each
+    other and of float64, the same dQ, dK, dV bit for bit (the fold changes nothing else), and those pass
+    the reference rule. bf16, GQA 8/2, BSHD memory; the fused kernel is never taken."""
+    from fusedattn.backends import cpu as cpu_backend
+    from fusedattn.backends.gluon import bwd_dq_sm90, bwd_fused_sm90
+    from fusedattn.backends.triton import bwd as triton_bwd
+    from fusedattn.backends.triton import launch as launch_mod
+    d, s_q, s_kv, kw = GLUON_SINK_ROUTES[route]
+    kw = {key: torch.tensor(val, dtype=torch.int32, device="cuda") if isinstance(val, list) else val
+          for key, val in kw.items()}
+    repro = f"repro: pytest tests/test_sinks.py -k 'test_gluon_two_pass_backward_folds_dsink and {route}'"
+    calls = []
+
+    def counted(real, name):
+        def run(*a, **kwargs):
+            if getattr(launch_mod._ahead, "active", None) is None:      # run, not compiled ahead
+                calls.append(name + ("+dsink" if kwargs.get("dsink") is not None else ""))
+            return real(*a, **kwargs)
+        return run
+    for mod, name in ((bwd_dq_sm90, "launch_dq_sm90"), (bwd_fused_sm90, "launch_bwd_fused_sm90"),
+                      (triton_bwd, "launch_delta"), (cpu_backend, "sink_grad")):
+        monkeypatch.setattr(mod, name, counted(getattr(mod, name), name))
+    gen = torch.Generator().manual_seed(26)
+    mk = lambda h, s: torch.randn(2, s, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)  # noqa: E731
+    q, k, v = mk(8, s_q), mk(2, s_kv), mk(2, s_kv)
+    sink = (torch.randn(8, generator=gen) * 2).to("cuda")
+    sink[3] = 7.0                                     # a sink that takes most of its rows' mass
+    do = mk(8, s_q)
+    if "seq_len_q" in kw:
+        rows = torch.arange(s_q, device="cuda").view(1, 1, -1, 1) < kw["seq_len_q"].view(-1, 1, 1, 1)
+        do = torch.where(rows, do, 0.0)               # no gradient reaches padding rows of the output
+
+    got = {}
+    for deterministic in (False, True, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sink)]
+        out = fusedattn.attention(*leaves[:3], sink=leaves[3], deterministic=deterministic, **kw)
+        calls.clear()
+        out.backward(do)
+        torch.cuda.synchronize()
+        assert not any(c.startswith("launch_bwd_fused_sm90") for c in calls), f"fused kernel taken: {calls}. {repro}"
+        folded = [c for c in calls if c.endswith("+dsink")]
+        if deterministic:
+            assert calls.count("sink_grad") == 1 and not folded, f"deterministic: {calls}. {repro}"
+        else:
+            want = "launch_dq_sm90+dsink" if "causal" in kw else "launch_delta+dsink"
+            assert folded == [want] and "sink_grad" not in calls, f"deterministic=False: {calls}. {repro}"
+        grads = [t.grad for t in leaves]
+        if deterministic and deterministic in got:
+            assert torch.equal(grads[3], got[True][3]), f"deterministic dsink differs run to run. {repro}"
+        got[deterministic] = grads
+    for name, a, b in zip(("dq", "dk", "dv"), got[False][:3], got[True][:3]):
+        assert torch.equal(a, b), f"{name} differs with the sink folded into the delta kernel. {repro}"
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sink)]
+    gold, gold_lse = attention_reference(*leaves[:3], sink=leaves[3], **kw)
+    gold_grads = torch.autograd.grad(gold, leaves, do.double())
+    base_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    base, _ = attention_reference(*base_leaves, sink=sink, dtype=torch.bfloat16, **kw)
+    base_grads = torch.autograd.grad(base, base_leaves, do)
+    for name, g, gg, bg in zip(("dq", "dk", "dv"), got[False][:3], gold_grads[:3], base_grads):
+        assert_error_within(g, gg, bg, msg=f"{name} with a sink. {repro}")
+    # dsink: fp32 sums over 2 x s_q rows, bounded relative to sum |p_sink * delta|
+    lse_d = gold_lse.detach()[..., 0]
+    p_sink = torch.where(lse_d == float("-inf"), 0.0, torch.exp(leaves[3].detach().view(1, -1, 1) - lse_d))
+    scale = (p_sink * (gold.detach() * do.double()).sum(-1).abs()).sum(dim=(0, 2))
+    for deterministic in (False, True):
+        dsink = got[deterministic][3]
+        assert ((dsink.double() - gold_grads[3]).abs() <= 2e-2 * scale + 1e-3).all(), \
+            f"dsink (deterministic={deterministic}) {dsink.tolist()} vs {gold_grads[3].tolist()}. {repro}"
+    assert ((got[False][3].double() - got[True][3].double()).abs() <= 1e-4 * scale + 1e-6).all(), \
+        f"dsink folded {got[False][3].tolist()} vs sink_grad {got[True][3].tolist()}. {repro}"

@@ -78,6 +78,14 @@ def bwd_variants(d, tk, tq, dtype="bf16", **sw):
     return a, b
 
 
+def delta_variant(d_v, dtype="bf16", **sw):
+    """The delta pre-process kernel (``bwd._attn_bwd_preprocess``, the launch of ``bwd.launch_delta``)."""
+    c = dict(BLOCK_M=64, BLOCK_DV=max(16, triton.next_power_of_2(d_v)), VARLEN=False, HAS_SINK=False)
+    c.update(sw)
+    ptrs = dict(O=f"*{dtype}", DO=f"*{dtype}", DELTA="*fp32", CU_Q="*i32", LSE="*fp32", SINK="*fp32", DSINK="*fp32")
+    return compile_variant(bwd._attn_bwd_preprocess, ptrs, c, 4, 1)
+
+
 def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which == "features":

@@ -47,6 +47,11 @@ CASES = [
     ("gluon dkdv d128 causal alibi", lambda: gluon_bwd_check.compile_dkdv(128, True, "bf16", alibi=True)),
     ("triton fwd d3 alibi", lambda: aot_check.fwd_variant(3, 64, 64, 4, 2, HAS_ALIBI=True)),
     ("triton bwd d59 alibi", lambda: aot_check.bwd_variants(59, (64, 64, 4, 2), (64, 64, 4, 2), HAS_ALIBI=True)),
+    # issue 26: dsink folded into the kernel that computes delta (atomics; deterministic=False)
+    ("gluon dq d128 causal sink", lambda: gluon_dq_check.compile_dq(128, True, "bf16", sink=True)),
+    ("gluon dq d128 padded alibi sink", lambda: gluon_dq_check.compile_dq(
+        128, True, "bf16", bottom_right=True, alibi=True, seq_q=True, seq_kv=True, sink=True)),
+    ("triton delta d128 sink", lambda: aot_check.delta_variant(128, HAS_SINK=True)),
 ]
 
 

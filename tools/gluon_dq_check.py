@@ -2,6 +2,7 @@
 show what matters in its SASS.
 
     python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES] [split] [window] [alibi] [seq_q] [seq_kv]
+        [dropout] [sink]
         e.g. ... 128 1 bf16 64 0 split   (BLOCK_N / STAGES 0: the defaults)
 
 Prints shared memory, registers/spills (ptxas -v on the PTX), and for each loop of the SASS its
@@ -26,7 +27,7 @@ from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 
 def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False,
-               write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False, dropout=False):
+               write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False, dropout=False, sink=False):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     td = fwd_sm90.TILE_D[d]
@@ -38,7 +39,8 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
     kd = f"tensordesc<{dtype}[1, 1, {block_n}, {td}],{kl!r}>"
     sig = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "dq_desc": qd,
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
-           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32", "SLOPES": "*fp32", "stride_sb": "i32",
+           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+           "SINK": "*fp32", "DSINK": "*fp32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32",
@@ -47,7 +49,7 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, REVERSE_M=causal and not window,
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
                  SPLIT=split, WRITE_DELTA=write_delta, D=d, HAS_SEQ_Q=seq_q,
-                 HAS_SEQ_KV=seq_kv, DROPOUT=dropout)
+                 HAS_SEQ_KV=seq_kv, DROPOUT=dropout, HAS_SINK=sink)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)
@@ -60,10 +62,11 @@ def main():
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     block_n = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "0" else None
     stages = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "0" else None
-    flags = set(sys.argv[6:])     # any of: split, window (a two-sided band), alibi, seq_q, seq_kv (padding), dropout
+    # any of: split, window (a two-sided band), alibi, seq_q, seq_kv (padding), dropout, sink
+    flags = set(sys.argv[6:])
     k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages, split="split" in flags,
                    window="window" in flags, alibi="alibi" in flags, seq_q="seq_q" in flags,
-                   seq_kv="seq_kv" in flags, dropout="dropout" in flags)
+                   seq_kv="seq_kv" in flags, dropout="dropout" in flags, sink="sink" in flags)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

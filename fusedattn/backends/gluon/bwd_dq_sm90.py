@@ -63,7 +63,10 @@ the dK/dV pass (one launch fewer). Each warpgroup reads its 64 O rows once with 
 loads (issued before the Q/dO barrier wait) and its dO rows from the shared-memory tile. With
 padding a CTA with no key tile to visit never loads dO: it writes delta = 0 (its rows' outputs are
 0); rows past len_q get rowsum(dO * O) of whatever the padding holds, as the separate delta pass
-gives them (the dK/dV pass never uses them).
+gives them (the dK/dV pass never uses them). With a learnable sink (``HAS_SINK``, only beside
+WRITE_DELTA) each warpgroup also adds its rows' share of the sink's gradient, -sum exp(sink - lse) *
+delta (rows with lse -inf give 0), into an fp32 [h_q] buffer with one atomic: the sink then costs no
+launch of its own (issue 26; the deterministic backward computes it with torch instead).
 
 Variants (constexpr / keyword, for tuning): ``SPLIT`` waits for S_j alone first and computes P_j
 under dP_j and the dQ product (a second pin keeps the exponentials there), then waits for dP_j;
@@ -223,15 +226,17 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
 
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                 dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, O, stride_ob, stride_oh, stride_om, batch,
-                 head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale, drop, HAS_LEFT: gl.constexpr,
-                 HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-                 HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
+                 dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA, O, stride_ob, stride_oh, stride_om, SINK,
+                 DSINK, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale, drop,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr,
+                 HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr):
     """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64) over key tiles
     tiles = (t_lo, t_a, t_b, t_hi, n_tiles) (``fwd_sm90._cta_tiles``); D: the true head dim.
     Padding (HAS_SEQ_Q / HAS_SEQ_KV): keys past len_kv (band[0]) are masked and their K/V rows
-    zeroed in shared memory; rows past len_q are written as 0; a CTA with n_tiles = 0 writes zeros."""
+    zeroed in shared memory; rows past len_q are written as 0; a CTA with n_tiles = 0 writes zeros.
+    HAS_SINK (with WRITE_DELTA): the warpgroup's rows' share of the sink's gradient,
+    -sum exp(sink - lse) * delta, added atomically into DSINK[head] (fp32, zeroed by the caller)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
@@ -248,6 +253,12 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=in_q, other=0.0)
     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2) * LOG2E_C     # rows with no key: P = 0
+    if HAS_SINK:
+        # the sink's probability exp(sink - lse), from the plain lse (before ALiBi's row shift below): the
+        # lse includes the sink, so it is <= 1 on every row that has it, and exp2(sink2 - inf) = 0 on rows
+        # with lse -inf; rows past S_Q (lse read as 0) are left out where it is summed
+        p_sink = gl.exp2(gl.load(SINK + head) * LOG2E_C - lse2)
+        sink_rows = in_q & (lse2 != float("inf"))
     if HAS_ALIBI:
         # ALiBi's row half, -slope2 * (i - row0), taken out with the LSE (``_p_tile`` adds the column half)
         lse2 = lse2 + slope2 * (rows - row0).to(gl.float32)
@@ -278,6 +289,11 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
             d_rows = gl.sum(o.to(gl.float32) * do_t.to(gl.float32), 1)
         gl.store(DELTA + r, d_rows, mask=r < S_Q)
         delta = gl.convert_layout(d_rows, row_s)
+        if HAS_SINK:
+            # the sink's gradient over this warpgroup's rows: one relaxed fp32 atomic (the sum's order
+            # varies, so deterministic=False only, functional._run_gluon_backward); rows without the sink
+            # give exactly 0 whatever delta holds there (padding rows of dO may hold anything)
+            gl.atomic_add(DSINK + head, -gl.sum(gl.where(sink_rows, p_sink * delta, 0.0), 0), sem="relaxed")
     else:
         delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
     dq_scale = sm_scale
@@ -345,14 +361,14 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
 
 @gluon.jit
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
-                      O, stride_ob, stride_oh, stride_om, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
+                      O, stride_ob, stride_oh, stride_om, SINK, DSINK, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
                       DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-                      HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False):
+                      HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -407,14 +423,14 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
-                        stride_om, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale,
-                        drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
-                        HAS_SEQ_KV, DROPOUT)),
+                        stride_om, SINK, DSINK, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale,
+                        sm_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D,
+                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, HAS_SINK)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
-                        stride_om, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale,
-                        drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D, HAS_SEQ_Q,
-                        HAS_SEQ_KV, DROPOUT)),
+                        stride_om, SINK, DSINK, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale,
+                        sm_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D,
+                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, HAS_SINK)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
                         k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, tiles[0], tiles[4],
                         BLOCK_N, STAGES, PADDED)),
@@ -457,7 +473,7 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
 
 
 def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=None, seq_len_q=None,
-                   seq_len_kv=None, block_n=None, stages=None, split=None):
+                   seq_len_kv=None, sink=None, dsink=None, block_n=None, stages=None, split=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
@@ -466,11 +482,17 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     shape as grad_out, unit last stride) is given, computed here and written into it (for the
     dK/dV pass; no separate preprocess launch). slopes: fp32 [b, h_q] when p.alibi. seq_len_q /
     seq_len_kv: int32 [b] when p has them (padding: dQ rows past len_q are written as 0, keys past
-    len_kv are ignored). block_n / stages / split override
-    ``TILES`` / ``SPLIT`` (tuning).
+    len_kv are ignored). sink / dsink (with ``out``): the forward's sink logits, fp32 contiguous [h_q],
+    and fp32 contiguous [h_q] zeroed by the caller, into which the sink's gradient
+    -sum_rows exp(sink - lse) * delta is added with atomics (``HAS_SINK``; not bitwise reproducible).
+    block_n / stages / split override ``TILES`` / ``SPLIT`` (tuning).
     """
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
+    has_sink = dsink is not None
+    if has_sink and not (out is not None and sink is not None and sink.dtype == dsink.dtype == torch.float32
+                         and sink.is_contiguous() and dsink.is_contiguous()):
+        raise ValueError("dsink needs out (delta computed here) and fp32 contiguous sink and dsink [h_q]")
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
     stages = stages or TILES[td][1]
@@ -483,7 +505,8 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     launch(
         _attn_bwd_dq_sm90, grid,
         _tma(q, WG_M), _tma(grad_out, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(dq, WG_M),
-        lse, *lse.stride(), delta, o_arg, *o_strides, slopes if p.alibi is not None else lse,
+        lse, *lse.stride(), delta, o_arg, *o_strides, sink if has_sink else lse, dsink if has_sink else lse,
+        slopes if p.alibi is not None else lse,
         slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
@@ -493,6 +516,6 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
         # a causal-like band: the longest rows (last query tiles) start first, as the forward
         REVERSE_M=has_right and not has_left, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         SPLIT=split, WRITE_DELTA=out is not None, D=p.d, HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
-        DROPOUT=p.has_dropout, num_warps=4,
+        DROPOUT=p.has_dropout, HAS_SINK=has_sink, num_warps=4,
     )
     return dq

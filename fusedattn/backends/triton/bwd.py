@@ -34,9 +34,14 @@ from .common import (LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_ran
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, stride_od,
-                         stride_dob, stride_doh, stride_dom, stride_dod, H_Q, S_Q, D_V,
-                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
+def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, LSE, SINK, DSINK, stride_ob, stride_oh, stride_om, stride_od,
+                         stride_dob, stride_doh, stride_dom, stride_dod, stride_lb, stride_lh, stride_lm,
+                         H_Q, S_Q, D_V, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
+                         HAS_SINK: tl.constexpr):
+    """delta = rowsum(dO * O) for BLOCK_M rows of one (batch, query head). HAS_SINK: also the sink's
+    gradient of those rows, -sum exp(sink - lse) * delta (``cpu.sink_grad``), added atomically into
+    DSINK[head] (fp32 [H_Q], zeroed by the caller): no launch of its own beside this bandwidth-bound one
+    (LSE: the forward's natural-log stats, any strides; SINK fp32 [H_Q])."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     batch = bh // H_Q
@@ -53,6 +58,16 @@ def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, st
                    + offs_dv[None, :] * stride_dod, rows, offs_dv, row_end, D_V, True, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * S_Q + rows, delta, mask=rows < S_Q)
+    if HAS_SINK:
+        # the lse includes the sink (lse >= sink), so exp(sink - lse) <= 1 on every row that has it;
+        # rows with lse -inf (past seq_len_q) and rows past the tensor give exactly 0 whatever delta
+        # holds there (padding rows of dO may hold anything), never exp(+inf) * delta
+        lse = tl.load(LSE + b_idx * stride_lb + q0 * stride_lm + head * stride_lh + rows * stride_lm,
+                      mask=rows < row_end, other=float("-inf"))
+        seen = lse != float("-inf")
+        p_sink = tl.exp(tl.where(seen, tl.load(SINK + head) - lse, float("-inf")))
+        # one relaxed fp32 atomic per program (the sum's order varies: deterministic=False only)
+        tl.atomic_add(DSINK + head, -tl.sum(tl.where(seen, p_sink * delta, 0.0), 0), sem="relaxed")
 
 
 @triton.jit
@@ -349,14 +364,31 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
 _PREPROCESS, _DKDV, _DQ = Launcher(_attn_bwd_preprocess), Launcher(_attn_bwd_dkdv), Launcher(_attn_bwd_dq)
 
 
-def launch_delta(p, out, grad_out, delta):
-    """delta = rowsum(dO * O) into fp32 contiguous [b*h_q, s_q] (plain problems: no varlen)."""
+def launch_delta(p, out, grad_out, delta, *, lse=None, sink=None, dsink=None):
+    """delta = rowsum(dO * O) into fp32 contiguous [b*h_q, s_q] (plain problems: no varlen).
+
+    dsink given (with lse, the forward's natural-log stats fp32 [b, h_q, s_q] view of any strides, and
+    sink, fp32 contiguous [h_q]): the sink's gradient -sum_rows exp(sink - lse) * delta is added into
+    dsink (fp32 contiguous [h_q], zeroed by the caller) by the same launch, with atomics (not bitwise
+    reproducible: the deterministic backward keeps ``cpu.sink_grad``)."""
     block_m = 64
-    # the launch key: everything the JIT specializes on (launch.py's contract); delta is fresh (aligned)
-    key = (p, out.stride(), grad_out.stride(), out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0)
+    has_sink = dsink is not None
+    if has_sink:
+        assert lse.dtype == sink.dtype == dsink.dtype == torch.float32 and sink.is_contiguous() \
+            and dsink.is_contiguous() and sink.numel() == dsink.numel() == p.h_q
+        lse_strides = lse.stride()
+    else:
+        lse = sink = dsink = delta
+        lse_strides = (0, 0, 0)
+    # the launch key: everything the JIT specializes on (launch.py's contract); delta is fresh (aligned);
+    # with the sink, lse's strides and the three fp32 pointers' alignment
+    key = (p, out.stride(), grad_out.stride(), out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0,
+           has_sink and (lse_strides, lse.data_ptr() % 16 == 0, sink.data_ptr() % 16 == 0, dsink.data_ptr() % 16 == 0))
     _PREPROCESS(key, (cdiv(p.s_q, block_m), p.b * p.h_q),
-                out, grad_out, delta, out, *out.stride(), *grad_out.stride(), p.h_q, p.s_q, p.d_v,
-                BLOCK_M=block_m, BLOCK_DV=pow2(p.d_v), VARLEN=False)
+                out, grad_out, delta, out, lse, sink, dsink, *out.stride(), *grad_out.stride(), *lse_strides,
+                p.h_q, p.s_q, p.d_v, BLOCK_M=block_m, BLOCK_DV=pow2(p.d_v), VARLEN=False, HAS_SINK=has_sink)
+
+
 _PLAIN_ARGS = {}   # plain problems: (problem, tiles, strides) -> per kernel (grid, non-tensor args, constexprs)
 
 
