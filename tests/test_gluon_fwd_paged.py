@@ -45,13 +45,28 @@ def scatter_pages(t, table, page):
     return container.transpose(1, 2)
 
 
-def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodeid, monkeypatch, persistent=None):
+def table_view(table, pad, gen):
+    """``table`` on the GPU as a row-strided view of a wider int32 tensor whose ``pad`` extra columns per
+    row name blocks far past any container (a read past the row's end would fetch zeros, not the keys)."""
+    if not pad:
+        return table.cuda()
+    b, per_seq = table.shape
+    wide = torch.randint(1 << 20, 1 << 21, (b, per_seq + pad), generator=gen, dtype=torch.int32)
+    wide[:, :per_seq] = table
+    return wide.cuda()[:, :per_seq]
+
+
+def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodeid, monkeypatch, persistent=None,
+              separate_v=False, table_pad=0, ctas=None):
     """One case: the paged forward against the float64 reference and, bit for bit, against the same
     kernel on the contiguous K/V. lens: per-sequence key lengths, or None (then s_kv must fill whole
-    pages: every key the table reaches is a key)."""
+    pages: every key the table reaches is a key). separate_v: V through its own table and container
+    (another shuffle); table_pad: the tables are views with that many extra columns per row
+    (``table_view``); ctas: the persistent grid's size (its CTAs then run several work tiles each)."""
     from fusedattn.backends.gluon import fwd_sm90
     msg = (f"repro: pytest {nodeid} ; seed={seed} b={b} h={h_q}/{h_kv} s_q={s_q} s_kv={s_kv} d={d} page={page} "
-           f"causal={causal} lens={lens} {dtype} persistent={persistent}")
+           f"causal={causal} lens={lens} {dtype} persistent={persistent} separate_v={separate_v} "
+           f"table_pad={table_pad} ctas={ctas}")
     per_seq = -(-s_kv // page)
     assert lens is not None or per_seq * page == s_kv, "a case without lengths needs whole pages"
     calls = []
@@ -61,6 +76,8 @@ def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodei
         calls.append(p.paged)
         if persistent is not None:
             kw["persistent"] = persistent
+        if ctas is not None:
+            kw["ctas"] = ctas
         return real(p, *a, **kw)
 
     monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", counted)
@@ -68,13 +85,14 @@ def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodei
     dt = getattr(torch, dtype)
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to("cuda", dt).transpose(1, 2)
                for s, h in ((s_q, h_q), (s_kv, h_kv), (s_kv, h_kv)))
-    table = shuffled_table(b, per_seq, gen).cuda()
-    k_pages, v_pages = scatter_pages(k, table, page), scatter_pages(v, table, page)
+    table_k = table_view(shuffled_table(b, per_seq, gen), table_pad, gen)
+    table_v = table_view(shuffled_table(b, per_seq, gen), table_pad, gen) if separate_v else table_k
+    k_pages, v_pages = scatter_pages(k, table_k, page), scatter_pages(v, table_v, page)
     lens_t = torch.tensor(lens if lens is not None else [s_kv] * b, dtype=torch.int32, device="cuda")
     kw = dict(causal=causal, causal_alignment="bottom_right", return_stats=True)
     if lens is not None:
         kw["seq_len_kv"] = lens_t
-    out, stats = fusedattn.attention_forward(q, k_pages, v_pages, page_table_k=table, page_table_v=table, **kw)
+    out, stats = fusedattn.attention_forward(q, k_pages, v_pages, page_table_k=table_k, page_table_v=table_v, **kw)
     torch.cuda.synchronize()
     assert calls == [True], f"the Gluon forward did not take the paged call ({calls}). {msg}"
 
@@ -102,6 +120,29 @@ def test_gluon_fwd_paged_pages_and_dims(page, d, request, monkeypatch):
     the portable kernel, plan.py), GQA 4/2, bottom-right causal chunked prefill, per-sequence lengths."""
     seed = page * 10 + d
     run_paged(seed, 3, 4, 2, 200, 777, d, page, True, [777, 1, 530], "bfloat16", request.node.nodeid, monkeypatch)
+
+
+@pytest.mark.parametrize("page", [8, 16, 32])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gluon_fwd_paged_small_pages_tables(page, d, request, monkeypatch):
+    """Pages smaller than a key tile, whose table entries the load warp reads a tile ahead, K's and V's
+    in separate lanes (fwd_sm90._page_entries): K and V through different tables (a K/V lane mix-up
+    shows), the tables row views of wider tensors (a read past a row shows), GQA 4/2, lengths with a
+    partial last tile, and the persistent grid on 3 CTAs (each runs several work tiles: the entries are
+    read ahead within a work tile only)."""
+    run_paged(page * 7 + d, 3, 4, 2, 200, 777, d, page, True, [777, 1, 530], "bfloat16", request.node.nodeid,
+              monkeypatch, persistent=True, separate_v=True, table_pad=5, ctas=3)
+
+
+@pytest.mark.parametrize("page", [8, 16])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gluon_fwd_paged_cache_narrower_than_a_tile(page, d, request, monkeypatch):
+    """A cache of fewer pages than a key tile has (40 keys: 3 or 5 pages against 8 or 16 per 128-key
+    tile, 4 or 8 per 64-key tile): every entry past the table is clamped to its last one, as for the last
+    tile of a longer cache; separate K/V tables, no mask and causal, one-tile grid."""
+    for causal in (False, True):
+        run_paged(page + d + causal, 2, 8, 2, 300, 40, d, page, causal, [40, 23], "float16", request.node.nodeid,
+                  monkeypatch, persistent=False, separate_v=True)
 
 
 @pytest.mark.parametrize("seed", range(12), ids=lambda s: f"case{s}")

@@ -34,6 +34,10 @@ CASES = [
     ("gluon fwd d128 paged16 padded persistent", lambda: gluon_check.compile_fwd(128, True, "bf16", bottom_right=True,
                                                                                seq_kv=True, persistent=True, page=16)),
     ("gluon fwd d64 paged256", lambda: gluon_check.compile_fwd(64, True, "fp16", bottom_right=True, page=256)),
+    # pages smaller than a tile: table entries a tile ahead, one copy per page and 64-column block
+    ("gluon fwd d256 paged16 padded", lambda: gluon_check.compile_fwd(256, True, "bf16", bottom_right=True,
+                                                                      seq_kv=True, page=16)),
+    ("gluon fwd d64 paged8", lambda: gluon_check.compile_fwd(64, False, "fp16", page=8)),
     ("gluon dq d128 causal", lambda: gluon_dq_check.compile_dq(128, True, "bf16")),
     ("gluon dq d256", lambda: gluon_dq_check.compile_dq(256, False, "fp16")),
     ("gluon dkdv d128 causal", lambda: gluon_bwd_check.compile_dkdv(128, True, "bf16")),

@@ -5,6 +5,7 @@
     e.g. ... 256 1 bf16 plain 32, or ... 128 1 bf16 plain - window alibi, or ... 128 0 bf16 plain - seq_q seq_kv,
     or ... 128 1 bf16 plain - persistent
     python tools/gluon_check.py spills     # spill bytes of every persistent variant (one-tile grid beside)
+    python tools/gluon_check.py paged PAGE [D] [persistent]   # the load warp's loops over a paged K/V cache
 
 D is the head dim (64, 128, 224, 256); 224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the
 same one as 256. BLOCK_N overrides fwd_sm90.TILES (stages then keep the same shared memory).
@@ -16,6 +17,13 @@ Prints registers/spills (ptxas -v on the PTX), shared memory, and for each loop 
 its instruction count and the order of its wgmma-related instructions (HGMMA issue,
 WARPGROUP.DEPBAR waits, barriers), so one can check that the QK^T wgmma of tile j and the PV
 wgmma of tile j-1 are both in flight while the softmax runs.
+
+``paged`` compiles the bottom-right causal, per-sequence-length kernel over pages of PAGE keys (the chunked
+prefill of ``bench --configs prefill``) and shows the load warp's loops (the ones with TMA copies and no
+wgmma): spills, then per loop its instruction count, global loads (LDG), lane reductions (REDUX) and TMA
+copies (UTMALDG, one per 64-column block), in order, and for each LDG the first instruction of the
+iteration that reads its result (a copy's coordinate that waits for a table read: the LDG's result read
+between it and that copy); an LDG whose result no instruction of the iteration reads is carried to the next.
 """
 import os
 import re
@@ -46,9 +54,10 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
     ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
     kl = fwd_sm90._smem_layout(block_n, d, tdt)
     box = min(page, block_n) if page else block_n     # paged: TMA boxes of at most one page
+    box_d = 64 if page and page < block_n else d       # ... of one 64-column block when smaller than a tile
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
-           "k_desc": f"tensordesc<{dtype}[1, 1, {box}, {d}],{kl!r}>",
-           "v_desc": f"tensordesc<{dtype}[1, 1, {box}, {d}],{kl!r}>",
+           "k_desc": f"tensordesc<{dtype}[1, 1, {box}, {box_d}],{kl!r}>",
+           "v_desc": f"tensordesc<{dtype}[1, 1, {box}, {box_d}],{kl!r}>",
            "o_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
@@ -69,11 +78,16 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 
-def ptxas_report(kernel):
+def ptxas_report(kernel, ptx=None):
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
+        f.write(ptx or kernel.asm["ptx"])
     r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                        capture_output=True, text=True)
+    # Triton 3.9's PTX names a newer ISA version than the ptxas it ships reads (Triton itself lowers the
+    # version line before it assembles): do the same
+    m = re.search(r"Unsupported \.version \S+; current version is '([\d.]+)'", r.stderr)
+    if m and ptx is None:
+        return ptxas_report(kernel, re.sub(r"\.version \d+\.\d+", f".version {m.group(1)}", kernel.asm["ptx"], 1))
     return r.stderr
 
 
@@ -123,9 +137,59 @@ def spill_survey():
             print(" ".join(f"{k}={v}" for k, v in args.items()), "->", rep, flush=True)
 
 
+PAGED_KEY = re.compile(r"\bLDG\b|REDUX|UTMALDG|TRYWAIT|\bLDL\b|\bSTL\b")
+
+
+def _regs(operands):
+    """Registers an instruction's operand text names (R4.64 names R4 and R5)."""
+    out = set()
+    for r, wide in re.findall(r"\bR(\d+)(\.64)?\b", operands):
+        out.add(int(r))
+        if wide:
+            out.add(int(r) + 1)
+    return out
+
+
+def paged_loads(page, d=128, persistent=False):
+    """The load warp's loops of the paged kernel (module docstring, ``paged``)."""
+    k = compile_fwd(d, True, "bf16", bottom_right=True, seq_kv=True, persistent=persistent, page=page)
+    rep = ptxas_report(k)
+    m = re.search(r"\d+ bytes stack frame, \d+ bytes spill stores, \d+ bytes spill loads", rep)
+    print(f"page {page} d{d} {'persistent' if persistent else 'one-tile grid'}: "
+          f"{m.group(0) if m else rep.strip().splitlines()[-2]}")
+    for label, n, body in loops(sass(k)):
+        if not any("UTMALDG" in b for b in body) or any("HGMMA" in b for b in body):
+            continue
+        ins = [re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()) for b in body
+               if re.match(r"\s*/\*[0-9a-f]+\*/", b)]
+        count = {op: sum(bool(re.search(rf"\b{op}\b", i)) for i in ins) for op in ("LDG", "REDUX", "UTMALDG")}
+        print(f"  loop {label}: {n} instructions, " + ", ".join(f"{c} {op}" for op, c in count.items()))
+        for pos, i in enumerate(ins):
+            if not PAGED_KEY.search(i):
+                continue
+            note = ""
+            if re.search(r"\bLDG\b", i):
+                note = "  <- result not read in this iteration (carried)"
+                dst = int(re.search(r"LDG\S*\s+R(\d+)", i).group(1))
+                for at in range(pos + 1, len(ins)):
+                    words = ins[at].split(" ", 2) if ins[at].startswith("@") else [""] + ins[at].split(" ", 1)
+                    op, operands = words[1], words[2] if len(words) > 2 else ""
+                    target, _, sources = operands.partition(",")
+                    if dst in _regs(operands if op.startswith(("ST", "UTMA", "SYNCS")) else sources):
+                        copies = sum("UTMALDG" in x for x in ins[pos + 1:at])
+                        note = f"  <- read at {at} by '{ins[at]}' ({copies} UTMALDG between)"
+                        break
+                    if dst in _regs(target) and not op.startswith(("ST", "UTMA", "SYNCS")):
+                        break       # overwritten unread
+            print(f"    {pos:4d} {i}{note}")
+
+
 def main():
     if sys.argv[1:2] == ["spills"]:
         return spill_survey()
+    if sys.argv[1:2] == ["paged"]:
+        return paged_loads(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 128,
+                           "persistent" in sys.argv[4:])
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"

@@ -9,6 +9,9 @@ Kernels and launchers import names from here and never test versions themselves.
   the builder (a private API, used here only).
 * **The CTA barrier.** 3.7 renamed Gluon's ``thread_barrier()`` to ``barrier()`` (same lowering, a
   cluster option added): :data:`cta_barrier`.
+* **Reinterpreting shared memory.** A shared-memory descriptor's private ``_reinterpret(dtype, shape,
+  layout)`` (3.6) is the public ``reinterpret`` in 3.9 (the old name gone): :data:`smem_reinterpret`
+  calls whichever the descriptor has.
 * **FMA contraction.** The kernels are written for ``a * b + c`` to become one FMA (the online softmax's
   ``qk * scale - m``, ALiBi's column term); 3.9 warns that 3.10 turns FP fusion off by default.
   :data:`COMPILE_OPTIONS` asks for it explicitly at every launch, so no version changes our numerics.
@@ -113,6 +116,24 @@ def _gluon_barrier():
 
 
 cta_barrier = _gluon_barrier()
+
+
+def _gluon_smem_reinterpret():
+    try:
+        from triton.experimental.gluon.language._core import builtin
+    except ImportError:
+        return None
+
+    @builtin
+    def smem_reinterpret(desc, dtype, shape, layout, _semantic=None):
+        """The shared memory of ``desc`` seen as ``shape`` elements of ``dtype`` in ``layout`` (a view, no
+        copy), through the descriptor's ``reinterpret`` (3.9) or ``_reinterpret`` (3.6)."""
+        view = getattr(desc, "reinterpret", None) or desc._reinterpret
+        return view(dtype, shape, layout, _semantic=_semantic)
+    return smem_reinterpret
+
+
+smem_reinterpret = _gluon_smem_reinterpret()
 
 
 # --------------------------------------------------------------------------------------------------

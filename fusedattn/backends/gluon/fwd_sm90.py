@@ -170,6 +170,11 @@ the table names into its row slice of the ring slot, all on the slot's one ready
 larger than a tile, one copy from inside the page. The consumers see the same tiles as on a
 contiguous cache, so results are bit-identical to it. Page sizes: powers of two of at least 8 keys (a
 box never crosses a page; slices keep the swizzle's 8-row atom whole); others take the portable kernel.
+Pages smaller than a tile: a scalar table read in front of each copy serialized 16 load latencies per
+128-key tile at page 16 (0.92x of contiguous, bench/NOTES.md 54), so the table entries of a tile, K's
+and V's, come in one load a tile ahead, one entry per lane of the load warp (``_page_entries``), and
+each copy takes its page from its lane with one warp reduction into the uniform registers the TMA
+copy reads (``_paged_tile_gather``: one copy per page and 64-column block, in a loop over pages).
 
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
@@ -191,7 +196,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..compat import cta_barrier, tma_load, tma_store
+from ..compat import cta_barrier, smem_reinterpret, tma_load, tma_store
 from ..triton.launch import _current_raw_stream
 from . import dropout
 from .launch import Tma, launch
@@ -956,17 +961,73 @@ def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready,
 @gluon.jit
 def _paged_tile_loads(desc, ring_slot, ready, table_row, max_pages, key0, kv_head, PAGE: gl.constexpr,
                       BLOCK_N: gl.constexpr):
-    """One K (or V) tile of BLOCK_N keys from key0 on, gathered from its pages: BLOCK_N / BOX TMA loads
-    of BOX = min(PAGE, BLOCK_N) rows (the descriptor's box), each into its row slice of the ring slot,
-    all completing on ``ready``. A page index past the table (the last tile's keys beyond the cache)
-    is clamped to the table's last entry: those keys are masked (or their rows zeroed, padded)."""
+    """One K (or V) tile of BLOCK_N keys from key0 on, from a page of PAGE >= BLOCK_N keys: one TMA load
+    of BLOCK_N rows (the descriptor's box) from inside the page the table names, completing on
+    ``ready``. A page index past the table (the last tile's keys beyond the cache) is clamped to the
+    table's last entry: those keys are masked (or their rows zeroed, padded). Smaller pages:
+    ``_paged_tile_gather``."""
+    mbarrier.expect(ready, desc.block_type.nbytes)
+    page = gl.load(table_row + gl.minimum(key0 // PAGE, max_pages - 1))
+    # coordinates are [block, head, row in the page, column] of the paged container's 4-D view
+    tma_load(desc, [page, kv_head, key0 % PAGE, 0], ready, ring_slot)
+
+
+@gluon.jit
+def _page_entries(row_k, row_v, tile, valid, max_pages, ENTRIES: gl.constexpr):
+    """The page-table entries of key tile ``tile`` (ENTRIES pages of BLOCK_N / ENTRIES keys each for K
+    and for V), one per lane of the load warp: lane c < ENTRIES holds K's c-th page, lane ENTRIES + c
+    V's; one load, no entry waits on another. An index past the table is clamped to its last entry
+    (as ``_paged_tile_loads``). Not ``valid``: nothing is read (0 in every lane)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=lay)
+    is_v = lane >= ENTRIES
+    idx = gl.minimum(tile * ENTRIES + gl.where(is_v, lane - ENTRIES, lane), max_pages - 1)
+    return gl.load(gl.where(is_v, row_v, row_k) + idx, mask=(lane < 2 * ENTRIES) & valid, other=0)
+
+
+@gluon.jit
+def _lane_value(entries, lane):
+    """Lane ``lane`` of the load warp's ``entries`` (``_page_entries``) as a scalar: a 32-lane integer
+    sum with one nonzero term, one redux.sync whose result lands in the uniform registers that the
+    TMA copy takes its coordinates from (0 for a lane >= 32)."""
+    lanes = gl.arange(0, 32, layout=entries.type.layout)
+    return gl.sum(gl.where(lanes == lane, entries, 0), 0)
+
+
+@gluon.jit
+def _paged_tile_gather(desc, ring, slot, ready, entries, lane0, page, max_pages, kv_head, BLOCK_N: gl.constexpr):
+    """One K (or V) tile of BLOCK_N keys from pages of BOX < BLOCK_N keys (the descriptor's box rows):
+    page c (of BLOCK_N / BOX) is lane lane0 + c of ``entries`` (``page``: lane0's, extracted already)
+    and lands in rows [c * BOX, (c + 1) * BOX) of ring slot ``slot``, all copies completing on ``ready``.
+
+    The descriptor's box is one 64-column block of a page ([1, 1, BOX, 64], the widest box of the
+    128-byte swizzle; the compiler splits a wider one into such copies anyway), so that a copy's
+    destination is a whole block of the ring ([BOX, 64] elements in a row: the ring's layout keeps a
+    slot's 64-column blocks of BLOCK_N rows one after another), which ``index`` reaches with a run-time
+    page number. So the pages are a loop, of a run-time count: unrolled (static slices), ptxas issued
+    every page's lane extraction and copy set-up up front and spilled the load warp's 24 registers.
+    Four copies per iteration (two pages below d=256), each page's extraction issued one page ahead,
+    under the copies before it. The loop counts lanes, not pages: counting pages, LLVM kept a lane
+    constant per compare live across the tile loop, which spilled (Triton 3.9; 3.6's persistent grid)."""
     BOX: gl.constexpr = desc.block_type.shape[2]
-    mbarrier.expect(ready, desc.block_type.nbytes * (BLOCK_N // BOX))
-    for c in gl.static_range(BLOCK_N // BOX):
-        key = key0 + c * BOX
-        page = gl.load(table_row + gl.minimum(key // PAGE, max_pages - 1))
-        # coordinates are [block, head, row in the page, column] of the paged container's 4-D view
-        tma_load(desc, [page, kv_head, key % PAGE, 0], ready, ring_slot.slice(c * BOX, BOX, dim=2))
+    COLS: gl.constexpr = desc.block_type.shape[3]
+    STAGES: gl.constexpr = ring.shape[0]
+    PAGES: gl.constexpr = BLOCK_N // BOX      # a power of two >= 2
+    BLOCKS: gl.constexpr = ring.shape[4] // COLS
+    U: gl.constexpr = 2 if BLOCKS <= 2 else 1          # pages per iteration
+    boxes = smem_reinterpret(ring, ring.dtype, [STAGES * BLOCKS * PAGES, 1, 1, BOX, COLS], ring.layout)
+    mbarrier.expect(ready, desc.block_type.nbytes * (BLOCKS * PAGES))
+    # the page count as a run-time value (max_pages >= 1): LLVM unrolls a loop of a known count
+    n_pages = U * gl.minimum(max_pages + PAGES // U, PAGES // U)
+    for lane in range(lane0, lane0 + n_pages, U):
+        for u in gl.static_range(U):
+            c = lane - lane0 + u
+            # the next page's (past the last page: another lane's or 0, unused)
+            nxt = _lane_value(entries, lane + u + 1)
+            for h in gl.static_range(BLOCKS):
+                # coordinates are [block, head, row in the page, column] of the paged container's 4-D view
+                tma_load(desc, [page, kv_head, 0, h * COLS], ready, boxes.index((slot * BLOCKS + h) * PAGES + c))
+            page = nxt
 
 
 @gluon.jit
@@ -974,21 +1035,43 @@ def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_
                             n_tiles, ring0, pages, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """``_kv_ring_loads_at`` over a paged K/V cache (module docstring, [Note] paged K/V): key tile
     t_lo + j of sequence ``batch`` is read through the page tables ``pages`` = (PT_K, PT_V, stride_ptk,
-    stride_ptv, MAX_PAGES): int32 [b, MAX_PAGES] rows of block indices into the containers."""
+    stride_ptv, MAX_PAGES): int32 [b, MAX_PAGES] rows of block indices into the containers.
+
+    Pages smaller than a tile: a tile's table entries, K's and V's, arrive in one load issued a tile
+    ahead (``_page_entries``; it completes under this tile's slot waits and copies), so no copy waits
+    for a table read. Pages of a tile or more: one table read per tile (``_paged_tile_loads``)."""
     PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES = pages
     row_k = PT_K + batch.to(gl.int64) * stride_ptk
     row_v = PT_V + batch.to(gl.int64) * stride_ptv
-    for j in range(n_tiles):
-        it = ring0 + j
-        slot = it % STAGES
-        phase = ((it // STAGES) & 1) ^ 1     # as _kv_ring_loads_at
-        key0 = (t_lo + j) * BLOCK_N
-        mbarrier.wait(k_empty.index(slot), phase)
-        _paged_tile_loads(k_desc, k_smem.index(slot), k_ready.index(slot), row_k, MAX_PAGES, key0, kv_head, PAGE,
-                          BLOCK_N)
-        mbarrier.wait(v_empty.index(slot), phase)
-        _paged_tile_loads(v_desc, v_smem.index(slot), v_ready.index(slot), row_v, MAX_PAGES, key0, kv_head, PAGE,
-                          BLOCK_N)
+    if PAGE < BLOCK_N:
+        PAGES: gl.constexpr = BLOCK_N // PAGE
+        ahead = _page_entries(row_k, row_v, t_lo, n_tiles > 0, MAX_PAGES, PAGES)
+        for j in range(n_tiles):
+            it = ring0 + j
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1     # as _kv_ring_loads_at
+            entries = ahead
+            ahead = _page_entries(row_k, row_v, t_lo + j + 1, j + 1 < n_tiles, MAX_PAGES, PAGES)
+            page = _lane_value(entries, 0)
+            mbarrier.wait(k_empty.index(slot), phase)
+            _paged_tile_gather(k_desc, k_smem, slot, k_ready.index(slot), entries, 0, page, MAX_PAGES, kv_head,
+                               BLOCK_N)
+            page = _lane_value(entries, PAGES)
+            mbarrier.wait(v_empty.index(slot), phase)
+            _paged_tile_gather(v_desc, v_smem, slot, v_ready.index(slot), entries, PAGES, page, MAX_PAGES, kv_head,
+                               BLOCK_N)
+    else:
+        for j in range(n_tiles):
+            it = ring0 + j
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1     # as _kv_ring_loads_at
+            key0 = (t_lo + j) * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase)
+            _paged_tile_loads(k_desc, k_smem.index(slot), k_ready.index(slot), row_k, MAX_PAGES, key0, kv_head,
+                              PAGE, BLOCK_N)
+            mbarrier.wait(v_empty.index(slot), phase)
+            _paged_tile_loads(v_desc, v_smem.index(slot), v_ready.index(slot), row_v, MAX_PAGES, key0, kv_head,
+                              PAGE, BLOCK_N)
 
 
 @gluon.jit
@@ -1383,13 +1466,14 @@ def _smem_layout(rows, d, dtype):
     return _LAYOUTS[key]
 
 
-def _tma(t, rows, box_rows=None) -> Tma:
+def _tma(t, rows, box_rows=None, box_cols=None) -> Tma:
     """4-D TMA descriptor arguments of t with box [1, 1, rows, tile width] (for ``launch.launch``); the
     box may be wider than t's last dim (d=224 on 256-wide tiles): TMA zero-fills the columns past it
-    and clips stores. box_rows: a box of fewer rows that fills a ``rows``-row tile in slices (paged
-    K/V), in the tile's shared-memory layout (the swizzle depends on the row width only)."""
+    and clips stores. box_rows / box_cols: a smaller box that fills a ``rows``-row tile in pieces (paged
+    K/V), in the tile's shared-memory layout (the swizzle depends on the row width only, 128 bytes for
+    every tile width here)."""
     d = TILE_D[t.shape[-1]]
-    return Tma(t, t.shape, _geometry(t)[1], (1, 1, box_rows or rows, d), _smem_layout(rows, d, t.dtype))
+    return Tma(t, t.shape, _geometry(t)[1], (1, 1, box_rows or rows, box_cols or d), _smem_layout(rows, d, t.dtype))
 
 
 def _desc(t, rows) -> TensorDescriptor:
@@ -1500,8 +1584,11 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         grid = (n_m, n_bh)
         head_group = 1
     if p.paged:
-        # a TMA box never crosses a page: min(page, block_n) rows per load (_paged_tile_loads)
-        k_tma, v_tma = (_tma(t, block_n, box_rows=min(p.page_size, block_n)) for t in (k, v))
+        # a TMA box never crosses a page: a tile from inside a page (_paged_tile_loads), or one
+        # 64-column block of a page smaller than a tile (_paged_tile_gather)
+        small = p.page_size < block_n
+        k_tma, v_tma = (_tma(t, block_n, box_rows=min(p.page_size, block_n), box_cols=64 if small else None)
+                        for t in (k, v))
         tables = (page_table_k, page_table_v, page_table_k.stride(0), page_table_v.stride(0), page_table_k.shape[1])
     else:
         k_tma, v_tma = _tma(k, block_n), _tma(v, block_n)
