@@ -17,9 +17,9 @@ import torch
 from .fp8 import is_fp8
 from .functional import _check_out, _fill_sink_lse, _like_layout, attention_forward
 from .kvcache_fp8 import cache_descales, dequantize_cache, quantize_for_cache
-from .plan import choose_backend
-from .problem import (IO_DTYPES, InvalidArgumentError, InvalidTypeError, NotSupportedError, alibi_slopes,
-                      alibi_slopes_2d, check_head_dims, make_band, sink_logits)
+from .plan import choose_backend, large_head_dim_plan
+from .problem import (IO_DTYPES, MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError,
+                      alibi_slopes, alibi_slopes_2d, check_head_dims, make_band, sink_logits)
 
 __all__ = ["attention_with_kvcache"]
 
@@ -303,7 +303,9 @@ class _Call:
             raise InvalidArgumentError(f"num_splits must be None (automatic) or an int in [1, {MAX_NUM_SPLITS}], "
                                        f"got {num_splits!r}")
         self.num_splits = num_splits
-        self.backend = choose_backend(backend, dev.type)
+        d_max = max(self.d, self.d_v)
+        self.backend = (large_head_dim_plan(backend, d_max, dev.type).backend if d_max > MAX_HEAD_DIM
+                        else choose_backend(backend, dev.type))
         if self.backend == "triton" and q.dtype == torch.float64:
             raise NotSupportedError("float64 runs on the CPU path only (backend='cpu')")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .problem import InvalidArgumentError, NotSupportedError
+from .problem import MAX_HEAD_DIM, InvalidArgumentError, NotSupportedError
 
 BACKENDS = ("auto", "triton", "cpu")
 
@@ -119,6 +119,8 @@ def choose_backend(backend: str, device_type: str) -> str:
 @functools.lru_cache(maxsize=1024)
 def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype, device_type: str,
                  short: bool, grouped: bool, plain: bool) -> Plan:
+    if max(d, d_v) > MAX_HEAD_DIM:
+        return large_head_dim_plan(backend, max(d, d_v), device_type)
     backend = choose_backend(backend, device_type)
     if backend == "cpu":
         return Plan("cpu", None, None, None)
@@ -135,6 +137,25 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
     gluon = os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v
     gluon_fwd = gluon and (d in _GLUON_FWD_DIMS or (plain and d in _GLUON_FWD_PLAIN_DIMS))
     return Plan("triton", fwd, bwd, _BWD_DQ_SM90[key], gluon_fwd, gluon and d in _GLUON_BWD_DIMS)
+
+
+def large_head_dim_plan(backend: str, d_max: int, device_type: str) -> Plan:
+    """Head dims past the kernels' MAX_HEAD_DIM (problem.MAX_HEAD_DIM_TORCH says how far) run the PyTorch
+    path, ``backends/cpu.py``, on the tensors' own device: the kernels' semantics (masks, bias, ALiBi,
+    paging, the same Philox dropout mask), O(s * chunk) memory, no fused kernel. ``backend='triton'``
+    asked for a kernel that does not exist: refused."""
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cpu":
+        choose_backend(backend, device_type)        # its device check
+    elif backend == "triton":
+        raise NotSupportedError(f"head dim {d_max} > {MAX_HEAD_DIM} has no Triton kernel; backend='auto' runs it "
+                                f"on fusedattn's PyTorch path")
+    if device_type != "cpu":
+        from .backends import compat
+        compat.warn_once("large-head-dim", f"head dim {d_max} > {MAX_HEAD_DIM}: no fused kernel takes it, so it "
+                                           f"runs fusedattn's PyTorch path (chunked, in torch ops) on {device_type}")
+    return Plan("cpu", None, None, None)
 
 
 def plan(problem, backend: str = "auto") -> Plan:

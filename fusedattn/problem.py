@@ -37,10 +37,15 @@ __all__ = [
     "check_seq_len_values",
     "IO_DTYPES",
     "MAX_HEAD_DIM",
+    "MAX_HEAD_DIM_TORCH",
 ]
 
 IO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256          # the kernels' largest head dim (Triton and Gluon, every pass)
+# Head dims past MAX_HEAD_DIM, up to this, run the PyTorch path (backends/cpu.py: chunked online softmax in
+# torch ops, the kernels' semantics) on whatever device the tensors are on, with one warning. cuDNN 9.9+
+# runs head dims up to 520 on Hopper (its own test_mhas.py draws 264 and 520), so the Graph door must too.
+MAX_HEAD_DIM_TORCH = 1024
 ALIGNMENTS = ("top_left", "bottom_right")
 
 
@@ -502,13 +507,14 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
 
 
 def check_head_dims(d: int, d_v: int) -> None:
-    """Any head dim from 1 to MAX_HEAD_DIM, d_v != d included. The kernels pad inside: the portable
-    Triton kernels mask their loads and stores to the true d (tiles of max(16, next power of two));
-    the Gluon sm_90 kernels take only the dims they were built for (plan.py); the scale defaults
-    to 1 / sqrt(true d)."""
+    """Any head dim from 1 to MAX_HEAD_DIM_TORCH, d_v != d included. Up to MAX_HEAD_DIM the kernels run
+    it, padded inside: the portable Triton kernels mask their loads and stores to the true d (tiles of
+    max(16, next power of two)); the Gluon sm_90 kernels take only the dims they were built for
+    (plan.py). Larger ones run the PyTorch path (plan.py). The scale defaults to 1 / sqrt(true d)."""
     for name, dim in (("d (q/k head dim)", d), ("d_v (v head dim)", d_v)):
-        if dim <= 0 or dim > MAX_HEAD_DIM:
-            raise InvalidArgumentError(f"{name} = {dim}; supported: any head dim from 1 to {MAX_HEAD_DIM}")
+        if dim <= 0 or dim > MAX_HEAD_DIM_TORCH:
+            raise InvalidArgumentError(f"{name} = {dim}; supported: any head dim from 1 to {MAX_HEAD_DIM_TORCH} "
+                                       f"(the kernels up to {MAX_HEAD_DIM}, the PyTorch path above)")
 
 
 def sink_logits(sink, h_q: int, device, name: str = "sink") -> Optional[torch.Tensor]:

@@ -115,7 +115,8 @@ CASES = [
     ("att-numpy-q", lambda be: att(be, q_().numpy(), kv_(), kv_()), ITE, ["q must be a torch.Tensor", "ndarray"]),
     ("att-none-v", lambda be: att(be, q_(), kv_(), None), ITE, ["v must be a torch.Tensor", "NoneType"]),
     ("att-d0", lambda be: att(be, t(B, H, S, 0), t(B, HK, S, 0), t(B, HK, S, 0)), IAE, ["d (q/k head dim) = 0"]),
-    ("att-d512", lambda be: att(be, t(1, 1, 2, 512), t(1, 1, 2, 512), t(1, 1, 2, 512)), IAE, ["= 512", "256"]),
+    ("att-d1032", lambda be: att(be, t(1, 1, 2, 1032), t(1, 1, 2, 1032), t(1, 1, 2, 1032)), IAE,
+     ["= 1032", "1024"]),
     ("att-h0", lambda be: att(be, t(B, 0, S, D), t(B, 0, S, D), t(B, 0, S, D)), IAE, ["query heads (0)"]),
     # ---- scalars
     ("att-scale-nan", lambda be: att(be, q_(), kv_(), kv_(), attn_scale=float("nan")), IAE, ["attn_scale", "nan"]),

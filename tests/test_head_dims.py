@@ -82,8 +82,47 @@ def test_alibi_slopes_bad_shape_names_the_argument():
 
 
 def test_head_dim_out_of_range_names_the_argument():
-    with pytest.raises(ValueError, match=r"d_v \(v head dim\) = 257; supported: any head dim from 1 to 256"):
-        fusedattn.attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 257))
+    with pytest.raises(ValueError, match=r"d_v \(v head dim\) = 1025; supported: any head dim from 1 to 1024"):
+        fusedattn.attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 1025))
+
+
+@pytest.mark.parametrize("d,d_v", [(264, 264), (64, 520), (520, 200)], ids=lambda x: str(x))
+def test_head_dims_past_256_run_the_torch_path(d, d_v, target):
+    """Past the kernels' 256 (cuDNN 9.9+ runs 264 and 520 on Hopper), up to 1024: the PyTorch path
+    (backends/cpu.py) on the tensors' own device, with one warning on a GPU; backend='triton' (the
+    interpreter here) asks for a kernel that does not exist and is refused, naming backend='auto'."""
+    device, backend = target
+    if device == "cpu" and backend == "triton":
+        q = torch.randn(1, 2, 4, d)
+        with pytest.raises(NotImplementedError, match=f"head dim {max(d, d_v)} > 256 has no Triton kernel.*'auto'"):
+            fusedattn.attention(q, torch.randn(1, 2, 4, d), torch.randn(1, 2, 4, d_v), backend="triton")
+        return
+    kw = dict(causal=True, causal_alignment="bottom_right")
+    if device == "cuda":
+        from fusedattn import plan
+        from fusedattn.backends import compat
+        compat._warned.discard("large-head-dim")
+        plan._plan_cached.cache_clear()
+        with pytest.warns(RuntimeWarning, match="PyTorch path"):
+            _check(("cuda", "auto"), d, d_v, seed=d + d_v, **kw)
+    else:
+        _check(target, d, d_v, seed=d + d_v, **kw)
+
+
+def test_large_head_dim_plan():
+    """The routing, asked about a CUDA device directly (runs without one)."""
+    from fusedattn.backends import compat
+    from fusedattn.plan import large_head_dim_plan
+    compat._warned.discard("large-head-dim")
+    with pytest.warns(RuntimeWarning, match="head dim 520 > 256: .* PyTorch path .* on cuda"):
+        assert large_head_dim_plan("auto", 520, "cuda").backend == "cpu"
+    assert large_head_dim_plan("cpu", 520, "cpu").backend == "cpu"
+    with pytest.raises(NotImplementedError, match="backend='cpu' needs CPU tensors"):
+        large_head_dim_plan("cpu", 520, "cuda")
+    with pytest.raises(NotImplementedError, match="has no Triton kernel"):
+        large_head_dim_plan("triton", 520, "cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        large_head_dim_plan("gluon", 520, "cuda")
 
 
 @pytest.mark.parametrize("d", [5, 72])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
-from ..problem import MAX_HEAD_DIM
+from ..problem import MAX_HEAD_DIM, MAX_HEAD_DIM_TORCH
 from .enums import data_type
 from .errors import GraphError, cudnnGraphNotSupportedError
 from .tensors import tensor
@@ -133,15 +133,17 @@ def _scalar_tensor(t: tensor, role: str, where: str, kinds):
 
 
 def head_dims_unsupported(d: int, d_v: int, limit=True) -> Optional[str]:
-    """Why fusedattn cannot run head dims ``d`` (q/k) and ``d_v`` (v), or None.
+    """Why the Graph door cannot run head dims ``d`` (q/k) and ``d_v`` (v), or None.
 
-    fusedattn runs multiples of 8 up to ``MAX_HEAD_DIM`` (256). Valid graphs, so "not supported",
-    never bad input. ``limit=False`` checks the multiple of 8 only.
+    It runs multiples of 8 (cuDNN's own rule) up to ``MAX_HEAD_DIM_TORCH``: the kernels up to
+    ``MAX_HEAD_DIM`` (256), the PyTorch path above (``plan.large_head_dim_plan``; cuDNN 9.9+ runs 264
+    and 520 on Hopper). Valid graphs, so "not supported", never bad input. ``limit=False`` checks the
+    multiple of 8 only.
     """
     for name, x in (("d (the head dim of q and k)", d), ("d_v (the head dim of v)", d_v)):
-        if x % 8 or (limit and x > MAX_HEAD_DIM):
+        if x % 8 or (limit and x > MAX_HEAD_DIM_TORCH):
             return (f"{name} = {x} is not supported by fusedattn: head dims are multiples of 8 up to "
-                    f"{MAX_HEAD_DIM}")
+                    f"{MAX_HEAD_DIM_TORCH} (fused kernels up to {MAX_HEAD_DIM})")
     return None
 
 

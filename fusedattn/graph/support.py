@@ -141,7 +141,7 @@ def _explain(call: Call, t, err: BaseException) -> str:
 
 def _known_limits(call: Call, device: torch.device) -> Optional[str]:
     """What fusedattn cannot run in a valid graph, known without running it: head dims past
-    ``MAX_HEAD_DIM`` or not multiples of 8, and DOUBLE off the CPU (the CPU path has it for
+    ``MAX_HEAD_DIM_TORCH`` or not multiples of 8, and DOUBLE off the CPU (the CPU path has it for
     gradcheck). The functional layer raises InvalidArgument for these, which here is not bad input."""
     *_, d, d_v = call.dims["_sizes"]
     why = head_dims_unsupported(d, d_v)
