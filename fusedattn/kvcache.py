@@ -25,6 +25,11 @@ __all__ = ["attention_with_kvcache"]
 
 CACHE_LAYOUTS = ("bhsd", "bshd")
 MAX_NUM_SPLITS = 128
+# Packed queries (cu_seqlens_q) over the cache run as a padded [b, max_seqlen_q] batch when the padding adds
+# at most this fraction of rows: the padded prefill path has the Gluon forward on Hopper (paged K/V by TMA),
+# the packed one only the portable kernel's VARLEN mode (bench/NOTES.md 56: 260 TFLOP/s at page 16, where
+# the padded batch reads 621). More skewed batches keep the packed kernel, which computes no padded row.
+PAD_PACKED_MAX_WASTE = 0.25
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=None, k_new=None, v_new=None,
@@ -458,6 +463,10 @@ class _Call:
                 if self.sink is not None:       # ... but for the sink's term
                     stats.copy_(self.sink.view(-1, 1).expand_as(stats))
             return
+        total = self.q.shape[2]
+        if self.b * self.s_q <= (1 + PAD_PACKED_MAX_WASTE) * total:
+            self._run_packed_padded(out, stats)
+            return
         import dataclasses
         from .backends.triton.fwd import launch_fwd
         from .plan import plan
@@ -479,15 +488,44 @@ class _Call:
         lse4 = stats.unsqueeze(0) if stats is not None else None          # [1, h_q, total_q]
         launch_fwd(p, plan(p, "triton").fwd, q4, k, v, out.unsqueeze(0).transpose(1, 2), lse4, extras)
 
-    def run_triton(self, out, lse):
+    def _run_packed_padded(self, out, stats):
+        """Packed queries as a padded batch through :meth:`run_triton` (``PAD_PACKED_MAX_WASTE`` says why).
+        Gathers on the device, no host sync (CUDA graphs keep working): padded row (i, r) reads packed row
+        cu[i] + r, and rows past a sequence's length are masked by seq_len_q in the kernel and never read
+        back; packed rows past cu_seqlens_q[-1] keep what ``out`` / ``stats`` held, as in the packed kernel.
+        out [total_q, h_q, d_v], stats fp32 [h_q, total_q] or None."""
+        q = self.q[0].transpose(0, 1)                               # [total, h_q, d]
+        total, dev = q.shape[0], q.device
+        cu = self.cu_seqlens_q.long()
+        src = (cu[:-1, None] + torch.arange(self.s_q, device=dev)).clamp_(0, total - 1)     # [b, s_q]
+        q_pad = q[src].transpose(1, 2)                              # [b, h_q, s_q, d] over BSHD memory
+        o_pad = torch.empty((self.b, self.s_q, self.h_q, self.d_v), dtype=out.dtype, device=dev).transpose(1, 2)
+        st_pad = (torch.empty((self.b, self.h_q, self.s_q), dtype=torch.float32, device=dev)
+                  if stats is not None else None)
+        lens = (cu[1:] - cu[:-1]).clamp_(0, self.s_q).int()
+        self.run_triton(o_pad, st_pad, q=q_pad, seq_len_q=lens)
+        row = torch.arange(total, device=dev)
+        seq = torch.searchsorted(cu[1:], row, right=True)           # the sequence of each packed row
+        written = (seq < self.b).view(-1, 1)
+        seq = seq.clamp_(max=self.b - 1)
+        pos = (row - cu[seq]).clamp_(0, self.s_q - 1)
+        out.copy_(torch.where(written.view(-1, 1, 1), o_pad.transpose(1, 2)[seq, pos], out))
+        if stats is not None:
+            stats.copy_(torch.where(written, st_pad.transpose(1, 2)[seq, pos], stats.T).T)
+
+    def run_triton(self, out, lse, q=None, seq_len_q=None):
+        """The Triton kernels on ``q`` (default: the call's) with per-sequence query lengths ``seq_len_q``
+        (default: the call's): the tiled forward for prefill, split-KV decode for a few rows a kv head."""
         from .backends.triton import decode
         from .backends.triton.args import aligned, aligned_output
+        q = self.q if q is None else q
+        seq_len_q = self.seq_len_q if seq_len_q is None else seq_len_q
         if not decode.decode_rows_fit(self.s_q, self.g):
             # prefill: the tiled forward kernel reads the cache, paged or not, in place
             table = self.page_table if self.paged else None
             attention_forward(
-                self.q, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,
-                causal_alignment="bottom_right", window=self.window, seq_len_q=self.seq_len_q,
+                q, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,
+                causal_alignment="bottom_right", window=self.window, seq_len_q=seq_len_q,
                 seq_len_kv=self.seq_len_kv, alibi=self.slopes if self.slopes is not None else False,
                 softcap=self.softcap,
                 page_table_k=table, page_table_v=table, backend="triton", out=out,
@@ -499,9 +537,9 @@ class _Call:
         o_buf, o_target = aligned_output(out)
         l_buf, l_target = aligned_output(lse) if lse is not None else (None, None)
         decode.launch_decode(
-            aligned(self.q), aligned(self.k_cache), aligned(self.v_cache), aligned(self.page_table),
+            aligned(q), aligned(self.k_cache), aligned(self.v_cache), aligned(self.page_table),
             aligned(self.seq_len_kv), self.slopes, o_buf, l_buf, scale=self.scale, softcap=self.softcap,
-            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap, seq_len_q=aligned(self.seq_len_q),
+            band=self.band, tiles=tiles, num_splits=splits, cap=self.cap, seq_len_q=aligned(seq_len_q),
             sink=self.sink)
         for buf, target in ((o_buf, o_target), (l_buf, l_target)):
             if target is not None:

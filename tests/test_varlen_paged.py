@@ -148,11 +148,16 @@ def _dense_after(c, i):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("packed", [False, True], ids=["seq_len_q", "cu_seqlens_q"])
+@pytest.mark.parametrize("packed", [False, "packed-kernel", "padded"], ids=["seq_len_q", "cu_seqlens_q", "cu_seqlens_q-padded"])
 @pytest.mark.parametrize("long", [False, True], ids=["decode", "prefill"])
-def test_varlen_queries_over_cache_with_append(paged, packed, long, target):
+def test_varlen_queries_over_cache_with_append(paged, packed, long, target, monkeypatch):
     """Every sequence's new tokens attend to its cache plus themselves (bottom-right causal), against float64;
-    the appended keys land in the cache; padded rows give 0; slopes [b, h] on the paged cases."""
+    the appended keys land in the cache; padded rows give 0; slopes [b, h] on the paged cases. Packed queries
+    both ways the Triton path can run them: the packed (VARLEN) kernel, and gathered into a padded batch
+    (``kvcache.PAD_PACKED_MAX_WASTE``, forced here either way)."""
+    from fusedattn import kvcache
+    monkeypatch.setattr(kvcache, "PAD_PACKED_MAX_WASTE", 100.0 if packed == "padded" else -1.0)
+    route, packed = packed, bool(packed)
     device, backend = target
     dtype = torch.float16 if device == "cuda" else torch.float32
     new = (3, 40, 17) if long else (3, 1, 6)         # 40 tokens x g = 2: 80 rows, the tiled forward (prefill)
@@ -163,7 +168,7 @@ def test_varlen_queries_over_cache_with_append(paged, packed, long, target):
     lens = torch.tensor([x + y for x, y in zip(c["before"], new)], dtype=torch.int32, device=device)
     slopes = torch.rand(b, 4, generator=torch.Generator().manual_seed(1)).to(device) if paged else False
     kw = dict(page_table=c["table"], seq_len_kv=lens, alibi=slopes, return_stats=True, backend=backend)
-    repro = f"repro: paged={paged} packed={packed} long={long} target={target}"
+    repro = f"repro: paged={paged} packed={route} long={long} target={target}"
     if packed:
         cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
         pack = lambda t: torch.cat([t[i, :, :new[i]].transpose(0, 1) for i in range(b)])  # noqa: E731
@@ -228,3 +233,35 @@ def test_varlen_queries_over_cache_bad_input(target):
     # trusted metadata: no check, no error, nothing out of bounds (lengths clamped)
     out = fusedattn.attention_with_kvcache(c["q"], c["kc"], c["vc"], seq_len_q=i32(3, 9, 1), validate=False, **kw)
     assert not torch.isnan(out).any()
+
+
+def test_packed_queries_over_cache_route(target, monkeypatch):
+    """A packed batch whose padding would add at most PAD_PACKED_MAX_WASTE of rows runs padded (on Hopper the
+    Gluon forward reads the paged cache; the packed kernel is the portable one); a skewed one stays packed.
+    Rows past cu_seqlens_q[-1] are left as they were, both ways."""
+    from fusedattn import kvcache
+    device, backend = target
+    if backend == "cpu":
+        pytest.skip("the CPU path pads every packed batch: the route is the Triton path's")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    calls = []
+    real = kvcache._Call._run_packed_padded
+    monkeypatch.setattr(kvcache._Call, "_run_packed_padded", lambda self, *a: (calls.append(1), real(self, *a)))
+    for new, padded in (((40, 38, 40), True), ((40, 2, 3), False)):
+        calls.clear()
+        c = _cache_case(5, True, device, dtype, lens_before=(5, 2, 8), lens_new=new)
+        b, total = len(new), sum(new)
+        lens = torch.tensor([x + y for x, y in zip(c["before"], new)], dtype=torch.int32, device=device)
+        cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        pack = lambda t: torch.cat([t[i, :, :new[i]].transpose(0, 1) for i in range(b)])  # noqa: E731
+        spare = 2                                       # two packed rows past cu_seqlens_q[-1]
+        extend = lambda t: torch.cat([pack(t), torch.zeros(spare, *t.shape[1:2], t.shape[3],  # noqa: E731
+                                                          dtype=dtype, device=device)])
+        out = torch.full((total + spare, 4, 40), float("nan"), dtype=dtype, device=device)
+        got = fusedattn.attention_with_kvcache(extend(c["q"]), c["kc"], c["vc"], k_new=extend(c["kn"]),
+                                               v_new=extend(c["vn"]),
+                                               cu_seqlens_q=cu, max_seqlen_q=max(new), page_table=c["table"],
+                                               seq_len_kv=lens, backend=backend, out=out)
+        assert bool(calls) == padded, f"new={new}: padded route {bool(calls)}, expected {padded}"
+        assert got.data_ptr() == out.data_ptr()
+        assert not out[:total].isnan().any() and out[total:].isnan().all(), f"new={new}"
