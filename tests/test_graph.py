@@ -786,6 +786,45 @@ def test_paged_translation_with_gathering_stand_in(monkeypatch):
     torch.testing.assert_close(res.double(), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("padding", [False, True], ids=["max_seq_len_kv", "seq_len_kv"])
+def test_paged_bias_sized_by_the_graphs_kv_length(padding):
+    """cuDNN sizes a paged graph's bias by its kv length (paged_attention_max_seq_len_kv = 21 here), below
+    the tables' capacity (2 pages of 16 = 32): test_mhas.py does it (s_kv 24 on pages of 128, found by
+    bench/cudnn_fe_suite.py). The bias is not refused, and the keys past 21 stay unread."""
+    b, h, s_q, d, bs, n, s_kv = 2, 2, 5, 16, 16, 2, 21
+    k_t, v_t = rand(b, h, n * bs, d, seed=1), rand(b, h, n * bs, d, seed=2)
+    q_t, bias_t = rand(b, h, s_q, d, seed=3), rand(1, h, s_q, s_kv, seed=4)
+    table = torch.randperm(b * n, generator=torch.Generator().manual_seed(2)).view(b, n).to(torch.int32)
+    k_c, v_c = torch.full((b * n, h, bs, d), float("nan")), torch.full((b * n, h, bs, d), float("nan"))
+    for i in range(b):
+        for j in range(n):
+            # pages hold the keys up to s_kv; NaN past them: a key past the graph's length read would show
+            k_c[table[i, j]] = k_t[i, :, j * bs:(j + 1) * bs].masked_fill(
+                (torch.arange(j * bs, (j + 1) * bs) >= s_kv).view(1, -1, 1), float("nan"))
+            v_c[table[i, j]] = v_t[i, :, j * bs:(j + 1) * bs].masked_fill(
+                (torch.arange(j * bs, (j + 1) * bs) >= s_kv).view(1, -1, 1), float("nan"))
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    t4 = table.view(b, 1, n, 1)
+    q, kc, vc, tk, tv, bias = (graph.tensor_like(t) for t in (q_t, k_c, v_c, t4, t4, bias_t))
+    lens_kv = torch.tensor([s_kv, 9], dtype=torch.int32).view(b, 1, 1, 1)
+    lens_q = torch.full((b, 1, 1, 1), s_q, dtype=torch.int32)
+    kw = dict(paged_attention_k_table=tk, paged_attention_v_table=tv, paged_attention_max_seq_len_kv=s_kv,
+              bias=bias, attn_scale=0.5)
+    variant = {}
+    if padding:
+        sq, skv = graph.tensor_like(lens_q), graph.tensor_like(lens_kv)
+        kw.update(use_padding_mask=True, seq_len_q=sq, seq_len_kv=skv)
+        variant = {sq: lens_q, skv: lens_kv}
+    o, _ = graph.sdpa(q=q, k=kc, v=vc, is_inference=True, **kw)
+    o.set_output(True)
+    graph.build()
+    out = torch.full((b, h, s_q, d), float("nan"))
+    graph.execute({q: q_t, kc: k_c, vc: v_c, tk: t4, tv: t4, bias: bias_t, o: out, **variant})
+    keep = cudnn_keep_mask(b, s_q, s_kv, seq_len_kv=lens_kv if padding else None)
+    want, _ = ref_attention(q_t, k_t[:, :, :s_kv], v_t[:, :, :s_kv], 0.5, keep, bias=bias_t)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # K and V with different head counts (issue 24 item 3): cuDNN maps query head i to K head
 # i // (h_q // h_k) and V head i // (h_q // h_v) (test_mhas.py compute_ref expands each on its own)

@@ -49,8 +49,10 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
             k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
             pk, pv = pk[:, None, :, None], pv[:, None, :, None]
         kw["page_table_k"], kw["page_table_v"] = pk, pv
+        cap = min(pk.shape[2] * k.shape[2], pv.shape[2] * v.shape[2])
+        if "attn_bias" in kw:
+            kw["attn_bias"] = _bias_over_pages(kw["attn_bias"], cap)
         if call.max_seq_len_kv is not None and "seq_len_kv" not in kw:
-            cap = min(pk.shape[2] * k.shape[2], pv.shape[2] * v.shape[2])
             if call.max_seq_len_kv < cap:
                 # cuDNN's max_seq_len_kv bounds every sequence; a constant length says the same.
                 b = t["q"].shape[0]
@@ -104,6 +106,20 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
 
     return fn, args, kw, post
 
+
+
+def _bias_over_pages(bias: torch.Tensor, cap: int) -> torch.Tensor:
+    """A paged graph's bias [.., s_kv] widened to the page tables' capacity ``cap`` keys.
+
+    cuDNN sizes the bias by the graph's kv length (``paged_attention_max_seq_len_kv``, below the tables'
+    capacity when the last page is partly used: its test_mhas.py builds s_kv = 24 on pages of 128); a
+    paged fusedattn problem spans the whole capacity. Keys past the graph's length are never attended
+    (seq_len_kv, given or filled from max_seq_len_kv, bounds them), so zero columns complete the bias.
+    A bias broadcast along keys (last dim 1) or already that wide is returned as it is."""
+    n = bias.shape[-1]
+    if n == 1 or n >= cap:
+        return bias
+    return torch.nn.functional.pad(bias, (0, cap - n))
 
 
 def _widen_heads(x: torch.Tensor, h_kv: int) -> torch.Tensor:
