@@ -183,3 +183,38 @@ def test_gluon_fwd_paged_refuses_odd_pages():
         ref = attention_reference(q.cpu(), flat, flat)[0]
         base = attention_reference(q.cpu(), flat, flat, dtype=torch.bfloat16)[0]
         assert_error_within(out.cpu(), ref, base, msg=f"page {page}")
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_gluon_fwd_paged_packed_queries_take_the_padded_route(page, request, monkeypatch):
+    """Packed queries (cu_seqlens_q) over a paged cache whose padding would add at most
+    ``kvcache.PAD_PACKED_MAX_WASTE`` of rows run as a padded batch through the Gluon paged forward (the
+    packed mode has only the portable kernel): each sequence against its float64 reference, bottom-right
+    causal over its own keys, and the Gluon kernel launched once, paged."""
+    from fusedattn.backends.gluon import fwd_sm90
+    calls = []
+    real = fwd_sm90.launch_fwd_sm90
+    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", lambda p, *a, **kw: (calls.append(p.paged), real(p, *a, **kw))[1])
+    gen = torch.Generator().manual_seed(page)
+    b, h_q, h_kv, d, s_kv = 3, 8, 2, 128, 700
+    lens_q, lens_kv = [300, 277, 300], [700, 411, 300]
+    msg = f"repro: pytest {request.node.nodeid} ; page={page} lens_q={lens_q} lens_kv={lens_kv}"
+    k, v = (torch.randn(b, s_kv, h_kv, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2) for _ in range(2))
+    table = shuffled_table(b, -(-s_kv // page), gen).cuda()
+    k_pages, v_pages = scatter_pages(k, table, page), scatter_pages(v, table, page)
+    q = torch.randn(sum(lens_q), h_q, d, generator=gen).to("cuda", torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    out, stats = fusedattn.attention_with_kvcache(
+        q, k_pages, v_pages, page_table=table, seq_len_kv=torch.tensor(lens_kv, dtype=torch.int32, device="cuda"),
+        cu_seqlens_q=cu, max_seqlen_q=max(lens_q), causal=True, return_stats=True)
+    torch.cuda.synchronize()
+    assert calls == [True], f"the Gluon paged forward did not take the packed batch ({calls}). {msg}"
+    for i in range(b):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        qi = q[rows].transpose(0, 1)[None].cpu()
+        ki, vi = k[i:i + 1, :, :lens_kv[i]].cpu(), v[i:i + 1, :, :lens_kv[i]].cpu()
+        ref = dict(causal=True, causal_alignment="bottom_right")
+        gold_o, gold_lse = attention_reference(qi, ki, vi, **ref)
+        base_o, _ = attention_reference(qi, ki, vi, dtype=torch.bfloat16, **ref)
+        assert_error_within(out[rows].transpose(0, 1)[None].cpu(), gold_o, base_o, msg=f"sequence {i}. {msg}")
+        assert_lse_close(stats[:, rows][None, ..., None].cpu().double(), gold_lse, msg=f"sequence {i}. {msg}")

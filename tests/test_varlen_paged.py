@@ -148,7 +148,8 @@ def _dense_after(c, i):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("packed", [False, "packed-kernel", "padded"], ids=["seq_len_q", "cu_seqlens_q", "cu_seqlens_q-padded"])
+@pytest.mark.parametrize("packed", [False, "packed-kernel", "padded"],
+                         ids=["seq_len_q", "cu_seqlens_q", "cu_seqlens_q-padded"])
 @pytest.mark.parametrize("long", [False, True], ids=["decode", "prefill"])
 def test_varlen_queries_over_cache_with_append(paged, packed, long, target, monkeypatch):
     """Every sequence's new tokens attend to its cache plus themselves (bottom-right causal), against float64;
