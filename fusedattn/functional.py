@@ -461,7 +461,8 @@ def attention(q, k, v, *, attn_scale=None, causal=False, causal_alignment="top_l
         k: ``[b, h_kv, s_kv, d]``. ``h_q`` must be a multiple of ``h_kv``: query head ``i``
             reads key/value head ``i // (h_q // h_kv)`` (GQA; h_kv = 1 is MQA). With 6 query
             and 2 kv heads, query heads 0, 1, 2 read kv head 0 and 3, 4, 5 read kv head 1.
-        v: ``[b, h_kv, s_kv, d_v]``; ``d`` and ``d_v`` are multiples of 8 up to 256.
+        v: ``[b, h_kv, s_kv, d_v]``; any ``d`` and ``d_v`` from 1 to 256 run the kernels, 257 to 1024
+            the PyTorch path (one warning on a GPU; ``backend='triton'`` refuses them).
         attn_scale: multiplies ``q @ k^T``; default ``1 / sqrt(d)``.
         causal: keep key ``j`` for query ``i`` only when ``j <= i + off``.
         causal_alignment: ``"top_left"`` (off = 0, PyTorch's ``is_causal``, cuDNN's

@@ -49,7 +49,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
     Args:
         q: ``[b, h_q, s_q, d]`` fp16 / bf16 / fp32 (fp64 on the CPU path), any strides: the
             ``s_q`` new tokens of each sequence, which are the LAST ``s_q`` tokens of it. Any head
-            dim from 1 to 256 (``d_v`` may differ). With ``cu_seqlens_q``: packed ``[total_q, h_q, d]``.
+            dim from 1 to 256 (``d_v`` may differ; 257 to 1024 run the PyTorch path). With
+            ``cu_seqlens_q``: packed ``[total_q, h_q, d]``.
         k_cache, v_cache: contiguous caches ``[b, h_kv, s_max, d]`` / ``[b, h_kv, s_max, d_v]``, or,
             with ``page_table``, containers of pages ``[num_blocks, h_kv, block_size, d | d_v]``.
             Any strides. With ``cache_layout="bshd"`` they are given as ``[b, s_max, h_kv, d]`` /
@@ -506,12 +507,12 @@ class _Call:
         self.run_triton(o_pad, st_pad, q=q_pad, seq_len_q=lens)
         row = torch.arange(total, device=dev)
         seq = torch.searchsorted(cu[1:], row, right=True)           # the sequence of each packed row
-        written = (seq < self.b).view(-1, 1)
+        written = seq < self.b                                      # False past cu_seqlens_q[-1]
         seq = seq.clamp_(max=self.b - 1)
         pos = (row - cu[seq]).clamp_(0, self.s_q - 1)
-        out.copy_(torch.where(written.view(-1, 1, 1), o_pad.transpose(1, 2)[seq, pos], out))
+        out.copy_(torch.where(written[:, None, None], o_pad.transpose(1, 2)[seq, pos], out))
         if stats is not None:
-            stats.copy_(torch.where(written, st_pad.transpose(1, 2)[seq, pos], stats.T).T)
+            stats.copy_(torch.where(written[:, None], st_pad.transpose(1, 2)[seq, pos], stats.T).T)
 
     def run_triton(self, out, lse, q=None, seq_len_q=None):
         """The Triton kernels on ``q`` (default: the call's) with per-sequence query lengths ``seq_len_q``
