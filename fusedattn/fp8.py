@@ -43,9 +43,13 @@ instead differs only within the rounding bound below. Note ``max |P|`` over a ro
 from its final row state, without a second pass.
 
 This module runs the semantics with torch ops on any device (CPU and CUDA alike), chunked over query
-rows (memory O(rows_per_chunk * s_kv) per head): it is correct, not fast. The FP8 kernels (Gluon
-sm_90 wgmma, the portable Triton one) are the next step of issue 27; they must match this module
-within the bound.
+rows (memory O(rows_per_chunk * s_kv) per head): it is correct, not fast. The forward also runs on the
+portable Triton kernel's FP8 switch (``backends/triton/fwd.py``, [Note] FP8): ``backend='auto'`` on CUDA
+and ``backend='triton'`` (CPU tensors: Triton's interpreter) take it, ``backend='cpu'`` keeps this
+emulation on any device, and calls the kernel does not take run the emulation (``_kernel_refuses``).
+The kernel quantizes the unnormalized ``p = exp(S - m_running) <= 1`` and divides by the row sum at
+the end; it stays within the bound below (tests/test_fp8_kernel.py). The Gluon sm_90 FP8 kernels and
+the FP8 backward kernels are the next steps of issue 27.
 
 Error bound (forward; :func:`fusedattn.reference_fp8.fp8_forward_error_bound` computes it). Compared
 with float64 attention of the dequantized inputs, ``O_ref = softmax(S) @ (v8 * descale_v)`` times
@@ -221,7 +225,7 @@ def _cast_out(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch
 
 def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o,
                      attn_scale=None, band=None, seq_len_q=None, seq_len_kv=None, o_dtype=None,
-                     where: str = "sdpa_fp8"):
+                     backend: str = "auto", where: str = "sdpa_fp8"):
     """cuDNN's ``sdpa_fp8`` forward (module docstring), on torch tensors.
 
     Args:
@@ -232,6 +236,9 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
         attn_scale: float, default ``1 / sqrt(d)``. band: a :class:`~fusedattn.problem.Band`, an
             ``(alignment, left, right)`` tuple or None. seq_len_q / seq_len_kv: int ``[b]`` (padding).
         o_dtype: output type (default q's).
+        backend: ``"auto"`` (CUDA tensors: the Triton kernel; CPU tensors: the emulation), ``"triton"``
+            (the kernel; on CPU tensors under Triton's interpreter) or ``"cpu"`` (the emulation).
+            What the kernel does not take runs the emulation on any backend (:func:`_kernel_refuses`).
 
     Returns:
         ``(o [b, h_q, s_q, d_v] o_dtype, stats [b, h_q, s_q, 1] fp32, amax_s fp32 [1, 1, 1, 1],
@@ -248,10 +255,14 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
     dv = _scale(descale_v, "descale_v", dev, h_kv, where)
     ds, ss = _scale(descale_s, "descale_s", dev, where=where), _scale(scale_s, "scale_s", dev, where=where)
     so = _scale(scale_o, "scale_o", dev, where=where)
-    dk, dv = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk, dv))
     scale = float(attn_scale) if attn_scale is not None else d ** -0.5
     band = _as_band(band)
     len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
+    scales = dict(descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss, scale_o=so)
+    if _use_kernel(backend, dev, where) and not _kernel_refuses(q, k, v, scales, scale):
+        return _forward_kernel(q, k, v, scales, scale, band, len_q if seq_len_q is not None else None,
+                               len_kv if seq_len_kv is not None else None, o_dtype)
+    dk, dv = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk, dv))
     kf, vf = _group(k, g), _group(v, g)
     o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev)
     stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=dev)
@@ -276,6 +287,76 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
         amax_o = _amax_into(amax_o, out)
         o[:, :, i0:i0 + len(rows)] = _cast_out(out, so, o_dtype)
     return o, stats, amax_s.reshape(1, 1, 1, 1), amax_o.reshape(1, 1, 1, 1)
+
+
+def _use_kernel(backend: str, device, where: str) -> bool:
+    """Whether ``backend`` asks for the Triton kernel: 'auto' and 'triton' on CUDA tensors, 'triton' on
+    CPU tensors (Triton's interpreter; refused without it, as plan.choose_backend). 'cpu' (and 'auto'
+    on the CPU) is the emulation, on the tensors' own device."""
+    from .plan import BACKENDS, choose_backend
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cpu":
+        return False
+    if backend == "triton":
+        return choose_backend(backend, device.type) == "triton"
+    return device.type == "cuda"
+
+
+def _kernel_refuses(q, k, v, scales, attn_scale: float) -> Optional[str]:
+    """Why the FP8 Triton forward cannot run this call (None: it can). These run the emulation:
+
+    * q, k, v that are not of one float8 type (the emulation reads fp32 / bf16 / fp16 values as they are,
+      for tests);
+    * per-head descales (``[1, h, 1, 1]``): the kernel reads one value per tensor;
+    * head dims past MAX_HEAD_DIM (256), as the 16-bit kernels;
+    * attn_scale <= 0: the kernel's unmasked tiles take the row max of the raw products (scale > 0);
+    * empty tensors (nothing to launch).
+    """
+    from .problem import MAX_HEAD_DIM
+    d, d_v = q.shape[-1], v.shape[-1]
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return "empty tensors"
+    if not is_fp8(q) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return "inputs are not of one float8 type"
+    if any(t.numel() != 1 for t in scales.values()):
+        return "per-head descales"
+    if max(d, d_v) > MAX_HEAD_DIM:
+        return f"head dim past {MAX_HEAD_DIM}"
+    if not attn_scale > 0:
+        return "attn_scale <= 0"
+    return None
+
+
+def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], len_q, len_kv, o_dtype, out=None,
+                    stats_out=None):
+    """:func:`sdpa_fp8_forward` on the portable Triton kernel's FP8 switch (backends/triton/fwd.py
+    ``launch_fwd_fp8``). scales: one-element fp32 tensors on q's device; len_q / len_kv: int64 ``[b]``
+    clamped lengths or None. out / stats_out: buffers to write (tests pass NaN-filled ones: every element
+    must be written), default new ones. Returns what :func:`sdpa_fp8_forward` returns."""
+    from .backends.triton.fwd import launch_fwd_fp8
+    from .plan import fp8_fwd_tiles
+    from .problem import AttentionProblem
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    if band is not None:
+        # a bound of s_q + s_kv keys or more keeps every key (problem.make_band): unbounded, so the
+        # kernel's int32 row + offset arithmetic cannot overflow
+        far = s_q + s_kv
+        left = band.left if band.left is not None and band.left < far else None
+        right = band.right if band.right is not None and band.right < far else None
+        band = None if left is None and right is None else Band(band.alignment, left, right)
+    p = AttentionProblem(b=b, h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d_v, dtype=q.dtype,
+                         device_type=dev.type, scale=attn_scale, band=band, has_seq_len_q=len_q is not None,
+                         has_seq_len_kv=len_kv is not None)
+    extras = dict(seq_len_q=None if len_q is None else len_q.to(torch.int32),
+                  seq_len_kv=None if len_kv is None else len_kv.to(torch.int32), slopes=None, sink=None)
+    o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev) if out is None else out
+    stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=dev) if stats_out is None else stats_out
+    amax = torch.zeros(2, dtype=torch.float32, device=dev)      # [amax_s, amax_o]: the kernel maxes into them
+    launch_fwd_fp8(p, fp8_fwd_tiles(d, d_v), q, k, v, o, stats[..., 0], extras, scales, amax[0:1], amax[1:2])
+    return o, stats, amax[0].reshape(1, 1, 1, 1), amax[1].reshape(1, 1, 1, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,8 +508,10 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
         return_stats: also return the fp32 log-sum-exp ``[b, h_q, s_q, 1]``.
         return_amax: also return ``amax_s`` (max of P) and ``amax_o`` (max |O| before scale_o), fp32
             ``[1, 1, 1, 1]``, for the next step's scales.
-        backend: ``"auto"`` / ``"cpu"``; every device runs the exact torch emulation for now
-            (``"triton"`` raises NotSupportedError: there is no FP8 kernel yet).
+        backend: ``"auto"`` (CUDA: the portable Triton kernel's FP8 forward; CPU: the emulation),
+            ``"triton"`` (the kernel; CPU tensors under Triton's interpreter) or ``"cpu"`` (the exact torch
+            emulation on the tensors' device); see :func:`sdpa_fp8_forward`. The backward of the
+            quantize-inside path is the 16-bit one either way.
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]``, then ``stats`` and ``amax_s, amax_o`` when asked, as a tuple.
@@ -443,9 +526,6 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
     """
     if backend not in ("auto", "cpu", "triton"):
         raise InvalidArgumentError(f"{where}: backend must be 'auto', 'triton' or 'cpu', got {backend!r}")
-    if backend == "triton":
-        raise NotSupportedError(f"NYI: {where}: FP8 attention has no Triton kernel yet; use backend='auto' "
-                                f"(the exact torch emulation, on any device)")
     tensors = {"q": q, "k": k, "v": v}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -453,7 +533,8 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
     fp8 = {name: is_fp8(t) for name, t in tensors.items()}
     descales = {"descale_q": descale_q, "descale_k": descale_k, "descale_v": descale_v}
     b_ = make_band(causal, causal_alignment, window)
-    fwd_opts = dict(attn_scale=attn_scale, band=b_, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, where=where)
+    fwd_opts = dict(attn_scale=attn_scale, band=b_, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, backend=backend,
+                    where=where)
     if any(fp8.values()):
         if not all(fp8.values()) or len({t.dtype for t in tensors.values()}) != 1:
             raise InvalidTypeError(f"{where}: FP8 attention needs q, k, v of one float8 type; got "

@@ -98,6 +98,17 @@ _GLUON_BWD_DIMS = (128, 224, 256)
 _GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns the Gluon kernels off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)
+# FP8 forward (the portable kernel's FP8 switch, fusedattn.fp8): key tiles of at least 32 (an 8-bit MMA's
+# K-step). Not timed yet (written without a GPU); chosen by ptxas on sm_90 (tools/aot_check.py, jit-like,
+# Triton 3.6): the fp32 promotion of the MMA's partial sums holds a second accumulator, so d128 with 4
+# warps hit 255 registers and spilled 36 bytes; 8 warps: 145, none. d256 64x64/8 warps/2 stages: 20 bytes.
+_FWD_FP8_SM90 = {64: Tiles(64, 64, 4, 3), 128: Tiles(64, 64, 8, 3), 256: Tiles(64, 64, 8, 2)}
+_INTERPRET_FP8 = Tiles(32, 32, 4, 1)
+
+
+def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:
+    """Tiles of the FP8 forward (backends/triton/fwd.py ``launch_fwd_fp8``) for head dims d, d_v <= 256."""
+    return _INTERPRET_FP8 if interpreting() else _FWD_FP8_SM90[_bucket(max(d, d_v))]
 
 
 def choose_backend(backend: str, device_type: str) -> str:

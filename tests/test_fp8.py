@@ -32,10 +32,10 @@ def _inputs(dtype=E4M3, b=2, h_q=4, h_kv=2, s_q=37, s_kv=53, d=32, d_v=32, seed=
     return q8, k8, v8, dict(descale_q=dq, descale_k=dk, descale_v=dv)
 
 
-def _fwd(q8, k8, v8, sc, mask, o_dtype):
+def _fwd(q8, k8, v8, sc, mask, o_dtype, backend="auto"):
     band = make_band(mask.get("causal", False), mask.get("causal_alignment", "top_left"), mask.get("window"))
     return fp8.sdpa_fp8_forward(q8, k8, v8, band=band, seq_len_q=mask.get("seq_len_q"),
-                                seq_len_kv=mask.get("seq_len_kv"), o_dtype=o_dtype, **sc)
+                                seq_len_kv=mask.get("seq_len_kv"), o_dtype=o_dtype, backend=backend, **sc)
 
 
 @pytest.mark.parametrize("p_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -292,8 +292,9 @@ def test_cuda_matches_cpu_emulation(mask):
     sc.update(descale_s=1 / 256, scale_s=256.0, scale_o=1.0)
     cpu = _fwd(q8, k8, v8, sc, MASKS[mask], torch.bfloat16)
     m = {n: (x.cuda() if isinstance(x, torch.Tensor) else x) for n, x in MASKS[mask].items()}
+    # the emulation on CUDA (backend 'cpu': 'auto' would run the Triton kernel, tests/test_fp8_kernel.py)
     gpu = _fwd(q8.cuda(), k8.cuda(), v8.cuda(), {n: (x.cuda() if isinstance(x, torch.Tensor) else x)
-                                                for n, x in sc.items()}, m, torch.bfloat16)
+                                                for n, x in sc.items()}, m, torch.bfloat16, backend="cpu")
     ref, lse, bound = fp8_forward_bound(q8, k8, v8, o_dtype=torch.bfloat16, **MASKS[mask], **sc)
     assert ((gpu[0].cpu().double() - ref).abs() <= bound).all()
     assert abs(gpu[2].item() - cpu[2].item()) <= 1e-6

@@ -58,8 +58,32 @@ def fwd_spec(d, bm, bn, dtype="bf16", **sw):
     c = dict(BASE_SWITCHES, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d,
              WRITE_LSE=True, REVERSE_M=True, USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1,
              VARLEN=False)
+    # the 16-bit launch leaves the FP8 parameters at their defaults (None pointers: constexpr)
+    c.update({name: None for name in FP8_PTRS}, FP8=False, FP8_INTERP=False)
     c.update(sw)
     return ptrs, c
+
+
+FP8_PTRS = ("DESCALE_Q", "DESCALE_K", "DESCALE_V", "DESCALE_S", "SCALE_S", "SCALE_O", "AMAX_S", "AMAX_O")
+
+
+def fwd_fp8_spec(d, bm, bn, dtype="fp8e4nv", out="bf16", **sw):
+    """(pointer types, constexprs) of an FP8 forward variant (``fwd.launch_fwd_fp8``): float8 q/k/v, six
+    scale pointers and two amax pointers, fp32; ``out`` the output type; head-dim tiles of 32 at least."""
+    ptrs, c = fwd_spec(d, bm, bn, dtype, **sw)
+    bd = max(32, triton.next_power_of_2(d))
+    ptrs.update(O=f"*{out}", **{name: "*fp32" for name in FP8_PTRS})
+    for name in FP8_PTRS:
+        c.pop(name)
+    c.update(BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, FP8=True, FP8_INTERP=False)
+    c.update(sw)
+    return ptrs, c
+
+
+def fwd_fp8_variant(d, bm, bn, warps, stages, dtype="fp8e4nv", out="bf16", **sw):
+    """Compile an FP8 forward variant; returns 'smem=... regs=[...] spill_stores=[...]'."""
+    k = compile_kernel(fwd._attn_fwd, *fwd_fp8_spec(d, bm, bn, dtype, out, **sw), warps, stages)
+    return f"smem={k.metadata.shared} {ptxas_report(k)}"
 
 
 def fwd_variant(d, bm, bn, warps, stages, dtype="bf16", **sw):

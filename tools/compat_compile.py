@@ -56,6 +56,15 @@ CASES = [
     ("gluon dq d128 padded alibi sink", lambda: gluon_dq_check.compile_dq(
         128, True, "bf16", bottom_right=True, alibi=True, seq_q=True, seq_kv=True, sink=True)),
     ("triton delta d128 sink", lambda: aot_check.delta_variant(128, HAS_SINK=True)),
+    # issue 27: the portable forward's FP8 switch (plan._FWD_FP8_SM90 tiles; e4m3 and e5m2 in, FP8 / 16-bit out)
+    ("triton fwd fp8 d64 causal e4m3->bf16", lambda: aot_check.fwd_fp8_variant(64, 64, 64, 4, 3)),
+    ("triton fwd fp8 d128 e4m3->e4m3", lambda: aot_check.fwd_fp8_variant(128, 64, 64, 8, 3, out="fp8e4nv",
+                                                                         HAS_RIGHT=False)),
+    ("triton fwd fp8 d128 padded window e5m2->fp16", lambda: aot_check.fwd_fp8_variant(
+        128, 64, 64, 8, 3, dtype="fp8e5", out="fp16", HAS_LEFT=True, HAS_SEQ_Q=True, HAS_SEQ_KV=True,
+        BOTTOM_RIGHT=True)),
+    ("triton fwd fp8 d40 causal e4m3->fp32", lambda: aot_check.fwd_fp8_variant(40, 64, 64, 4, 3, out="fp32")),
+    ("triton fwd fp8 d256 e4m3->bf16", lambda: aot_check.fwd_fp8_variant(256, 64, 64, 8, 2)),
 ]
 
 

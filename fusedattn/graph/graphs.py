@@ -391,8 +391,8 @@ class pygraph:  # noqa: N801 (cuDNN's spelling: cudnn.pygraph)
 
         Where each scale applies: :mod:`fusedattn.fp8` (cuDNN's graph expansion). Masks: causal (either
         alignment), the band (left_bound / right_bound / sliding_window), padding; GQA. Runs
-        :func:`fusedattn.fp8.sdpa_fp8_forward`, the exact torch emulation, on every device (no FP8 kernels
-        yet: correct, not fast); bias, ALiBi, dropout, paging and score_mod raise
+        :func:`fusedattn.fp8.sdpa_fp8_forward`: on CUDA the portable Triton kernel's FP8 forward (within the
+        emulation's error bound), elsewhere the exact torch emulation; bias, ALiBi, dropout, paging and score_mod raise
         ``cudnnGraphNotSupportedError``. Returns ``[O, Stats, Amax_S, Amax_O]`` as cuDNN does (Stats None
         unless stats are generated).
         """

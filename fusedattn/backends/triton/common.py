@@ -279,3 +279,48 @@ def dropout_keep(seed, offset, bh, row0, key0, S_Q, S_KV, threshold,
     if not KEYS_LAST:
         r = tl.trans(r)
     return r.to(tl.int32) >= threshold
+
+
+# FP8 (fusedattn.fp8): K-step after which sm_90's FP8 MMA hands its partial sums to the fp32 accumulator
+# (tl.dot's max_num_imprecise_acc; 32 is one wgmma K-step for 8-bit inputs, so every step is promoted)
+FP8_PROMOTE_K = tl.constexpr(32)
+_ROUND_INT = tl.constexpr(12582912.0)     # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer, nearest even
+
+
+@triton.jit
+def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 ``x`` (any shape) rounded to the nearest value of an FP8 grid, ties to even, in fp32
+    arithmetic: ``MANT_BITS`` stored mantissa bits, ``MIN_EXP`` the smallest normal exponent (its
+    spacing holds down to 0, the subnormals). No saturation here (``to_fp8`` clamps first).
+
+    Why: the interpreter's fp32 -> float8 cast (``_convert_float``, Triton 3.6 and 3.9 alike) rounds
+    ties away from zero (e4m3 1.0625 -> 1.125), drops the carry when rounding overflows the mantissa
+    (e5m2 1.96 -> 1.0, e4m3 -0.486 -> -0.25) and does not saturate (e4m3 1000 -> 256, 1e6 -> NaN);
+    casts of values already on the grid are exact (triton-lang/triton issue 8322; the open PR 11897
+    fixes it). So under the interpreter ``to_fp8`` rounds here first. On sm_90 the cast is one
+    ``cvt.rn.satfinite.e4m3x2.f32`` / ``e5m2x2.f32`` (checked in the PTX of Triton 3.6 and 3.9).
+    The spacing at |x| is 2^(e - MANT_BITS) with e = max(exponent of |x|, MIN_EXP), read from the fp32
+    bits; |x| / spacing < 2^(MANT_BITS + 1) rounds exactly by the 1.5 * 2^23 addition.
+    """
+    ax = tl.abs(x)
+    e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    spacing = ((e - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((ax / spacing + _ROUND_INT) - _ROUND_INT) * spacing
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def to_fp8(x, FP8_TY: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 ``x`` (any shape) as ``FP8_TY`` (tl.float8e4nv or tl.float8e5): nearest even, saturating at
+    the largest finite value (+-448 / +-57344, the ``cvt.rn.satfinite`` of cuDNN's graph and
+    ``fusedattn.fp8.quantize``). The clamp is explicit so the result does not depend on how a Triton
+    version's cast treats overflow. INTERP: round in fp32 first (``round_to_fp8_grid``), then cast."""
+    if FP8_TY == tl.float8e5:
+        x = tl.minimum(tl.maximum(x, -57344.0), 57344.0)
+        if INTERP:
+            x = round_to_fp8_grid(x, 2, -14)
+    else:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+        if INTERP:
+            x = round_to_fp8_grid(x, 3, -6)
+    return x.to(FP8_TY)

@@ -23,6 +23,31 @@ work then gives an empty part weight exp(-inf) = 0; the backward reads -inf as +
 enters once, in the epilogue (``common.fold_sink``): the row max and sum take it, the accumulator is
 only rescaled. The stats include it. A row with no key but a sink writes output 0 and lse = sink.
 The backward needs no switch: P = exp(s - lse) with that lse is already the sink-normalized P.
+
+[Note] FP8 (compile-time ``FP8``; ``launch_fwd_fp8``; semantics: cuDNN's ``sdpa_fp8``, ``fusedattn.fp8``):
+q, K, V are float8 (e4m3 or e5m2, one type); six one-element fp32 tensors give descale_q/k/v/s and
+scale_s/o (pointers, read in the kernel, so CUDA graphs replay new values). Rounding points, in order:
+* S = dot(q8, k8^T) in fp32 (products of two FP8 values are exact), times ``qk_scale * descale_q *
+  descale_k`` (qk_scale = attn_scale * log2 e: base 2 as the 16-bit path); masks as the 16-bit path;
+* p = exp2(S - m_running) <= 1 (fp32; the row sum l takes this fp32 p), then P8 = fp8(p * scale_s),
+  nearest even, saturating (``common.to_fp8``); acc = acc * alpha + dot(P8, v8), fp32;
+* epilogue O = acc / l * descale_s * descale_v; amax_o = max |O| (rows inside the sequence), amax_s =
+  max 1 / l (exact: a row's largest P is exp(0) / l), each by one float atomic max per program into
+  buffers the host zeroed; o = O * scale_o in the output type (FP8: ``to_fp8``); lse as the 16-bit path.
+cuDNN quantizes the normalized P = p / l instead. The kernel stays within ``fusedattn.fp8``'s bound
+(``reference_fp8.fp8_forward_bound``): with q(x) = x (1 + t) + n, |t| <= u8, |n| <= a8, the output is
+sum_j P_j (1 + t_j) V_j plus sum_j alpha_j n_j descale_s V_j / l, with alpha_j <= 1 the rescale since
+key j's tile and l >= 1, so the relative term is the bound's and the subnormal floor term at most
+its; p <= 1 never saturates when scale_s <= FP8_MAX (the bound's assumption); the rescales add one
+fp32 rounding per key tile, inside the bound's doubled fp32 terms.
+sm_90: both products run on 8-bit MMAs; ``max_num_imprecise_acc=FP8_PROMOTE_K`` moves their partial
+sums to fp32 after every 32-wide K-step (Triton's sm_90 default never does, and the tensor cores add
+with fewer bits than fp32 in between). Within a step the hardware's sum is outside the bound's fp32
+model: tests/test_fp8_kernel.py's gpu cases check it.
+Interpreter (``FP8_INTERP``): Triton's interpreter (3.6, 3.9) casts fp32 to float8 wrongly but loads
+FP8, casts on-grid values exactly and runs FP8 dots as fp16 operands (exact) with fp32 sums, so
+``to_fp8`` rounds in fp32 arithmetic first (``common.round_to_fp8_grid``), then casts; everything
+else, the FP8 dots included, is the GPU path's code (max_num_imprecise_acc is ignored there).
 """
 import torch
 import triton
@@ -31,8 +56,9 @@ import triton.language as tl
 from .args import (aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars,
                    set_descriptor_allocator, tma_ok)
 from .launch import Launcher, cdiv
-from .common import (LN2, batch_rows, dropout_keep, fold_sink, kv_block_range, kv_row_offsets, load_bias,
-                     load_tile, scores_base2)
+from ...plan import interpreting
+from .common import (FP8_PROMOTE_K, LN2, batch_rows, dropout_keep, fold_sink, kv_block_range, kv_row_offsets,
+                     load_bias, load_tile, scores_base2, to_fp8)
 
 
 @triton.jit
@@ -42,16 +68,20 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                      offs_m, offs_n, offs_d, offs_dv, start_m, start, end, len_kv, diag,
                      stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
                      S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
-                     dropout_seed, dropout_offset, dropout_threshold, bh,
+                     dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
                      MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                     FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
     """Online-softmax update of one query tile over key blocks [start, end).
 
     USE_TMA loads K/V tiles through tensor descriptors (Hopper's bulk copy engine; rows
     past the tensor and head-dim padding arrive as zeros, the score mask does the rest).
+    FP8 (module docstring, [Note] FP8): q, K, V are float8; ``qk_scale`` already holds
+    descale_q * descale_k; P enters the second product as fp8(p * scale_s) (``scale_s``
+    is read only then), and both products accumulate in fp32.
     """
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -63,7 +93,12 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                                     PAGED, PAGE_SIZE)
             k = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                           cols, offs_d, len_kv, D, MASKED, not EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if FP8:
+            # FP8 MMA; the partial sums move to the fp32 tile after every K-step of 32 (sm_90 wgmma
+            # otherwise adds all of d with fewer bits than fp32: Triton's max_num_imprecise_acc)
+            qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or SOFTCAP or BIAS_KIND != 0 or HAS_ALIBI:
             bias = 0.0
             if BIAS_KIND != 0:
@@ -99,8 +134,32 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                                     PAGED, PAGE_SIZE)
             v = load_tile(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if FP8:
+            # P8 = fp8(p * scale_s) of the unnormalized p <= 1 (the row sum l_i keeps the fp32 p)
+            acc = tl.dot(to_fp8(p * scale_s, v.dtype, FP8_INTERP), v, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def fp8_epilogue(out, inv_l, row_in, DESCALE_S, DESCALE_V, SCALE_O, AMAX_S, AMAX_O, OUT_TY: tl.constexpr,
+                 INTERP: tl.constexpr):
+    """The FP8 forward's output tile, and its share of the two amaxes (module docstring, [Note] FP8).
+
+    out: acc / l, fp32 [BLOCK_M, BLOCK_DV] (0 on empty rows); inv_l: 1 / l [BLOCK_M] (0 on empty rows);
+    row_in: [BLOCK_M] rows inside the sequence (the tile's last rows past len_q attend to zero queries
+    and must not count). Returns O * scale_o in OUT_TY (float8: saturating, ``to_fp8``).
+    """
+    out = out * tl.load(DESCALE_S) * tl.load(DESCALE_V)      # matmul_fp8's order: descale A (P), then B (V)
+    # amax_s = max P = 1 / l per row (the row's largest term is exp(0)); amax_o = max |O| before scale_o.
+    # Both >= 0, where the float atomic max orders as the numbers do; the host zeroes them first.
+    tl.atomic_max(AMAX_S, tl.max(tl.where(row_in, inv_l, 0.0), 0))
+    tl.atomic_max(AMAX_O, tl.max(tl.max(tl.where(row_in[:, None], tl.abs(out), 0.0), 1), 0))
+    out = out * tl.load(SCALE_O)
+    if OUT_TY.is_fp8():
+        return to_fp8(out, OUT_TY, INTERP)
+    return out.to(OUT_TY)
 
 
 @triton.jit
@@ -122,7 +181,9 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
               DROPOUT: tl.constexpr, WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINK: tl.constexpr = False):
+              PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINK: tl.constexpr = False,
+              DESCALE_Q=None, DESCALE_K=None, DESCALE_V=None, DESCALE_S=None, SCALE_S=None, SCALE_O=None,
+              AMAX_S=None, AMAX_O=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -177,6 +238,11 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         v_desc = tl.make_tensor_descriptor(v_base, shape=[S_KV, D_V], strides=[stride_vn, 1],
                                            block_shape=[BLOCK_N, BLOCK_DV])
 
+    scale_s = 1.0
+    if FP8:
+        # cuDNN's bmm1 scale chain folded into the one score multiply (scale * log2(e) * descales)
+        qk_scale = qk_scale * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
+        scale_s = tl.load(SCALE_S)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -187,25 +253,25 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         offs_m, offs_n, offs_d, offs_dv, start_m,
         lo, full_lo, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
-        dropout_seed, dropout_offset, dropout_threshold, bh,
+        dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, False)
+        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
         full_lo, full_hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
-        dropout_seed, dropout_offset, dropout_threshold, bh,
+        dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         False, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE)
+        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE, FP8, FP8_INTERP)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
         full_hi, hi, len_kv, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_bm, stride_bn,
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
-        dropout_seed, dropout_offset, dropout_threshold, bh,
+        dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, False)
+        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + head) * 1.4426950408889634 + tl.zeros([BLOCK_M], tl.float32)   # fp32 [h_q]
@@ -218,11 +284,16 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         row_ok = row_ok & (offs_m < len_q)
     inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
+    if FP8:
+        out = fp8_epilogue(out, inv_l, offs_m < len_q, DESCALE_S, DESCALE_V, SCALE_O, AMAX_S, AMAX_O,
+                           O.dtype.element_ty, FP8_INTERP)
+    else:
+        out = out.to(O.dtype.element_ty)
     o_ptrs = O + o_off + h64 * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     if EVEN_DV:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < row_end)[:, None])
+        tl.store(o_ptrs, out, mask=(offs_m < row_end)[:, None])
     else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_dv < D_V)[None, :])
+        tl.store(o_ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_dv < D_V)[None, :])
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores (cuDNN's Stats); -inf for empty rows
         lse2 = m_i + tl.math.log2(tl.where(row_ok, l_i, 1.0))
@@ -302,3 +373,53 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     for buf, target in ((out, out_target), (lse, lse_target)):
         if target is not None:
             target.copy_(buf)
+
+
+def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s, amax_o):
+    """Launch the forward kernel with the FP8 switch (module docstring, [Note] FP8).
+
+    q8 [b,h_q,s_q,d], k8 [b,h_kv,s_kv,d], v8 [b,h_kv,s_kv,d_v]: one float8 type, any strides.
+    out [b,h_q,s_q,d_v]: float8 / bf16 / fp16 / fp32. lse: fp32 [b,h_q,s_q] view or None.
+    scales: dict of one-element fp32 tensors on the device (descale_q, descale_k, descale_v, descale_s,
+    scale_s, scale_o): read by the kernel, so a CUDA graph replays with new values. amax_s, amax_o:
+    one-element fp32 tensors, zeroed by the caller, maxed into by every program.
+    problem: the mask and shapes (dtype: q8's); only masks, padding and GQA (fusedattn.fp8 routes the rest
+    to its emulation). Always through the JIT's dispatch (key None): the scale and amax pointers are
+    trailing parameters, which a Launcher cache entry would keep from its first call.
+    """
+    p = problem
+    q8, k8, v8 = aligned(q8), aligned(k8), aligned(v8)
+    out, out_target = aligned_output(out)
+    lse_target = None
+    if lse is not None:
+        lse, lse_target = aligned_output(lse)
+    args = kernel_scalars(p, extras, q8)
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    grid = (cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
+    # the tensors no FP8 call has (bias, slopes, page tables, cu_seqlens, sink) get dummies, their strides 0
+    no_bias, no_slopes, no_tables = (0, 0, 0, 0), 0, (0, 0, 0, 0)
+    no_dropout = (0, 0, 0, 1.0)         # seed, offset, threshold, rescale
+    pos = (q8, k8, v8, out, lse_arg, args["seq_q"], args["seq_kv"], out, args["slopes"], q8, q8, q8, q8, args["sink"],
+           *q8.stride(), *k8.stride(), *v8.stride(), *out.stride(), *lse_strides, *no_bias, no_slopes, *no_tables,
+           p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, 1,
+           args["qk_scale"], 0.0, args["win_left"], args["win_right"], *no_dropout)
+    switches = dict(args["switches"], EVEN_D=fp8_block_dim(p.d) == p.d, EVEN_DV=fp8_block_dim(p.d_v) == p.d_v)
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=fp8_block_dim(p.d),
+                  BLOCK_DV=fp8_block_dim(p.d_v), WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
+                  USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1, VARLEN=False, HAS_SINK=False,
+                  **{name.upper(): scales[name] for name in FP8_SCALE_NAMES}, AMAX_S=amax_s, AMAX_O=amax_o,
+                  FP8=True, FP8_INTERP=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                  **switches)
+    _FWD(None, grid, *pos, **kwargs)
+    for buf, target in ((out, out_target), (lse, lse_target)):
+        if target is not None:
+            target.copy_(buf)
+
+
+FP8_SCALE_NAMES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+
+
+def fp8_block_dim(d: int) -> int:
+    """The tile width over a head dim for FP8 operands: a power of two, at least 32 (an 8-bit MMA's
+    K-step, and FP8_PROMOTE_K must not exceed a product's K)."""
+    return max(32, block_dim(d))
