@@ -63,10 +63,16 @@ this module obeys, per element (i, c), to first order in the fp32 unit ``eps = 2
 * ``u8, a8``: unit roundoff and half the smallest subnormal of P8's type: e4m3 ``2^-4, 2^-10``,
   e5m2 ``2^-3, 2^-17`` (rounding P * scale_s moves it by at most ``u8 |x| + a8``; it assumes
   ``scale_s <= FP8_MAX``, so that P <= 1 never saturates);
-* ``delta_i = 2 * (d + 3) * eps * A_i + (s_kv + 4) * eps``: the fp32 relative error of P in row i,
-  ``A_i = max_j attn_scale * descale_q * descale_k * sum_k |q8_ik k8_jk|`` (bmm1's products of two
-  FP8 values are exact in fp32, its sum of d terms and the three muls round), doubled to cover the
-  row's log-sum-exp;
+* ``delta_i = 2 * (d + 3) * eps * A_i + 2 * u_mma * A_i + (s_kv + 4) * eps``: the relative error of P
+  in row i, ``A_i = max_j attn_scale * descale_q * descale_k * sum_k |q8_ik k8_jk|`` (bmm1's products
+  of two FP8 values are exact in fp32, its sum of d terms and the three muls round), doubled to cover
+  the row's log-sum-exp; the stats (natural-log lse) are within ``2 * delta_i`` of float64's;
+* ``u_mma`` (:func:`mma_unit`): 0 where the products are summed in fp32 (this emulation, Triton's
+  interpreter); on a GPU's FP8 MMAs :data:`MMA_UNIT_FP8` = ``2^-8``, and it joins the ``(s_kv + 4) eps``
+  of P8 @ V's sum too. FP8 MMAs: Hopper's tensor cores add a K-step's 32 products aligned to the
+  largest with about 14 bits (DeepSeek-V3's report; the kernel moves every step into fp32), so a step
+  is off by at most ``32 * 2^-13`` of its largest product; bench/fp8_mma_probe.py measured 2^-9.4 at
+  worst on an H100 (one large product among small ones) and 2^-13 on random operands;
 * ``u_o, a_o``: the output type's unit roundoff and half-subnormal (bf16 ``2^-8``, fp16 ``2^-11``
   and ``2^-25``, FP8 as above, fp32 0).
 
@@ -89,7 +95,7 @@ import torch
 
 from .problem import ALIGNMENTS, Band, InvalidArgumentError, InvalidTypeError, NotSupportedError, keep_mask, make_band
 
-__all__ = ["FP8_DTYPES", "FP8_MAX", "is_fp8", "quantize", "quantize_per_tensor", "sdpa_fp8_forward",
+__all__ = ["FP8_DTYPES", "FP8_MAX", "MMA_UNIT_FP8", "mma_unit", "is_fp8", "quantize", "quantize_per_tensor", "sdpa_fp8_forward",
            "sdpa_fp8_backward", "attention_fp8", "ROWS_PER_CHUNK"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -103,6 +109,20 @@ ROUNDING = {E4M3: (2.0 ** -4, 2.0 ** -10), E5M2: (2.0 ** -3, 2.0 ** -17),
 DEFAULT_SCALE_S = {E4M3: 256.0, E5M2: 32768.0}
 OUT_DTYPES = FP8_DTYPES + (torch.bfloat16, torch.float16, torch.float32)
 ROWS_PER_CHUNK = 128
+# The FP8 MMA's sum, relative to the sum of its products' magnitudes (module docstring, "FP8 MMAs"):
+# sm_89 / sm_90 tensor cores add a K-step's 32 FP8 products aligned to the largest with about 14 bits,
+# so each step is off by at most 32 * 2^-13 of its largest product; the kernel moves each step into
+# fp32 (max_num_imprecise_acc=32), so the steps' errors add. bench/fp8_mma_probe.py, H100: worst
+# 2^-9.4 (one large product among small ones), 2^-13 on random operands.
+MMA_UNIT_FP8 = 2.0 ** -8
+
+
+def mma_unit(device) -> float:
+    """``u_mma`` of the error bound for FP8 products computed on ``device``: 0 where they are summed in
+    fp32 (the CPU emulation, Triton's interpreter), :data:`MMA_UNIT_FP8` on a CUDA GPU's FP8 MMAs."""
+    from .backends.triton.launch import interpreting
+    device = torch.device(device)
+    return MMA_UNIT_FP8 if device.type == "cuda" and not interpreting() else 0.0
 
 
 def is_fp8(t) -> bool:

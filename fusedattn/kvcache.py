@@ -30,6 +30,7 @@ MAX_NUM_SPLITS = 128
 # the packed one only the portable kernel's VARLEN mode (bench/NOTES.md 56: 260 TFLOP/s at page 16, where
 # the padded batch reads 621). More skewed batches keep the packed kernel, which computes no padded row.
 PAD_PACKED_MAX_WASTE = 0.25
+_FULL_ROWS = object()       # run_triton's seq_len_q: no query lengths (every row of q is computed)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=None, k_new=None, v_new=None,
@@ -491,36 +492,46 @@ class _Call:
 
     def _run_packed_padded(self, out, stats):
         """Packed queries as a padded batch through :meth:`run_triton` (``PAD_PACKED_MAX_WASTE`` says why).
-        Gathers on the device, no host sync (CUDA graphs keep working): padded row (i, r) reads packed row
-        cu[i] + r, and rows past a sequence's length are masked by seq_len_q in the kernel and never read
-        back; packed rows past cu_seqlens_q[-1] keep what ``out`` / ``stats`` held, as in the packed kernel.
-        out [total_q, h_q, d_v], stats fp32 [h_q, total_q] or None."""
+        Gathers on the device, no host sync (CUDA graphs keep working). Each sequence's rows sit at the
+        *end* of its padded block, so the kernel runs with no query lengths at all: bottom-right alignment
+        against the block's s_q rows puts row j of a sequence of n rows on key L - n + j, as its own
+        alignment would; the padding rows in front are computed (masked, often empty) and never read back.
+        Query lengths would make the kernel mask its stores, which cost the padded route half its speed on
+        an H100 (bench/NOTES.md 57). Packed rows past cu_seqlens_q[-1] keep what ``out`` / ``stats`` held,
+        as in the packed kernel. out [total_q, h_q, d_v], stats fp32 [h_q, total_q] or None."""
         q = self.q[0].transpose(0, 1)                               # [total, h_q, d]
         total, dev = q.shape[0], q.device
         cu = self.cu_seqlens_q.long()
-        src = (cu[:-1, None] + torch.arange(self.s_q, device=dev)).clamp_(0, total - 1)     # [b, s_q]
+        lens = (cu[1:] - cu[:-1]).clamp_(0, self.s_q)
+        start = cu[:-1] + lens - self.s_q                           # packed row of padded row 0 (may be < 0)
+        src = (start[:, None] + torch.arange(self.s_q, device=dev)).clamp_(0, max(total - 1, 0))   # [b, s_q]
         q_pad = q[src].transpose(1, 2)                              # [b, h_q, s_q, d] over BSHD memory
         o_pad = torch.empty((self.b, self.s_q, self.h_q, self.d_v), dtype=out.dtype, device=dev).transpose(1, 2)
         st_pad = (torch.empty((self.b, self.h_q, self.s_q), dtype=torch.float32, device=dev)
                   if stats is not None else None)
-        lens = (cu[1:] - cu[:-1]).clamp_(0, self.s_q).int()
-        self.run_triton(o_pad, st_pad, q=q_pad, seq_len_q=lens)
+        self.run_triton(o_pad, st_pad, q=q_pad, seq_len_q=_FULL_ROWS)
         row = torch.arange(total, device=dev)
         seq = torch.searchsorted(cu[1:], row, right=True)           # the sequence of each packed row
         written = seq < self.b                                      # False past cu_seqlens_q[-1]
         seq = seq.clamp_(max=self.b - 1)
-        pos = (row - cu[seq]).clamp_(0, self.s_q - 1)
+        pos = (row - start[seq]).clamp_(0, self.s_q - 1)
         out.copy_(torch.where(written[:, None, None], o_pad.transpose(1, 2)[seq, pos], out))
         if stats is not None:
-            stats.copy_(torch.where(written[:, None], st_pad.transpose(1, 2)[seq, pos], stats.T).T)
+            st = st_pad.transpose(1, 2)[seq, pos]                   # [total, h_q]
+            if self.slopes is not None:
+                # ALiBi adds slope * (j - i) with i the row's index (cuDNN's convention): a row moved down
+                # by s_q - n saw a bias lower by slope * (s_q - n); the output does not see a row's constant
+                st = st + self.slopes[seq] * (self.s_q - lens[seq]).to(st.dtype)[:, None]
+            stats.copy_(torch.where(written[:, None], st, stats.T).T)
 
     def run_triton(self, out, lse, q=None, seq_len_q=None):
         """The Triton kernels on ``q`` (default: the call's) with per-sequence query lengths ``seq_len_q``
-        (default: the call's): the tiled forward for prefill, split-KV decode for a few rows a kv head."""
+        (default: the call's; ``_FULL_ROWS``: none, every row is a query): the tiled forward for prefill,
+        split-KV decode for a few rows a kv head."""
         from .backends.triton import decode
         from .backends.triton.args import aligned, aligned_output
         q = self.q if q is None else q
-        seq_len_q = self.seq_len_q if seq_len_q is None else seq_len_q
+        seq_len_q = self.seq_len_q if seq_len_q is None else None if seq_len_q is _FULL_ROWS else seq_len_q
         if not decode.decode_rows_fit(self.s_q, self.g):
             # prefill: the tiled forward kernel reads the cache, paged or not, in place
             table = self.page_table if self.paged else None

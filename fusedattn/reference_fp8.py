@@ -80,9 +80,10 @@ def fp8_forward_same_points(q8, k8, v8, *, attn_scale=None, causal=False, causal
 
 
 def fp8_forward_bound(q8, k8, v8, *, o_dtype, attn_scale=None, causal=False, causal_alignment="top_left",
-                      window=None, seq_len_q=None, seq_len_kv=None, **scales):
+                      window=None, seq_len_q=None, seq_len_kv=None, mma_unit=0.0, **scales):
     """``(O_ref, stats_ref, bound)``: float64 attention of the dequantized inputs and the bound on
-    ``|o / scale_o - O_ref|`` (fusedattn.fp8's docstring), both ``[b, h_q, s_q, d_v]``."""
+    ``|o / scale_o - O_ref|`` (fusedattn.fp8's docstring), both ``[b, h_q, s_q, d_v]``. ``mma_unit``:
+    the FP8 MMA's relative sum error (``fusedattn.fp8.mma_unit(device)``; 0 for fp32 sums)."""
     mask = dict(causal=causal, causal_alignment=causal_alignment, window=window, seq_len_q=seq_len_q,
                 seq_len_kv=seq_len_kv)
     q, k, v, scale, keep, p, lse = _common(q8, k8, v8, scales, attn_scale, mask)
@@ -94,8 +95,8 @@ def fp8_forward_bound(q8, k8, v8, *, o_dtype, attn_scale=None, causal=False, cau
     uo, ao = ROUNDING[o_dtype]
     o_ref = p @ v
     A = ((q.abs() @ k.abs().transpose(-1, -2)) * abs(scale)).masked_fill(~keep, 0).amax(-1, keepdim=True)
-    delta = 2 * (d + 3) * EPS32 * A + (s_kv + 6) * EPS32
-    gamma = (s_kv + 4) * EPS32
+    delta = 2 * (d + 3) * EPS32 * A + 2 * mma_unit * A + (s_kv + 6) * EPS32
+    gamma = (s_kv + 4) * EPS32 + mma_unit        # P8 @ V's sum: fp32, or the FP8 MMA's
     b1 = (u8 + delta * (1 + u8) + gamma) * (p @ v.abs()) + a8 * ds * (1 + gamma) * (keep.double() @ v.abs())
     b1 = 2 * b1 - u8 * (p @ v.abs())          # fp32 terms doubled for second-order effects; u8 once
     bound = b1 + (uo + 2 * EPS32) * (o_ref.abs() + b1) + ao / so

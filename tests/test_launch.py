@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fusedattn
+from fusedattn.backends import compat
 from fusedattn.backends.triton import bwd, fwd
 from fusedattn.backends.triton.launch import _UNASKED, cdiv, pow2
 from fusedattn.problem import make_problem
@@ -121,7 +122,7 @@ def _repeat_calls_check(causal):
     assert all(x.direct_launches > n for x, n in zip(launchers, direct)), "the repeat call went through the JIT"
     # through the C launch function itself (compat.direct_launch, after its self-check)
     assert all(entry[3] is not None and entry[3] is not _UNASKED for x in launchers for entry in x.cache.values()), \
-        "no direct C launch"
+        f"no direct C launch: {compat.last_refusal}"
     bhsd = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)  # noqa: E731
     check(bhsd(), bhsd(), bhsd())                       # new strides: a new key
     assert len(fwd._FWD.cache) == entries[0] + 1

@@ -42,8 +42,8 @@ its; p <= 1 never saturates when scale_s <= FP8_MAX (the bound's assumption); th
 fp32 rounding per key tile, inside the bound's doubled fp32 terms.
 sm_90: both products run on 8-bit MMAs; ``max_num_imprecise_acc=FP8_PROMOTE_K`` moves their partial
 sums to fp32 after every 32-wide K-step (Triton's sm_90 default never does, and the tensor cores add
-with fewer bits than fp32 in between). Within a step the hardware's sum is outside the bound's fp32
-model: tests/test_fp8_kernel.py's gpu cases check it.
+with fewer bits than fp32 in between). Within a step the hardware's sum keeps about 14 bits: the
+bound's ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``, measured by bench/fp8_mma_probe.py).
 Interpreter (``FP8_INTERP``): Triton's interpreter (3.6, 3.9) casts fp32 to float8 wrongly but loads
 FP8, casts on-grid values exactly and runs FP8 dots as fp16 operands (exact) with fp32 sums, so
 ``to_fp8`` rounds in fp32 arithmetic first (``common.round_to_fp8_grid``), then casts; everything

@@ -1,0 +1,52 @@
+"""Lab probe (issue 25): which kernel does the bench's packed prefill (varlen queries over a paged
+cache) launch, and what does each route cost?
+
+bench's prefill group measured 260 / 356 TFLOP/s for the packed configs (pages of 16 / 64) after the
+padded route landed (kvcache.PAD_PACKED_MAX_WASTE), where the same chunks as a padded batch read
+610 / 646: this counts the Gluon paged forward's launches for one packed call and times the packed
+call, the padded call and the padded route's gathers alone (do_bench, ms).
+
+    python bench/prefill_route_probe.py
+"""
+import torch
+import triton
+
+import fusedattn
+from fusedattn import bench, kvcache
+from fusedattn.backends.gluon import fwd_sm90
+
+
+def main() -> None:
+    calls = []
+    real = fwd_sm90.launch_fwd_sm90
+    fwd_sm90.launch_fwd_sm90 = lambda p, *a, **kw: (calls.append(p.paged), real(p, *a, **kw))[1]
+    routes = []
+    padded = kvcache._Call._run_packed_padded
+    kvcache._Call._run_packed_padded = lambda self, o, s: (routes.append("padded"), padded(self, o, s))[1]
+    for cfg in bench.prefill_configs():
+        if cfg.mask != "varlen":
+            continue
+        inp = bench.make_inputs(cfg, "cuda")
+        x = inp.extra
+        q = inp.q.transpose(1, 2).reshape(cfg.b * cfg.s_q, cfg.h_q, cfg.d)
+        cu = torch.arange(0, cfg.b + 1, dtype=torch.int32, device="cuda") * cfg.s_q
+        packed = lambda: fusedattn.attention_with_kvcache(  # noqa: E731
+            q, x["k_cache"], x["v_cache"], page_table=x["page_table"], seq_len_kv=x["seq_len_kv"],
+            cu_seqlens_q=cu, max_seqlen_q=cfg.s_q, causal=True, validate=False)
+        batch = lambda: fusedattn.attention_with_kvcache(  # noqa: E731
+            inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"], seq_len_kv=x["seq_len_kv"],
+            causal=True, validate=False)
+        calls.clear(), routes.clear()
+        packed()
+        torch.cuda.synchronize()
+        print(f"{cfg.name}: one packed call: routes {routes}, Gluon launches (paged?) {calls}")
+        src = (cu[:-1, None].long() + torch.arange(cfg.s_q, device="cuda")).clamp_(0, q.shape[0] - 1)
+        gather = lambda: q[src]  # noqa: E731
+        for name, fn in (("packed", packed), ("padded batch", batch), ("gather of q", gather)):
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50)
+            tf = bench.fwd_flops(cfg) / ms / 1e9
+            print(f"    {name:14s} {ms:.3f} ms  {tf:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
