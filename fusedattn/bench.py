@@ -12,6 +12,10 @@ inputs (random, physically BSHD: ``torch.randn(b, s, h, d).transpose(1, 2)``):
 * cuDNN frontend (``import cudnn``; one pygraph sdpa / sdpa_backward per config);
 * FlashAttention-4 (``flash_attn.cute.flash_attn_func``).
 
+The FP8 group (issue 27, ``--configs fp8``, never part of ``all``) times forwards only, on e4m3
+inputs: ours (``fusedattn.fp8.sdpa_fp8_forward``), ours in bf16 on the same values (the forward FP8
+must beat) and cuDNN frontend's ``sdpa_fp8``; see :func:`fp8_configs`.
+
 Counting (the usual one, see DESIGN.md "Performance"): forward
 ``2*b*h*s_q*s_kv*(d + d_v)`` FLOPs (``4*b*h*s*s*d`` when ``d_v == d``), halved
 when causal; masked configs count only the unmasked (query, key) pairs;
@@ -24,12 +28,13 @@ launch-bound problems). Backward is timed alone (``autograd.grad`` with
 
 Usage::
 
-    python -m fusedattn bench [--configs anchors|masked|decode|all] [--pass fwd|bwd|both]
+    python -m fusedattn bench [--configs anchors|masked|decode|prefill|fp8|all] [--pass fwd|bwd|both]
                               [--csv FILE] [--plot FILE.png] [--quick] [--only NAME[,NAME]]
                               [--cuda-graphs] [--budget SECONDS]
 
 A progress line per config goes to stderr, the final markdown table to stdout.
-Without a GPU it says so, times one tiny CPU config, and exits 0.
+Without a GPU it says so, times one tiny CPU config (``--configs fp8``: one tiny FP8 config, on
+the torch emulation of ``sdpa_fp8``), and exits 0.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ _T0 = time.time()
 MATH_LIMIT_BYTES = 20e9       # skip SDPA math where its score matrices would need more
 QUICK = dict(warmup=5, rep=20)
 FULL = dict(warmup=25, rep=100)
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -71,7 +76,7 @@ class Config:
     learnable per-head sink logit, issue 26); on a prefill config, "varlen" packs the new queries
     (``cu_seqlens_q``, FlashAttention's varlen layout) instead of a [b, s_q] batch."""
 
-    table: str                  # anchors | masked | decode | prefill | cpu
+    table: str                  # anchors | masked | decode | prefill | fp8 | cpu
     b: int
     h_q: int
     h_kv: int
@@ -195,9 +200,37 @@ def prefill_configs() -> List[Config]:
     return padded + [replace(c, mask="varlen") for c in padded if c.page_block in (16, 64)]
 
 
+def fp8_configs() -> List[Config]:
+    """Issue 27: the ANCHORS.md problems an FP8 forward serves, in e4m3, beside cuDNN frontend's
+    ``sdpa_fp8`` and beside our own bf16 forward on the same values (the issue asks for at least 1.5x
+    that on the long d=128 configs).
+
+    Every column computes one problem: e4m3 Q, K, V and an **e4m3 O** (``FP8_OUT``), per-tensor fp32
+    scales (``FP8_SCALES``), amax_s and amax_o written, no stats (inference). The output is FP8
+    because cuDNN's ``sdpa_fp8`` on Hopper writes nothing else: a bf16 / fp16 O needs Blackwell and
+    cuDNN 9.13+ (cuDNN frontend 1.32, ``node/sdpa_support_surface.h``). Causal is top-left (s_q ==
+    s_kv here, so the same mask), since the Hopper FP8 forward refuses bottom-right; head dims up to
+    256 in multiples of 16, so the d=224 anchor is here too. Forward only: there is no FP8 backward
+    to time yet, so the bwd and fwd+bwd cells say none.
+    """
+    c = Config
+    return [
+        c("fp8", 4, 32, 32, 2048, 2048, 128, "e4m3", causal=True),
+        c("fp8", 2, 16, 16, 8192, 8192, 128, "e4m3"),
+        c("fp8", 1, 32, 32, 16384, 16384, 128, "e4m3", causal=True),
+        c("fp8", 4, 16, 16, 4096, 4096, 256, "e4m3", causal=True),
+        c("fp8", 32, 32, 32, 2048, 2048, 224, "e4m3"),
+    ]
+
+
 def cpu_configs() -> List[Config]:
     """The tiny problem timed when no GPU is present (proves the command runs, nothing more)."""
     return [Config("cpu", 1, 4, 4, 256, 256, 64, "fp32", causal=True)]
+
+
+def cpu_fp8_configs() -> List[Config]:
+    """``--configs fp8`` without a GPU: one tiny FP8 problem on the torch emulation (runs, nothing more)."""
+    return [Config("fp8", 1, 4, 4, 256, 256, 64, "e4m3", causal=True)]
 
 
 # ----------------------------------------------------------------------------- work counts
@@ -258,6 +291,8 @@ def bshd(b: int, h: int, s: int, d: int, dtype, device, fill: str = "randn") -> 
 
 def make_inputs(cfg: Config, device) -> Inputs:
     """Random inputs for ``cfg``; the masks/tables the alternatives need go in ``extra``."""
+    if cfg.table == "fp8":
+        return make_fp8_inputs(cfg, device)
     dt = cfg.torch_dtype
     q = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.d, dt, device).requires_grad_(cfg.table not in ("decode", "prefill"))
     k = bshd(cfg.b, cfg.h_kv, cfg.s_kv, cfg.d, dt, device).requires_grad_(cfg.table not in ("decode", "prefill"))
@@ -272,6 +307,31 @@ def make_inputs(cfg: Config, device) -> Inputs:
         inp.extra["sink"] = torch.randn(cfg.h_q, dtype=torch.float32, device=device).requires_grad_(q.requires_grad)
     if cfg.page_block:
         _add_paged_cache(cfg, inp)
+    return inp
+
+
+# The FP8 group's output type and per-tensor scales (fp8_configs says why O is e4m3). The inputs are
+# randn values stored as they are (|x| < 6, far inside e4m3's +-448), so q, k and v descale by 1;
+# P is quantized with fusedattn.fp8's default scale_s for e4m3 (2^8: P = 1 does not saturate, and
+# P keeps e4m3's normal range down to 2^-14) and dequantized with its exact inverse.
+FP8_OUT = torch.float8_e4m3fn
+FP8_SCALES = {"descale_q": 1.0, "descale_k": 1.0, "descale_v": 1.0, "descale_s": 1.0 / 256, "scale_s": 256.0,
+              "scale_o": 1.0}
+BF16_COPIES = ("q_bf16", "k_bf16", "v_bf16")
+
+
+def make_fp8_inputs(cfg: Config, device) -> Inputs:
+    """e4m3 q, k, v (logical BHSD over BSHD memory, as make_inputs), the six scales as fp32
+    ``[1, 1, 1, 1]`` tensors on the device (what cuDNN's graph reads, and ours), and bf16 copies of
+    the same values for the 'ours bf16' column (exact: every e4m3 value is a bf16 value)."""
+    shapes = ((cfg.h_q, cfg.s_q, cfg.d), (cfg.h_kv, cfg.s_kv, cfg.d), (cfg.h_kv, cfg.s_kv, cfg.dv))
+    # torch.randn has no float8 kernel: draw in fp32, round once (.to keeps the BSHD strides)
+    q, k, v = (bshd(cfg.b, h, s, d, torch.float32, device).to(cfg.torch_dtype) for h, s, d in shapes)
+    inp = Inputs(q, k, v)
+    for name, value in FP8_SCALES.items():
+        inp.extra[name] = torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=device)
+    for name, t in zip(BF16_COPIES, (q, k, v)):
+        inp.extra[name] = t.to(torch.bfloat16)
     return inp
 
 
@@ -463,8 +523,8 @@ def prepare_ours(cfg: Config, need_bwd: bool):
                 return Runner(lambda: with_cache(q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
                                                  seq_len_kv=x["seq_len_kv"], cu_seqlens_q=cu, max_seqlen_q=cfg.s_q,
                                                  causal=True, validate=False))
-            return Runner(lambda: with_cache(inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"], validate=False,
-                                             seq_len_kv=x["seq_len_kv"], causal=True))
+            return Runner(lambda: with_cache(inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
+                                             seq_len_kv=x["seq_len_kv"], causal=True, validate=False))
         return bind
     if cfg.table in ("decode", "prefill") and with_cache is not None:
         return lambda inp: Runner(lambda: with_cache(inp.q, inp.k, inp.v, causal=True, validate=False))
@@ -614,6 +674,17 @@ def _cudnn_handle():
     return _CUDNN["handle"]
 
 
+def _cudnn_execute(graph, pack, workspace) -> None:
+    """Run a built graph on torch's current stream (stream 0 for CPU tensors: only fusedattn's own
+    Graph door, standing in for ``cudnn`` in the CPU tests, runs there)."""
+    import cudnn
+
+    handle = _cudnn_handle()
+    stream = torch.cuda.current_stream(workspace.device).cuda_stream if workspace.is_cuda else 0
+    cudnn.set_stream(handle=handle, stream=stream)
+    graph.execute(pack, workspace, handle=handle)
+
+
 def _cudnn_finish(graph) -> None:
     import cudnn
 
@@ -627,7 +698,8 @@ def _cudnn_finish(graph) -> None:
 def _cudnn_new_graph(cfg: Config):
     import cudnn
 
-    io = {"fp16": cudnn.data_type.HALF, "bf16": cudnn.data_type.BFLOAT16, "fp32": cudnn.data_type.FLOAT}
+    io = {"fp16": cudnn.data_type.HALF, "bf16": cudnn.data_type.BFLOAT16, "fp32": cudnn.data_type.FLOAT,
+          "e4m3": cudnn.data_type.FP8_E4M3}
     return cudnn.pygraph(io_data_type=io[cfg.dtype], intermediate_data_type=cudnn.data_type.FLOAT,
                          compute_data_type=cudnn.data_type.FLOAT, handle=_cudnn_handle())
 
@@ -752,6 +824,125 @@ def prepare_cudnn(cfg: Config, need_bwd: bool):
         return lambda: execute(bgraph, pack, ws)
 
     return bind
+
+
+# ----------------------------------------------------------------------------- FP8 backends (issue 27)
+
+def _forward_only(why: str) -> Callable[[], Callable[[], object]]:
+    """A Runner's ``make_bwd`` for the FP8 group: every bwd / fwd+bwd cell says none, with ``why``."""
+    def make_bwd():
+        raise Unsupported(why)
+    return make_bwd
+
+
+_NO_FP8_BWD = "no FP8 backward yet (issue 27)"
+
+
+def prepare_ours_fp8(cfg: Config, need_bwd: bool):
+    """fusedattn's FP8 forward, ``fusedattn.fp8.sdpa_fp8_forward`` on the e4m3 tensors with cuDNN's
+    sdpa_fp8 semantics and the group's scales (backend 'auto': the portable Triton kernel's FP8 switch
+    on CUDA, the exact torch emulation on the CPU). Called directly rather than through
+    ``fusedattn.attention``, as cuDNN's graph is: the same scale tensors, the same e4m3 output."""
+    from fusedattn.fp8 import sdpa_fp8_forward
+    from fusedattn.problem import make_band
+
+    band = make_band(cfg.causal and cfg.s_q > 1, "top_left", None)
+    attn_scale = 1.0 / math.sqrt(cfg.d)
+
+    def bind(inp: Inputs) -> Runner:
+        scales = {name: inp.extra[name] for name in FP8_SCALES}
+
+        def fwd():
+            return sdpa_fp8_forward(inp.q, inp.k, inp.v, **scales, attn_scale=attn_scale, band=band,
+                                    o_dtype=FP8_OUT)[0]
+        return Runner(fwd, _forward_only(_NO_FP8_BWD))
+
+    return bind
+
+
+def prepare_ours_bf16(cfg: Config, need_bwd: bool):
+    """``fusedattn.attention`` on bf16 copies of the same values: the forward ours in FP8 is measured
+    against (the 'ours/ours bf16' column). Forward only, as the rest of the group."""
+    import fusedattn
+
+    causal = cfg.causal and cfg.s_q > 1
+
+    def bind(inp: Inputs) -> Runner:
+        q, k, v = (inp.extra[name] for name in BF16_COPIES)
+
+        def fwd():
+            with torch.no_grad():
+                return fusedattn.attention(q, k, v, causal=causal)
+        return Runner(fwd, _forward_only("the FP8 group times forwards only"))
+
+    return bind
+
+
+def _cudnn_fp8_graph(cfg: Config, example: Inputs):
+    """cuDNN frontend's own FP8 forward: one ``sdpa_fp8`` graph (e4m3 Q/K/V/O, fp32 scale tensors,
+    is_inference so no stats; amax_s and amax_o are outputs, as an FP8 recipe reads them and ours
+    writes them). Returns (graph, graph tensors by name)."""
+    import cudnn
+
+    graph = _cudnn_new_graph(cfg)
+    fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    t = {name: graph.tensor(dim=list(x.shape), stride=list(x.stride()), data_type=fp8)
+         for name, x in (("q", example.q), ("k", example.k), ("v", example.v))}
+    for name in FP8_SCALES:
+        t[name] = graph.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+    o, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"],
+        descale_v=t["descale_v"], descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"],
+        is_inference=True, attn_scale=1.0 / math.sqrt(cfg.d), use_causal_mask=cfg.causal and cfg.s_q > 1,
+        name="sdpa_fp8")
+    o_like = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, FP8_OUT, example.q.device, fill="empty")
+    o.set_output(True).set_dim(list(o_like.shape)).set_stride(list(o_like.stride())).set_data_type(fp8)
+    for amax in (amax_s, amax_o):
+        amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+    t.update(o=o, amax_s=amax_s, amax_o=amax_o)
+    _cudnn_finish(graph)
+    return graph, t
+
+
+def prepare_cudnn_fp8(cfg: Config, need_bwd: bool):
+    """cuDNN frontend's ``sdpa_fp8``: the graph built once per config, executed with each input set's
+    buffers (its output buffer is returned, so the check and the tests can read it)."""
+    import cudnn  # noqa: F401  (not importable: no column; gpu_backends / fp8_backends say why)
+
+    state: Dict[str, object] = {}
+
+    def bind(inp: Inputs) -> Runner:
+        if "fwd" not in state:
+            state["fwd"] = _cudnn_fp8_graph(cfg, inp)
+        graph, t = state["fwd"]
+        dev = inp.q.device
+        out = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, FP8_OUT, dev, fill="empty")
+        amax_s, amax_o = (torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev) for _ in range(2))
+        ws = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=dev)
+        pack = {t["q"]: inp.q, t["k"]: inp.k, t["v"]: inp.v, t["o"]: out, t["amax_s"]: amax_s, t["amax_o"]: amax_o}
+        pack.update({t[name]: inp.extra[name] for name in FP8_SCALES})
+
+        def fwd():
+            _cudnn_execute(graph, pack, ws)
+            return out
+        return Runner(fwd, _forward_only(_NO_FP8_BWD))
+
+    return bind
+
+
+def fp8_backends(gpu: bool = True) -> Tuple[List[Tuple[str, Callable]], Dict[str, str]]:
+    """(column, prepare) for the FP8 group: ours, ours in bf16 and, on a GPU where it imports, cuDNN
+    frontend's sdpa_fp8. PyTorch SDPA, FlexAttention and FA4 have no FP8 attention to time here, so
+    they have no column (rather than a column of 'none')."""
+    cols = [("ours", prepare_ours_fp8), ("ours bf16", prepare_ours_bf16)]
+    missing = {}
+    if gpu:
+        why = _importable("cudnn")
+        if why is None:
+            cols.append(("cuDNN frontend", prepare_cudnn_fp8))
+        else:
+            missing["cuDNN frontend"] = why
+    return cols, missing
 
 
 def _importable(module: str) -> Optional[str]:
@@ -944,8 +1135,15 @@ class Bench:
             return
         try:
             with torch.no_grad():
-                ours = prepare_ours(cfg, False)(inp).fwd()
-                ref = F.scaled_dot_product_attention(inp.q, inp.k, inp.v, **_sdpa_kwargs(cfg, inp))
+                if cfg.table == "fp8":
+                    # FP8: our e4m3 output (scale_o 1) against SDPA on the same values in bf16; e4m3's P and O
+                    # round to 2^-4 relative, so this catches a broken kernel, not the last bits
+                    ours = prepare_ours_fp8(cfg, False)(inp).fwd()
+                    q, k, v = (inp.extra[name] for name in BF16_COPIES)
+                else:
+                    ours = prepare_ours(cfg, False)(inp).fwd()
+                    q, k, v = inp.q, inp.k, inp.v
+                ref = F.scaled_dot_product_attention(q, k, v, **_sdpa_kwargs(cfg, inp))
             err = (ours.float() - ref.float()).abs().max().item()
             self.checks[cfg.name] = err
             if self.csv is not None:
@@ -1005,6 +1203,8 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
         cols += [base for _, _, base in no_mask[1:]]
     head = ["config"] + ([] if kind == "decode" else ["pass"]) + cols + ["ours/best"]
     head += [f"{name}/no-mask" for name, _, _ in no_mask]
+    if kind == "fp8":
+        head.append("ours/ours bf16")       # issue 27: FP8 against our own bf16 forward on the same values
     if kind == "decode":
         head.append("ours/copy")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1024,14 +1224,19 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
                 cells.append(_ratio(row.get(col), base.value if base and base.status == "ok" else None))
             if kind == "decode":
                 cells.append(_ratio(row.get("ours"), copy_tbs))
+            if kind == "fp8":
+                bf16 = row.get("ours bf16")
+                cells.append(_ratio(row.get("ours"), bf16.value if bf16 and bf16.status == "ok" else None))
             lines.append("| " + " | ".join(cells) + " |")
     checked = [f"{cfg.label}: {bench.checks[cfg.name]:.1e}" for cfg in cfgs if cfg.name in bench.checks]
     if checked:
-        lines.append("\nours' forward, max abs difference from SDPA on the same inputs: " + "; ".join(checked))
+        what = ("ours' FP8 forward (e4m3 P and O), max abs difference from SDPA in bf16 on the same values"
+                if kind == "fp8" else "ours' forward, max abs difference from SDPA on the same inputs")
+        lines.append(f"\n{what}: " + "; ".join(checked))
     unit = "K/V bytes read per second, TB/s" if kind == "decode" else "TFLOP/s"
     title = {"anchors": "Anchor configs (ANCHORS.md)", "masked": "Masked configs (issue 5)",
              "decode": "Decode (issue 6)", "prefill": "Prefill against a K/V cache (issue 6)",
-             "cpu": "CPU (no GPU present)"}[kind]
+             "fp8": "FP8 forward (issue 27): e4m3 Q, K, V and O", "cpu": "CPU (no GPU present)"}[kind]
     return f"\n### {title}: {unit}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -1121,7 +1326,8 @@ def header(missing: Dict[str, str], timing: str) -> str:
 def parse_args(argv: Optional[Sequence[str]] = None):
     """The bench's command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(prog="fusedattn bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", choices=("anchors", "masked", "decode", "prefill", "all"), default="all")
+    p.add_argument("--configs", choices=("anchors", "masked", "decode", "prefill", "fp8", "all"), default="all",
+                   help="one group of configs; all = anchors, masked, decode and prefill (fp8 only by name)")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "both"), default="both",
                    help="fwd; bwd (backward and fwd+bwd); both (default)")
     p.add_argument("--csv", metavar="FILE", help="write every measurement as a CSV row, as it is taken")
@@ -1144,8 +1350,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 def select_configs(args) -> List[Config]:
     """The configs named by ``--configs`` and filtered by ``--only`` (substrings of name or label)."""
     groups = {"anchors": anchor_configs, "masked": masked_configs, "decode": decode_configs,
-              "prefill": prefill_configs}
-    names = list(groups) if args.configs == "all" else [args.configs]
+              "prefill": prefill_configs, "fp8": fp8_configs}
+    # 'all' leaves the FP8 group out: it has columns of its own, and the default run stays as long as it was
+    names = [n for n in groups if n != "fp8"] if args.configs == "all" else [args.configs]
     cfgs = [c for n in names for c in groups[n]()]
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
@@ -1182,11 +1389,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main_cpu(args, bench: Bench) -> int:
-    print("no CUDA GPU found: timing one tiny CPU config only, to show the command works; "
-          "these numbers say nothing about GPU speed", file=sys.stderr)
+    if args.configs == "fp8":
+        print("no CUDA GPU found: timing one tiny FP8 config on the CPU only (fusedattn.fp8's torch emulation of "
+              "sdpa_fp8 beside our bf16 forward), to show the command works; cuDNN frontend's column and any "
+              "FP8 speed need a GPU", file=sys.stderr)
+        cols, cfgs = fp8_backends(gpu=False)[0], cpu_fp8_configs()
+    else:
+        print("no CUDA GPU found: timing one tiny CPU config only, to show the command works; "
+              "these numbers say nothing about GPU speed", file=sys.stderr)
+        cols, cfgs = [("ours", prepare_ours), ("torch sdpa", _prepare_cpu_sdpa)], cpu_configs()
     print(header({}, "median wall time on the CPU"))
-    cols = [("ours", prepare_ours), ("torch sdpa", _prepare_cpu_sdpa)]
-    cfgs = cpu_configs()
     for i, cfg in enumerate(cfgs, 1):
         t0 = time.time()
         bench.run_config(cfg, cols)
@@ -1203,6 +1415,8 @@ def _prepare_cpu_sdpa(cfg: Config, need_bwd: bool):
 
 def _main_gpu(args, bench: Bench) -> int:
     backends, missing = gpu_backends()
+    fp8_cols, fp8_missing = fp8_backends()
+    missing.update(fp8_missing)
     mode = "CUDA graph replays" if args.cuda_graphs else "eager calls (L2 flushed before each)"
     print(header(missing, f"median of triton.testing.do_bench, {mode}"))
     print("measuring ceilings ...", file=sys.stderr)
@@ -1218,19 +1432,19 @@ def _main_gpu(args, bench: Bench) -> int:
                       file=sys.stderr)
                 break
             t0 = time.time()
-            bench.run_config(cfg, backends)
+            bench.run_config(cfg, fp8_cols if cfg.table == "fp8" else backends)
             bench.progress(i, len(cfgs), cfg, time.time() - t0)
             done.append(cfg)
     except KeyboardInterrupt:        # a time limit (run_device.sh sends SIGINT): report what is done
         print("interrupted: the tables hold the configs finished so far", file=sys.stderr)
-    columns = [c for c, _ in backends]
+    columns, fp8_columns = [c for c, _ in backends], [c for c, _ in fp8_cols]
     print(f"\n{ceilings}")          # again beside the tables: the end of a long log is what gets read
-    for kind in ("anchors", "masked", "decode", "prefill"):
+    for kind in ("anchors", "masked", "decode", "prefill", "fp8"):
         group = [c for c in done if c.table == kind]
         if group:
-            print(render_table(bench, group, columns, copy))
+            print(render_table(bench, group, fp8_columns if kind == "fp8" else columns, copy))
     if args.plot:
-        write_plot(args.plot, bench, done, columns)
+        write_plot(args.plot, bench, done, columns + [c for c in fp8_columns if c not in columns])
     return 0
 
 
