@@ -29,7 +29,11 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
     feats = set(call.features if feats is None else feats)
     if "ragged" in feats:
         # the probe keeps a packed binding apart from its dense tiny tensors
-        return _ragged_invocation(call, t.get("_ragged", t), feats)
+        t = t.get("_ragged", t)
+    if call.packed_tables and "paged" in feats:
+        t = _unpack_page_tables(call, t)
+    if "ragged" in feats:
+        return _ragged_invocation(call, t, feats)
     fn_mod = _functional()
     kw = _options(call, t, feats)
     if "padding" in feats:
@@ -106,6 +110,33 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
 
     return fn, args, kw, post
 
+
+
+def _unpack_page_tables(call: Call, t: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``t`` with each packed page table (cuDNN's ragged page tables: test_mhas.py's
+    ``convert_uniform_to_ragged_page_tables``) replaced by the padded ``[b, 1, max_pages, 1]`` table the
+    paged path reads: entry ``j`` of sequence ``i`` is element ``offset[i] + j * stride`` of the bound
+    buffer (``stride`` the graph's stride along the pages dim, ``offset`` in elements as for q/k/v).
+
+    A gather on the tables' device, no host read (cuDNN reads these offsets on the device, and a graph
+    may be replayed in a CUDA graph): indices past the buffer are clamped into it. Entries past a
+    sequence's own pages then read its neighbour's (or the clamped last) entry; they hold keys past
+    ``seq_len_kv`` / ``paged_attention_max_seq_len_kv``, which are never attended. The copy is
+    ``b * max_pages`` indices per table, per call."""
+    t = dict(t)
+    reqs = {r.role: r for r in call.reqs}
+    for role in call.packed_tables:
+        r, x, off = reqs[role], t[role], t[f"ragged_{role}"].reshape(-1)
+        # b from the offsets: the support probe binds one sequence (the graph's pages, all zero)
+        b, n = off.numel() - 1, r.shape[2]
+        span = 1 + sum((m - 1) * st for m, st in zip(x.shape, x.stride())) if x.numel() else 0
+        if span == 0:
+            raise GraphError(f"{call.where}: {role} {r.label} is empty but carries ragged offsets")
+        flat = x.as_strided((span,), (1,), x.storage_offset())
+        first = off[:b].to(device=x.device, dtype=torch.long)
+        idx = first[:, None] + torch.arange(n, device=x.device, dtype=torch.long)[None, :] * r.stride[2]
+        t[role] = flat[idx.clamp_(0, span - 1)].view(b, 1, n, 1)
+    return t
 
 
 def _bias_over_pages(bias: torch.Tensor, cap: int) -> torch.Tensor:

@@ -73,6 +73,8 @@ class Call:
     max_seq_len_kv: Optional[int] = None    # paged: fill seq_len_kv when none is given
     ragged_roles: Tuple[str, ...] = ()      # packed roles; each has a "ragged_<role>" offsets req
     packed_q_only: bool = False             # packed q/O over padded or paged K/V: attention_with_kvcache
+    packed_tables: Tuple[str, ...] = ()     # page tables with ragged offsets ("ragged_<role>" reqs):
+    #                                         unpacked to padded tables at execute
     kv_counts: Optional[Tuple[int, int]] = None   # (h_k, h_v) when they differ: both run widened to
     #                                               h_kv heads (graph.checks.kv_heads), gradients summed back
     dims: Dict[str, Tuple[int, ...]] = field(default_factory=dict)   # declared dims, for the probe

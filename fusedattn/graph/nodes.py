@@ -178,6 +178,9 @@ class _Node:
                   if t._ragged_offset is not None}
         self.ragged = {}
         self.packed_q_only = False
+        self.packed_tables = self._check_packed_tables(ragged, b)
+        for role in self.packed_tables:
+            del ragged[role]
         if not ragged:
             return
         for role, t in ragged.items():
@@ -210,6 +213,20 @@ class _Node:
                     f"by fusedattn; the packed path runs causal/band masks, ALiBi, dropout and GQA")
         self._check_offsets(ragged, b)
         self.ragged = ragged
+
+    def _check_packed_tables(self, ragged, b) -> Tuple[str, ...]:
+        """The page tables among the ragged tensors (cuDNN's packed page tables, test_mhas.py's
+        ``convert_uniform_to_ragged_page_tables``): a table declared ``[b, 1, max_pages, 1]`` whose
+        sequence ``i`` starts at element ``offset[i]`` of the flattened table. Execute unpacks each to the
+        padded table the paged path reads (:func:`.execute._unpack_page_tables`); its offsets are
+        checked like q's. The seeds' ``[b, pages]`` tables (paged_nshd) have no packed form."""
+        roles = tuple(r for r in ("page_table_k", "page_table_v") if r in ragged)
+        if roles and self.kv_layout != "paged":
+            raise cudnnGraphNotSupportedError(
+                f"{self.where}: a ragged offset on a [b, pages] page table is not supported; packed page tables "
+                f"are cuDNN's [b, 1, max_pages, 1] tables (paged_attention_k_table / paged_attention_v_table)")
+        self._check_offsets({r: ragged[r] for r in roles}, b)
+        return roles
 
     def _check_packed_q_only(self, ragged) -> None:
         """Packed queries over padded or paged K/V: O packed too (or a virtual O nobody reads), and only
@@ -498,6 +515,10 @@ class SdpaNode(_Node):
         for role in ("page_table_k", "page_table_v"):
             if role in self.inputs:
                 reqs.append(_req(self.inputs[role], role, w))
+        for role in self.packed_tables:
+            off = self.inputs[role]._ragged_offset
+            n = off._dim[0]
+            reqs.append(_req(off, f"ragged_{role}", w, alt=[[n], [n, 1, 1, 1]]))
         self._common_reqs(reqs)
         consumed = ctx.consumed_uids
         reqs.append(_req(self.o, "o", w, scratch=self.o._virtual))
@@ -514,7 +535,7 @@ class SdpaNode(_Node):
                     offset_role="dropout_offset" in self.inputs,
                     kv_layout=self.kv_layout, table_layout="bn" if self.kv_layout == "paged_nshd" else "b1n1",
                     max_seq_len_kv=self.max_seq_len_kv if self.paged else None, ragged_roles=ragged_roles,
-                    packed_q_only=self.packed_q_only)
+                    packed_q_only=self.packed_q_only, packed_tables=self.packed_tables)
         _finish_call(call, self, s_kv)
         return call
 

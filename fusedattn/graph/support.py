@@ -56,6 +56,11 @@ def _tiny_tensors(call: Call, device: torch.device, backend: str) -> Dict[str, t
             tshape = (1, 1, 1, 1)
         t["page_table_k"] = torch.zeros(tshape, dtype=dts["page_table_k"], device=device)
         t["page_table_v"] = torch.zeros(tshape, dtype=dts["page_table_v"], device=device)
+        for role in call.packed_tables:
+            # one sequence whose pages all start the table: execute unpacks it to the graph's page count
+            off = call.dims[f"ragged_{role}"]
+            t[f"ragged_{role}"] = torch.zeros((2,) + (1,) * (len(off) - 1), dtype=dts[f"ragged_{role}"],
+                                              device=device)
         t["k_dense"] = rnd((1, h_k, skv, d), qdt)
         t["v_dense"] = rnd((1, h_v, skv, d_v), qdt)
     full = (1, h_q, sq, skv)

@@ -1,0 +1,223 @@
+"""Compositions of Graph features cuDNN runs and fusedattn used to refuse (issue 24, cuDNN frontend's
+own test_mhas.py through the Graph door):
+
+(a) packed page tables: ``page_table_k/v.set_ragged_offset(...)`` (test_mhas.py's "paged_packed": the
+    tables of ``convert_uniform_to_ragged_page_tables``, sequence ``i``'s page entries from element
+    ``offset[i]`` of the flattened table);
+(b) dropout with paged K/V (the mask indexed by the logical key position, as for dense K/V);
+(c) a bias with packed (ragged, THD) q/k/v, forward and backward;
+(d) K and V with different head counts, packed, forward and backward.
+
+Each graph is built the way test_mhas.py builds it (small sizes), run on the CPU path, and compared with
+the float64 ``fusedattn.reference.attention_reference`` on the padded problem; outputs live in NaN-filled
+buffers so an unwritten element fails. Every assertion message carries a one-line repro.
+"""
+import math
+
+import pytest
+import torch
+
+import fusedattn as cudnn
+from fusedattn.backends.cpu import dropout_keep_mask
+from fusedattn.reference import attention_reference
+
+F32 = cudnn.data_type.FLOAT
+I32 = cudnn.data_type.INT32
+TOL = dict(atol=1e-4, rtol=1e-4)        # float32 io against float64: accumulated rounding only
+
+
+def repro(test, **kw):
+    return f"repro: pytest tests/test_graph_compositions.py -k '{test}' ({', '.join(f'{k}={v}' for k, v in kw.items())})"
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) - 0.5
+
+
+def nan_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+def bshd(shape):
+    """test_mhas.py's bshd_bshd_bshd strides for a [b, h, s, d] tensor: token-major."""
+    b, h, s, d = shape
+    return (s * h * d, d, h * d, 1)
+
+
+def as_bshd(x):
+    """``x`` [b, h, s, d] copied into token-major (BSHD) memory, same values."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def lengths(lens):
+    return torch.tensor(lens, dtype=torch.int32).view(-1, 1, 1, 1)
+
+
+def padded_keep(x, lens):
+    """``x`` [b, h, s, ...] with the rows past each sequence's length zeroed (compared as cuDNN's test does)."""
+    x = x.clone()
+    for i, n in enumerate(lens):
+        x[i, :, n:] = 0
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# paged K/V as test_mhas.py builds it
+# ------------------------------------------------------------------------------------------------
+
+def container_and_table(x, block_size, seed):
+    """test_mhas.py's ``create_container_and_page_table`` with the pages shuffled: ``x`` [B, H, S, D] as a
+    container [B * pages, H, block_size, D] and a table [B, 1, pages, 1] int32 (strides (pages, pages, 1, 1))."""
+    B, H, S, D = x.shape
+    pages = math.ceil(S / block_size)
+    padded = torch.cat([x, torch.zeros(B, H, pages * block_size - S, D)], dim=2)
+    perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(seed))
+    container = torch.empty(B * pages, H, block_size, D)
+    table = torch.empty(B, 1, pages, 1, dtype=torch.int32)
+    for i in range(B):
+        for j in range(pages):
+            blk = int(perm[i * pages + j])
+            container[blk] = padded[i, :, j * block_size:(j + 1) * block_size]
+            table[i, 0, j, 0] = blk
+    return container, table.view(-1).as_strided((B, 1, pages, 1), (pages, pages, 1, 1))
+
+
+def packed_table(table, lens_kv, block_size):
+    """test_mhas.py's ``convert_uniform_to_ragged_page_tables``: each sequence's used page entries back to
+    back (zeros after the last), as a [B, 1, pages, 1] view, and the int32 [B + 1, 1, 1, 1] offsets."""
+    B, _, S, _ = table.shape
+    used = [(n + block_size - 1) // block_size for n in lens_kv]
+    off = torch.zeros(B + 1, 1, 1, 1, dtype=torch.int32)
+    for i, n in enumerate(used):
+        off[i + 1] = off[i] + n
+    flat = torch.zeros(B * S, dtype=table.dtype)
+    for i, n in enumerate(used):
+        flat[int(off[i]):int(off[i]) + n] = table[i, 0, :n, 0]
+    return flat.view(B, S, 1, 1).permute(0, 2, 1, 3), off
+
+
+def paged_forward(*, lens_q, lens_kv, h_q=4, h_k=2, d=16, block_size=8, s_q=None, s_kv=None, bias=False,
+                  band=None, dropout=0.0, packed=True, infer=False, seed=0):
+    """Run test_mhas.py's paged (``packed``: paged_packed) forward graph on float32 tensors; returns
+    (o, stats or None, rng_dump or None, reference inputs dict)."""
+    b = len(lens_q)
+    s_q = s_q or max(lens_q) + 1
+    s_kv = s_kv or max(lens_kv) + 3
+    q_t = as_bshd(rand(b, h_q, s_q, d, seed=seed))
+    k_t, v_t = as_bshd(rand(b, h_k, s_kv, d, seed=seed + 1)), as_bshd(rand(b, h_k, s_kv, d, seed=seed + 2))
+    ck, tk = container_and_table(k_t, block_size, seed + 3)
+    cv, tv = container_and_table(v_t, block_size, seed + 4)
+    off_k = off_v = None
+    if packed:
+        tk, off_k = packed_table(tk, lens_kv, block_size)
+        tv, off_v = packed_table(tv, lens_kv, block_size)
+    bias_t = rand(1, h_q, s_q, s_kv, seed=seed + 5) if bias else None
+    sq_t, skv_t = lengths(lens_q), lengths(lens_kv)
+    seed_t = torch.full((1, 1, 1, 1), 123456, dtype=torch.int64)
+    offset_t = torch.full((1, 1, 1, 1), 789, dtype=torch.int64)
+    rng_t = torch.zeros(b, h_q, s_q, s_kv) if dropout else None
+
+    graph = cudnn.pygraph(io_data_type=F32, intermediate_data_type=F32, compute_data_type=F32)
+    q, kc, vc, ptk, ptv, sq, skv = (graph.tensor_like(t) for t in (q_t, ck, cv, tk, tv, sq_t, skv_t))
+    bias_g = graph.tensor_like(bias_t) if bias else None
+    rng = graph.tensor_like(rng_t) if dropout else None
+    seed_g, offset_g = (graph.tensor_like(seed_t), graph.tensor_like(offset_t)) if dropout else (None, None)
+    if packed:
+        offk, offv = graph.tensor_like(off_k), graph.tensor_like(off_v)
+        ptk.set_ragged_offset(offk)
+        ptv.set_ragged_offset(offv)
+    left, right, align = band or (None, None, cudnn.diagonal_alignment.TOP_LEFT)
+    o, stats = graph.sdpa(name="sdpa", q=q, k=kc, v=vc, generate_stats=not infer, attn_scale=0.125, bias=bias_g,
+                          use_padding_mask=True, seq_len_q=sq, seq_len_kv=skv, diagonal_band_left_bound=left,
+                          diagonal_band_right_bound=right, diagonal_alignment=align,
+                          dropout=(dropout, seed_g, offset_g) if dropout else None, rng_dump=rng,
+                          paged_attention_k_table=ptk, paged_attention_v_table=ptv,
+                          paged_attention_max_seq_len_kv=s_kv)
+    o.set_output(True).set_dim([b, h_q, s_q, d]).set_stride(bshd((b, h_q, s_q, d)))
+    if not infer:
+        stats.set_output(True).set_data_type(F32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    o_t = nan_like(q_t)
+    st_t = torch.full((b, h_q, s_q, 1), float("nan")) if not infer else None
+    pack = {q: q_t, kc: ck, vc: cv, ptk: tk, ptv: tv, sq: sq_t, skv: skv_t, o: o_t}
+    if not infer:
+        pack[stats] = st_t
+    if bias:
+        pack[bias_g] = bias_t
+    if dropout:
+        pack.update({rng: rng_t, seed_g: seed_t, offset_g: offset_t})
+    if packed:
+        pack.update({offk: off_k, offv: off_v})
+    graph.execute(pack, torch.empty(graph.get_workspace_size(), dtype=torch.uint8))
+    return o_t, st_t, rng_t, dict(q=q_t, k=k_t, v=v_t, bias=bias_t, seq_len_q=sq_t, seq_len_kv=skv_t)
+
+
+def ref_band(band):
+    """attention_reference's band keywords for cuDNN's (left, right, alignment) bounds."""
+    if band is None:
+        return {}
+    left, right, align = band
+    # cuDNN's left bound counts the diagonal: key j is kept for i - left < j (+ the alignment's offset)
+    return dict(window=(-1 if left is None else left - 1, -1 if right is None else right),
+                causal_alignment="top_left" if align == cudnn.diagonal_alignment.TOP_LEFT else "bottom_right")
+
+
+def check_forward(o_t, st_t, ref, lens_q, msg, **ref_kw):
+    want_o, want_lse = attention_reference(ref["q"].double(), ref["k"].double(), ref["v"].double(),
+                                           attn_scale=0.125, seq_len_q=ref["seq_len_q"], seq_len_kv=ref["seq_len_kv"],
+                                           attn_bias=ref["bias"], **ref_kw)
+    assert not torch.isnan(padded_keep(o_t, lens_q)).any(), f"O left unwritten (NaN). {msg}"
+    torch.testing.assert_close(padded_keep(o_t, lens_q).double(), padded_keep(want_o, lens_q), **TOL,
+                               msg=lambda m: f"O: {m}. {msg}")
+    if st_t is not None:
+        torch.testing.assert_close(padded_keep(st_t, lens_q).double(), padded_keep(want_lse, lens_q).double(), **TOL,
+                                   msg=lambda m: f"Stats: {m}. {msg}")
+
+
+# ------------------------------------------------------------------------------------------------
+# (a) packed page tables
+# ------------------------------------------------------------------------------------------------
+
+PAGED_PACKED = [
+    # (lens_q, lens_kv, h_q, h_k, bias, band, infer): sequence 0 uses fewer pages than the table holds, so
+    # reading sequence 1's entries from the table's start (the offsets ignored) attends sequence 0's pages
+    ((5, 3), (9, 30), 4, 4, False, None, True),
+    ((5, 3), (9, 30), 4, 2, True, None, False),
+    ((1, 6, 4), (17, 3, 25), 4, 1, False, (2, 0, cudnn.diagonal_alignment.BOTTOM_RIGHT), False),
+    ((6, 2), (24, 11), 4, 2, True, (3, 5, cudnn.diagonal_alignment.TOP_LEFT), True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PAGED_PACKED)), ids=["mha", "gqa_bias_stats", "mqa_br_band", "bias_tl_band"])
+def test_paged_packed_tables(case):
+    """(a) page tables with ragged offsets (test_mhas.py "paged_packed") against the padded reference;
+    the same graph with the uniform tables gives the same O."""
+    lens_q, lens_kv, h_q, h_k, bias, band, infer = PAGED_PACKED[case]
+    msg = repro("test_paged_packed_tables", case=case, lens_q=lens_q, lens_kv=lens_kv, h_q=h_q, h_k=h_k)
+    o_t, st_t, _, ref = paged_forward(lens_q=lens_q, lens_kv=lens_kv, h_q=h_q, h_k=h_k, bias=bias, band=band,
+                                      infer=infer, seed=case)
+    check_forward(o_t, st_t, ref, lens_q, msg, **ref_band(band))
+    o_u, _, _, _ = paged_forward(lens_q=lens_q, lens_kv=lens_kv, h_q=h_q, h_k=h_k, bias=bias, band=band,
+                                 infer=infer, seed=case, packed=False)
+    torch.testing.assert_close(padded_keep(o_t, lens_q), padded_keep(o_u, lens_q), atol=0, rtol=0,
+                               msg=lambda m: f"packed vs uniform tables: {m}. {msg}")
+
+
+def test_paged_packed_tables_refused_on_seed_tables():
+    """The seeds' [b, pages] tables (sdpa_with_paged_cache) have no packed form: named, not supported."""
+    b, h, d, bs, pages = 2, 2, 16, 8, 2
+    graph = cudnn.pygraph(io_data_type=F32)
+    q = graph.tensor(dim=[b, h, 3, d], stride=[h * 3 * d, 3 * d, d, 1])
+    kc, vc = (graph.tensor(dim=[b * pages, bs, h, d], stride=[bs * h * d, h * d, d, 1]) for _ in "kv")
+    table = graph.tensor(dim=[b, pages], stride=[pages, 1], data_type=I32)
+    table.set_ragged_offset(graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=I32))
+    o = graph.sdpa_with_paged_cache(q, kc, vc, table) if hasattr(graph, "sdpa_with_paged_cache") else None
+    if o is None:
+        pytest.skip("no seed paged spelling on this pygraph")
+    (o[0] if isinstance(o, (tuple, list)) else o).set_output(True)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"ragged offset on a \[b, pages\] page table"):
+        graph.validate()
