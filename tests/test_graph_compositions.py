@@ -221,3 +221,39 @@ def test_paged_packed_tables_refused_on_seed_tables():
     (o[0] if isinstance(o, (tuple, list)) else o).set_output(True)
     with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=r"ragged offset on a \[b, pages\] page table"):
         graph.validate()
+
+
+# ------------------------------------------------------------------------------------------------
+# (b) dropout with paged K/V
+# ------------------------------------------------------------------------------------------------
+
+PAGED_DROPOUT = [
+    # (lens_q, lens_kv, s_kv, block_size, packed tables, bias, band): s_kv below the tables' capacity, across a
+    # 16-key boundary (the mask's Philox counters group keys by 16): the mask is the graph's [b, h, s_q, s_kv]
+    # one, not the capacity's (as with cuDNN's s_kv = 24 on pages of 64 or 128)
+    ((5, 3), (9, 12), 12, 32, False, False, (2, 0, cudnn.diagonal_alignment.TOP_LEFT)),
+    ((5, 3), (9, 24), 24, 64, False, True, (2, None, cudnn.diagonal_alignment.BOTTOM_RIGHT)),
+    ((4, 6), (19, 40), 40, 32, True, True, None),
+    ((1, 6, 2), (3, 33, 11), 33, 16, True, False, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PAGED_DROPOUT)), ids=["tl_band", "bias_br", "packed_bias", "packed_mqa"])
+def test_paged_dropout(case):
+    """(b) dropout over paged K/V (test_mhas.py paged1 / paged_packed with dropout1): rng_dump is the mask of
+    the graph's [b, h_q, s_q, s_kv] problem (the logical key position), O is the reference's with that mask,
+    as test_mhas.py checks it (its compute_ref applies the rng_dump mask)."""
+    lens_q, lens_kv, s_kv, block_size, packed, bias, band = PAGED_DROPOUT[case]
+    h_k = 1 if case == 3 else 2
+    p = 0.25
+    msg = repro("test_paged_dropout", case=case, lens_q=lens_q, lens_kv=lens_kv, s_kv=s_kv, block_size=block_size,
+                packed=packed)
+    o_t, st_t, rng_t, ref = paged_forward(lens_q=lens_q, lens_kv=lens_kv, s_kv=s_kv, h_k=h_k, block_size=block_size,
+                                          bias=bias, band=band, dropout=p, packed=packed, seed=10 + case)
+    b, h_q, s_q = rng_t.shape[:3]
+    want_mask = dropout_keep_mask(b, h_q, s_q, s_kv, p, 123456, 789).float()
+    assert torch.equal(rng_t, want_mask), f"rng_dump is not the [b, h, s_q, s_kv] mask of the dense problem. {msg}"
+    kept = want_mask.mean().item()
+    assert 0.6 < kept < 0.9, f"rng_dump keeps {kept:.2f} of the scores with p = {p}. {msg}"
+    check_forward(o_t, st_t, ref, lens_q, msg, dropout_p=p, dropout_seed=123456, dropout_offset=789,
+                  **ref_band(band))

@@ -52,15 +52,24 @@ def build_invocation(call: Call, t: Dict[str, torch.Tensor], feats=None):
             # (a view), and page tables [b, n] as [b, 1, n, 1] (a view).
             k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
             pk, pv = pk[:, None, :, None], pv[:, None, :, None]
-        kw["page_table_k"], kw["page_table_v"] = pk, pv
         cap = min(pk.shape[2] * k.shape[2], pv.shape[2] * v.shape[2])
-        if "attn_bias" in kw:
-            kw["attn_bias"] = _bias_over_pages(kw["attn_bias"], cap)
-        if call.max_seq_len_kv is not None and "seq_len_kv" not in kw:
-            if call.max_seq_len_kv < cap:
-                # cuDNN's max_seq_len_kv bounds every sequence; a constant length says the same.
-                b = t["q"].shape[0]
-                kw["seq_len_kv"] = torch.full((b,), call.max_seq_len_kv, dtype=torch.int32, device=k.device)
+        if "dropout" in feats:
+            # The dropout mask (and rng_dump) is keyed by the logical key position in the graph's
+            # [b, h, s_q, s_kv] problem, as for dense K/V; a paged problem spans the tables' capacity, a
+            # different s_kv, which would key the mask differently. So the pages are gathered into dense
+            # K/V of the graph's s_kv keys and the dense path runs: one copy of each sequence's K and V
+            # (b * h_kv * s_kv * d elements each) per call, on the device, no host read.
+            s_kv = min(call.dims["_sizes"][4], cap)
+            k, v = _gather_paged(k, pk, s_kv), _gather_paged(v, pv, s_kv)
+        else:
+            kw["page_table_k"], kw["page_table_v"] = pk, pv
+            if "attn_bias" in kw:
+                kw["attn_bias"] = _bias_over_pages(kw["attn_bias"], cap)
+            if call.max_seq_len_kv is not None and "seq_len_kv" not in kw:
+                if call.max_seq_len_kv < cap:
+                    # cuDNN's max_seq_len_kv bounds every sequence; a constant length says the same.
+                    b = t["q"].shape[0]
+                    kw["seq_len_kv"] = torch.full((b,), call.max_seq_len_kv, dtype=torch.int32, device=k.device)
     elif call.kv_layout != "dense":
         # probe without paging: the tiny inputs carry dense k/v under these roles
         k, v = t["k_dense"], t["v_dense"]
@@ -137,6 +146,14 @@ def _unpack_page_tables(call: Call, t: Dict[str, torch.Tensor]) -> Dict[str, tor
         idx = first[:, None] + torch.arange(n, device=x.device, dtype=torch.long)[None, :] * r.stride[2]
         t[role] = flat[idx.clamp_(0, span - 1)].view(b, 1, n, 1)
     return t
+
+
+def _gather_paged(container: torch.Tensor, table: torch.Tensor, s_kv: int) -> torch.Tensor:
+    """Dense ``[b, h, s_kv, d]`` K or V from a paged container ``[num_pages, h, page_size, d]`` and its
+    ``[b, 1, pages, 1]`` table: the first ``s_kv`` keys of each sequence (entries clamped into the
+    container, as the kernels do)."""
+    from ..backends.cpu import gather_pages
+    return gather_pages(container, table.reshape(table.shape[0], -1))[:, :, :s_kv]
 
 
 def _bias_over_pages(bias: torch.Tensor, cap: int) -> torch.Tensor:

@@ -410,8 +410,6 @@ class SdpaNode(_Node):
         self._unsupported_arg("cu_seq_len_kv", cu_seq_len_kv, "give packed variable lengths as ragged offsets "
                               "(k/v.set_ragged_offset(...)) with use_padding_mask")
         self._unsupported_arg("stats_use_log2", stats_use_log2, "stats are natural-log log-sum-exp")
-        if self.paged and self.dropout is not None:
-            self.unsupported.append("dropout with paged K/V caches (the mask's key index is ambiguous)")
         self.o = self._new_output("o", "O")
         self.stats = self._new_output("stats", "Stats") if self.generate_stats else None
 

@@ -45,19 +45,23 @@ def _tiny_tensors(call: Call, device: torch.device, backend: str) -> Dict[str, t
     else:
         kdims = call.dims["k"]
         bs = kdims[1] if call.kv_layout == "paged_nshd" else kdims[2]
-        skv = bs
+        # one page in the container, one table entry (all zero); packed tables are unpacked to the graph's
+        # page count (execute's _unpack_page_tables), so their tiny tables hold that many entries, and the
+        # tiny problem has the keys the tables cover, the graph's s_kv at most
+        pages = {role: call.dims[role][2] if call.packed_tables else 1 for role in ("page_table_k", "page_table_v")}
+        skv = min(s_kv, bs * min(pages.values()))
         if call.kv_layout == "paged_nshd":
             t["k"] = rnd((1, bs, h_k, d), qdt)
             t["v"] = rnd((1, bs, h_v, d_v), qdt)
-            tshape = (1, 1)
+            tshapes = {role: (1, 1) for role in pages}
         else:
             t["k"] = rnd((1, h_k, bs, d), qdt)
             t["v"] = rnd((1, h_v, bs, d_v), qdt)
-            tshape = (1, 1, 1, 1)
-        t["page_table_k"] = torch.zeros(tshape, dtype=dts["page_table_k"], device=device)
-        t["page_table_v"] = torch.zeros(tshape, dtype=dts["page_table_v"], device=device)
+            tshapes = {role: (1, 1, n, 1) for role, n in pages.items()}
+        for role, shape in tshapes.items():
+            t[role] = torch.zeros(shape, dtype=dts[role], device=device)
         for role in call.packed_tables:
-            # one sequence whose pages all start the table: execute unpacks it to the graph's page count
+            # one sequence, its entries from the table's start
             off = call.dims[f"ragged_{role}"]
             t[f"ragged_{role}"] = torch.zeros((2,) + (1,) * (len(off) - 1), dtype=dts[f"ragged_{role}"],
                                               device=device)
