@@ -938,8 +938,9 @@ def _kv_heads_graphs(h_q, h_k, h_v):
 @pytest.mark.parametrize("h_k,h_v", [(1, 2), (2, 4)], ids=["k1_v2", "k2_v4"])
 def test_kv_head_counts_refused(h_k, h_v):
     """A head count that does not divide h_q is malformed (GraphError, forward and backward, one count
-    single or neither); different counts with ragged offsets (packed THD) are not supported
-    (cudnnGraphNotSupportedError naming both counts), a view or a copy alike."""
+    single or neither); different counts with packed q over padded K/V (chunked prefill) are not supported
+    (cudnnGraphNotSupportedError naming both counts), a view or a copy alike; with packed q, k and v they
+    run (as the padded call: tests/test_graph_compositions.py)."""
     for h_q, bad_k, bad_v in ((4, 1, 3), (6, 4, 3)):
         for graph in _kv_heads_graphs(h_q, bad_k, bad_v):
             with pytest.raises(cudnn.GraphError, match=rf"query heads \({h_q}\).*k has {bad_k}, v has {bad_v}"):
@@ -956,5 +957,13 @@ def test_kv_head_counts_refused(h_k, h_v):
         t.set_ragged_offset(off)
     o, _ = graph.sdpa(q, k, v, is_inference=True, use_padding_mask=True, seq_len_q=lens[0], seq_len_kv=lens[1])
     o.set_output(True).set_dim([b, h_q, s, d]).set_stride([s * h_q * d, d, h_q * d, 1]).set_ragged_offset(off)
-    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=rf"k has {h_k} heads and v has {h_v}.*ragged"):
+    graph.validate()                # packed q, k and v: supported
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT)
+    off = graph.tensor(dim=[b + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32)
+    q, k, v = (graph.tensor(name=n, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1])
+               for n, h in (("Q", h_q), ("K", h_k), ("V", h_v)))
+    q.set_ragged_offset(off)        # packed q and O over padded K/V
+    o, _ = graph.sdpa(q, k, v, is_inference=True)
+    o.set_output(True).set_dim([b, h_q, s, d]).set_stride([s * h_q * d, d, h_q * d, 1]).set_ragged_offset(off)
+    with pytest.raises(cudnn.cudnnGraphNotSupportedError, match=rf"k has {h_k} heads and v has {h_v}.*packed q"):
         graph.validate()

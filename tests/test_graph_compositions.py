@@ -257,3 +257,177 @@ def test_paged_dropout(case):
     assert 0.6 < kept < 0.9, f"rng_dump keeps {kept:.2f} of the scores with p = {p}. {msg}"
     check_forward(o_t, st_t, ref, lens_q, msg, dropout_p=p, dropout_seed=123456, dropout_offset=789,
                   **ref_band(band))
+
+
+# ------------------------------------------------------------------------------------------------
+# (c) bias and (d) K/V head counts that differ, with packed (ragged) q/k/v: the padded call
+# ------------------------------------------------------------------------------------------------
+
+def prefix(lens, per_token):
+    """test_mhas.py's generate_ragged_offset: element offsets [b + 1, 1, 1, 1] (INT64, cuDNN 9.6 and later)."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int64).mul(per_token).view(-1, 1, 1, 1)
+
+
+def pad(x, lens, s):
+    """Packed [total, h, d] -> zero-padded [b, h, s, d]."""
+    out, t0 = torch.zeros(len(lens), x.shape[1], s, x.shape[2], dtype=x.dtype), 0
+    for i, n in enumerate(lens):
+        out[i, :, :n] = x[t0:t0 + n].transpose(0, 1)
+        t0 += n
+    return out
+
+
+def unpad(x, lens):
+    """Padded [b, h, s, d] -> packed [total, h, d]."""
+    return torch.cat([x[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)])
+
+
+def packed_fwd_bwd(*, lens_q, lens_kv, h_q, h_k, h_v, d=16, d_v=16, bias=False, band=None, dropout=0.0, alibi=False,
+                   seed=0):
+    """test_mhas.py's ragged sdpa then sdpa_backward (bshd_bshd_bshd, thd_thd_thd offsets; Stats padded, as
+    there) on float32 tensors in NaN-filled outputs. Returns (got, inputs): got holds packed O, dQ, dK, dV,
+    padded Stats (and dBias, rng_dump)."""
+    b = len(lens_q)
+    s_q, s_kv = max(lens_q) + 2, max(lens_kv) + 1
+    tq, tkv = sum(lens_q), sum(lens_kv)
+    q_t, k_t, v_t = rand(tq, h_q, d, seed=seed), rand(tkv, h_k, d, seed=seed + 1), rand(tkv, h_v, d_v, seed=seed + 2)
+    do_t = 0.5 * rand(tq, h_q, d_v, seed=seed + 3)
+    bias_t = rand(1, h_q, s_q, s_kv, seed=seed + 4) if bias else None
+    off = {"q": prefix(lens_q, h_q * d), "k": prefix(lens_kv, h_k * d), "v": prefix(lens_kv, h_v * d_v),
+           "o": prefix(lens_q, h_q * d_v)}
+    sq_t, skv_t = lengths(lens_q), lengths(lens_kv)
+    seed_t = torch.full((1, 1, 1, 1), 123456, dtype=torch.int64)
+    offset_t = torch.full((1, 1, 1, 1), 789, dtype=torch.int64)
+    shapes = {"q": (b, h_q, s_q, d), "k": (b, h_k, s_kv, d), "v": (b, h_v, s_kv, d_v), "o": (b, h_q, s_q, d_v)}
+    left, right, align = band or (None, None, cudnn.diagonal_alignment.TOP_LEFT)
+    mask_kw = dict(attn_scale=0.125, use_alibi_mask=alibi, use_padding_mask=True, diagonal_band_left_bound=left,
+                   diagonal_band_right_bound=right, diagonal_alignment=align)
+
+    def common(graph):
+        g = {r: graph.tensor(name=r.upper(), dim=list(shapes[r]), stride=list(bshd(shapes[r])), data_type=F32)
+             for r in ("q", "k", "v")}
+        g.update({f"off_{r}": graph.tensor_like(x) for r, x in off.items()})
+        for r in ("q", "k", "v"):
+            g[r].set_ragged_offset(g[f"off_{r}"])
+        g["sq"], g["skv"] = graph.tensor_like(sq_t), graph.tensor_like(skv_t)
+        g["bias"] = graph.tensor_like(bias_t) if bias else None
+        if dropout:
+            g["seed"], g["offset"] = graph.tensor_like(seed_t), graph.tensor_like(offset_t)
+        pack = {g["q"]: q_t, g["k"]: k_t, g["v"]: v_t, g["sq"]: sq_t, g["skv"]: skv_t,
+                **{g[f"off_{r}"]: x for r, x in off.items()}}
+        if bias:
+            pack[g["bias"]] = bias_t
+        if dropout:
+            pack.update({g["seed"]: seed_t, g["offset"]: offset_t})
+        return g, pack
+
+    def build(graph):
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+
+    got = {}
+    fwd = cudnn.pygraph(io_data_type=F32, intermediate_data_type=F32, compute_data_type=F32)
+    g, pack = common(fwd)
+    rng = fwd.tensor_like(torch.zeros(b, h_q, s_q, s_kv)) if dropout else None
+    o, stats = fwd.sdpa(name="sdpa", q=g["q"], k=g["k"], v=g["v"], generate_stats=True, bias=g["bias"],
+                        seq_len_q=g["sq"], seq_len_kv=g["skv"], rng_dump=rng,
+                        dropout=(dropout, g["seed"], g["offset"]) if dropout else None, **mask_kw)
+    o.set_output(True).set_dim(list(shapes["o"])).set_stride(list(bshd(shapes["o"]))).set_ragged_offset(g["off_o"])
+    stats.set_output(True).set_data_type(F32)
+    build(fwd)
+    o_buf = torch.full((tq + 2, h_q, d_v), float("nan"))
+    got["stats"] = torch.full((b, h_q, s_q, 1), float("nan"))
+    pack.update({o: o_buf, stats: got["stats"]})
+    if dropout:
+        got["rng_dump"] = torch.zeros(b, h_q, s_q, s_kv)
+        pack[rng] = got["rng_dump"]
+    fwd.execute(pack, torch.empty(fwd.get_workspace_size(), dtype=torch.uint8))
+    assert torch.isnan(o_buf[tq:]).all(), "O written past the packed tokens"
+    got["o"] = o_buf[:tq]
+
+    bwd = cudnn.pygraph(io_data_type=F32, intermediate_data_type=F32, compute_data_type=F32)
+    g, pack = common(bwd)
+    o_g = bwd.tensor(name="O", dim=list(shapes["o"]), stride=list(bshd(shapes["o"])), data_type=F32)
+    do_g = bwd.tensor(name="dO", dim=list(shapes["o"]), stride=list(bshd(shapes["o"])), data_type=F32)
+    o_g.set_ragged_offset(g["off_o"])
+    do_g.set_ragged_offset(g["off_o"])
+    st_g = bwd.tensor_like(got["stats"])
+    dbias_g = bwd.tensor_like(torch.empty(1, h_q, s_q, s_kv)) if bias else None
+    dQ, dK, dV = bwd.sdpa_backward(name="sdpa_backward", q=g["q"], k=g["k"], v=g["v"], o=o_g, dO=do_g, stats=st_g,
+                                   bias=g["bias"], dBias=dbias_g, seq_len_q=g["sq"], seq_len_kv=g["skv"],
+                                   max_total_seq_len_q=tq, max_total_seq_len_kv=tkv,
+                                   dropout=(dropout, g["seed"], g["offset"]) if dropout else None, **mask_kw)
+    for t, r in ((dQ, "q"), (dK, "k"), (dV, "v")):
+        t.set_output(True).set_dim(list(shapes[r])).set_stride(list(bshd(shapes[r]))).set_ragged_offset(g[f"off_{r}"])
+    build(bwd)
+    grads = {r: torch.full((n + 2, h, dd), float("nan"))
+             for r, n, h, dd in (("dq", tq, h_q, d), ("dk", tkv, h_k, d), ("dv", tkv, h_v, d_v))}
+    pack.update({o_g: got["o"], do_g: do_t, st_g: got["stats"], dQ: grads["dq"], dK: grads["dk"], dV: grads["dv"]})
+    if bias:
+        got["dbias"] = torch.full((1, h_q, s_q, s_kv), float("nan"))
+        pack[dbias_g] = got["dbias"]
+    bwd.execute(pack, torch.empty(bwd.get_workspace_size(), dtype=torch.uint8))
+    for r, n in (("dq", tq), ("dk", tkv), ("dv", tkv)):
+        assert torch.isnan(grads[r][n:]).all(), f"{r} written past the packed tokens"
+        got[r] = grads[r][:n]
+    return got, dict(q=q_t, k=k_t, v=v_t, do=do_t, bias=bias_t, s_q=s_q, s_kv=s_kv)
+
+
+def check_packed(got, x, *, lens_q, lens_kv, band, dropout, alibi, msg):
+    """The packed results against the float64 reference on the padded problem, K and V each expanded to
+    h_q heads (test_mhas.py's compute_ref), autograd for the gradients."""
+    s_q, s_kv = x["s_q"], x["s_kv"]
+    h_q = x["q"].shape[1]
+    q, k, v = (pad(x[r].double(), lens, s).requires_grad_()
+               for r, lens, s in (("q", lens_q, s_q), ("k", lens_kv, s_kv), ("v", lens_kv, s_kv)))
+    bias = x["bias"].double().requires_grad_() if x["bias"] is not None else None
+    kw = dict(attn_scale=0.125, seq_len_q=lengths(lens_q), seq_len_kv=lengths(lens_kv), attn_bias=bias, alibi=alibi,
+              **ref_band(band))
+    if dropout:
+        kw.update(dropout_p=dropout, dropout_seed=123456, dropout_offset=789)
+    o, lse = attention_reference(q, k.repeat_interleave(h_q // k.shape[1], 1),
+                                 v.repeat_interleave(h_q // v.shape[1], 1), **kw)
+    o.backward(pad(x["do"].double(), lens_q, s_q))
+    checks = [("O", got["o"], unpad(o.detach(), lens_q)),
+              ("Stats", padded_keep(got["stats"], lens_q), padded_keep(lse.detach(), lens_q)),
+              ("dQ", got["dq"], unpad(q.grad, lens_q)), ("dK", got["dk"], unpad(k.grad, lens_kv)),
+              ("dV", got["dv"], unpad(v.grad, lens_kv))]
+    if bias is not None:
+        checks.append(("dBias", got["dbias"], bias.grad))
+    if dropout:
+        b = len(lens_q)
+        checks.append(("rng_dump", got["rng_dump"], dropout_keep_mask(b, h_q, s_q, s_kv, dropout, 123456, 789).double()))
+    for name, g, want in checks:
+        assert not torch.isnan(g).any(), f"{name} left unwritten (NaN). {msg}"
+        torch.testing.assert_close(g.double(), want.double(), **TOL, msg=lambda m: f"{name}: {m}. {msg}")
+
+
+PACKED = {
+    # name: (lens_q, lens_kv, h_q, h_k, h_v, bias, band, dropout, alibi); a length 1 and a length 0 query row set
+    "bias": ((5, 1, 7), (6, 3, 9), 4, 4, 4, True, None, 0.0, False),
+    "bias_gqa_tl_band": ((5, 2, 7), (6, 4, 9), 4, 2, 2, True, (2, 1, cudnn.diagonal_alignment.TOP_LEFT), 0.0, False),
+    "bias_dropout_br": ((5, 0, 7), (6, 3, 9), 4, 1, 1, True, (3, 0, cudnn.diagonal_alignment.BOTTOM_RIGHT), 0.2,
+                        False),
+    "bias_alibi_causal_dropout": ((6, 3), (6, 8), 4, 4, 4, True, (None, 0, cudnn.diagonal_alignment.TOP_LEFT), 0.2,
+                                  True),
+    "kv_heads_k2_v1": ((5, 1, 7), (6, 3, 9), 4, 2, 1, False, (2, 1, cudnn.diagonal_alignment.TOP_LEFT), 0.0, False),
+    "kv_heads_k3_v2_br": ((4, 6), (9, 6), 6, 3, 2, False, (2, 0, cudnn.diagonal_alignment.BOTTOM_RIGHT), 0.0, False),
+    "kv_heads_bias_dropout": ((4, 6), (9, 6), 6, 1, 3, True, None, 0.2, False),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_padded_route(name):
+    """(c) a bias and (d) K / V of different head counts with packed q/k/v (test_mhas.py ragged1): sdpa and
+    sdpa_backward run as the padded call; O, Stats, dQ, dK, dV (dBias, rng_dump) against the reference."""
+    lens_q, lens_kv, h_q, h_k, h_v, bias, band, dropout, alibi = PACKED[name]
+    msg = repro("test_packed_padded_route", name=name, lens_q=lens_q, lens_kv=lens_kv, h=(h_q, h_k, h_v))
+    got, x = packed_fwd_bwd(lens_q=lens_q, lens_kv=lens_kv, h_q=h_q, h_k=h_k, h_v=h_v, d_v=8 if h_k != h_v else 16,
+                            bias=bias, band=band, dropout=dropout, alibi=alibi, seed=len(name))
+    check_packed(got, x, lens_q=lens_q, lens_kv=lens_kv, band=band, dropout=dropout, alibi=alibi, msg=msg)

@@ -99,15 +99,16 @@ class _Node:
 
     def _refuse_kv_heads(self) -> None:
         """Raise cudnnGraphNotSupportedError for K and V with different head counts (``self.kv_counts``,
-        from :func:`~.checks.kv_heads`) in a packed (THD) call: the packed paths take K and V as they are,
-        while the dense and paged ones widen them to one head count. At the end of validate, so malformed
-        graphs report their own error first."""
-        if self.kv_counts is not None and self.ragged:
+        from :func:`~.checks.kv_heads`) with packed q over padded or paged K/V (chunked prefill): that path
+        takes K and V as they are, while the dense and paged ones widen them to one head count (and packed
+        q/k/v run as the padded call, :func:`.ragged._padded_invocation`). At the end of validate, so
+        malformed graphs report their own error first."""
+        if self.kv_counts is not None and self.packed_q_only:
             h_k, h_v = self.kv_counts
             raise cudnnGraphNotSupportedError(
-                f"{self.where}: k has {h_k} heads and v has {h_v}: different key/value head counts run with "
-                f"dense or paged K/V only, not with ragged offsets (packed THD); give k and v the same head "
-                f"count (repeat_interleave along heads) or drop the ragged offsets")
+                f"{self.where}: k has {h_k} heads and v has {h_v}: different key/value head counts do not run "
+                f"with packed q over padded or paged K/V (ragged q and O only); give k and v the same head "
+                f"count (repeat_interleave along heads), or pack k and v too")
 
     # -- validate helpers -------------------------------------------------------------------
     def _validate_common(self, ctx, b, h_q, s_q, s_kv, d, d_v, io_dt):
@@ -206,11 +207,11 @@ class _Node:
                 f"{w}: {role0} {t0.label()} has a ragged offset (packed THD layout) but {names} "
                 f"{'does' if len(missing) == 1 else 'do'} not; fusedattn runs packed variable-length "
                 f"batches when {', '.join(self.packed_roles)} all carry ragged offsets")
-        for feat, used in (("bias", "bias" in self.inputs), ("paged", self.paged)):
-            if used:
-                raise cudnnGraphNotSupportedError(
-                    f"{w}: {FEATURE_ARGS[feat]} with ragged offsets (packed THD layout) is not supported "
-                    f"by fusedattn; the packed path runs causal/band masks, ALiBi, dropout and GQA")
+        # A bias (and K/V of different head counts) runs too: as the padded call (ragged._padded_invocation)
+        if self.paged:
+            raise cudnnGraphNotSupportedError(
+                f"{w}: {FEATURE_ARGS['paged']} with ragged offsets on q, k, v (packed THD layout) is not supported "
+                f"by fusedattn; the packed path runs causal/band masks, bias, ALiBi, dropout and GQA")
         self._check_offsets(ragged, b)
         self.ragged = ragged
 

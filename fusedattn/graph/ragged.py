@@ -8,8 +8,11 @@
     Stats [b, h, s, 1]      -> scattered to / gathered from the padded layout (-inf past a length, as
                                cuDNN 9.14+ writes for rows that see no key),
 
-and when only q and O (and Stats) are packed, over padded or paged K/V (cuDNN's chunked prefill), the
-forward runs :func:`fusedattn.attention_with_kvcache` with ``cu_seqlens_q`` (``_packed_q_invocation``).
+when the call has what varlen does not run (a bias, in the padded coordinates; K and V of different head
+counts), it runs as the padded call it stands for (``_padded_invocation``: the packed tensors copied into
+padded ones, the dense invocation, the outputs scattered back), and when only q and O (and Stats) are
+packed, over padded or paged K/V (cuDNN's chunked prefill), the forward runs
+:func:`fusedattn.attention_with_kvcache` with ``cu_seqlens_q`` (``_packed_q_invocation``).
 """
 from __future__ import annotations
 
@@ -164,6 +167,8 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
     from .. import varlen
     if call.packed_q_only:
         return _packed_q_invocation(call, t, feats)
+    if "bias" in feats or call.kv_counts is not None:
+        return _padded_invocation(call, t, feats)
     if "sink" in feats:
         raise cudnnGraphNotSupportedError("sink_token with ragged (packed) tensors is not supported yet; use padded "
                                 "tensors with use_padding_mask")
@@ -198,6 +203,78 @@ def _ragged_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
                     views[role].copy_(g)
         if "rng_dump" in feats:
             _write_rng_dump(t, kw)
+
+    return fn, args, kw, post
+
+
+
+# ---------------------------------------------------------------------------------------------
+# packed calls the packed path cannot run: the padded call they stand for
+# ---------------------------------------------------------------------------------------------
+
+def _padded_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
+    """A packed call with what :mod:`fusedattn.varlen` does not run (a bias ``[b|1, h|1, s_q, s_kv]``, which
+    is in the padded coordinates; K and V of different head counts) run as the padded call it stands for.
+
+    The packed inputs (q, k, v; o, dO and packed Stats in the backward) are copied into zero-padded
+    ``[b, h, s_max, d]`` tensors (``s_max`` the graph's s_q / s_kv) at the places the offsets give, the
+    lengths (from the offsets, :func:`_ragged_bind`) become seq_len_q / seq_len_kv, the dense invocation
+    (:func:`.execute.build_invocation`: widened heads, dBias, rng_dump and all) runs on them, and ``post``
+    scatters O and Stats (forward) or dQ, dK, dV (backward) back through the packed views. The dropout
+    mask is the same either way: the packed path keys it by the padded problem too.
+
+    Cost: one padded copy of each packed input and output per call (``b * h * s_max * d`` elements each),
+    on the device; the offsets are read on the host, as for every packed call."""
+    from .execute import build_invocation
+    pk = _ragged_bind(call, t, feats)
+    views, b = pk.views, len(pk.lens_q)
+    dev = t["q"].device
+    index = {"q": _padded_index(pk.lens_q, dev), "k": _padded_index(pk.lens_kv, dev)}
+
+    def where(role):
+        """(sequence, position) of each packed token of ``role`` and the padded length."""
+        return (index["q"], pk.max_q) if role in _Q_SIDE else (index["k"], pk.max_kv)
+
+    def padded(role, fill=0.0):
+        (seq, pos), s = where(role)
+        x = views[role]
+        if role == "stats":                                  # [total, h] -> fp32 [b, h, s_q, 1]
+            out = torch.full((b, x.shape[1], s, 1), fill, dtype=torch.float32, device=dev)
+            out[seq, :, pos, 0] = x.to(torch.float32)
+        else:                                                # [total, h, d] -> [b, h, s, d]
+            out = torch.full((b, x.shape[1], s, x.shape[2]), fill, dtype=x.dtype, device=dev)
+            out[seq, :, pos] = x
+        return out
+
+    td = {key: x for key, x in t.items() if key != "_max_seqlen"}
+    for role in ("q", "k", "v") + (("o", "dO") if call.kind == "bwd" else ()):
+        td[role] = padded(role)
+    lens = {"seq_len_q": pk.lens_q, "seq_len_kv": pk.lens_kv}
+    for role, n in lens.items():
+        td[role] = torch.tensor(n, dtype=torch.int32, device=dev)
+    if call.kind == "fwd":
+        h_q, d_v = td["q"].shape[1], td["v"].shape[3]
+        td["o"] = torch.empty((b, h_q, pk.max_q, d_v), dtype=td["q"].dtype, device=dev)
+        td["stats"] = torch.empty((b, h_q, pk.max_q, 1), dtype=torch.float32, device=dev)
+    else:
+        if "stats" in views:
+            # rows past a length see no key: their stats are never read (0 keeps them finite)
+            td["stats"] = padded("stats")
+        for role, src in (("dQ", "q"), ("dK", "k"), ("dV", "v")):
+            td[role] = torch.empty_like(td[src])
+    fn, args, kw, dense_post = build_invocation(call, td, (set(feats) - {"ragged"}) | {"padding"})
+
+    def post(result):
+        dense_post(result)
+        if call.kind == "fwd":
+            seq, pos = index["q"]
+            lse = td["stats"][seq, :, pos, 0].t() if "stats" in feats else None
+            _write_forward((td["o"][seq, :, pos], lse), views, t, feats, pk.lens_q)
+        else:
+            for role in ("dQ", "dK", "dV"):
+                if role in views:
+                    (seq, pos), _ = where(role)
+                    views[role].copy_(td[role][seq, :, pos])
 
     return fn, args, kw, post
 
