@@ -255,7 +255,8 @@ def _padded_invocation(call: Call, t: Dict[str, torch.Tensor], feats):
     if call.kind == "fwd":
         h_q, d_v = td["q"].shape[1], td["v"].shape[3]
         td["o"] = torch.empty((b, h_q, pk.max_q, d_v), dtype=td["q"].dtype, device=dev)
-        td["stats"] = torch.empty((b, h_q, pk.max_q, 1), dtype=torch.float32, device=dev)
+        if "stats" in feats:
+            td["stats"] = torch.empty((b, h_q, pk.max_q, 1), dtype=torch.float32, device=dev)
     else:
         if "stats" in views:
             # rows past a length see no key: their stats are never read (0 keeps them finite)
