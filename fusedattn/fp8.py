@@ -375,6 +375,12 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
     o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev) if out is None else out
     stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=dev) if stats_out is None else stats_out
     amax = torch.zeros(2, dtype=torch.float32, device=dev)      # [amax_s, amax_o]: the kernel maxes into them
+    if s_kv > 1 and v.stride(2) != 1:
+        # FP8 MMAs read both operands K-major from shared memory, and P8 @ V's K is the key: V with its
+        # keys innermost lets the kernel prefetch V's tiles as it does K's. With d innermost each V tile is
+        # loaded synchronously and transposed through registers (bench/fp8_v_layout.py: 100 TFLOP/s on an
+        # H100 at b4 h32 s2k d128). One copy of V per call, a few percent of the forward's time.
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)
     launch_fwd_fp8(p, fp8_fwd_tiles(d, d_v), q, k, v, o, stats[..., 0], extras, scales, amax[0:1], amax[1:2])
     return o, stats, amax[0].reshape(1, 1, 1, 1), amax[1].reshape(1, 1, 1, 1)
 
