@@ -99,10 +99,10 @@ _GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns the Gluon kernels off (A/B ru
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)
 # FP8 forward (the portable kernel's FP8 switch, fusedattn.fp8): key tiles of at least 32 (an 8-bit MMA's
-# K-step). Not timed yet (written without a GPU); chosen by ptxas on sm_90 (tools/aot_check.py, jit-like,
-# Triton 3.6): the fp32 promotion of the MMA's partial sums holds a second accumulator, so d128 with 4
-# warps hit 255 registers and spilled 36 bytes; 8 warps: 145, none. d256 64x64/8 warps/2 stages: 20 bytes.
-_FWD_FP8_SM90 = {64: Tiles(64, 64, 4, 3), 128: Tiles(64, 64, 8, 3), 256: Tiles(64, 64, 8, 2)}
+# K-step). Timed on an H100 with V staged keys-innermost (bench/fp8_v_layout.py, Triton 3.6, TFLOP/s):
+# d128 64x64/8 warps/3 stages 196 (2k causal) and 259 (8k); 128x64/8/3 339 and 492; 128x64/8/2 255 and
+# 385. d256 64x64/8/2 257; 128x64/8/2 82 (spills). d <= 64: not timed (ptxas: 64x64/4/3 spills nothing).
+_FWD_FP8_SM90 = {64: Tiles(64, 64, 4, 3), 128: Tiles(128, 64, 8, 3), 256: Tiles(64, 64, 8, 2)}
 _INTERPRET_FP8 = Tiles(32, 32, 4, 1)
 
 
