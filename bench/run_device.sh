@@ -20,7 +20,8 @@
 #   demo           python3 -m fusedattn demo
 #   bench          the whole benchmark (anchors, masked, decode; fwd, bwd, fwd+bwd)
 #   bench-quick    the same with --quick (fewer repetitions)
-#   bench-anchors | bench-masked | bench-decode | bench-prefill   one group of configs (quick reps)
+#   bench-anchors | bench-masked | bench-decode | bench-prefill | bench-fp8   one group of configs (quick reps;
+#                  bench-fp8: the FP8 forward beside our bf16 and cuDNN frontend's sdpa_fp8: carry .whl)
 #   bench-anchors-a | bench-anchors-b                the first / last four anchors
 #   bench-graphs   the two small d=64 anchors under --cuda-graphs (launch-bound sizes)
 #   stash          copy .whl/*.whl.part-* to /tmp/whlparts and stop (first half of a split
@@ -231,6 +232,7 @@ for part in "${PARTS[@]}"; do
         bench-masked)  bench_part bench-masked --quick --configs masked ;;
         bench-decode)  bench_part bench-decode --quick --configs decode ;;
         bench-prefill) bench_part bench-prefill --quick --configs prefill ;;
+        bench-fp8)     bench_part bench-fp8 --quick --configs fp8 ;;
         bench-graphs)  bench_part bench-graphs --cuda-graphs --configs anchors --only b8-h12-s1024 ;;
         stash)         stash_parts ;;
         warmup)        run_part warmup python3 -m fusedattn warmup ;;
