@@ -35,14 +35,35 @@ def test_fp8_group_is_asked_for_by_name():
     cfgs = bench.select_configs(bench.parse_args(["--configs", "fp8"]))
     assert [c.name for c in cfgs] == ["b4-h32-s2048-d128-e4m3-causal", "b2-h16-s8192-d128-e4m3",
                                       "b1-h32-s16384-d128-e4m3-causal", "b4-h16-s4096-d256-e4m3-causal",
-                                      "b32-h32-s2048-d224-e4m3"]
+                                      "b32-h32-s2048-d224-e4m3", "decode-b64-h32kv8-kv4096-d128-bf16-contig-fp8cache",
+                                      "decode-b64-h32kv8-kv4096-d128-bf16-paged16-fp8cache",
+                                      "decode-b8-h32-kv16384-d128-bf16-contig-fp8cache"]
     assert cfgs[0].label == "4, 32, 2048, 128, e4m3, causal"
-    assert all(c.torch_dtype == E4M3 and c.d % 16 == 0 and c.d <= 256 for c in cfgs)   # cuDNN's Hopper FP8 limits
+    forwards = [c for c in cfgs if c.table == "fp8"]
+    assert all(c.torch_dtype == E4M3 and c.d % 16 == 0 and c.d <= 256 for c in forwards)   # cuDNN's Hopper FP8 limits
+    assert cfgs[-2].label == "b 64, h 32/8, kv 4096, d 128, bf16, paged 16, e4m3 cache"
     assert bench.fwd_flops(cfgs[0]) == 4 * 32 * 2048 * 2048 * 2 * 256 / 2             # the bf16 configs' count
     everything = bench.select_configs(bench.parse_args(["--configs", "all"]))
-    assert not any(c.table == "fp8" for c in everything)
+    assert not any(c.table == "fp8" or c.mask == "fp8cache" for c in everything)
     # the scale fusedattn.fp8 uses by default for e4m3, dequantized exactly
     assert bench.FP8_SCALES["scale_s"] == fp8.DEFAULT_SCALE_S[E4M3] == 1 / bench.FP8_SCALES["descale_s"]
+
+
+@pytest.mark.parametrize("block", [0, 8], ids=["contiguous", "paged"])
+def test_fp8_cache_decode_rows(block):
+    """The FP8-cache decode rows (issue 27 item 4): e4m3 bytes in the cache, TB/s counted on one byte per
+    element, ours computing what attention_with_kvcache computes on those bytes, the others refusing."""
+    cfg = bench.Config("decode", 2, 4, 2, 1, 64, 32, "bf16", page_block=block, mask="fp8cache")
+    inp = bench.make_inputs(cfg, "cpu")
+    k, v = (inp.extra["k_cache"], inp.extra["v_cache"]) if block else (inp.k, inp.v)
+    assert k.dtype == E4M3 and v.dtype == E4M3
+    assert bench.kv_bytes(cfg) == 2 * 2 * 64 * (32 + 32) * 1
+    got = bench.prepare_ours(cfg, False)(inp).fwd()
+    kw = dict(page_table=inp.extra["page_table"], seq_len_kv=inp.extra["seq_len_kv"]) if block else {}
+    want = fusedattn.attention_with_kvcache(inp.q, k, v, causal=True, descale_k=1.0, descale_v=1.0, **kw)
+    assert torch.equal(got, want)
+    with pytest.raises(bench.Unsupported, match="FP8 K/V cache"):
+        bench._refuse_sink(cfg, "SDPA")
 
 
 def test_ours_fp8_column_computes_sdpa_fp8_forward():
