@@ -515,7 +515,10 @@ class _Call:
         written = seq < self.b                                      # False past cu_seqlens_q[-1]
         seq = seq.clamp_(max=self.b - 1)
         pos = (row - start[seq]).clamp_(0, self.s_q - 1)
-        out.copy_(torch.where(written[:, None, None], o_pad.transpose(1, 2)[seq, pos], out))
+        # one row gather from the padded output's [b * s_q] rows (contiguous: index_select's fast path,
+        # not the general two-index gather), then one select into out in place (no extra copy pass)
+        o_rows = o_pad.transpose(1, 2).reshape(self.b * self.s_q, self.h_q, self.d_v)      # a view
+        torch.where(written[:, None, None], o_rows.index_select(0, seq * self.s_q + pos), out, out=out)
         if stats is not None:
             st = st_pad.transpose(1, 2)[seq, pos]                   # [total, h_q]
             if self.slopes is not None:
