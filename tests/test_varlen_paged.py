@@ -266,3 +266,41 @@ def test_packed_queries_over_cache_route(target, monkeypatch):
         assert bool(calls) == padded, f"new={new}: padded route {bool(calls)}, expected {padded}"
         assert got.data_ptr() == out.data_ptr()
         assert not out[:total].isnan().any() and out[total:].isnan().all(), f"new={new}"
+
+
+@pytest.mark.parametrize("mask", ["causal", "window", "alibi", "softcap-sink", "noncausal-window"])
+def test_padded_route_rows_right_aligned_match_the_packed_kernel(mask, target, monkeypatch):
+    """The padded route puts each sequence's rows at the end of its padded block and runs the kernel with no
+    query lengths (bottom-right alignment then needs none): every mask that depends on a row's position
+    (causal, a window, ALiBi's stats, which shift by slope * (s_q - n)) must come out as the packed kernel
+    computes it, row for row, outputs and stats. Lengths of 1..max, a sequence with no new token, and a
+    prefill-sized block (the tiled forward) and a decode-sized one (the split-KV kernel)."""
+    from fusedattn import kvcache
+    device, backend = target
+    if backend == "cpu":
+        pytest.skip("the CPU path pads every packed batch: the route is the Triton path's")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    kw = {"causal": dict(), "window": dict(window=(5, 0)), "alibi": dict(alibi=True),
+          "softcap-sink": dict(softcap=20.0, sink=torch.randn(4, generator=torch.Generator().manual_seed(3))),
+          "noncausal-window": dict(causal=False, window=(4, 2))}[mask]
+    if "sink" in kw:
+        kw["sink"] = kw["sink"].to(device)
+    for new in ((40, 17, 0, 13), (3, 1, 2, 3)):       # caches of 48 keys (3 pages of 16)
+        c = _cache_case(7, True, device, dtype, lens_before=(5, 2, 8, 30), lens_new=new)
+        b = len(new)
+        lens = torch.tensor([x + y for x, y in zip(c["before"], new)], dtype=torch.int32, device=device)
+        cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        pack = lambda t: torch.cat([t[i, :, :new[i]].transpose(0, 1) for i in range(b)])  # noqa: E731
+        results = {}
+        for route, waste in (("padded", 100.0), ("packed", -1.0)):
+            monkeypatch.setattr(kvcache, "PAD_PACKED_MAX_WASTE", waste)
+            results[route] = fusedattn.attention_with_kvcache(
+                pack(c["q"]), c["kc"], c["vc"], cu_seqlens_q=cu, max_seqlen_q=max(new), page_table=c["table"],
+                seq_len_kv=lens, backend=backend, return_stats=True, **kw)
+        repro = f"repro: mask={mask} new={new} target={target}"
+        (o_pad, st_pad), (o_pk, st_pk) = results["padded"], results["packed"]
+        assert not o_pad.isnan().any() and not st_pad.isnan().any(), repro
+        torch.testing.assert_close(o_pad.float(), o_pk.float(), atol=2e-3, rtol=2e-3, msg=lambda m: f"{m}. {repro}")
+        finite = torch.isfinite(st_pk)
+        assert torch.equal(finite, torch.isfinite(st_pad)), f"rows with no key differ. {repro}"
+        torch.testing.assert_close(st_pad[finite], st_pk[finite], atol=1e-4, rtol=1e-4, msg=lambda m: f"{m}. {repro}")
