@@ -95,8 +95,8 @@ import torch
 
 from .problem import ALIGNMENTS, Band, InvalidArgumentError, InvalidTypeError, NotSupportedError, keep_mask, make_band
 
-__all__ = ["FP8_DTYPES", "FP8_MAX", "MMA_UNIT_FP8", "mma_unit", "is_fp8", "quantize", "quantize_per_tensor", "sdpa_fp8_forward",
-           "sdpa_fp8_backward", "attention_fp8", "ROWS_PER_CHUNK"]
+__all__ = ["FP8_DTYPES", "FP8_MAX", "MMA_UNIT_FP8", "mma_unit", "is_fp8", "quantize", "quantize_per_tensor",
+           "sdpa_fp8_forward", "sdpa_fp8_backward", "attention_fp8", "ROWS_PER_CHUNK"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
@@ -277,11 +277,14 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
     so = _scale(scale_o, "scale_o", dev, where=where)
     scale = float(attn_scale) if attn_scale is not None else d ** -0.5
     band = _as_band(band)
-    len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
+    # the lengths given, checked and clamped; the kernel takes None for "every row / key"
+    len_q = _lengths(seq_len_q, "seq_len_q", b, s_q, dev) if seq_len_q is not None else None
+    len_kv = _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev) if seq_len_kv is not None else None
     scales = dict(descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss, scale_o=so)
     if _use_kernel(backend, dev, where) and not _kernel_refuses(q, k, v, scales, scale):
-        return _forward_kernel(q, k, v, scales, scale, band, len_q if seq_len_q is not None else None,
-                               len_kv if seq_len_kv is not None else None, o_dtype)
+        return _forward_kernel(q, k, v, scales, scale, band, len_q, len_kv, o_dtype)
+    len_q = len_q if len_q is not None else _lengths(None, "seq_len_q", b, s_q, dev)
+    len_kv = len_kv if len_kv is not None else _lengths(None, "seq_len_kv", b, s_kv, dev)
     dk, dv = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk, dv))
     kf, vf = _group(k, g), _group(v, g)
     o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev)

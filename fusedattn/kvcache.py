@@ -534,7 +534,10 @@ class _Call:
         from .backends.triton import decode
         from .backends.triton.args import aligned, aligned_output
         q = self.q if q is None else q
-        seq_len_q = self.seq_len_q if seq_len_q is None else None if seq_len_q is _FULL_ROWS else seq_len_q
+        if seq_len_q is None:
+            seq_len_q = self.seq_len_q
+        elif seq_len_q is _FULL_ROWS:
+            seq_len_q = None
         if not decode.decode_rows_fit(self.s_q, self.g):
             # prefill: the tiled forward kernel reads the cache, paged or not, in place
             table = self.page_table if self.paged else None
