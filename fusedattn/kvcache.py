@@ -180,8 +180,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
                 lse.fill_(float("-inf"))     # no key at all: the log of an empty sum
                 if c.sink is not None:       # ... but for the sink's term
                     _fill_sink_lse(lse, {"sink": c.sink, "seq_len_q": c.seq_len_q})
-        elif c.backend == "cpu" or c.fp8:
-            c.run_cpu(out, stats)           # FP8 caches: the emulation (dequantize, then the fp32 path)
+        elif c.backend == "cpu" or (c.fp8 and not c.fp8_decode()):
+            c.run_cpu(out, stats)           # FP8 caches past decode: the emulation (dequantize, then fp32)
         else:
             c.run_triton(out, lse)
     return (out, stats) if return_stats else out
@@ -391,6 +391,13 @@ class _Call:
             _append_torch(self)
 
     # -- the two paths
+    def fp8_decode(self) -> bool:
+        """Whether an FP8 cache's call runs the decode kernel on the cache's bytes (KV_FP8, [Note] FP8
+        caches in backends/triton/decode.py): a few query rows per kv head and 16-bit queries. Prefill
+        against an FP8 cache (the tiled forward) and fp32 queries run the emulation."""
+        from .backends.triton import decode
+        return self.q.dtype in (torch.float16, torch.bfloat16) and decode.decode_rows_fit(self.s_q, self.g)
+
     def run_cpu(self, out, stats, q=None):
         """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward
         (q: the padded queries [b, h_q, s_q, d] of a packed call).
@@ -558,7 +565,7 @@ class _Call:
             aligned(q), aligned(self.k_cache), aligned(self.v_cache), aligned(self.page_table),
             aligned(self.seq_len_kv), self.slopes, o_buf, l_buf, scale=self.scale, softcap=self.softcap,
             band=self.band, tiles=tiles, num_splits=splits, cap=self.cap, seq_len_q=aligned(seq_len_q),
-            sink=self.sink)
+            sink=self.sink, descale_k=self.descale_k, descale_v=self.descale_v)
         for buf, target in ((o_buf, o_target), (l_buf, l_target)):
             if target is not None:
                 target.copy_(buf)

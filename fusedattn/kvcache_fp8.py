@@ -47,14 +47,18 @@ fp32 terms are those of :mod:`fusedattn.fp8`'s bound (relative ``2 (d + 3) eps A
 rounding grows with the logits' size (``E_i ~ u8 * attn_scale * sum_c |q_c| |K_c|``). Random data lands far
 inside (the roundings' signs cancel: the worst element at 4-16% of its bound in the tests); values placed
 just below a rounding midpoint, read with uniform P, reach over 90% of it (``tests/test_fp8_kvcache.py``).
-A future FP8 kernel that rounds P to 16 bits before ``P @ V`` adds ``u_16 * sum_j P |V'|`` to this bound,
-and must state it.
+The decode kernel (below) rounds its unnormalized probabilities ``p <= 1`` to q's 16-bit type before
+``P @ V``: that adds ``u_16 * sum_j P |V'| + a_16 * sum_{j kept} |V'|`` (bf16 ``2^-8``, fp16 ``2^-11`` and
+``2^-25``; the row sum is at least 1), ``fp8_kvcache_bound(p_dtype=)``.
 
-Execution (the emulation; correct, not fast): the used pages / rows of each sequence are gathered through
-the page table (torch indexing: only the keys up to the longest ``seq_len_kv`` are read), dequantized to fp32
-with torch ops, and the existing dense path runs on them in fp32 (the CPU path, or the Triton fp32 kernels
-with ``backend`` Triton): an FP8 cache halves the cache's bytes, not yet the decode's time. Appends always
-run in torch (quantize, then an index write), on any device.
+Execution. Decode (a few query rows per kv head, ``backends.triton.decode.decode_rows_fit``) with fp16 /
+bf16 queries runs the split-KV decode kernel on the cache's bytes (``KV_FP8``; [Note] FP8 caches there):
+each K / V tile is read as FP8 and widened exactly to q's type, ``descale_k`` joins the scores' scale and
+``descale_v`` the output's, so the kernel reads half the bytes of a 16-bit cache. Everything else (prefill
+against an FP8 cache, fp32 queries, ``backend='cpu'``) is the emulation: the used pages / rows of each
+sequence are gathered through the page table (torch indexing: only the keys up to the longest
+``seq_len_kv`` are read), dequantized to fp32 with torch ops, and the dense path runs on them in fp32.
+Appends always run in torch (quantize, then an index write), on any device.
 """
 from __future__ import annotations
 

@@ -155,7 +155,7 @@ def fp8_backward_bound(q8, k8, v8, o, dO8, *, grad_dtype, attn_scale=None, causa
 
 
 def fp8_kvcache_bound(q, k, v, k8, v8, *, descale_k, descale_v, out_dtype, attn_scale=None, causal=True, window=None,
-                      seq_len_q=None, seq_len_kv=None):
+                      seq_len_q=None, seq_len_kv=None, p_dtype=None):
     """An FP8 K/V cache (:mod:`fusedattn.kvcache_fp8`) against float64, on dense BHSD tensors.
 
     Args: ``q [b, h_q, s_q, d]`` (any float; the queries as given), ``k, v [b, h_kv, s_kv, d | d_v]`` the
@@ -165,7 +165,10 @@ def fp8_kvcache_bound(q, k, v, k8, v8, *, descale_k, descale_v, out_dtype, attn_
 
     Returns ``(o_ref, o_deq, bound, bound_deq)``, ``[b, h_q, s_q, d_v]`` float64: attention of the
     unquantized K / V and of the dequantized cache; the bound on ``|out - o_ref|`` (the module docstring's)
-    and on ``|out - o_deq|`` (fp32 and the output's rounding only). Assumes no value saturated."""
+    and on ``|out - o_deq|`` (fp32 and the output's rounding only). Assumes no value saturated. ``p_dtype``:
+    the type the decode kernel rounds its unnormalized probabilities to before ``P @ V`` (q's 16-bit type;
+    None: no rounding, the emulation), which adds ``u_p sum_j P |V| + a_p sum_{j kept} |V|`` (the row sum
+    is at least 1)."""
     mask = dict(causal=causal, causal_alignment="bottom_right", window=window, seq_len_q=seq_len_q,
                 seq_len_kv=seq_len_kv)
     b, h_q, s_q, d = q.shape
@@ -199,13 +202,15 @@ def fp8_kvcache_bound(q, k, v, k8, v8, *, descale_k, descale_v, out_dtype, attn_
     gamma = (s_kv + 4) * EPS32
     fp32 = 2 * (delta + gamma * (1 + delta))
 
-    # against the dequantized cache: fp32 only, then the output's rounding
-    b_deq = fp32 * (pq @ Vq.abs())
+    up, ap = ROUNDING[p_dtype] if p_dtype is not None else (0.0, 0.0)
+    kept = keep.double()
+    # against the dequantized cache: fp32 and P's rounding (the kernel's), then the output's rounding
+    b_deq = (fp32 + up) * (pq @ Vq.abs()) + ap * (kept @ Vq.abs())
     bound_deq = b_deq + uo * (o_deq.abs() + b_deq) + ao
     # against the unquantized K / V: the logits move by at most E_i, so P by a factor exp(+-2 E_i)
     E = ((qd.abs() @ dK.transpose(-1, -2)) * scale).masked_fill(~keep, 0).amax(-1, keepdim=True)
     r = torch.exp(2 * E)
     spread = torch.einsum("bhij,bhijc->bhic", p, (V.unsqueeze(2) - o_ref.unsqueeze(3)).abs())
-    b1 = r * (p @ dV) + (r - 1) * spread + r * fp32 * (p @ (V.abs() + dV))
+    b1 = r * (p @ dV) + (r - 1) * spread + r * (fp32 + up) * (p @ (V.abs() + dV)) + ap * (kept @ (V.abs() + dV))
     bound = b1 + uo * (o_ref.abs() + b1) + ao
     return o_ref, o_deq, bound, bound_deq

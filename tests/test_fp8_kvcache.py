@@ -110,9 +110,10 @@ class Cache:
             out.append(pages.permute(0, 2, 1, 3, 4).reshape(self.b, self.h_kv, -1, c.shape[-1])[:, :, :cap])
         return tuple(out)
 
-    def check(self, out, stats, lower=0.0):
+    def check(self, out, stats, lower=0.0, kernel=False):
         """The stored bytes, then out against float64 of the dequantized cache (tight) and of the unquantized
-        K / V (the derived bound, reached to at least ``lower`` of it)."""
+        K / V (the derived bound, reached to at least ``lower`` of it). ``kernel``: the call ran the decode
+        kernel on the cache's bytes, which rounds P to q's type before P @ V (the bound's p_dtype)."""
         k8, v8 = self.dense_cache_bytes()
         kept = (torch.arange(k8.shape[2])[None, :] < self.lens[:, None].cpu())[:, None, :, None]
         if self.append:      # the appended slots hold exactly torch's own cast of k_new / descale_k
@@ -131,7 +132,7 @@ class Cache:
         o_ref, o_deq, bound, bound_deq = fp8_kvcache_bound(
             self.q.cpu(), zero(self.k.float(), kept), zero(self.v.float(), kept), k8z, v8z, descale_k=self.dk.cpu(),
             descale_v=self.dv.cpu(), out_dtype=self.q.dtype, seq_len_kv=self.lens.cpu(),
-            seq_len_q=self.lens_q.cpu() if self.lens_q is not None else None)
+            seq_len_q=self.lens_q.cpu() if self.lens_q is not None else None, p_dtype=self.q.dtype if kernel else None)
         got = out.detach().cpu().double()
         assert not torch.isnan(got).any(), "NaN in the output: a slot past a length or an unwritten append was read"
         err_deq, err = (got - o_deq).abs(), (got - o_ref).abs()
@@ -168,12 +169,22 @@ def test_fp8_cache_within_derived_bound(geom, dtype, scales):
     c.check(out, stats, lower=0.02)         # measured: 4-16% of the bound (its worst case needs aligned roundings)
 
 
-@pytest.mark.parametrize("geom", ["decode_paged", "prefill_paged"])
-def test_fp8_cache_on_each_target(geom, target):
+@pytest.mark.parametrize("geom", ["decode_paged", "prefill_paged", "prefill_contig_padded_q"])
+def test_fp8_cache_on_each_target(geom, target, monkeypatch):
+    """The Triton targets run the decode kernel on the cache's bytes (KV_FP8), the CPU the emulation; each
+    within its bound. The interpreter runs fp16 queries (its bf16 dots are wrong; the GPU runs bf16)."""
+    from fusedattn.backends.triton import decode
     device, backend = target
-    c = Cache(device=device, **GEOMS[geom])
+    dtype = torch.float16 if (device, backend) == ("cpu", "triton") else torch.bfloat16
+    c = Cache(device=device, dtype=dtype, **GEOMS[geom])
+    fp8_launches = []
+    real = decode.launch_decode
+    monkeypatch.setattr(decode, "launch_decode",
+                        lambda *a, **kw: (fp8_launches.append(kw.get("descale_k") is not None), real(*a, **kw))[1])
     out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend=backend, **c.kwargs())
-    c.check(out, stats)
+    kernel = backend == "triton"
+    assert fp8_launches == ([True] if kernel else []), f"decode kernel launches (FP8 bytes?): {fp8_launches}"
+    c.check(out, stats, kernel=kernel)
 
 
 def test_packed_queries():
@@ -373,4 +384,4 @@ def test_flash_attn_door_bad_descales(kw, err, words):
 def test_gpu_fp8_cache_within_derived_bound(geom):
     c = Cache(device="cuda", per_head=True, **GEOMS[geom])
     out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
-    c.check(out, stats)
+    c.check(out, stats, kernel=True)        # every geometry here is decode-sized: the kernel on FP8 bytes

@@ -96,7 +96,9 @@ def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW,
                           MASKED, PAGED, PAGE_SIZE)
         k = load_tile(K_HEAD + k_rows[:, None] + offs_d[None, :] * stride_kd, cols, offs_d, len_kv, D,
                       MASKED, not EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        # an FP8 cache's bytes widen exactly to q's 16-bit type (e4m3 and e5m2 fit fp16 and bf16); its
+        # descale is in qk_scale (K) and in the output's scale (V). A no-op for a 16-bit cache.
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         s = scores_base2(qk, 0.0, slope, tok[:, None], cols[None, :], len_kv, len_kv, diag, win_left, win_right,
                          qk_scale, softcap, MASKED, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, 0, HAS_ALIBI)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,19 +114,19 @@ def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW,
         v = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :] * stride_vd, cols, offs_dv, len_kv, D_V,
                       MASKED, not EVEN_DV)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART, SINK,
+def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PART, SINK, DESCALE_K, DESCALE_V,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_pb, stride_pn, stride_pvb, stride_pvn,
                 stride_ob, stride_oh, stride_om, stride_od,
-                stride_lb, stride_lh, stride_lm, stride_sb,
+                stride_lb, stride_lh, stride_lm, stride_sb, stride_dsk, stride_dsv,
                 B, H_KV, G, S_Q, D, D_V, CAP, NUM_PAGES, NUM_SPLITS,
                 qk_scale, softcap, win_left, win_right,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -132,7 +134,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
                 HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False):
+                DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, KV_FP8: tl.constexpr = False):
     bkv = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -195,23 +197,31 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
     PT_ROW = PT + b64 * stride_pb
     PTV_ROW = PT_V + b64 * stride_pvb
 
+    # [Note] FP8 caches (KV_FP8): K = k8 * descale_k and V = v8 * descale_v per kv head (stride 0: one
+    # per tensor); descale_k joins the scores' scale, descale_v the output's, so the tiles stay bytes
+    qk_scale_h = qk_scale
+    descale_v = 1.0
+    if KV_FP8:
+        qk_scale_h = qk_scale * tl.load(DESCALE_K + kv_head * stride_dsk)
+        descale_v = tl.load(DESCALE_V + kv_head * stride_dsv)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc, m_i, l_i = _decode_blocks(
         acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
         s_lo, f_lo, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-        kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
+        kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     acc, m_i, l_i = _decode_blocks(
         acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
         f_lo, f_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-        kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
+        kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
     acc, m_i, l_i = _decode_blocks(
         acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
         f_hi, s_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
-        kb_off, vb_off, D, D_V, qk_scale, softcap, win_left, win_right,
+        kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     if HAS_SINK:
@@ -222,7 +232,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
     nonempty = l_i > 0.0
     if HAS_SEQ_Q:
         nonempty = nonempty & (tok < len_q)
-    out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
+    out = acc * tl.where(nonempty, descale_v / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
     dv_ok = offs_dv < D_V
     if SPLIT:
         # partial for the combine: (o / l, log2-sum-exp), -inf for a split that saw no key
@@ -478,7 +488,8 @@ def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None):
 
 
 def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse, *, scale, softcap, band,
-                  tiles, num_splits, cap, page_table_v=None, seq_len_q=None, sink=None):
+                  tiles, num_splits, cap, page_table_v=None, seq_len_q=None, sink=None, descale_k=None,
+                  descale_v=None):
     """Run the decode kernel (and the combine when ``num_splits > 1``). No checks: the caller did them.
 
     q [b,h_q,s_q,d]; k_cache/v_cache [b,h_kv,s_max,d|d_v] or containers [pages,h_kv,page,d|d_v]
@@ -486,6 +497,8 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     None; page_table_v: V's own table of the same shape (cuDNN has two), default page_table;
     seq_len_kv / seq_len_q: int32 [b] contiguous, or None (full lengths); slopes fp32 [b, h_q] (batch
     stride 0 for per-head slopes) or None (ALiBi, base e); out [b,h_q,s_q,d_v] and lse fp32 [b,h_q,s_q] (or None), any strides.
+    FP8 caches (k_cache / v_cache float8, q fp16 / bf16 / fp32): descale_k / descale_v fp32 with one element or
+    one per kv head (fusedattn.kvcache_fp8's [1, h_kv | 1, 1, 1]), [Note] FP8 caches in the kernel.
     ``band`` is a problem.Band (either alignment) or None; ``cap`` the capacity in keys
     (s_max, or max_pages * page size). Caller's duty: 16-byte aligned base pointers (args.aligned).
     """
@@ -507,19 +520,22 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     pt_v = page_table_v if page_table_v is not None else pt
     ptv_strides = page_table_v.stride() if page_table_v is not None else pt_strides
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    kv_fp8 = descale_k is not None
+    dsk, dsv = (descale_k.reshape(-1), descale_v.reshape(-1)) if kv_fp8 else (q, q)
     grid = (b * h_kv, num_splits, m_tiles)
     args = (q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
             seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
-            out, lse_arg, o_part, lse_part, sink if sink is not None else q,
+            out, lse_arg, o_part, lse_part, sink if sink is not None else q, dsk, dsv,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
-            slope_batch_stride(slopes), b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
+            slope_batch_stride(slopes), int(kv_fp8 and dsk.numel() > 1), int(kv_fp8 and dsv.numel() > 1),
+            b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
             qk_scale, float(softcap), win_left, win_right)
     kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   BLOCK_D=block_dim(d), BLOCK_DV=block_dim(d_v),
                   PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
                   HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
                   BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
-                  SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None,
+                  SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
     # decode is host-bound (a few microseconds of GPU work per layer): a repeat signature launches the
     # compiled kernel directly instead of through Triton's dispatcher (launch.Launcher; bench/NOTES.md 54)

@@ -1,0 +1,43 @@
+"""Compile the split-KV decode kernel (backends/triton/decode.py) for sm_90 without a GPU: a 16-bit cache and
+FP8 caches (KV_FP8: e4m3 / e5m2 bytes widened to q's type), contiguous and paged, at the H100 decode tile
+(16 x 128, 4 warps, 2 stages). Prints shared memory, registers / spills (ptxas) and the TTGIR's async copies
+(pipelined K / V loads).
+
+    python tools/decode_aot_check.py
+
+Session 18 (Triton 3.6): bf16 cache 208-220 regs, 72 KB; e4m3 cache 168-255 regs (contiguous bf16 q: 16
+bytes of spill), 40 KB; 12 async copies in every variant.
+"""
+import sys
+sys.path.insert(0, "tools")
+import triton
+from triton.compiler import ASTSource
+import aot_check as a
+from fusedattn.backends.triton import decode
+
+def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128):
+    k = decode._decode_fwd
+    ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V=f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32", SEQ_KV="*i32",
+                SLOPES="*fp32", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", SINK="*fp32",
+                DESCALE_K="*fp32", DESCALE_V="*fp32")
+    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, EVEN_D=True, EVEN_DV=True, PAGED=paged, PAGE_SIZE=16 if paged else 1,
+             HAS_SEQ_Q=False, HAS_SEQ_KV=True, BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=True, HAS_ALIBI=False,
+             SOFTCAP=False, SPLIT=True, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8)
+    for n in k.arg_names:
+        if n.startswith("stride_") and n.endswith("d"):
+            c[n] = 1
+    sig, attrs = {}, {}
+    for i, n in enumerate(k.arg_names):
+        if n in c:
+            sig[n] = "constexpr"; continue
+        sig[n] = ptrs.get(n) or ("fp32" if n in ("qk_scale", "softcap") else "i32")
+        if n in ptrs or n.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kk = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=a.TARGET,
+                        options=dict(num_warps=w, num_stages=st))
+    t = kk.asm["ttgir"]
+    return f"smem={kk.metadata.shared} {a.ptxas_report(kk)} async_copies={t.count('async_copy_global_to_local')}"
+
+for dtype, kv, fp8 in (("bf16", "bf16", False), ("bf16", "fp8e4nv", True), ("fp16", "fp8e4nv", True), ("bf16", "fp8e5", True)):
+    for paged in (False, True):
+        print(dtype, kv, "paged" if paged else "contig", variant(dtype, kv, fp8, paged))
