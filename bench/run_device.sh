@@ -181,6 +181,13 @@ bench_part() {   # bench_part PART ARGS...: the bench with a CSV and plot of its
         --budget "$budget" "$@" "${BENCH_ARGS[@]}"
 }
 
+# Test workers: all cores but two by default (14 on the one-GPU machine). On a machine of several GPUs
+# each worker takes one card, round robin (tests/conftest.py, FUSEDATTN_TEST_GPUS): the Gluon suites are
+# bound by compiling, so the 64 cores of a four-GPU machine run them whole in one call.
+WORKERS=$(( $(nproc) - 2 ))
+NGPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+[ "$NGPUS" -gt 1 ] && export FUSEDATTN_TEST_GPUS=$NGPUS
+
 say "parts: ${PARTS[*]}; bench args: ${BENCH_ARGS[*]:-none}; deadline ${DEADLINE} s"
 if [ "${PARTS[0]}" = "stash" ]; then stash_parts; exit 0; fi
 use_packed_triton
@@ -189,22 +196,22 @@ report_env
 
 for part in "${PARTS[@]}"; do
     case "$part" in
-        tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-14}" \
+        tests)         run_part tests python3 -m pytest -q -rfEs ${TEST_PATHS:-tests} -m gpu -n "${TEST_WORKERS:-$WORKERS}" \
                            ${TEST_K:+-k "$TEST_K"} ;;
         sweep)         run_part sweep python3 -m pytest -q -rfEs tests/test_gpu_sweep.py tests/test_empty_rows.py -m gpu \
                            -n "${TEST_WORKERS:-8}" ${TEST_K:+-k "$TEST_K"} ;;
         # the full GPU suite no longer fits one 600 s call: the Gluon tests alone took 572 s for 904 of 914
         # with 16 workers (session 5); the Gluon forward's (530) and backward passes' (384) halves fit one each
         tests-gluon)   run_part tests-gluon python3 -m pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py \
-                           tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-14}" ;;
+                           tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-$WORKERS}" ;;
         tests-gluon-sample) FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-16} run_part tests-gluon-sample python3 -m \
                            pytest -q -rfEs tests/test_gluon_fwd.py tests/test_gluon_bwd_dq.py tests/test_gluon_bwd_dkdv.py \
-                           tests/test_gluon_bwd_fused.py tests/test_launch.py -m gpu -n "${TEST_WORKERS:-14}" ;;
+                           tests/test_gluon_bwd_fused.py tests/test_launch.py -m gpu -n "${TEST_WORKERS:-$WORKERS}" ;;
         tests-gluon-fwd) run_part tests-gluon-fwd python3 -m pytest -q -rfEs tests/test_gluon_fwd.py -m gpu \
-                           -n "${TEST_WORKERS:-14}" ;;
+                           -n "${TEST_WORKERS:-$WORKERS}" ;;
         tests-gluon-bwd) run_part tests-gluon-bwd python3 -m pytest -q -rfEs tests/test_gluon_bwd_dq.py \
-                           tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-14}" ;;
-        tests-rest)    run_part tests-rest python3 -m pytest -q -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" \
+                           tests/test_gluon_bwd_dkdv.py -m gpu -n "${TEST_WORKERS:-$WORKERS}" ;;
+        tests-rest)    run_part tests-rest python3 -m pytest -q -rfEs tests -m gpu -n "${TEST_WORKERS:-$WORKERS}" \
                            --ignore=tests/test_gluon_fwd.py --ignore=tests/test_gluon_bwd_dq.py \
                            --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
@@ -254,7 +261,7 @@ for part in "${PARTS[@]}"; do
                        else say "cudnn-tests: .cudnn_fe_tests/ was not carried (fetch it: bench/cudnn_fe_suite.py)"
                             STATUS[cudnn-tests]=skipped; fi ;;
         tests-sample)  FUSEDATTN_TEST_SAMPLE=${FUSEDATTN_TEST_SAMPLE:-4} run_part tests-sample python3 -m pytest -q \
-                           -rfEs tests -m gpu -n "${TEST_WORKERS:-14}" ${TEST_K:+-k "$TEST_K"} ;;
+                           -rfEs tests -m gpu -n "${TEST_WORKERS:-$WORKERS}" ${TEST_K:+-k "$TEST_K"} ;;
         *)             say "unknown part '$part' (see the header of bench/run_device.sh)"; STATUS[$part]=unknown ;;
     esac
 done

@@ -6,7 +6,15 @@ real kernels run on the GPU and the interpreter cases skip, visibly.
 """
 import os
 
-import torch
+# FUSEDATTN_TEST_GPUS=N on a machine of N GPUs (bench/run_device.sh sets it): each xdist worker takes one
+# GPU, round robin, so the compile-bound Gluon suites spread over every card and core. xdist sets the
+# worker's id before this file is imported, and CUDA reads CUDA_VISIBLE_DEVICES only when first used.
+_GPUS = int(os.environ.get("FUSEDATTN_TEST_GPUS", "0") or 0)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _GPUS > 1 and _WORKER.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % _GPUS)
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
