@@ -97,8 +97,16 @@ use_packed_triton() {
     [ "${TRITON_PACK:-}" = native ] && return 0
     if [ -n "${TRITON_PACK:-}" ]; then pack=.triton/triton-$TRITON_PACK-slim.tar.xz; [ -f "$pack" ] || {
         say "TRITON_PACK=$TRITON_PACK but $pack was not carried"; exit 1; }
-    else pack=$(ls -t .triton/triton-*-slim.tar.xz 2>/dev/null | head -1); fi
-    [ -n "$pack" ] || return 0
+    else
+        # one pack carried: that one. Several (a warm machine keeps the packs of earlier calls): refuse to
+        # guess; by modification time a call carrying 3.9.0 ran on an earlier call's 3.8.0 (NOTES 58)
+        local packs=(.triton/triton-*-slim.tar.xz)
+        [ -f "${packs[0]}" ] || return 0
+        if [ ${#packs[@]} -gt 1 ]; then
+            say "several Triton packs here (${packs[*]}): set TRITON_PACK=VERSION or TRITON_PACK=native"; exit 1
+        fi
+        pack=${packs[0]}
+    fi
     local ver
     ver=$(basename "$pack" | sed 's/^triton-//; s/-slim.tar.xz$//')
     mkdir -p "/tmp/triton-$ver"
