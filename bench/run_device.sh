@@ -8,6 +8,7 @@
 #   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~770 s together)
 #   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
+#   decode-sweep   bench/decode_sweep.py: decode tiles x splits, TB/s (DECODE_SWEEP_ARGS=--fp8: e4m3 caches)
 #   decode-overhead  bench/decode_overhead.py: host vs GPU time of one decode call (sdpa, ours, the HF door)
 #   probe          bench/padding_probe.py --profile: the padded config pass by pass, host time and profile
 #   split          bench/padding_probe.py --split: the padded config against its sequences run one by one
@@ -223,6 +224,7 @@ for part in "${PARTS[@]}"; do
                            --ignore=tests/test_gluon_fwd.py --ignore=tests/test_gluon_bwd_dq.py \
                            --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
+        decode-sweep)  run_part decode-sweep python3 bench/decode_sweep.py ${DECODE_SWEEP_ARGS:-} ;;
         decode-overhead) run_part decode-overhead python3 bench/decode_overhead.py ;;
         probe)         run_part probe python3 bench/padding_probe.py --profile ;;
         split)         run_part split python3 bench/padding_probe.py --split ;;
