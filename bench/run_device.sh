@@ -16,6 +16,11 @@
 #                  present (the command puts the commit to compare against there), else alone
 #                  (FWD_AB_ARGS: extra arguments, e.g. "--configs window-b2-s8k-d128")
 #   ncu-fused      Nsight Compute on the single-pass backward at 16k causal (bench/profile_fused.py)
+#   ncu-bwd        Nsight Compute on ONE backward of each d=64 / d=128 anchor of issue 28, ours and FA4's (where
+#                  flash_attn.cute imports: carry .whl), bench/profile_bwd.py; the report in $OUT/ncu-bwd/ (bwd.ncu-rep,
+#                  details.txt, raw.csv). NCU_BWD_CONFIGS narrows it (e.g. d64,2kc), NCU_BWD_ARGS adds arguments,
+#                  NCU_BWD_SOURCE=0 drops the SourceCounters section (per-instruction stalls; the slowest one)
+#   bwd-time       bench/profile_bwd.py --time 20 --fa4: the same backwards timed, ours beside FA4 in one process
 #   fused-sweep    bench/gluon_fused_sweep.py: single-pass vs two-pass backward at d=128
 #                  (FUSED_SWEEP_ARGS: extra arguments, e.g. "--variants=rot")
 #   demo           python3 -m fusedattn demo
@@ -235,6 +240,20 @@ for part in "${PARTS[@]}"; do
                            --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
                            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
                            python3 bench/profile_fused.py ;;
+        ncu-bwd)       mkdir -p "$OUT/ncu-bwd"
+                       run_part ncu-bwd ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+                           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+                           --section SchedulerStats --section Occupancy --section LaunchStats \
+                           $([ "${NCU_BWD_SOURCE:-1}" = 1 ] && echo --section SourceCounters) -f -o "$OUT/ncu-bwd/bwd" python3 bench/profile_bwd.py --fa4 \
+                           ${NCU_BWD_CONFIGS:+--configs "$NCU_BWD_CONFIGS"} ${NCU_BWD_ARGS:-}
+                       if [ -f "$OUT/ncu-bwd/bwd.ncu-rep" ]; then
+                           ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page details > "$OUT/ncu-bwd/details.txt" 2>&1
+                           ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd/raw.csv" 2>&1
+                           grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" \
+                               "$OUT/ncu-bwd/details.txt" | tee -a "$LOG"
+                       fi ;;
+        bwd-time)      run_part bwd-time python3 bench/profile_bwd.py --time 20 --fa4 \
+                           ${NCU_BWD_CONFIGS:+--configs "$NCU_BWD_CONFIGS"} ;;
         fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ${FUSED_SWEEP_ARGS:-} ;;
         demo)          run_part demo python3 -m fusedattn demo ;;
         bench)         bench_part bench ;;
