@@ -175,7 +175,9 @@ def _scale(value, name: str, device, heads: Optional[int] = None, where: str = "
     if n == 1:
         return value.reshape(1, 1, 1, 1).to(device=device, dtype=torch.float32)
     if heads is not None and n == heads:
-        return value.reshape(1, heads, 1, 1).to(device=device, dtype=torch.float32)
+        # contiguous: the kernels read per-head scales at a stride of one element (a strided view, e.g.
+        # buf[::2], would hand them other heads' values)
+        return value.reshape(1, heads, 1, 1).to(device=device, dtype=torch.float32).contiguous()
     what = "one element" + (f" or one per head ({heads})" if heads is not None else "")
     raise InvalidArgumentError(f"{pre}{name} must have {what}, got shape {list(value.shape)}")
 

@@ -236,6 +236,26 @@ def test_per_head_descales_matter():
     assert torch.equal(out[:, :2], other[:, :2]) and not torch.equal(out[:, 2:], other[:, 2:])
 
 
+@pytest.mark.parametrize("geom", ["decode_contig", "decode_paged"])
+def test_strided_per_head_descales_read_each_head(geom, target):
+    """Per-head descales given as a strided view (every other element of a buffer) mean what their values
+    say: the same output, bit for bit, as contiguous copies. The decode kernel once read such a view as
+    contiguous (stride 1), taking other heads' descales (found by the FP8 prefill patch's tests)."""
+    device, backend = target
+    dtype = torch.float16 if (device, backend) == ("cpu", "triton") else torch.bfloat16
+    c = Cache(device=device, dtype=dtype, per_head=True, append=False, seed=6, **GEOMS[geom])
+    kw = c.kwargs()
+    dense = attention_with_kvcache(c.q, c.k_cache, c.v_cache, backend=backend, **kw)
+    strided = {}
+    for name in ("descale_k", "descale_v"):
+        buf = torch.full((2 * kw[name].numel(),), 1e6, dtype=torch.float32, device=kw[name].device)
+        buf[::2] = kw[name].reshape(-1)
+        strided[name] = buf[::2]
+        assert strided[name].stride() == (2,)
+    out = attention_with_kvcache(c.q, c.k_cache, c.v_cache, backend=backend, **dict(kw, **strided))
+    assert torch.equal(out, dense), f"repro: geom={geom} target={target} strided per-head descales"
+
+
 def test_append_rounds_and_saturates_as_torch_casts():
     """Non-power-of-two descales (the division rounds), values past 448 * descale (saturate, not inf / NaN),
     a NaN stays NaN: the stored bytes are torch's own cast of clamp(k_new / descale_k)."""
