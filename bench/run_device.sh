@@ -196,8 +196,8 @@ bench_part() {   # bench_part PART ARGS...: the bench with a CSV and plot of its
 }
 
 # Test workers: all cores but two by default (14 on the one-GPU machine). On a machine of several GPUs
-# each worker takes one card, round robin (tests/conftest.py, FUSEDATTN_TEST_GPUS): the Gluon suites are
-# bound by compiling, so the 64 cores of a four-GPU machine run them whole in one call.
+# each worker takes one card, round robin (tests/conftest.py, FUSEDATTN_TEST_GPUS). Measured once (bench/NOTES.md
+# 58): 62 workers on four H100s ran no faster per test than 14 on one, so the one-GPU machine stays the way.
 WORKERS=$(( $(nproc) - 2 ))
 NGPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 [ "$NGPUS" -gt 1 ] && export FUSEDATTN_TEST_GPUS=$NGPUS

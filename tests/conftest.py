@@ -7,8 +7,9 @@ real kernels run on the GPU and the interpreter cases skip, visibly.
 import os
 
 # FUSEDATTN_TEST_GPUS=N on a machine of N GPUs (bench/run_device.sh sets it): each xdist worker takes one
-# GPU, round robin, so the compile-bound Gluon suites spread over every card and core. xdist sets the
-# worker's id before this file is imported, and CUDA reads CUDA_VISIBLE_DEVICES only when first used.
+# GPU, round robin, instead of all of them sharing card 0 (on four H100s this was no faster per test than
+# one: bench/NOTES.md 58). xdist sets the worker's id before this file is imported, and CUDA reads
+# CUDA_VISIBLE_DEVICES only when first used.
 _GPUS = int(os.environ.get("FUSEDATTN_TEST_GPUS", "0") or 0)
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _GPUS > 1 and _WORKER.startswith("gw"):
