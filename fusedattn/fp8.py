@@ -48,8 +48,11 @@ portable Triton kernel's FP8 switch (``backends/triton/fwd.py``, [Note] FP8): ``
 and ``backend='triton'`` (CPU tensors: Triton's interpreter) take it, ``backend='cpu'`` keeps this
 emulation on any device, and calls the kernel does not take run the emulation (``_kernel_refuses``).
 The kernel quantizes the unnormalized ``p = exp(S - m_running) <= 1`` and divides by the row sum at
-the end; it stays within the bound below (tests/test_fp8_kernel.py). The Gluon sm_90 FP8 kernels and
-the FP8 backward kernels are the next steps of issue 27.
+the end; it stays within the bound below (tests/test_fp8_kernel.py). The backward likewise runs on the
+portable kernel's FP8 switch (``backends/triton/bwd.py``, [Note] FP8; :func:`sdpa_fp8_backward`'s
+``backend``, refusals in :func:`_kernel_refuses_bwd`) with this module's rounding points in its order: the
+normalized P recomputed from the stats, P8 and dS8 quantized as above (tests/test_fp8_bwd_kernel.py). The
+Gluon sm_90 FP8 kernels are the next step of issue 27.
 
 Error bound (forward; :func:`fusedattn.reference_fp8.fp8_forward_error_bound` computes it). Compared
 with float64 attention of the dequantized inputs, ``O_ref = softmax(S) @ (v8 * descale_v)`` times
@@ -82,9 +85,26 @@ more than 5% of it (measured: 30-90% on random e4m3 inputs), so the bound is nei
 
 The P term dominates: for e4m3 P8 the relative error of O is about 6% of ``sum_j P_ij |V_j|``, which
 is why the Graph door's users choose ``scale_s`` (and why the default here is 2^8 = 256 for e4m3,
-keeping P in e4m3's normal range down to 2^-14). The backward's bound (same module) adds, for dQ and
-dK, the rounding of dS to dO's type (``u_dS |dS| + a_dS * descale_dP``) and the error of D caused by
-the forward's rounded output.
+keeping P in e4m3's normal range down to 2^-14).
+
+Error bound (backward; :func:`fusedattn.reference_fp8.fp8_backward_bound`). Against float64 gradients of
+attention of the dequantized inputs for ``dO8 * descale_dO`` (exact dS = P (dP - D) attn_scale with D
+from O_ref), per element, first order, fp32 terms doubled as above::
+
+    |dV/scale_dV - dV_ref| <= sum_i [(u8 + 2 delta'_i + 2 g_q) P_ij + a8 descale_s [kept]] |dO_ic|  (+ output)
+    |dQ/scale_dQ - dQ_ref| <= sum_j e_ij |K_jc| + 2 g_kv sum_j (|dS_ij| + e_ij) |K_jc|             (+ output)
+    |dK/scale_dK - dK_ref| <= sum_i e_ij |Q_ic| + 2 g_q  sum_i (|dS_ij| + e_ij) |Q_ic|             (+ output)
+    e_ij = E_ij + u_dS (|dS_ij| + E_ij) + a_dS descale_dP [kept],
+    E_ij = attn_scale P_ij (E_D_i + E_dP_ij + (delta'_i + 4 eps) (|dP_ij - D_i| + E_D_i + E_dP_ij))
+
+with ``delta'_i = 2 delta_i`` (S recomputed and the forward's stats, each within the forward's delta_i,
+``u_mma`` terms included), ``g_q = (s_q * g + 4) eps + u_mma``, ``g_kv = (s_kv + 4) eps + u_mma`` (the sums
+of P8^T dO8 / dS8^T Q8 over query rows of a GQA group and of dS8 K8 over keys), ``E_dP = 2 ((d_v + 4) eps +
+u_mma) sum_c |dO_ic||V_jc|``, ``E_D`` the error of D from the forward's rounded output (``|rowsum(dO (o *
+descale_o - O_ref))|``) plus its fp32 sum, ``u_dS, a_dS`` of dO's type (dS8's), ``(+ output)`` the rounding
+to the gradient's type as in the forward (``u_g (|ref| + above) + a_g / scale``). ``amax_dP`` is within
+``max E`` of ``max |dS_ref|`` and each gradient's amax within its bound for fp32 output of ``max |ref|``;
+each amax is exactly the max of the kernel's own unscaled values.
 """
 from __future__ import annotations
 
@@ -361,22 +381,10 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
     must be written), default new ones. Returns what :func:`sdpa_fp8_forward` returns."""
     from .backends.triton.fwd import launch_fwd_fp8
     from .plan import fp8_fwd_tiles
-    from .problem import AttentionProblem
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device
-    if band is not None:
-        # a bound of s_q + s_kv keys or more keeps every key (problem.make_band): unbounded, so the
-        # kernel's int32 row + offset arithmetic cannot overflow
-        far = s_q + s_kv
-        left = band.left if band.left is not None and band.left < far else None
-        right = band.right if band.right is not None and band.right < far else None
-        band = None if left is None and right is None else Band(band.alignment, left, right)
-    p = AttentionProblem(b=b, h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d_v, dtype=q.dtype,
-                         device_type=dev.type, scale=attn_scale, band=band, has_seq_len_q=len_q is not None,
-                         has_seq_len_kv=len_kv is not None)
-    extras = dict(seq_len_q=None if len_q is None else len_q.to(torch.int32),
-                  seq_len_kv=None if len_kv is None else len_kv.to(torch.int32), slopes=None, sink=None)
+    p, extras = _kernel_problem(q, k, v, attn_scale, band, len_q, len_kv)
     o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev) if out is None else out
     stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=dev) if stats_out is None else stats_out
     amax = torch.zeros(2, dtype=torch.float32, device=dev)      # [amax_s, amax_o]: the kernel maxes into them
@@ -396,13 +404,18 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
 
 def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v, descale_o, descale_dO,
                       descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=None,
-                      band=None, seq_len_q=None, seq_len_kv=None, grad_dtype=None, where: str = "sdpa_fp8_backward"):
+                      band=None, seq_len_q=None, seq_len_kv=None, grad_dtype=None, backend: str = "auto",
+                      where: str = "sdpa_fp8_backward"):
     """cuDNN's ``sdpa_fp8_backward`` (module docstring), on torch tensors.
 
     Args:
         q, k, v as in :func:`sdpa_fp8_forward`; o and dO ``[b, h_q, s_q, d_v]`` (FP8, or any float);
         stats fp32 ``[b, h_q, s_q, 1]`` from the forward. P8 takes q's type and dS8 dO's type, as in
         cuDNN's graph. grad_dtype: type of dQ / dK / dV (default q's).
+        backend: as :func:`sdpa_fp8_forward`'s: ``"auto"`` (CUDA: the portable Triton kernel's FP8
+            backward; CPU: the emulation), ``"triton"`` (the kernel; CPU tensors under Triton's
+            interpreter), ``"cpu"`` (the emulation on any device). What the kernel does not take (per-head
+            descales, dO not float8, ...: :func:`_kernel_refuses_bwd`) runs the emulation.
 
     Returns:
         ``(dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP)``: gradients shaped like q, k, v; amaxes
@@ -428,6 +441,12 @@ def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v,
     dk_g, dv_g = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk_s, dv_s))
     scale = float(attn_scale) if attn_scale is not None else d ** -0.5
     band = _as_band(band)
+    if _use_kernel(backend, dev, where) and not _kernel_refuses_bwd(q, k, v, o, dO, dict(
+            sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)):
+        len_q = _lengths(seq_len_q, "seq_len_q", b, s_q, dev) if seq_len_q is not None else None
+        len_kv = _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev) if seq_len_kv is not None else None
+        return _backward_kernel(q, k, v, o, dO, stats, dict(sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s),
+                                scale, band, len_q, len_kv, grad_dtype)
     len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
     kf, vf = _group(k, g), _group(v, g)
     p_dtype, ds_dtype = q.dtype, dO.dtype
@@ -467,6 +486,63 @@ def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v,
     dv = _cast_out(dv_f, sc["scale_dV"], grad_dtype)
     a = {n: x.reshape(1, 1, 1, 1) for n, x in amax.items()}
     return dq, dk, dv, a["dQ"], a["dK"], a["dV"], a["dP"]
+
+
+def _kernel_refuses_bwd(q, k, v, o, dO, scales) -> Optional[str]:
+    """Why the FP8 Triton backward cannot run this call (None: it can): what :func:`_kernel_refuses` says
+    of q, k, v (attn_scale aside: the backward takes no row max), and dO not float8 (dS8 takes dO's type;
+    cuDNN's dO is FP8), o not a float type the kernel loads (float8, bf16, fp16, fp32)."""
+    why = _kernel_refuses(q, k, v, scales, 1.0)
+    if why:
+        return why
+    if not is_fp8(dO):
+        return "dO is not float8"
+    if o.dtype not in OUT_DTYPES:
+        return f"o is {o.dtype}"
+    return None
+
+
+def _kernel_problem(q, k, v, attn_scale: float, band: Optional[Band], len_q, len_kv):
+    """(AttentionProblem, extras) of an FP8 kernel call: band bounds of s_q + s_kv or more are unbounded,
+    so the kernels' int32 row + offset arithmetic cannot overflow."""
+    from .problem import AttentionProblem
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    if band is not None:
+        far = s_q + s_kv
+        left = band.left if band.left is not None and band.left < far else None
+        right = band.right if band.right is not None and band.right < far else None
+        band = None if left is None and right is None else Band(band.alignment, left, right)
+    p = AttentionProblem(b=b, h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d_v, dtype=q.dtype,
+                         device_type=q.device.type, scale=attn_scale, band=band, has_seq_len_q=len_q is not None,
+                         has_seq_len_kv=len_kv is not None)
+    extras = dict(seq_len_q=None if len_q is None else len_q.to(torch.int32),
+                  seq_len_kv=None if len_kv is None else len_kv.to(torch.int32), slopes=None, sink=None)
+    return p, extras
+
+
+def _backward_kernel(q, k, v, o, dO, stats, scales, attn_scale: float, band: Optional[Band], len_q, len_kv,
+                     grad_dtype, dq_out=None, dk_out=None, dv_out=None):
+    """:func:`sdpa_fp8_backward` on the portable Triton kernel's FP8 switch (backends/triton/bwd.py
+    ``launch_bwd_fp8``). scales: the twelve one-element fp32 tensors on q's device, by name; len_q / len_kv:
+    int64 ``[b]`` clamped lengths or None. dq_out / dk_out / dv_out: buffers to write (tests pass NaN-filled
+    ones: every element must be written), default new ones. Returns what :func:`sdpa_fp8_backward` returns."""
+    from .backends.triton.bwd import FP8_BWD_SCALE_NAMES, launch_bwd_fp8
+    from .plan import fp8_bwd_tiles
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    p, extras = _kernel_problem(q, k, v, attn_scale, band, len_q, len_kv)
+    dq = torch.empty((b, h_q, s_q, d), dtype=grad_dtype, device=dev) if dq_out is None else dq_out
+    dk = torch.empty((b, h_kv, s_kv, d), dtype=grad_dtype, device=dev) if dk_out is None else dk_out
+    dv = torch.empty((b, h_kv, s_kv, d_v), dtype=grad_dtype, device=dev) if dv_out is None else dv_out
+    # one fp32 [12] buffer the kernels read (a device-side copy: a CUDA graph replays the callers' new values)
+    buf = torch.cat([scales[n].reshape(1).to(device=dev, dtype=torch.float32) for n in FP8_BWD_SCALE_NAMES])
+    amax = torch.zeros(4, dtype=torch.float32, device=dev)     # dQ, dK, dV, dP: the kernels max into them
+    tiles_dkdv, tiles_dq = fp8_bwd_tiles(d, d_v)
+    launch_bwd_fp8(p, tiles_dkdv, tiles_dq, q, k, v, o, dO, stats[..., 0], extras, buf, amax, dq, dk, dv)
+    a = [amax[i].reshape(1, 1, 1, 1) for i in range(4)]
+    return dq, dk, dv, a[0], a[1], a[2], a[3]
 
 
 # ---------------------------------------------------------------------------------------------

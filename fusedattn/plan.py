@@ -106,6 +106,21 @@ _FWD_FP8_SM90 = {64: Tiles(64, 64, 4, 3), 128: Tiles(128, 64, 8, 3), 256: Tiles(
 _INTERPRET_FP8 = Tiles(32, 32, 4, 1)
 
 
+# FP8 backward (the portable kernel's FP8 switch, backends/triton/bwd.py launch_bwd_fp8): (dK/dV pass, dQ pass);
+# every tile side at least 32 (an 8-bit MMA's K-step: the dK/dV pass sums over block_m rows, the dQ pass over
+# block_n keys). Chosen by ptxas for sm_90 (tools/aot_check.bwd_fp8_variants, Triton 3.6, JIT-like strides), not
+# timed: dK/dV d64 32x64/4/2 255 regs no spill (64x64/4/2: 368 bytes), d128 64x32/8/1 232 no spill (64x64/8/1:
+# 116 bytes), d256 32x32/8/1 24 bytes (the least found); dQ d64 64x64/4/2 168 regs, d128 128x32/8/2 232, d256
+# 32x32/8/1 182, none spilling.
+_BWD_FP8_SM90 = {64: (Tiles(32, 64, 4, 2), Tiles(64, 64, 4, 2)), 128: (Tiles(64, 32, 8, 1), Tiles(128, 32, 8, 2)),
+                 256: (Tiles(32, 32, 8, 1), Tiles(32, 32, 8, 1))}
+
+
+def fp8_bwd_tiles(d: int, d_v: int):
+    """``(dK/dV tiles, dQ tiles)`` of the FP8 backward for head dims d, d_v <= 256."""
+    return (_INTERPRET_FP8, _INTERPRET_FP8) if interpreting() else _BWD_FP8_SM90[_bucket(max(d, d_v))]
+
+
 def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:
     """Tiles of the FP8 forward (backends/triton/fwd.py ``launch_fwd_fp8``) for head dims d, d_v <= 256."""
     return _INTERPRET_FP8 if interpreting() else _FWD_FP8_SM90[_bucket(max(d, d_v))]

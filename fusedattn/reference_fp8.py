@@ -6,7 +6,8 @@
   rounding midpoint), the most that can move each output element.
 * :func:`fp8_forward_bound` / :func:`fp8_backward_bound`: float64 attention (and its autograd
   gradients) of the dequantized inputs, and the per-element bound of :mod:`fusedattn.fp8`'s docstring
-  on the emulation's distance to it. Both assume consistent scales (``scale_s * descale_s == 1``,
+  on the emulation's (and the FP8 Triton kernels') distance to it; ``mma_unit`` adds the GPU's FP8 MMA
+  sums (``fusedattn.fp8.mma_unit``). Both assume consistent scales (``scale_s * descale_s == 1``,
   ``scale_dP * descale_dP == 1``, powers of two in practice) and ``scale_s <= FP8_MAX``.
 * :func:`fp8_kvcache_bound`: an FP8 K/V cache (:mod:`fusedattn.kvcache_fp8`): float64 attention of the
   unquantized and of the dequantized K / V, and the bounds on the emulation's distance to each.
@@ -104,10 +105,19 @@ def fp8_forward_bound(q8, k8, v8, *, o_dtype, attn_scale=None, causal=False, cau
 
 
 def fp8_backward_bound(q8, k8, v8, o, dO8, *, grad_dtype, attn_scale=None, causal=False,
-                       causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None, **scales):
+                       causal_alignment="top_left", window=None, seq_len_q=None, seq_len_kv=None, mma_unit=0.0,
+                       with_ds=False, **scales):
     """``((dQ_ref, dK_ref, dV_ref), (bound_dQ, bound_dK, bound_dV))``: float64 gradients of attention of
-    the dequantized inputs for the dequantized ``dO8 * descale_dO``, and bounds on the emulation's
-    dequantized gradients (``dQ / scale_dQ`` ...). ``o``: the forward's stored output (with descale_o)."""
+    the dequantized inputs for the dequantized ``dO8 * descale_dO``, and bounds on the emulation's (and the
+    FP8 Triton backward's) dequantized gradients (``dQ / scale_dQ`` ...). ``o``: the forward's stored output
+    (with descale_o).
+
+    ``mma_unit``: the FP8 MMA's relative sum error (``fusedattn.fp8.mma_unit(device)``; 0 for fp32 sums, the
+    emulation and the interpreter). It enters as in :func:`fp8_forward_bound`, at each of the five products:
+    S's recomputation and the forward's stats (``2 u_mma A_i`` each, inside delta), dP = dO V^T (relative to
+    ``sum |dO||V|``), and the three sums P8^T dO8, dS8 K8, dS8^T Q8 (relative to their sums of magnitudes).
+    with_ds: also return ``(dS_ref, bound_dS)`` (``[b, h_q, s_q, s_kv]``, cuDNN's "dP" before scale_dP), for
+    amax_dP: ``|amax_dP - max |dS_ref|| <= max bound_dS``."""
     mask = dict(causal=causal, causal_alignment=causal_alignment, window=window, seq_len_q=seq_len_q,
                 seq_len_kv=seq_len_kv)
     q, k, v, scale, keep, p, lse = _common(q8, k8, v8, scales, attn_scale, mask)
@@ -132,16 +142,17 @@ def fp8_backward_bound(q8, k8, v8, o, dO8, *, grad_dtype, attn_scale=None, causa
     dQ = dS @ k
     dK = dS.transpose(-1, -2) @ q
     A = ((q.abs() @ k.abs().transpose(-1, -2)) * abs(scale)).masked_fill(~keep, 0).amax(-1, keepdim=True)
-    delta = 2 * (2 * (d + 3) * EPS32 * A + (s_kv + 6) * EPS32)
-    # dV: P rounding (relative u8 plus the subnormal floor) and fp32
-    gam_q = (s_q * g + 4) * EPS32
+    # P = exp(S - stats): S recomputed and the forward's stats, each within the forward's delta_i
+    delta = 2 * (2 * (d + 3) * EPS32 * A + 2 * mma_unit * A + (s_kv + 6) * EPS32)
+    # dV: P rounding (relative u8 plus the subnormal floor) and fp32 (or the FP8 MMA's) sums
+    gam_q = (s_q * g + 4) * EPS32 + mma_unit
     bdV = ((u8 + 2 * delta + 2 * gam_q) * p + a8 * f["descale_s"] * kept).transpose(-1, -2) @ dO.abs()
     # dS: the error of D (the forward's rounded O) and of fp32
     E_D = ((dO * (o_given - o_ref)).sum(-1, keepdim=True)).abs() + 2 * (d_v + 4) * EPS32 * (dO.abs() * o_given.abs()).sum(-1, keepdim=True)
-    E_dP = 2 * (d_v + 4) * EPS32 * (dO.abs() @ v.abs().transpose(-1, -2))
+    E_dP = 2 * ((d_v + 4) * EPS32 + mma_unit) * (dO.abs() @ v.abs().transpose(-1, -2))
     EdS = abs(scale) * p * (E_D + E_dP + (delta + 4 * EPS32) * ((dP - D).abs() + E_D + E_dP))
     per = (EdS + uds * (dS.abs() + EdS)) + ads * f["descale_dP"] * kept
-    gam_kv = (s_kv + 4) * EPS32
+    gam_kv = (s_kv + 4) * EPS32 + mma_unit
     bdQ = per @ k.abs() + 2 * gam_kv * (dS.abs() + per) @ k.abs()
     bdK = per.transpose(-1, -2) @ q.abs() + 2 * gam_q * (dS.abs() + per).transpose(-1, -2) @ q.abs()
 
@@ -151,7 +162,8 @@ def fp8_backward_bound(q8, k8, v8, o, dO8, *, grad_dtype, attn_scale=None, causa
 
     def out(ref, bnd, name):
         return bnd + (ug + 2 * EPS32) * (ref.abs() + bnd) + ag / f[name]
-    return (dQ, dK, dV), (out(dQ, bdQ, "scale_dQ"), out(dK, bdK, "scale_dK"), out(dV, bdV, "scale_dV"))
+    res = (dQ, dK, dV), (out(dQ, bdQ, "scale_dQ"), out(dK, bdK, "scale_dK"), out(dV, bdV, "scale_dV"))
+    return res + ((dS, EdS),) if with_ds else res
 
 
 def fp8_kvcache_bound(q, k, v, k8, v8, *, descale_k, descale_v, out_dtype, attn_scale=None, causal=True, window=None,

@@ -135,12 +135,35 @@ def bwd_variants(d, tk, tq, dtype="bf16", **sw):
     ptr = f"*{dtype}"
     bd = max(16, triton.next_power_of_2(d))     # args.block_dim: tl.dot needs 16 at least
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d)
+    # the 16-bit launch leaves the FP8 parameters at their defaults (None pointers: constexpr)
+    c.update(FP8_SCALES=None, AMAX=None, FP8=False, FP8_INTERP=False)
     c.update(sw)
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,
                 SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32", CU_Q="*i32", CU_KV="*i32")
     a = compile_variant(bwd._attn_bwd_dkdv, ptrs, dict(c, BLOCK_M=tk[0], BLOCK_N=tk[1], WRITE_DBIAS=False, VARLEN=c.get("VARLEN", False)), tk[2], tk[3])
     b = compile_variant(bwd._attn_bwd_dq, ptrs, dict(c, BLOCK_M=tq[0], BLOCK_N=tq[1], REVERSE_M=True, WRITE_DELTA=True, VARLEN=c.get("VARLEN", False)), tq[2], tq[3])
     return a, b
+
+
+def bwd_fp8_variants(d, tk, tq, dtype="fp8e4nv", do="fp8e5", o="fp8e4nv", grad="bf16", **sw):
+    """Compile the FP8 backward's two passes (``bwd.launch_bwd_fp8``): float8 q/k/v (``dtype``), dO (``do``)
+    and o (``o``), gradients ``grad``, the scale and amax buffers; head-dim tiles of 32 at least. tk / tq:
+    (block_m, block_n, warps, stages) of the dK/dV and dQ passes. Returns (dK/dV report, dQ report), each
+    'smem=... regs=[...] spill_stores=[...]'."""
+    bd = max(32, triton.next_power_of_2(d))
+    c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, VARLEN=False, FP8=True,
+             FP8_INTERP=False)
+    c.update(sw)
+    ptr = f"*{dtype}"
+    ptrs = dict(Q=ptr, K=ptr, V=ptr, O=f"*{o}", DO=f"*{do}", LSE="*fp32", DELTA="*fp32", DK=f"*{grad}",
+                DV=f"*{grad}", DBIAS="*fp32", DQ=f"*{grad}", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32",
+                CU_Q="*i32", CU_KV="*i32", FP8_SCALES="*fp32", AMAX="*fp32")
+    out = []
+    for kern, t, extra in ((bwd._attn_bwd_dkdv, tk, dict(WRITE_DBIAS=False)),
+                           (bwd._attn_bwd_dq, tq, dict(REVERSE_M=True, WRITE_DELTA=True))):
+        k = compile_kernel(kern, ptrs, dict(c, BLOCK_M=t[0], BLOCK_N=t[1], **extra), t[2], t[3], jit_like=True)
+        out.append(f"smem={k.metadata.shared} {ptxas_report(k)}")
+    return tuple(out)
 
 
 def delta_variant(d_v, dtype="bf16", **sw):
@@ -170,6 +193,14 @@ def main():
         print("bwd all switches", bwd_variants(96, (32, 64, 4, 1), (64, 32, 4, 1), BOTTOM_RIGHT=True, HAS_LEFT=True,
                                                HAS_SEQ_Q=True, HAS_SEQ_KV=True, BIAS_KIND=1, HAS_ALIBI=True,
                                                SOFTCAP=True, DROPOUT=True))
+        from fusedattn.plan import _BWD_FP8_SM90
+        for d, (tk, tq) in _BWD_FP8_SM90.items():      # the FP8 backward's tiles (plan.fp8_bwd_tiles)
+            tk, tq = (tk.block_m, tk.block_n, tk.num_warps, tk.num_stages), (tq.block_m, tq.block_n, tq.num_warps,
+                                                                              tq.num_stages)
+            print("bwd fp8", d, tk, tq, bwd_fp8_variants(d, tk, tq))
+        print("bwd fp8 masks, e5m2 gradients", bwd_fp8_variants(
+            96, (64, 32, 8, 1), (128, 32, 8, 2), dtype="fp8e5", do="fp8e5", o="bf16", grad="fp8e5", BOTTOM_RIGHT=True,
+            HAS_LEFT=True, HAS_SEQ_Q=True, HAS_SEQ_KV=True))
 
 
 def ptxas_report(kernel_obj):

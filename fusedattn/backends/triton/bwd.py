@@ -22,6 +22,32 @@ result is bitwise reproducible. It works on transposed tiles [keys, rows]
 (S^T = K Q^T) so no tile is transposed in registers. With softcap, dS also
 carries the tanh derivative (1 - t^2). dBias (when asked) is dS itself,
 written per (row, key) by the dK/dV program into a zeroed fp32 buffer.
+
+[Note] FP8 (compile-time ``FP8``; ``launch_bwd_fp8``; semantics: cuDNN's ``sdpa_fp8_backward``,
+``fusedattn.fp8``): q, K, V float8 (one type, e4m3 or e5m2), dO float8 (e4m3 or e5m2, its own type), o
+float8 or 16/32-bit; one fp32 [12] buffer holds the scales (``FP8_BWD_SCALE_NAMES``, read in the kernels,
+so CUDA graphs replay new values) and one fp32 [4] the amaxes (dQ, dK, dV, dP; float atomic max, zeroed by
+the host). The rounding points are the emulation's, in its order:
+* delta = rowsum(dO8 * o) * descale_dO * descale_o (fp32 products and sum), by the dQ pass as before;
+* S = dot(q8, k8^T) (fp32 sums of exact FP8 products) * qk_scale * descale_q * descale_k (base 2);
+  P = exp2(S - lse * log2 e): the normalized P, as cuDNN's graph (no running max here);
+* dP = dot(dO8, V8^T) * descale_dO * descale_v; dS = (dP - delta) * P * attn_scale (natural units,
+  attn_scale inside dS, not applied at the end as the 16-bit path does); amax_dP = max |dS|, by the dK/dV
+  pass (its masked tiles mask rows past len_q and keys past len_kv; its unmasked ones lie inside);
+* dK/dV pass: dV += dot(P8^T, dO8) with P8 = fp8(P * scale_s) in q's type; dK += dot(dS8^T, q8) with
+  dS8 = fp8(dS * scale_dP) in dO's type (``common.to_fp8``: nearest even, saturating); the group's query
+  heads summed, then dV * descale_s * descale_dO and dK * descale_dP * descale_q (matmul_fp8's gqa_c);
+* dQ pass: dQ += dot(dS8, k8); dQ * descale_dP * descale_k;
+* each gradient: amax of the descaled fp32 tile (rows / keys inside the sequence), then * scale_dX in
+  its type (``common.to_out``: FP8 saturating).
+All five products are FP8 MMAs on sm_90 with ``max_num_imprecise_acc=FP8_PROMOTE_K`` (the forward's;
+the unit ``fusedattn.fp8.MMA_UNIT_FP8`` enters the bound, ``reference_fp8.fp8_backward_bound(mma_unit=)``).
+The products dot(P8^T, dO8), dot(dS8^T, q8) and dot(dS8, k8) sum over the row / key axis, which is not
+innermost in dO, q and K: an FP8 wgmma wants both operands K-major, so Triton transposes those tiles on
+the way to shared memory (the forward's V, bench/NOTES.md 57); staging transposed copies is the speed step
+after the GPU check. Interpreter: ``FP8_INTERP`` as the forward's (``common.to_fp8`` and ``to_out`` round
+in fp32 arithmetic first, the interpreter's float8 and bf16 casts being wrong). The 16-bit kernels are the
+same code with the FP8 parameters at their defaults (None / False): their PTX is unchanged.
 """
 import torch
 import triton
@@ -29,8 +55,9 @@ import triton.language as tl
 
 from .args import aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
-from .common import (LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_range, load_bias, load_tile,
-                     q_block_range, scores_base2, softcap_tanh)
+from .common import (FP8_PROMOTE_K, LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_range, load_bias,
+                     load_tile, q_block_range, scores_base2, softcap_tanh, to_fp8, to_out)
+from ...plan import interpreting
 
 
 @triton.jit
@@ -71,6 +98,16 @@ def _attn_bwd_preprocess(O, DO, DELTA, CU_Q, LSE, SINK, DSINK, stride_ob, stride
 
 
 @triton.jit
+def fp8_grad_out(x, row_in, SCALE, AMAX, OUT_TY: tl.constexpr, INTERP: tl.constexpr):
+    """One FP8-backward gradient tile (dQ, dK or dV, fp32, already descaled) as stored: its share of the
+    gradient's amax (max |x| over rows ``row_in``, before the scale; a float atomic max into AMAX, which the
+    host zeroed: every value is >= 0, where the float order is the integer one), then ``x * scale`` in
+    OUT_TY (``common.to_out``: float8 saturating)."""
+    tl.atomic_max(AMAX, tl.max(tl.max(tl.where(row_in[:, None], tl.abs(x), 0.0), 1), 0))
+    return to_out(x * tl.load(SCALE), OUT_TY, INTERP)
+
+
+@triton.jit
 def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
                           offs_n, offs_m0, offs_d, offs_dv, start, end, len_q, len_kv, diag, bh, row_end,
                           stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
@@ -79,8 +116,13 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
                           MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                           BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                          WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head."""
+                          WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                          amax_ds=0.0, fp8_scales=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
+    """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head.
+
+    FP8 (module docstring, [Note] FP8): ``fp8_scales`` = (scale_s, descale_dO, descale_v, attn_scale,
+    scale_dP) and ``qk_scale`` holds descale_q * descale_k; ``amax_ds`` (fp32 scalar) is the running
+    max |dS|, returned updated (unchanged without FP8)."""
     cols = offs_n[:, None]                                    # key index, tiles are [keys, rows]
     BLOCK_N_KEYS: tl.constexpr = offs_n.shape[0]
     key_start = tl.min(offs_n, 0)                             # first key of the block (a multiple of BLOCK_N)
@@ -89,7 +131,10 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         rows = offs_m[None, :]
         q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                       offs_m, offs_d, row_end, D, MASKED, not EVEN_D)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        if FP8:
+            qk_t = tl.dot(k, tl.trans(q), max_num_imprecise_acc=FP8_PROMOTE_K)
+        else:
+            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         bias = 0.0
         if BIAS_KIND != 0:
             bias = load_bias(bias_base, rows, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
@@ -104,23 +149,33 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         p_t = tl.math.exp2(s_t - (backward_lse(lse) * LOG2E)[None, :])     # empty rows (lse -inf): P = 0
         do = load_tile(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                        offs_m, offs_dv, row_end, D_V, MASKED, not EVEN_DV)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, start_m, key_start, S_Q, S_KV, dropout_threshold,
-                                BLOCK_M, BLOCK_N_KEYS, False)
-            dv = tl.dot(tl.where(keep, p_t * dropout_rescale, 0.0).to(do.dtype), do, dv,
-                        input_precision=DOT_PRECISION)
-            dp_t = tl.where(keep, dp_t * dropout_rescale, 0.0)
+        if FP8:
+            scale_s, descale_do, descale_v, attn_scale, scale_dp = fp8_scales
+            # cuDNN's order: dP = (dO8 V8^T) * descale_dO * descale_v; dV += P8^T dO8 (descaled at the end);
+            # dS = (dP - D) * P * attn_scale, amax_dP = max |dS|; dK += dS8^T q8 with dS8 in dO's type
+            dp_t = tl.dot(v, tl.trans(do), max_num_imprecise_acc=FP8_PROMOTE_K) * descale_do * descale_v
+            dv = tl.dot(to_fp8(p_t * scale_s, q.dtype, FP8_INTERP), do, dv, max_num_imprecise_acc=FP8_PROMOTE_K)
+            ds_t = (dp_t - delta[None, :]) * p_t * attn_scale
+            amax_ds = tl.maximum(amax_ds, tl.max(tl.max(tl.abs(ds_t), 1), 0))
+            dk = tl.dot(to_fp8(ds_t * scale_dp, do.dtype, FP8_INTERP), q, dk, max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])                 # d loss / d logit (natural units)
-        if WRITE_DBIAS:
-            tl.store(dbias_base + rows * S_KV + cols, ds_t, mask=(rows < S_Q) & (cols < S_KV))
-        if SOFTCAP:
-            t = softcap_tanh(qk_t, qk_scale)
-            ds_t = ds_t * (1.0 - t * t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                keep = dropout_keep(dropout_seed, dropout_offset, bh, start_m, key_start, S_Q, S_KV, dropout_threshold,
+                                    BLOCK_M, BLOCK_N_KEYS, False)
+                dv = tl.dot(tl.where(keep, p_t * dropout_rescale, 0.0).to(do.dtype), do, dv,
+                            input_precision=DOT_PRECISION)
+                dp_t = tl.where(keep, dp_t * dropout_rescale, 0.0)
+            else:
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])                 # d loss / d logit (natural units)
+            if WRITE_DBIAS:
+                tl.store(dbias_base + rows * S_KV + cols, ds_t, mask=(rows < S_Q) & (cols < S_KV))
+            if SOFTCAP:
+                t = softcap_tanh(qk_t, qk_scale)
+                ds_t = ds_t * (1.0 - t * t)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv, amax_ds
 
 
 @triton.jit
@@ -142,7 +197,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
                    HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                    BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
                    DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   VARLEN: tl.constexpr):
+                   VARLEN: tl.constexpr, FP8_SCALES=None, AMAX=None, FP8: tl.constexpr = False,
+                   FP8_INTERP: tl.constexpr = False):
     pid_n = tl.program_id(0)
     bhkv = tl.program_id(1)
     batch = bhkv // H_KV
@@ -172,6 +228,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, full_lo, full_hi, hi = q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    amax_ds = tl.zeros([], tl.float32)
+    fp8_scales = None
+    if FP8:
+        # cuDNN's bmm1 scale chain folded into the one score multiply (as the forward)
+        qk_scale = qk_scale * tl.load(FP8_SCALES + 0) * tl.load(FP8_SCALES + 1)
+        fp8_scales = (tl.load(FP8_SCALES + 7), tl.load(FP8_SCALES + 4), tl.load(FP8_SCALES + 2), sm_scale,
+                      tl.load(FP8_SCALES + 11))
     for g in range(0, GROUP):
         head = kv_head * GROUP + g                              # query heads of this kv head's group
         h64 = head.to(tl.int64)
@@ -189,31 +252,41 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
         slope = 0.0
         if HAS_ALIBI:
             slope = tl.load(SLOPES + b64 * stride_sb + head) * LOG2E     # [b, h_q]; stride 0 for [h_q]
-        dk, dv = _attn_bwd_dkdv_blocks(
+        dk, dv, amax_ds = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, lo, full_lo, len_q, len_kv, diag, bh, row_end,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_blocks(
+            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP)
+        dk, dv, amax_ds = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh, row_end,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             False, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_blocks(
+            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP)
+        dk, dv, amax_ds = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh, row_end,
             stride_qm, stride_qd, stride_dom, stride_dod, stride_lm, stride_bm, stride_bn,
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION)
-    dk = dk * sm_scale              # d(scale * q.k) / dk; softcap's tanh' is already in dS
+            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP)
+    if FP8:
+        # the group's query heads are summed (the loop above) before the descales: matmul_fp8's gqa_c;
+        # attn_scale is inside dS already. Keys past the sequence hold 0 (their P is 0).
+        key_in = offs_n < col_end
+        dk = fp8_grad_out(dk * tl.load(FP8_SCALES + 6) * tl.load(FP8_SCALES + 0), key_in, FP8_SCALES + 9,
+                          AMAX + 1, DK.dtype.element_ty, FP8_INTERP)
+        dv = fp8_grad_out(dv * tl.load(FP8_SCALES + 5) * tl.load(FP8_SCALES + 4), key_in, FP8_SCALES + 10,
+                          AMAX + 2, DV.dtype.element_ty, FP8_INTERP)
+        tl.atomic_max(AMAX + 3, amax_ds)
+    else:
+        dk = dk * sm_scale              # d(scale * q.k) / dk; softcap's tanh' is already in dS
     dk_ptrs = DK + dk_off + kvh64 * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + dv_off + kvh64 * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=(offs_n < col_end)[:, None] & (offs_d < D)[None, :])
@@ -229,8 +302,12 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
                         MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                         BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
-    """Accumulate dQ [rows, d] of one query tile over key blocks [start, end)."""
+                        DOT_PRECISION: tl.constexpr, fp8_scales=None, FP8: tl.constexpr = False,
+                        FP8_INTERP: tl.constexpr = False):
+    """Accumulate dQ [rows, d] of one query tile over key blocks [start, end).
+
+    FP8: ``fp8_scales`` = (descale_dO, descale_v, attn_scale, scale_dP); ``qk_scale`` holds descale_q *
+    descale_k; dQ accumulates dS8 k8 (descaled by the caller)."""
     rows = offs_m[:, None]
     BLOCK_M_ROWS: tl.constexpr = offs_m.shape[0]
     row0 = tl.min(offs_m, 0)                                  # first row of the tile (a multiple of BLOCK_M)
@@ -241,23 +318,33 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
                       offs_n, offs_d, len_kv, D, MASKED, not EVEN_D)
         v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                       offs_n, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if FP8:
+            qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias = 0.0
         if BIAS_KIND != 0:
             bias = load_bias(bias_base, rows, cols, stride_bm, stride_bn, S_Q, S_KV, BIAS_KIND)
         s = scores_base2(qk, bias, slope, rows, cols, len_q, len_kv, diag, win_left, win_right, qk_scale,
                          softcap, MASKED, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            keep = dropout_keep(dropout_seed, dropout_offset, bh, row0, start_n, S_Q, S_KV, dropout_threshold,
-                                BLOCK_M_ROWS, BLOCK_N, True)
-            dp = tl.where(keep, dp * dropout_rescale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            t = softcap_tanh(qk, qk_scale)
-            ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        if FP8:
+            descale_do, descale_v, attn_scale, scale_dp = fp8_scales
+            # the dK/dV pass's dS (same order), quantized to dO's type with scale_dP
+            dp = tl.dot(do, tl.trans(v), max_num_imprecise_acc=FP8_PROMOTE_K) * descale_do * descale_v
+            ds = (dp - delta[:, None]) * p * attn_scale
+            dq = tl.dot(to_fp8(ds * scale_dp, do.dtype, FP8_INTERP), k, dq, max_num_imprecise_acc=FP8_PROMOTE_K)
+        else:
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                keep = dropout_keep(dropout_seed, dropout_offset, bh, row0, start_n, S_Q, S_KV, dropout_threshold,
+                                    BLOCK_M_ROWS, BLOCK_N, True)
+                dp = tl.where(keep, dp * dropout_rescale, 0.0)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                t = softcap_tanh(qk, qk_scale)
+                ds = ds * (1.0 - t * t)
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -280,7 +367,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
                  HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr,
                  BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
                  DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 VARLEN: tl.constexpr, WRITE_DELTA: tl.constexpr):
+                 VARLEN: tl.constexpr, WRITE_DELTA: tl.constexpr, FP8_SCALES=None, AMAX=None,
+                 FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -319,6 +407,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
         o = load_tile(O + b_idx * stride_ob + q0 * stride_om + h64 * stride_oh + offs_m[:, None] * stride_om
                       + offs_dv[None, :] * stride_od, offs_m, offs_dv, row_end, D_V, True, not EVEN_DV)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        if FP8:
+            delta = delta * tl.load(FP8_SCALES + 4) * tl.load(FP8_SCALES + 3)     # D's descale_dO, descale_o
         tl.store(delta_ptrs, delta, mask=offs_m < S_Q)
     else:
         delta = tl.load(delta_ptrs, mask=offs_m < row_end, other=0.0)
@@ -331,6 +421,10 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
     if HAS_ALIBI:
         slope = tl.load(SLOPES + b64 * stride_sb + head) * LOG2E         # [b, h_q]; stride 0 for [h_q]
 
+    fp8_scales = None
+    if FP8:
+        qk_scale = qk_scale * tl.load(FP8_SCALES + 0) * tl.load(FP8_SCALES + 1)
+        fp8_scales = (tl.load(FP8_SCALES + 4), tl.load(FP8_SCALES + 2), sm_scale, tl.load(FP8_SCALES + 11))
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, full_lo, full_hi, hi = kv_block_range(start_m, len_q, len_kv, diag, win_left, win_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -340,23 +434,29 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
                              S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                              True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
-                             DROPOUT, DOT_PRECISION)
+                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
                              offs_m, offs_n0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh,
                              stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
                              S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                              False, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
-                             DROPOUT, DOT_PRECISION)
+                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
                              offs_m, offs_n0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh,
                              stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
                              S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                              True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
-                             DROPOUT, DOT_PRECISION)
+                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP)
     # rows past the sequence get no gradient (their unmasked full blocks computed garbage)
-    dq = tl.where((offs_m < len_q)[:, None], dq * sm_scale, 0.0)
+    if FP8:
+        # dQ = (dS8 k8) * descale_dP * descale_k (attn_scale is inside dS); amax, then scale_dQ
+        row_in = offs_m < len_q
+        dq = tl.where(row_in[:, None], dq * tl.load(FP8_SCALES + 6) * tl.load(FP8_SCALES + 1), 0.0)
+        dq = fp8_grad_out(dq, row_in, FP8_SCALES + 8, AMAX + 0, DQ.dtype.element_ty, FP8_INTERP)
+    else:
+        dq = tl.where((offs_m < len_q)[:, None], dq * sm_scale, 0.0)
     dq_ptrs = DQ + dq_off + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_d < D)[None, :])
 
@@ -478,3 +578,50 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
         if target is not None:
             target.copy_(buf)
     return dbias
+
+
+# FP8_SCALES: the backward's twelve scales in one fp32 buffer, in this order (the kernels index it)
+FP8_BWD_SCALE_NAMES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                       "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+FP8_BWD_AMAX_NAMES = ("dQ", "dK", "dV", "dP")
+
+
+def launch_bwd_fp8(problem, tiles_dkdv, tiles_dq, q8, k8, v8, out, grad_out, lse, extras, scales, amax, dq, dk, dv):
+    """The FP8 backward (module docstring, [Note] FP8): the dQ pass (which writes delta) and the dK/dV pass.
+
+    q8 [b,h_q,s_q,d], k8 [b,h_kv,s_kv,d], v8 [b,h_kv,s_kv,d_v]: one float8 type; grad_out (dO) float8 (e4m3 or
+    e5m2) and out (o) float8 or any float, [b,h_q,s_q,d_v]; any strides. lse: fp32 [b,h_q,s_q] view (the
+    forward's natural-log stats). scales: fp32 contiguous [12] on the device, :data:`FP8_BWD_SCALE_NAMES`'
+    order (read by the kernels: CUDA graphs replay new values). amax: fp32 contiguous [4] (dQ, dK, dV, dP),
+    zeroed by the caller, maxed into. dq / dk / dv: outputs (float8 / bf16 / fp16 / fp32), any strides.
+    problem: shapes and the mask (masks, padding and GQA only; fusedattn.fp8 routes the rest to its
+    emulation). Always through the JIT's dispatch (key None), as ``fwd.launch_fwd_fp8``.
+    """
+    from .fwd import fp8_block_dim
+    p = problem
+    q8, k8, v8, out, grad_out, lse = (aligned(t) for t in (q8, k8, v8, out, grad_out, lse))
+    (dq, dq_target), (dk, dk_target), (dv, dv_target) = (aligned_output(t) for t in (dq, dk, dv))
+    args = kernel_scalars(p, extras, q8)
+    block_d, block_dv = fp8_block_dim(p.d), fp8_block_dim(p.d_v)
+    switches = dict(args["switches"], EVEN_D=block_d == p.d, EVEN_DV=block_dv == p.d_v)
+    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q8.device)
+    no_bias, no_slopes = (0, 0, 0, 0), 0
+    common = (p.scale, args["qk_scale"], 0.0, args["win_left"], args["win_right"], 0, 0, 0, 1.0)
+    fp8_kw = dict(FP8_SCALES=scales, AMAX=amax, FP8=True, FP8_INTERP=interpreting())
+    t = tiles_dq
+    _DQ(None, (cdiv(p.s_q, t.block_m), p.b * p.h_q),
+        q8, k8, v8, out, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], q8, args["slopes"], q8, q8,
+        *q8.stride(), *k8.stride(), *v8.stride(), *out.stride(), *grad_out.stride(), *dq.stride(), *lse.stride(),
+        *no_bias, no_slopes, p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, REVERSE_M=args["causal_like"],
+        VARLEN=False, WRITE_DELTA=True, num_warps=t.num_warps, num_stages=t.num_stages, **fp8_kw, **switches)
+    t = tiles_dkdv
+    _DKDV(None, (cdiv(p.s_kv, t.block_n), p.b * p.h_kv),
+          q8, k8, v8, grad_out, lse, delta, dk, dv, delta, args["seq_q"], args["seq_kv"], q8, args["slopes"], q8, q8,
+          *q8.stride(), *k8.stride(), *v8.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(), *lse.stride(),
+          *no_bias, no_slopes, p.h_q, p.h_kv, p.group, p.s_q, p.s_kv, p.d, p.d_v, *common,
+          BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, WRITE_DBIAS=False,
+          VARLEN=False, num_warps=t.num_warps, num_stages=t.num_stages, **fp8_kw, **switches)
+    for buf, target in ((dq, dq_target), (dk, dk_target), (dv, dv_target)):
+        if target is not None:
+            target.copy_(buf)

@@ -324,3 +324,19 @@ def to_fp8(x, FP8_TY: tl.constexpr, INTERP: tl.constexpr):
         if INTERP:
             x = round_to_fp8_grid(x, 3, -6)
     return x.to(FP8_TY)
+
+
+@triton.jit
+def to_out(x, OUT_TY: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 ``x`` as an FP8 kernel's output type OUT_TY: float8 through ``to_fp8`` (saturating); bf16 nearest
+    even; fp16 / fp32 by the plain cast. INTERP: Triton's interpreter (3.6) casts fp32 to bf16 by truncation
+    (66.466 -> 66.0, not 66.5), so there the fp32 bits are rounded to bf16's first (add 0x7FFF plus the
+    kept last bit, clear the low half; finite normal values: its cast also mishandles fp32 subnormals), which
+    the cast then keeps exactly. On the GPU the cast is ``cvt.rn.bf16.f32``."""
+    if OUT_TY.is_fp8():
+        return to_fp8(x, OUT_TY, INTERP)
+    if INTERP and OUT_TY == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(OUT_TY)

@@ -73,7 +73,7 @@ from .args import (aligned, aligned_output, block_dim, extras_key, is_plain as _
 from .launch import Launcher, cdiv
 from ...plan import interpreting
 from .common import (FP8_PROMOTE_K, LN2, batch_rows, dropout_keep, fold_sink, kv_block_range, kv_row_offsets,
-                     load_bias, load_tile, scores_base2, to_fp8)
+                     load_bias, load_tile, scores_base2, to_fp8, to_out)
 
 
 @triton.jit
@@ -172,17 +172,14 @@ def fp8_epilogue(out, inv_l, row_in, DESCALE_S, DESCALE_V, SCALE_O, AMAX_S, AMAX
 
     out: acc / l, fp32 [BLOCK_M, BLOCK_DV] (0 on empty rows); inv_l: 1 / l [BLOCK_M] (0 on empty rows);
     row_in: [BLOCK_M] rows inside the sequence (the tile's last rows past len_q attend to zero queries
-    and must not count). Returns O * scale_o in OUT_TY (float8: saturating, ``to_fp8``).
+    and must not count). Returns O * scale_o in OUT_TY (``common.to_out``: float8 saturating, ``to_fp8``).
     """
     out = out * tl.load(DESCALE_S) * tl.load(DESCALE_V)      # matmul_fp8's order: descale A (P), then B (V)
     # amax_s = max P = 1 / l per row (the row's largest term is exp(0)); amax_o = max |O| before scale_o.
     # Both >= 0, where the float atomic max orders as the numbers do; the host zeroes them first.
     tl.atomic_max(AMAX_S, tl.max(tl.where(row_in, inv_l, 0.0), 0))
     tl.atomic_max(AMAX_O, tl.max(tl.max(tl.where(row_in[:, None], tl.abs(out), 0.0), 1), 0))
-    out = out * tl.load(SCALE_O)
-    if OUT_TY.is_fp8():
-        return to_fp8(out, OUT_TY, INTERP)
-    return out.to(OUT_TY)
+    return to_out(out * tl.load(SCALE_O), OUT_TY, INTERP)     # float8 saturating; bf16 nearest even on the interpreter
 
 
 @triton.jit
