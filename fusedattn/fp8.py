@@ -54,6 +54,12 @@ portable kernel's FP8 switch (``backends/triton/bwd.py``, [Note] FP8; :func:`sdp
 normalized P recomputed from the stats, P8 and dS8 quantized as above (tests/test_fp8_bwd_kernel.py). The
 Gluon sm_90 FP8 kernels are the next step of issue 27.
 
+The Gluon sm_90 forward (issue 27 item 3): on an sm_90 GPU with Gluon, head dims 64 and 128 run the Gluon
+forward's FP8 switch ahead of the portable kernel (``backends/gluon/fwd_sm90.py``, [Note] FP8; routing in
+:func:`_run_gluon_fp8`, ``plan.gluon_fp8_fwd``): the same rounding points, e4m3 / e5m2 wgmmas, whose sums
+move into fp32 once per key tile rather than once per K-step of 32, so its ``u_mma`` is
+``mma_unit(device, chain)`` with ``fwd_sm90.fp8_mma_chain``'s chain (4 at d=128; tests/test_gluon_fp8.py).
+
 Error bound (forward; :func:`fusedattn.reference_fp8.fp8_forward_error_bound` computes it). Compared
 with float64 attention of the dequantized inputs, ``O_ref = softmax(S) @ (v8 * descale_v)`` times
 ``c = scale_s * descale_s`` (1 for consistent scales), the dequantized output ``o / scale_o`` of
@@ -137,12 +143,15 @@ ROWS_PER_CHUNK = 128
 MMA_UNIT_FP8 = 2.0 ** -8
 
 
-def mma_unit(device) -> float:
+def mma_unit(device, chain: int = 1) -> float:
     """``u_mma`` of the error bound for FP8 products computed on ``device``: 0 where they are summed in
-    fp32 (the CPU emulation, Triton's interpreter), :data:`MMA_UNIT_FP8` on a CUDA GPU's FP8 MMAs."""
+    fp32 (the CPU emulation, Triton's interpreter), :data:`MMA_UNIT_FP8` on a CUDA GPU's FP8 MMAs whose
+    every K-step of 32 is moved into fp32 (the portable kernel). ``chain``: the K-steps an MMA adds up
+    before its sum moves into fp32 (the Gluon sm_90 kernel's: ``backends/gluon/fwd_sm90.fp8_mma_chain``);
+    each step's error is then relative to the chain's running sum, so the unit grows by the chain's length."""
     from .backends.triton.launch import interpreting
     device = torch.device(device)
-    return MMA_UNIT_FP8 if device.type == "cuda" and not interpreting() else 0.0
+    return chain * MMA_UNIT_FP8 if device.type == "cuda" and not interpreting() else 0.0
 
 
 def is_fp8(t) -> bool:
@@ -278,7 +287,8 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
         attn_scale: float, default ``1 / sqrt(d)``. band: a :class:`~fusedattn.problem.Band`, an
             ``(alignment, left, right)`` tuple or None. seq_len_q / seq_len_kv: int ``[b]`` (padding).
         o_dtype: output type (default q's).
-        backend: ``"auto"`` (CUDA tensors: the Triton kernel; CPU tensors: the emulation), ``"triton"``
+        backend: ``"auto"`` (CUDA tensors: the kernels, Gluon's on sm_90 where it takes the call, else the
+            portable Triton one; CPU tensors: the emulation), ``"triton"``
             (the kernel; on CPU tensors under Triton's interpreter) or ``"cpu"`` (the emulation).
             What the kernel does not take runs the emulation on any backend (:func:`_kernel_refuses`).
 
@@ -388,6 +398,8 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
     o = torch.empty((b, h_q, s_q, d_v), dtype=o_dtype, device=dev) if out is None else out
     stats = torch.empty((b, h_q, s_q, 1), dtype=torch.float32, device=dev) if stats_out is None else stats_out
     amax = torch.zeros(2, dtype=torch.float32, device=dev)      # [amax_s, amax_o]: the kernel maxes into them
+    if dev.type == "cuda" and _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras):
+        return o, stats, amax[0].reshape(1, 1, 1, 1), amax[1].reshape(1, 1, 1, 1)
     if s_kv > 1 and v.stride(2) != 1:
         # FP8 MMAs read both operands K-major from shared memory, and P8 @ V's K is the key: V with its
         # keys innermost lets the kernel prefetch V's tiles as it does K's. With d innermost each V tile is
@@ -396,6 +408,38 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
         v = v.transpose(2, 3).contiguous().transpose(2, 3)
     launch_fwd_fp8(p, fp8_fwd_tiles(d, d_v), q, k, v, o, stats[..., 0], extras, scales, amax[0:1], amax[1:2])
     return o, stats, amax[0].reshape(1, 1, 1, 1), amax[1].reshape(1, 1, 1, 1)
+
+
+# the order of the scales in the Gluon kernel's SCALES [6] (backends/gluon/fwd_sm90.py, _attn_fwd_sm90)
+_GLUON_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+
+
+def _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras) -> bool:
+    """The forward on the Gluon sm_90 kernel's FP8 switch when it takes the call (``fwd_sm90.supports_fp8``:
+    sm_90, head dims 64 / 128, TMA-ready q and k); False (nothing launched, or a failed launch on a Triton
+    we do not support, whose amaxes are zeroed again) lets the portable kernel run it. The Gluon modules come
+    through the functional door's loader, so an unsupported Triton turns them off once, with a warning."""
+    from .functional import _gluon_kernels, _gluon_ran      # late: functional dispatches here
+    from .plan import gluon_fp8_fwd
+    if not gluon_fp8_fwd(p.d, p.d_v):
+        return False
+    gluon = _gluon_kernels("fp8-forward", "fwd_sm90")
+    if gluon is None:
+        return False
+    fwd = gluon[0]
+    lens = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+    if not fwd.supports_fp8(p, q, k, v, o, **lens):
+        return False
+
+    def go():
+        sc = torch.cat([scales[name].reshape(1) for name in _GLUON_SCALES])
+        fwd.launch_fwd_sm90_fp8(p, q, k, fwd.transposed_v(v), o, stats[..., 0], sc, amax, **lens)
+        return True
+
+    if _gluon_ran("fp8-forward", go):
+        return True
+    amax.zero_()
+    return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,18 @@ def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:
     return _INTERPRET_FP8 if interpreting() else _FWD_FP8_SM90[_bucket(max(d, d_v))]
 
 
+# The Gluon sm_90 forward's FP8 switch (backends/gluon/fwd_sm90.py [Note] FP8) takes these head dims (d = d_v)
+# ahead of the portable kernel on an H100; its tiles are fwd_sm90.FP8_TILES (64-key tiles in 4 stages at
+# d128, 128-key in 3 at d64: chosen by registers, tools/gluon_check.py fp8; not yet timed). d224 / 256 stay
+# on the portable kernel (the switch's per-tile accumulator does not fit beside a [64, 256] O).
+_GLUON_FP8_FWD_DIMS = (64, 128)
+
+
+def gluon_fp8_fwd(d: int, d_v: int) -> bool:
+    """Whether fusedattn.fp8 tries the Gluon FP8 forward for head dims d, d_v (FUSEDATTN_GLUON=0: never)."""
+    return os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v and d in _GLUON_FP8_FWD_DIMS
+
+
 def choose_backend(backend: str, device_type: str) -> str:
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -6,6 +6,9 @@
     or ... 128 1 bf16 plain - persistent
     python tools/gluon_check.py spills     # spill bytes of every persistent variant (one-tile grid beside)
     python tools/gluon_check.py paged PAGE [D] [persistent]   # the load warp's loops over a paged K/V cache
+    python tools/gluon_check.py 128 1 e4m3 [plain|pingpong] [BLOCK_N|-] [window] [seq_q] [seq_kv]
+                                [persistent] [out=e4m3|bf16|fp16|fp32] [promote=0|32]   # the FP8 switch
+    python tools/gluon_check.py fp8        # every FP8 variant: d 64/128/256 x masks x padding, spills and HGMMA kinds
 
 D is the head dim (64, 128, 224, 256); 224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the
 same one as 256. BLOCK_N overrides fwd_sm90.TILES (stages then keep the same shared memory).
@@ -39,39 +42,48 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+FP8_TYPES = {"e4m3": "fp8e4nv", "e5m2": "fp8e5"}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
-                persistent=False, dynamic=True, dropout=False, sink=False, page=0):
+                persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None):
     import torch
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    fp8 = dtype in FP8_TYPES
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
+           "e5m2": torch.float8_e5m2}[dtype]
+    ty = FP8_TYPES.get(dtype, dtype)     # Triton's name of the type
     d = fwd_sm90.TILE_D[d]
-    default_n, default_stages = fwd_sm90.TILES[d]
+    default_n, default_stages = (fwd_sm90.FP8_TILES if fp8 else fwd_sm90.TILES)[d]
     block_n = block_n or default_n
     stages = stages or max(1, default_stages * default_n // block_n)
     ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
     kl = fwd_sm90._smem_layout(block_n, d, tdt)
     box = min(page, block_n) if page else block_n     # paged: TMA boxes of at most one page
     box_d = 64 if page and page < block_n else d       # ... of one 64-column block when smaller than a tile
-    sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
-           "k_desc": f"tensordesc<{dtype}[1, 1, {box}, {box_d}],{kl!r}>",
-           "v_desc": f"tensordesc<{dtype}[1, 1, {box}, {box_d}],{kl!r}>",
-           "o_desc": f"tensordesc<{dtype}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
+    # FP8: V transposed, [HEAD_D, BLOCK_N] boxes (keys innermost)
+    v_sig = (f"tensordesc<{ty}[1, 1, {d}, {block_n}],{fwd_sm90._smem_layout(d, block_n, tdt)!r}>" if fp8
+             else f"tensordesc<{ty}[1, 1, {box}, {box_d}],{kl!r}>")
+    sig = {"q_desc": f"tensordesc<{ty}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
+           "k_desc": f"tensordesc<{ty}[1, 1, {box}, {box_d}],{kl!r}>",
+           "v_desc": v_sig,
+           "o_desc": f"tensordesc<{ty}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "COUNTER": "*i32", "N_M": "i32", "N_BH": "i32",
            "HEAD_GROUP": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32",
            "DROP_RESCALE": "fp32", "SINK": "*fp32", "PT_K": "*i32", "PT_V": "*i32", "stride_ptk": "i32",
-           "stride_ptv": "i32", "MAX_PAGES": "i32"}
+           "stride_ptv": "i32", "MAX_PAGES": "i32",
+           "O": "*" + FP8_TYPES.get(out, out), "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+           "D_O": "i32", "SCALES": "*fp32", "AMAX": "*fp32"}
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
-                 HAS_SINK=sink, PAGE=page)
+                 HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
@@ -98,7 +110,7 @@ def sass(kernel):
                           check=True).stdout
 
 
-KEY = re.compile(r"HGMMA|WARPGROUP|DEPBAR|BAR\.|SYNCS|MUFU\.EX2|UTMALDG|UTMASTG|USETMAXREG")
+KEY = re.compile(r"[HQ]GMMA|WARPGROUP|DEPBAR|BAR\.|SYNCS|MUFU\.EX2|UTMALDG|UTMASTG|USETMAXREG")
 
 
 def loops(text):
@@ -110,6 +122,102 @@ def loops(text):
             body = lines[labels[m.group(1)]:i + 1]
             n = sum(1 for b in body if re.match(r"\s*/\*[0-9a-f]+\*/", b))
             yield m.group(1), n, body
+
+
+def inner_loops(text, min_len=60):
+    """The loops of the SASS that matter: at least min_len instructions, no EXIT inside (the mbarrier
+    try-wait retry stubs after the last EXIT branch back across partitions)."""
+    found = [(label, n, body) for label, n, body in loops(text) if not any("EXIT" in b for b in body)]
+    heads = {label for label, _, _ in found}
+    # a loop whose body holds another loop's head is an outer one
+    return [(label, n, body) for label, n, body in found if n >= min_len
+            and not any(re.match(rf"^({'|'.join(re.escape(h) for h in heads - {label})}):", b) for b in body)]
+
+
+def _ins(body):
+    return [re.sub(r"\s+", " ", b.split("*/", 1)[1].split(";")[0].strip()) for b in body
+            if re.match(r"\s*/\*[0-9a-f]+\*/", b)]
+
+
+def inflight_a_writes(body):
+    """Instructions that write a register of a register-A wgmma (its A operand R<n>..R<n+3>) between that
+    wgmma and the next full wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) in one loop body: must be none (the
+    FP8 path's PV wait does not carry P8 as a dependency; fwd_sm90 ``_pv_wait``)."""
+    bad, live = [], set()
+    for i in _ins(body):
+        m = re.match(r"(?:@!?U?P\w+ )?[HQ]GMMA\S* R\d+, R(\d+), gdesc", i)
+        if m:
+            live |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+            continue
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in i:
+            live = set()
+            continue
+        m = re.match(r"(?:@!?U?P\w+ )?([A-Z][A-Z0-9_.]*) (R\d+)(\.64)?,", i)
+        if live and m and not m.group(1).startswith(("ST", "UTMA", "SYNCS", "BAR", "WARPGROUP", "ISETP", "FSETP")):
+            first = int(m.group(2)[1:])
+            regs = {first, first + 1} if m.group(3) else {first}
+            if regs & live:
+                bad.append(i)
+    return bad
+
+
+def fp8_report(k, label=""):
+    """Spills, shared memory, and per inner loop: instruction count, exponentials under the PV wgmma, the
+    wgmma kinds (QGMMA ... E4M3: the FP8 ones), SHFL count and in-flight A-operand writes."""
+    rep = ptxas_report(k)
+    m = re.search(r"\d+ bytes stack frame, \d+ bytes spill stores, \d+ bytes spill loads", rep)
+    regs = re.search(r"Used \d+ registers", rep)
+    serial = "; ptxas serialized wgmmas" if "C751" in rep else ""
+    print(f"{label}: shared {k.metadata.shared} bytes, {regs.group(0) if regs else '?'}, "
+          f"{m.group(0) if m else rep.strip()}{serial}")
+    for name, n, body in inner_loops(sass(k)):
+        ins = _ins(body)
+        kinds = sorted({re.match(r"(?:@!?U?P\w+ )?(\S+)", i).group(1) for i in ins if "GMMA" in i})
+        ex2 = sum("MUFU.EX2" in i for i in ins)
+        under, inside = 0, False
+        for i in ins:
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in i:
+                inside = True
+            elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in i:
+                inside = False
+            elif inside and "MUFU.EX2" in i:
+                under += 1
+        shfl = sum(i.split(" ")[0].startswith("SHFL") for i in ins)
+        spill = sum(bool(re.search(r"\b(STL|LDL)\b", i)) for i in ins)
+        bad = inflight_a_writes(body)
+        print(f"  loop {name}: {n} instructions, {ex2} MUFU.EX2 ({under} under the PV wgmma), {shfl} SHFL, "
+              f"{spill} STL/LDL, {len(bad)} writes to an in-flight A operand; wgmmas {', '.join(kinds)}")
+        for b in bad[:4]:
+            print("    in-flight A write:", b)
+
+
+def _fp8_case(args):
+    k = compile_fwd(**args)
+    import io
+    import contextlib
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        fp8_report(k, " ".join(f"{a}={v}" for a, v in args.items()))
+    return buf.getvalue()
+
+
+def fp8_survey():
+    """Every FP8 variant the routing takes (fwd_sm90.FP8_DIMS, FP8_TILES): no mask, causal (both
+    alignments), window, padded q / kv, the persistent grid; plus 128-key tiles at d=128, e5m2 and PROMOTE=32 for comparison."""
+    from concurrent.futures import ProcessPoolExecutor
+    cases = []
+    for d in fwd_sm90.FP8_DIMS:
+        for causal, br in ((False, False), (True, False), (True, True)):
+            for extra in ({}, dict(write_lse=False), dict(seq_q=True, seq_kv=True), dict(seq_kv=True),
+                          dict(persistent=True), dict(persistent=True, seq_q=True, seq_kv=True)):
+                cases.append(dict(d=d, causal=causal, bottom_right=br, dtype="e4m3", **extra))
+        cases.append(dict(d=d, causal=True, window=True, dtype="e4m3"))
+    cases += [dict(d=128, causal=c, dtype="e4m3", block_n=128, stages=3) for c in (False, True)]
+    cases += [dict(d=128, causal=True, dtype="e5m2"), dict(d=128, causal=True, dtype="e4m3", out="e4m3"),
+              dict(d=128, causal=True, dtype="e4m3", promote=32)]
+    with ProcessPoolExecutor(os.cpu_count()) as ex:
+        for text in ex.map(_fp8_case, cases):
+            print(text, end="", flush=True)
 
 
 def _spills(args):
@@ -187,6 +295,8 @@ def paged_loads(page, d=128, persistent=False):
 def main():
     if sys.argv[1:2] == ["spills"]:
         return spill_survey()
+    if sys.argv[1:2] == ["fp8"]:
+        return fp8_survey()
     if sys.argv[1:2] == ["paged"]:
         return paged_loads(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 128,
                            "persistent" in sys.argv[4:])
@@ -196,6 +306,13 @@ def main():
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
     block_n = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
     extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static", "dropout"
+    if dtype in FP8_TYPES:
+        # the FP8 switch: "out=TYPE" (e4m3, e5m2, bf16, fp16, fp32), "promote=N" (fwd_sm90.FP8_PROMOTE)
+        opts = dict(a.split("=", 1) for a in extra if "=" in a)
+        k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
+                        seq_q="seq_q" in extra, seq_kv="seq_kv" in extra, out=opts.get("out", "bf16"),
+                        promote=int(opts.get("promote", fwd_sm90.FP8_PROMOTE)), persistent="persistent" in extra)
+        return fp8_report(k, f"d{d} causal={int(causal)} {dtype} {' '.join(sys.argv[4:])}".strip())
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
                     alibi="alibi" in extra, seq_q="seq_q" in extra, seq_kv="seq_kv" in extra,
                     persistent="persistent" in extra, dynamic="static" not in extra, dropout="dropout" in extra)

@@ -176,6 +176,39 @@ and V's, come in one load a tile ahead, one entry per lane of the load warp (``_
 each copy takes its page from its lane with one warp reduction into the uniform registers the TMA
 copy reads (``_paged_tile_gather``: one copy per page and 64-column block, in a loop over pages).
 
+[Note] FP8 (q / K / V of one float8 type: the switch is the descriptors' element type, so the 16-bit
+kernel is unchanged; ``launch_fwd_sm90_fp8``; semantics: cuDNN's ``sdpa_fp8``, ``fusedattn.fp8``, at the
+portable kernel's rounding points, triton/fwd.py [Note] FP8). S = Q8 K8^T and O += P8 V8 are e4m3 (or
+e5m2) wgmmas (SASS QGMMA ... E4M3.E4M3); the scores' scale is attn_scale * log2 e * descale_q * descale_k;
+p = exp2(S - m) <= 1 in fp32 (l sums it), P8 = fp8(p * scale_s) with ``cvt.rn.satfinite`` (nearest even,
+saturating, as ``fp8.quantize``); the epilogue's O = acc / l * descale_s * descale_v, amax_s = max 1 / l
+and amax_o = max |O| over rows inside the sequence (float atomic max), o = O * scale_o in the output's
+type, stored from registers (``_fp8_write``: any output type, so no TMA staging tile).
+* V: FP8 wgmmas read both shared-memory operands K-major, and P V's K is the key, so V comes transposed
+  ([b, h_kv, d, s_kv], keys innermost: ``transposed_v``, one copy per call) in [HEAD_D, BLOCK_N] tiles,
+  handed to the wgmma permuted.
+* The key order: the A operand of an 8-bit wgmma holds 4 consecutive K columns per register, where the
+  accumulator holds column pairs 8 apart, so a thread's own P values would need a shuffle within its quad
+  to become the operand. Instead the copy of V permutes keys within each 16 (``key_order``: operand column
+  16 g + 4 q + t is key 16 g + 8 (t // 2) + 2 q + t % 2) and each register is built from the thread's own
+  values (``_pack_p8``: two cvt per 4 values; the loop carries them as int32, ``_unpack_p8`` is free in
+  SASS). Padding zeroes V's columns by that order (``_zero_cols_from``). Before: 24 SHFL and ~230 byte
+  moves per tile (758 SASS instructions per 128-key step at d=128; now 510).
+* The accumulation ([Note] FP8 of triton/fwd.py, ``fusedattn.fp8.MMA_UNIT_FP8``): Hopper's FP8 MMA adds a
+  K-step's 32 products (and the accumulator) aligned to the largest with about 14 bits. The portable
+  kernel moves every step into fp32 (``max_num_imprecise_acc=32``); in Gluon that expands into one waited
+  wgmma per K-step, which serializes the loop and spills (``PROMOTE=32``, kept for comparison). The
+  default (``FP8_PROMOTE = 0``) puts each key tile's P V into a fresh accumulator and adds it to O in fp32
+  (O = O * alpha + T: the rescale's multiply becomes that FMA), so P V's unpromoted chains are BLOCK_N / 32
+  K-steps and QK^T's d / 32: the bound's u_mma per product grows by that chain length (at most 4 here;
+  ``fusedattn.fp8.mma_unit(device, chain=...)``). The per-tile accumulator is another [64, d] fp32 tile
+  of registers, which d = 224 / 256 do not have (``FP8_DIMS``).
+* Triton 3.6's wgmma wait cannot carry 8-bit values, so P8 is not among the PV wait's dependencies
+  (``_pv_wait``); tools/gluon_check.py checks that no instruction writes P8's registers while the wgmma
+  that reads them is in flight.
+* No ALiBi, dropout, sinks or pages with FP8 (``supports_fp8``); the persistent grid compiles (off by default,
+  ``FP8_PERSISTENT``: not yet timed).
+
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
 d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
@@ -247,6 +280,10 @@ PERSISTENT.update({("none", 64): True, ("causal", 64): True, ("none", 128): True
 # ring 192 KB); at 256-wide tiles two would need 256 KB, so the next Q waits for the last output.
 QSTAGES = {64: 2, 128: 2, 256: 1}
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
+# FP8 ([Note] FP8): the wgmmas' partial sums move to the fp32 accumulator after every K-step of 32
+# (``max_num_imprecise_acc``), as the portable kernel's (``triton/common.FP8_PROMOTE_K``): the error bound's
+# ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``) assumes it
+FP8_PROMOTE_K = 32
 PRODUCER_REGS = 24    # the load warp
 
 
@@ -459,6 +496,152 @@ def _unpack_p(pk, dtype: gl.constexpr, layout: gl.constexpr):
     return gl.convert_layout(p, layout)
 
 
+@gluon.constexpr_function
+def _is_fp8(dtype):
+    """Whether the kernel runs the FP8 switch ([Note] FP8): its q / K / V type is an 8-bit float."""
+    return dtype.is_fp8()
+
+
+@gluon.constexpr_function
+def _mma_k(dtype):
+    """K of one wgmma instruction: 32 bytes of each operand row (16 for 16-bit types, 32 for FP8)."""
+    return 256 // dtype.primitive_bitwidth
+
+
+@gluon.constexpr_function
+def _promote_k(dtype, PROMOTE):
+    """``max_num_imprecise_acc`` of the FP8 wgmmas ([Note] FP8): PROMOTE = 32 moves their partial sums to
+    fp32 after every K-step of 32 (``FP8_PROMOTE_K``, as the portable kernel); 0: never within one product
+    (Triton's sm_90 default), and for 16-bit types (fp32 sums)."""
+    return PROMOTE if dtype.is_fp8() and PROMOTE > 0 else 0
+
+
+@gluon.jit
+def _wgmma(a, b, acc, PROMOTE_K: gl.constexpr, use_acc=True):
+    """An async wgmma; PROMOTE_K > 0 (FP8): ``max_num_imprecise_acc=PROMOTE_K`` (``_promote_k``)."""
+    if PROMOTE_K > 0:
+        tok = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True, max_num_imprecise_acc=PROMOTE_K)
+    else:
+        tok = warpgroup_mma(a, b, acc, use_acc=use_acc, is_async=True)
+    return tok
+
+
+@gluon.constexpr_function
+def _tile_acc(dtype, PROMOTE):
+    """Whether each key tile's P V goes into a fresh accumulator that the loop adds to O in fp32
+    (O = O * alpha + T; [Note] FP8, PROMOTE = 0): FP8 without per-step promotion."""
+    return dtype.is_fp8() and PROMOTE == 0
+
+
+@gluon.jit
+def _to_fp8(x, dtype: gl.constexpr):
+    """fp32 ``x`` (any shape and layout) as the FP8 ``dtype``: nearest even, saturating at the largest
+    finite value (``cvt.rn.satfinite``: the semantics' ``quantize`` and the portable kernel's ``to_fp8``,
+    whatever a Triton version's own cast does on overflow); four values per 32-bit register."""
+    if dtype == gl.float8e5:
+        y = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e5, is_pure=True, pack=4)
+    else:
+        y = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    return y
+
+
+@gluon.jit
+def _p_carry(p, scale_s, dtype: gl.constexpr, o_layout: gl.constexpr):
+    """P of a step in the form the loop carries to the next step's PV wgmma: 16-bit pairs packed in int32
+    (``_pack_p``), or for FP8 P8 = fp8(p * scale_s) already in the A operand's register layout ([Note] FP8:
+    the layout change is a shuffle within each quad of threads, done here under the PV wgmma)."""
+    if _is_fp8(dtype):
+        pk = _pack_p8(p * scale_s, dtype)
+    else:
+        pk = _pack_p(p, dtype)
+    return pk
+
+
+@gluon.jit
+def _pack_p8(x, dtype: gl.constexpr):
+    """P8 = fp8(x) (x = p * scale_s, fp32 [64, BLOCK_N], wgmma accumulator layout), four values per int32 in
+    the order the FP8 PV wgmma's register A operand takes them (``_unpack_p8``), with the operand's columns
+    in the key order of the transposed V copy (``key_order``; [Note] FP8, the key order): a thread's
+    accumulator holds columns 8i + 2q + e of a row (q its lane in the quad, e = 0, 1), the A operand wants
+    4 consecutive columns 4q + t in one register, so operand column 32kb + 16h + 4q + t holds score column
+    32kb + 16h + 8(t // 2) + 2q + t % 2, and each register is made of two values from each of two of the
+    thread's accumulator column pairs. Per 4 values: two ``cvt.rn.satfinite`` (e4m3x2 / e5m2x2: nearest
+    even, saturating, as ``quantize``) and one byte merge. The loop carries the int32 form: carried as 8-bit
+    values, they live in 16-bit registers and are masked and merged again before every wgmma."""
+    WG_M: gl.constexpr = x.shape[0]
+    BLOCK_N: gl.constexpr = x.shape[1]
+    # column c = 32 kb + 16 h + 8 u + 2 q + e  ->  dims [row, kb, h, q, u, e]
+    x = x.reshape([WG_M, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5))
+    x0, x1 = x.split()          # e = 0, 1
+    a, c = x0.split()           # (u, e) = (0, 0), (1, 0)
+    b, d = x1.split()           # (0, 1), (1, 1)
+    if dtype == gl.float8e5:
+        w = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [a, b, c, d], dtype=gl.int32, is_pure=True, pack=1)
+    else:
+        w = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [a, b, c, d], dtype=gl.int32, is_pure=True, pack=1)
+    return w        # [row, kb, h, q]: byte t is operand column 32 kb + 16 h + 4 q + t
+
+
+@gluon.jit
+def _unpack_p8(w, dtype: gl.constexpr, layout: gl.constexpr):
+    """``_pack_p8``'s int32 [64, kb, h, q] as the FP8 [64, BLOCK_N] A operand (``layout``): each register's
+    four bytes become four consecutive operand columns."""
+    WG_M: gl.constexpr = w.shape[0]
+    BLOCK_N: gl.constexpr = w.shape[1] * 32
+    # byte t of w: logical shifts and bitcasts (what the compiler makes of them is checked in the SASS;
+    # asm over joined copies of w depends on how a layout orders its registers)
+    t0 = (w & 0xFF).to(gl.int8).to(dtype, bitcast=True)
+    t1 = ((w >> 8) & 0xFF).to(gl.int8).to(dtype, bitcast=True)
+    t2 = ((w >> 16) & 0xFF).to(gl.int8).to(dtype, bitcast=True)
+    t3 = ((w >> 24) & 0xFF).to(gl.int8).to(dtype, bitcast=True)
+    # join(join(t0, t1), join(t2, t3))[.., j, i] is byte 2 i + j: operand column 4 q + 2 i + j
+    y = gl.join(gl.join(t0, t1), gl.join(t2, t3)).permute((0, 1, 2, 3, 5, 4))
+    return gl.convert_layout(y.reshape([WG_M, BLOCK_N]), layout)
+
+
+@gluon.jit
+def _p_operand(pk, dtype: gl.constexpr, o_layout: gl.constexpr):
+    """``_p_carry``'s P as the PV wgmma's register A operand."""
+    if _is_fp8(dtype):
+        p = _unpack_p8(pk, dtype, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+    else:
+        p = _unpack_p(pk, dtype, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return p
+
+
+@gluon.jit
+def _pv_wait(o_tok, p):
+    """Wait for the PV wgmma (all wgmmas of the warpgroup) and return O; P, its register A operand, stays
+    live until then (a wait's dependency). FP8: Triton 3.6's wait cannot carry 8-bit values (LLVM ERROR
+    "Unexpected bitwidth in WGMMAWaitGroupOp: 8"), so only O is; ptxas keeps an in-flight wgmma's
+    registers itself, and tools/gluon_check.py checks in the SASS that no instruction writes P's registers
+    between the PV HGMMAs and their wait."""
+    if _is_fp8(p.dtype):
+        o = warpgroup_mma_wait(0, deps=(o_tok, ))
+    else:
+        o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+    return o
+
+
+@gluon.jit
+def _v_operand(v_smem, slot, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
+    """One V slot as the PV wgmma's B operand [BLOCK_N, HEAD_D]: the slot itself (16-bit), or for FP8 the
+    transposed slot [HEAD_D, BLOCK_N] (keys innermost, as FP8 wgmmas read B: K-major) permuted."""
+    if _is_fp8(v_smem.dtype):
+        view = v_smem.index(slot).reshape([HEAD_D, BLOCK_N]).permute((1, 0))
+    else:
+        view = _kv_view(v_smem, slot, BLOCK_N, HEAD_D)
+    return view
+
+
 @gluon.jit
 def _alibi_slope2(SLOPES, batch, head, stride_sb):
     """ALiBi's slope of (``batch``, ``head``) (fp32 [b, h_q] tensor, natural units; batch stride 0 for
@@ -519,10 +702,10 @@ def _alibi_fill(bias, slope2, qk_scale):
 
 
 @gluon.jit
-def _qk_mma(q_view, k_tile, zero_s, bias, BY_MMA: gl.constexpr):
+def _qk_mma(q_view, k_tile, zero_s, bias, BY_MMA: gl.constexpr, PROMOTE: gl.constexpr = FP8_PROMOTE_K):
     """Issue S = Q K^T for one key tile ([BLOCK_N, HEAD_D] shared memory) as async wgmmas, plus
     ALiBi's column term (A B^T, ``_alibi_fill``) when BY_MMA; returns the in-flight accumulator."""
-    s_tok = warpgroup_mma(q_view, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = _wgmma(q_view, k_tile.permute((1, 0)), zero_s, _promote_k(q_view.dtype, PROMOTE), use_acc=False)
     if BY_MMA:
         s_tok = warpgroup_mma(bias[0], bias[1].permute((1, 0)), s_tok, is_async=True)
     return s_tok
@@ -547,10 +730,11 @@ def _drop(p, drop, row0, n0):
 
 @gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk, alpha, m_i, l_i, zero_s,
-              qk_scale, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, bias, pin, turn, turn0,
+              qk_scale, scale_s, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, bias, pin, turn,
+              turn0,
               drop, WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
-              DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+              DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PROMOTE: gl.constexpr = 32):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
     overlapped with this tile's softmax.
 
@@ -579,12 +763,20 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         # for step j of warpgroup 0.
         mbarrier.wait(turn.index(WG), ((turn0 + j - 1) & 1) ^ (1 - WG))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    s_tok = _qk_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA)
+    TILE_ACC: gl.constexpr = _tile_acc(q_view.dtype, PROMOTE)
+    s_tok = _qk_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA, PROMOTE)
     # O (relative to the max before tile j-1) onto tile j-1's max, while QK^T runs
-    o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    if not TILE_ACC:
+        o = o * alpha_o[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    p = _unpack_p(pk, q_view.dtype, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    o_tok = warpgroup_mma(p, _kv_view(v_smem, prev, BLOCK_N, HEAD_D), o, is_async=True)
+    p = _p_operand(pk, q_view.dtype, o_layout)
+    if TILE_ACC:
+        # FP8, PROMOTE = 0: tile j-1's P V in a fresh accumulator, added to O in fp32 after the wait
+        o_tok = warpgroup_mma(p, _v_operand(v_smem, prev, BLOCK_N, HEAD_D), gl.zeros_like(o), use_acc=False,
+                              is_async=True)
+    else:
+        o_tok = _wgmma(p, _v_operand(v_smem, prev, BLOCK_N, HEAD_D), o, _promote_k(q_view.dtype, PROMOTE))
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG))
     # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
@@ -597,10 +789,13 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     pin.store(l_i)
     if DROPOUT:
         p_new = _drop(p_new, drop, row0, n0)
-    o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+    if TILE_ACC:
+        o = gl.fma(o, alpha_o[:, None], _pv_wait(o_tok, p))
+    else:
+        o = _pv_wait(o_tok, p)
     mbarrier.arrive(v_empty.index(prev))
-    # 16-bit P, packed in the registers of the PV wgmma's A operand
-    return o, _pack_p(p_new, q_view.dtype), alpha, m_i, l_i
+    # 16-bit P packed in the registers of the PV wgmma's A operand, or FP8 P8 = fp8(p * scale_s) there
+    return o, _p_carry(p_new, scale_s, q_view.dtype, o_layout), alpha, m_i, l_i
 
 
 @gluon.jit
@@ -631,6 +826,26 @@ def _zero_rows_from(tile, n_valid, other=None):
 
 
 @gluon.jit
+def _zero_cols_from(tile, n_valid):
+    """Zero columns [n_valid, BLOCK_N) of an 8-bit [HEAD_D, BLOCK_N] tile in shared memory: the FP8
+    forward's transposed V slot ([Note] FP8), whose columns are keys, as ``_zero_rows_from`` does for a
+    16-bit V slot (one register round trip, fence, warpgroup barrier; a padded sequence's last tile)."""
+    HEAD_D: gl.constexpr = tile.shape[0]
+    BLOCK_N: gl.constexpr = tile.shape[1]
+    # 16 consecutive 8-bit columns (16 bytes) per thread; a warp covers 512 // BLOCK_N rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [512 // BLOCK_N, BLOCK_N // 16], [4, 1], [1, 0])
+    if n_valid < BLOCK_N:
+        c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        # the key of column c (``key_order``, ``_pack_p8``): c = 16 g + 4 q + t holds key
+        # 16 g + 8 (t // 2) + 2 q + t % 2
+        c = (c & ~15) + ((c & 2) << 2) + ((c >> 1) & 6) + (c & 1)
+        x = tile.load(layout)
+        tile.store(gl.where(c[None, :] < n_valid, x, gl.zeros_like(x)))
+        fence_async_shared()
+        cta_barrier()
+
+
+@gluon.jit
 def _zero_landed_rows(tile, tile_ready, other, other_ready, phase, n_valid):
     """Padding in the backward passes: once ``tile`` and ``other`` (two [rows, HEAD_D] shared tiles
     of the same shape: K and V in the dQ pass, Q and dO in the dK/dV pass) have landed (their
@@ -649,7 +864,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 bias, ring0, turn0, q_free, release, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left,
                 win_right, slope2, qk_scale, drop, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, scale_s=1.0,
+                PROMOTE: gl.constexpr = 32):
     """The online softmax of one consumer warpgroup's 64 query rows (``rows``, first ``row0``, Q in
     ``q_view`` [64, HEAD_D]) over key tiles [t_lo, t_hi) (``_kv_range``); key tile t_lo + j sits in
     ring slot (ring0 + j) % STAGES (ring0: the K/V tiles of earlier work tiles; 0 on the one-tile
@@ -667,10 +883,9 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
     dtype: gl.constexpr = q_view.dtype
     # wgmma layouts of one warpgroup: scores [64, BLOCK_N] and output [64, HEAD_D] accumulators
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, _mma_k(dtype)])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_D, _mma_k(dtype)])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -699,7 +914,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
             alibi_col = _alibi_cols(slope2, zero_s)
         slot0 = ring0 % STAGES
         mbarrier.wait(k_ready.index(slot0), (ring0 // STAGES) & 1)
-        s_tok = _qk_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA)
+        s_tok = _qk_mma(q_view, _kv_view(k_smem, slot0, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA, PROMOTE)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(slot0))
         if q_free is not None:
@@ -712,7 +927,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                                            alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA)
         if DROPOUT:
             p = _drop(p, drop, row0, kv0)
-        pk = _pack_p(p, dtype)
+        pk = _p_carry(p, scale_s, dtype, o_layout)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
         # mask-free middle, the masked right edge. The loops run over the ring's own count, with
@@ -721,22 +936,25 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         turn_r = turn0 - ring0
         for j in range(ring0 + 1, ring0 + t_a - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
-                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
+                                              alpha, m_i, l_i, zero_s, qk_scale, scale_s, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
-                                              True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
+                                              True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
+                                              PROMOTE)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
-                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
+                                              alpha, m_i, l_i, zero_s, qk_scale, scale_s, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
-                                              False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
+                                              False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
+                                              PROMOTE)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
-                                              alpha, m_i, l_i, zero_s, qk_scale, rows, row0, kvr, len_kv, diag,
+                                              alpha, m_i, l_i, zero_s, qk_scale, scale_s, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
-                                              True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG)
+                                              True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
+                                              PROMOTE)
 
         # last PV product
         last = ring0 + t_hi - t_lo - 1
@@ -747,11 +965,20 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
             # there are padding that TMA loaded (it zero-fills only past S_KV): P is 0 on them, but
             # 0 * NaN would still poison O. (Persistent grid: the producer refills this slot only
             # after both warpgroups' PV products, v_empty, so the zeros stay until both are done.)
-            _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        p = _unpack_p(pk, dtype, p_layout)
-        o_tok = warpgroup_mma(p, _kv_view(v_smem, slot, BLOCK_N, HEAD_D), o, is_async=True)
-        o, p = warpgroup_mma_wait(0, deps=(o_tok, p))
+            if _is_fp8(dtype):
+                # V's slot is transposed ([HEAD_D, BLOCK_N], [Note] FP8): the keys are its columns
+                _zero_cols_from(v_smem.index(slot).reshape([HEAD_D, BLOCK_N]), len_kv - (t_hi - 1) * BLOCK_N)
+            else:
+                _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
+        p = _p_operand(pk, dtype, o_layout)
+        if _tile_acc(dtype, PROMOTE):
+            o_tok = warpgroup_mma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), gl.zeros_like(o), use_acc=False,
+                                  is_async=True)
+            o = gl.fma(o, gl.convert_layout(alpha, row_o)[:, None], _pv_wait(o_tok, p))
+        else:
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            o_tok = _wgmma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), o, _promote_k(dtype, PROMOTE))
+            o = _pv_wait(o_tok, p)
         mbarrier.arrive(v_empty.index(slot))
     return o, m_i, l_i
 
@@ -759,14 +986,16 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                len_q, slope2, drop, SINK, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr):
+               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
     with plain stores. Returns with the TMA store in flight (the caller waits: tma.store_wait).
     DROPOUT: O is scaled by drop[5] = 1 / (1 - p) (``dropout.state``), the kept probabilities' factor.
     HAS_SINK: the head's sink logit (fp32 ``SINK[head]``) joins the row's sum first (module docstring,
-    [Note] sinks)."""
+    [Note] sinks). FP8 (stage's type; [Note] FP8): fp8_out = (O, stride_ob, stride_oh, stride_om, D,
+    SCALES, AMAX); the output is descaled, counted into the amaxes, scaled and stored from registers (``_fp8_write``)
+    instead of through ``stage``."""
     WG_M: gl.constexpr = stage.shape[2]
     HEAD_D: gl.constexpr = stage.shape[3]
     o_layout: gl.constexpr = o.type.layout
@@ -794,9 +1023,12 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
     if HAS_SEQ_Q:
         # rows >= len_q ran on padding rows of Q, which may hold NaN or inf (0 * NaN is NaN)
         out = gl.where(ok[:, None], out, 0.0)
-    stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
-    fence_async_shared()
-    tma_store(o_desc, [batch, head, row0, 0], stage)
+    if _is_fp8(stage.dtype):
+        _fp8_write(out, inv_l, gl.convert_layout(rows, row_o), batch, head, S_Q, len_q, fp8_out)
+    else:
+        stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
+        fence_async_shared()
+        tma_store(o_desc, [batch, head, row0, 0], stage)
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores; -inf for empty rows and rows >= len_q
         ok_s = l_i > 0.0
@@ -811,21 +1043,52 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
 
 
 @gluon.jit
+def _fp8_write(out, inv_l, rows, batch, head, S_Q, len_q, fp8_out):
+    """The FP8 forward's output ([Note] FP8), as the portable kernel's ``fp8_epilogue``: O = out *
+    descale_s * descale_v (out = acc / l, 0 on empty rows and rows >= len_q), amax_s = max 1 / l and
+    amax_o = max |O| over the rows inside the sequence (a float atomic max each into AMAX[0], AMAX[1],
+    zeroed by the host: both >= 0, where the float order is the integer one), then O * scale_o in O's type
+    (FP8: saturating, ``_to_fp8``) by plain masked stores (rows < S_Q, columns < D: the 256-wide tile of
+    d=224 too). SCALES: fp32 [6] = descale_q, descale_k, descale_v, descale_s, scale_s, scale_o."""
+    O = fp8_out[0]
+    SCALES = fp8_out[5]
+    AMAX = fp8_out[6]
+    o_layout: gl.constexpr = out.type.layout
+    HEAD_D: gl.constexpr = out.shape[1]
+    out = out * gl.load(SCALES + 3) * gl.load(SCALES + 2)   # matmul_fp8's order: descale A (P), then B (V)
+    row_in = rows < len_q
+    gl.atomic_max(AMAX, gl.max(gl.where(row_in, inv_l, 0.0), 0))
+    gl.atomic_max(AMAX + 1, gl.max(gl.max(gl.where(row_in[:, None], gl.abs(out), 0.0), 1), 0))
+    out = out * gl.load(SCALES + 5)
+    OUT_TY: gl.constexpr = O.dtype.element_ty
+    if OUT_TY.is_fp8():
+        val = _to_fp8(out, OUT_TY)
+    else:
+        val = out.to(OUT_TY)
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    base = O + batch.to(gl.int64) * fp8_out[1] + head.to(gl.int64) * fp8_out[2]
+    ptrs = base + rows.to(gl.int64)[:, None] * fp8_out[3] + cols[None, :]
+    gl.store(ptrs, val, mask=(rows < S_Q)[:, None] & (cols < fp8_out[4])[None, :])
+
+
+@gluon.jit
 def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                   o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b, t_hi,
                   n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop, SINK,
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
+                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
     unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes zeros, and
-    rows >= len_q are written as zeros (module docstring, [Note] padding)."""
+    rows >= len_q are written as zeros (module docstring, [Note] padding). scale_s, fp8_out: the FP8
+    switch's P scale and output (``_fwd_write``; [Note] FP8)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, _mma_k(q_smem.dtype)])
     row0 = start_m + WG * WG_M
     rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))   # global query row of each accumulator row
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -833,9 +1096,10 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     o, m_i, l_i = _fwd_attend(WG, q_smem.reshape([WG_M, HEAD_D]), q_bar, k_smem, v_smem, k_ready, k_empty, v_ready,
                               v_empty, turn, pin, bias, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
-                              HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG)
+                              HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
+                              scale_s, PROMOTE)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK)
+               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out)
     tma.store_wait(0)
 
 
@@ -954,8 +1218,12 @@ def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready,
                                         k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
-                                        v_smem.index(slot))
+        if _is_fp8(v_desc.dtype):
+            # FP8: V is stored transposed, [b, h_kv, d, s_kv] ([Note] FP8): the tile is [HEAD_D, BLOCK_N]
+            tma_load(v_desc, [batch, kv_head, 0, (t_lo + j) * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+        else:
+            tma_load(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
+                                            v_smem.index(slot))
 
 
 @gluon.jit
@@ -1138,19 +1406,22 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr):
+                             QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
+                             scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
     slot. The Q slot goes back to the producer (q_empty) once the output store has read it:
     with 2 slots during the next tile (after its first QK^T), so that tile's successor's Q
-    loads under it; with 1 slot right after the store (the next Q load then waits for it)."""
+    loads under it; with 1 slot right after the store (the next Q load then waits for it). FP8 (q_smem's
+    type; [Note] FP8): scale_s, fp8_out and PROMOTE as ``_fwd_consumer``'s; the output goes out from
+    registers, so the slot holds nothing for it."""
     WG_M: gl.constexpr = q_smem.shape[3]
     HEAD_D: gl.constexpr = q_smem.shape[4]
     BLOCK_M: gl.constexpr = 2 * WG_M
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, _mma_k(q_smem.dtype)])
     total = N_M * N_BH
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bias = _alibi_operands(q_smem.dtype, WG_M, BLOCK_N, _alibi_by_mma(HAS_ALIBI, q_smem.dtype))
@@ -1179,7 +1450,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                                   v_ready, v_empty, turn, pin, bias, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
                                   slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
-                                  DROPOUT, BLOCK_N, STAGES, PINGPONG)
+                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE)
         if PADDED:
             if (QSTAGES == 2) & (i > 0) & (n_tiles == 0):
                 # an empty tile ran no QK^T, so _fwd_attend released nothing
@@ -1199,7 +1470,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-                   len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK)
+                   len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -1216,12 +1487,13 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                    H_Q, GROUP, S_Q, S_KV, qk_scale, win_left, win_right, COUNTER, N_M, N_BH, HEAD_GROUP,
                    DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, SINK, PT_K, PT_V, stride_ptk, stride_ptv,
-                   MAX_PAGES, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                   MAX_PAGES, O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                    BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                    REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
-                   DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0):
+                   DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
+                   PROMOTE: gl.constexpr = 32):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1231,16 +1503,36 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     1 / (1 - p) (``dropout.py``); unused otherwise. HAS_SINK: SINK holds fp32 [H_Q] sink logits
     (module docstring, [Note] sinks); unused otherwise. PAGE > 0: k_desc / v_desc view paged containers
     [blocks, H_KV, PAGE, d] and PT_K / PT_V are int32 [b, MAX_PAGES] page tables (batch strides
-    stride_ptk / stride_ptv; module docstring, [Note] paged K/V); unused otherwise."""
+    stride_ptk / stride_ptv; module docstring, [Note] paged K/V); unused otherwise.
+    FP8 (q_desc's type is an 8-bit float; module docstring, [Note] FP8): v_desc views V transposed
+    [b, H_KV, d, S_KV]; O (any type, strides stride_ob / oh / om, unit last; D_O columns) is written by
+    plain stores, o_desc unused; SCALES fp32 [6] (descale_q, descale_k, descale_v, descale_s, scale_s,
+    scale_o) and AMAX fp32 [2] (amax_s, amax_o; zeroed by the host) are read / maxed into; unused otherwise."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
     dtype: gl.constexpr = q_desc.dtype
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
+    FP8: gl.constexpr = _is_fp8(dtype)
     pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
+    if FP8:
+        gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0),
+                         "the FP8 forward runs masks, padding and GQA only")
+    scale_s = 1.0
+    # the FP8 epilogue's arguments (unused by the 16-bit kernel: _fwd_write decides by the type)
+    fp8_out = (O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX)
+    if FP8:
+        # cuDNN's bmm1 scale chain folded into the one score multiply (scale * log2 e * descales), in the
+        # portable kernel's order; scale_s quantizes P (read here, so a CUDA graph replays new values)
+        qk_scale = qk_scale * gl.load(SCALES) * gl.load(SCALES + 1)
+        scale_s = gl.load(SCALES + 4)
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    if FP8:
+        # V transposed (keys innermost): FP8 wgmmas read both operands K-major ([Note] FP8)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1275,14 +1567,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK)),
+                                        HAS_SINK, scale_s, fp8_out, PROMOTE)),
             (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK)),
+                                        HAS_SINK, scale_s, fp8_out, PROMOTE)),
             (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                         q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                         H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1317,12 +1609,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
@@ -1334,6 +1626,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
 # host side
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# the FP8 switch's input types ([Note] FP8); kept apart, so the 16-bit filters (``_problem_ok``, which the
+# backward passes share) never see them
+_GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 
 def _tma_strides(t):
@@ -1352,7 +1647,7 @@ def _geometry(t):
     if g is None:
         shape, strides, size = t.shape, key[1], t.element_size()
         ready = strides[-1] == 1 and all(
-            n <= 1 or (s > 0 and s % 8 == 0 and s * size < 2 ** 40) for n, s in zip(shape[:-1], strides[:-1]))
+            n <= 1 or (s > 0 and s * size % 16 == 0 and s * size < 2 ** 40) for n, s in zip(shape[:-1], strides[:-1]))
         if len(_GEOMETRY) >= 1024:
             _GEOMETRY.clear()
         g = _GEOMETRY[key] = (ready, _tma_strides(t))
@@ -1360,8 +1655,8 @@ def _geometry(t):
 
 
 def _tma_ready(t) -> bool:
-    """TMA's rules for a 2-byte tensor: 16-byte aligned base, unit last stride, other strides
-    (of dims that are stepped) positive multiples of 8 elements below 2^40 bytes."""
+    """TMA's rules: 16-byte aligned base, unit last stride, other strides (of dims that are stepped)
+    positive multiples of 16 bytes below 2^40 bytes."""
     return t is not None and t.is_cuda and t.data_ptr() % 16 == 0 and _geometry(t)[0]
 
 
@@ -1462,7 +1757,7 @@ _LAYOUTS = {}
 def _smem_layout(rows, d, dtype):
     key = (rows, d, dtype)
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], _GL_DTYPES[dtype])
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], {**_GL_DTYPES, **_GL_FP8}[dtype])
     return _LAYOUTS[key]
 
 
@@ -1601,6 +1896,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
         *dropout.kernel_args(p), sink if p.has_sink else lse_arg, *tables,
+        lse_arg, 0, 0, 0, 0, lse_arg, lse_arg,      # the FP8 switch's output, scales and amaxes (unused)
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
@@ -1609,5 +1905,149 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
         HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, num_warps=4,
+    )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# the FP8 switch (module docstring, [Note] FP8)
+
+# (tile width) -> (BLOCK_N, STAGES) of the FP8 forward. 8-bit K and V tiles are half the bytes, so shared
+# memory is not the limit (d=128: Q 2 x 64 x 128 + 4 x (K + V) 2 x 64 x 128 bytes = 80 KB; 128-key tiles in
+# 3 stages, 112 KB); registers are: per consumer thread O [64, d] fp32, each tile's P V in its own
+# accumulator ([Note] FP8: another [64, d]), S [64, BLOCK_N] and P8. tools/gluon_check.py fp8 (ptxas,
+# Triton 3.6): d=128 with 64-key tiles has no spills (mask-free loop 336 SASS instructions per tile, 672
+# per 128 keys); with 128-key tiles 8 bytes (no mask) / 164 bytes (causal) of spills, all in the masked
+# loops (mask-free loop 510 per 128 keys: the tensor cores' time for the tile at about one instruction
+# per cycle of each scheduler, so likely the faster one: the GPU's sweep decides). d=64: 128-key tiles,
+# no spills. d=224 / 256 (O alone is 128 registers, the per-tile accumulator another 128): not here yet,
+# the portable kernel runs them (FP8_DIMS).
+FP8_TILES = {64: (128, 3), 128: (64, 4), 256: (64, 2)}
+FP8_DIMS = (64, 128)
+# the FP8 wgmmas' promotion ([Note] FP8, the accumulation): 0 = each key tile's P V in a fresh accumulator
+# added to O in fp32, nothing promoted inside one product (the products' chains: d / 32 K-steps for QK^T,
+# BLOCK_N / 32 for P V); 32 = every K-step of 32 moved to fp32 as the portable kernel does, which Triton
+# expands into one waited wgmma per K-step (serialized, the softmax no longer under P V: tools/gluon_check.py)
+FP8_PROMOTE = 0
+# the FP8 switch on the persistent grid ([Note] persistent grid; launch_fwd_sm90_fp8(persistent=)): compiles
+# spill-free (tools/gluon_check.py fp8), not yet timed, so off until the GPU's A/B (the 16-bit kernel gained
+# 1.5-9% at d128 and 19% at d64, where tiles are short: FP8's tiles take half the tensor time)
+FP8_PERSISTENT = False
+
+
+def fp8_mma_chain(d, block_n=None, promote=None) -> int:
+    """K-steps of 32 that the FP8 switch's wgmmas add up before their sum moves into fp32 ([Note] FP8, the
+    accumulation): QK^T's d / 32 and P V's BLOCK_N / 32 with ``FP8_PROMOTE`` = 0, 1 with 32. The error
+    bound's ``u_mma`` is ``fusedattn.fp8.mma_unit(device, chain)``."""
+    td = TILE_D[d]
+    block_n = block_n or FP8_TILES[td][0]
+    promote = FP8_PROMOTE if promote is None else promote
+    return 1 if promote else max(td, block_n) // 32
+
+
+def supports_fp8(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
+    """True when the FP8 switch computes what ``p`` asks for on these tensors: q / k / v of one float8
+    type (``_GL_FP8``) on an sm_90 GPU, d = d_v in ``FP8_DIMS``, no mask, causal or any band,
+    padding (seq_len_q / seq_len_kv: int32 [b]), GQA; TMA's rules on q and k (v is restaged transposed by
+    ``launch_fwd_sm90_fp8``); out: any float type, unit last stride."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _GL_FP8 and _is_sm90(q.device.index)):
+        return False
+    if not (k.dtype == q.dtype and v.dtype == q.dtype and p.d == p.d_v and p.d in FP8_DIMS):
+        return False
+    if (p.paged or p.varlen or p.bias is not None or p.alibi is not None or p.has_dropout or p.softcap
+            or p.has_sink or not p.scale > 0.0 or min(p.s_q, p.s_kv, p.b, p.h_q) < 1):
+        return False
+    if max(p.s_q, p.s_kv) >= 2 ** 31 or p.b * p.h_q > 65535:
+        return False
+    if (p.has_seq_len_q and not _lengths_ok(seq_len_q, p)) or (p.has_seq_len_kv and not _lengths_ok(seq_len_kv, p)):
+        return False
+    return (_tma_ready(q) and _tma_ready(k) and isinstance(out, torch.Tensor) and out.is_cuda
+            and out.stride(-1) == 1 and tuple(out.shape) == (p.b, p.h_q, p.s_q, p.d_v))
+
+
+_KEY_ORDERS = {}
+
+
+def key_order(n, device) -> torch.Tensor:
+    """int64 [n] (n a multiple of 16): the key at column c' of the FP8 switch's V copy, within blocks of 16:
+    c' = 16 g + 4 q + t holds key 16 g + 8 (t // 2) + 2 q + t % 2, the order in which a thread's P8
+    registers reach the PV wgmma without a shuffle (``_pack_p8``; [Note] FP8, the key order)."""
+    key = (n, device)
+    idx = _KEY_ORDERS.get(key)
+    if idx is None:
+        c = torch.arange(n)
+        idx = (c & ~15) + ((c & 2) << 2) + ((c >> 1) & 6) + (c & 1)
+        idx = _KEY_ORDERS[key] = idx.to(device)
+    return idx
+
+
+def transposed_v(v) -> torch.Tensor:
+    """V [b, h_kv, s_kv, d] as the FP8 switch reads it ([Note] FP8): [b, h_kv, d, s_pad] with the keys
+    innermost (FP8 wgmmas read B K-major), s_pad = s_kv rounded up to 16 (TMA's 16-byte row stride), keys in
+    ``key_order`` within each 16 and zeros for keys >= s_kv. One gather and one copy per call, through
+    uint8 views (PyTorch has few float8 kernels)."""
+    b, h, s, d = v.shape
+    pad = -(-s // 16) * 16
+    idx = key_order(pad, v.device)
+    g = v.view(torch.uint8).index_select(2, idx.clamp(max=s - 1))
+    if pad != s:
+        g[:, :, idx >= s] = 0
+    vt = torch.empty((b, h, d, pad), dtype=torch.uint8, device=v.device)
+    vt.copy_(g.transpose(2, 3))
+    return vt.view(v.dtype)
+
+
+def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, block_n=None,
+                        stages=None, pingpong=None, promote=None, persistent=None, ctas=None):
+    """The FP8 forward (module docstring, [Note] FP8) on Hopper. q [b, h_q, s_q, d], k [b, h_kv, s_kv, d]
+    float8 (``supports_fp8``); vt: V transposed, [b, h_kv, d, s_kv rounded up to 16] in ``key_order``
+    (``transposed_v``); out [b, h_q, s_q, d] in any float type (float8: saturating), unit last stride; lse
+    fp32 [b, h_q, s_q] view or None;
+    scales fp32 [6] contiguous (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o); amax fp32
+    [2] (amax_s, amax_o), zeroed by the caller, maxed into. Writes out, lse and amax in place.
+    block_n / stages / pingpong / promote override ``FP8_TILES`` / ``PINGPONG`` / ``FP8_PROMOTE`` (tuning);
+    persistent: the persistent grid with its dynamic tile counter (default ``FP8_PERSISTENT``; ctas caps its
+    size, for tests) as ``launch_fwd_sm90``'s."""
+    td = TILE_D[p.d]
+    block_n = block_n or FP8_TILES[td][0]
+    stages = stages or FP8_TILES[td][1]
+    pingpong = PINGPONG[td] if pingpong is None else pingpong
+    promote = FP8_PROMOTE if promote is None else promote
+    band = p.band
+    has_left = band is not None and band.left is not None
+    has_right = band is not None and band.right is not None
+    lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (amax, (0, 0, 0))
+    if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
+        raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
+    if vt.shape != (p.b, p.h_kv, p.d, -(-p.s_kv // 16) * 16) or vt.stride(-1) != 1:
+        raise ValueError(f"vt must be V transposed by transposed_v, [b, h_kv, d, s_kv rounded up to 16]; got "
+                         f"{list(vt.shape)} strides {vt.stride()}")
+    n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
+    persistent = FP8_PERSISTENT if persistent is None else bool(persistent)
+    counter = _tile_counter(q.device) if persistent else lse_arg
+    if counter is None:         # first launch on a capturing stream (_tile_counter): the one-tile grid
+        persistent, counter = False, lse_arg
+    if persistent:
+        grid = (min(ctas or _sm_count(q.device.index), n_m * n_bh), )
+        head_group = max(1, min(n_bh, grid[0] // n_m))
+    else:
+        grid, head_group = (n_m, n_bh), 1
+    q_tma = _tma(q, WG_M)
+    v_tma = Tma(vt, vt.shape, _geometry(vt)[1], (1, 1, td, block_n), _smem_layout(td, block_n, vt.dtype))
+    launch(
+        _attn_fwd_sm90, grid,
+        q_tma, _tma(k, block_n), v_tma, q_tma, lse_arg, *lse_strides,
+        lse_arg, 0, seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
+        p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
+        counter, n_m, n_bh, head_group,
+        0, 0, 0, 1.0, lse_arg, lse_arg, lse_arg, 0, 0, 1,
+        out, out.stride(0), out.stride(1), out.stride(2), p.d_v, scales, amax,
+        BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=False,
+        WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
+        HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
+        PERSISTENT=persistent, DYNAMIC=True, QSTAGES=QSTAGES[td], DROPOUT=False, HAS_SINK=False, PAGE=0,
+        PROMOTE=promote, num_warps=4,
     )
     return out, lse

@@ -1,0 +1,260 @@
+"""The Gluon sm_90 forward's FP8 switch (issue 27 item 3; fusedattn/backends/gluon/fwd_sm90.py [Note] FP8).
+
+GPU (H100 / H200; skipped, visibly, elsewhere): seeded cases (head dims 64 and 128, no mask / causal either
+alignment / window, odd lengths, padding, GQA / MQA, BSHD strides, e4m3 and e5m2, outputs fp32 / bf16 / e4m3)
+written into NaN-filled buffers through ``fusedattn.fp8._forward_kernel`` with the launches spied on (the
+Gluon kernel ran, the portable one did not), checked against float64 attention of the dequantized inputs
+within ``reference_fp8.fp8_forward_bound`` with the existing ``fp8.mma_unit(device)``, and with the kernel's
+accumulation chain (``fwd_sm90.fp8_mma_chain``), against the emulation within the sum of the bounds, the stats
+within 2 delta_i, amax_o exact against the output (fp32, scale_o 1) and both amaxes against the emulation's;
+a second call gives the same bits. Head dims the switch does not take (224 / 256, d != d_v, per-head
+descales) go to the portable kernel. CPU: the host's copy of V (``transposed_v``) against the key order that
+``_pack_p8`` and ``_zero_cols_from`` assume. Every failure message carries a one-line repro."""
+import pytest
+import torch
+
+from fusedattn import fp8
+from fusedattn.problem import make_band
+from fusedattn.reference_fp8 import EPS32, fp8_forward_bound
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+gpu = [pytest.mark.gpu,
+       pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped"),
+       pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90,
+                          reason="the Gluon forward kernel is Hopper-only (compute capability 9.x)")]
+
+# name -> (b, h_q, h_kv, s_q, s_kv, d), mask, input type, output type, scale_o, BSHD memory
+CASES = {
+    "d64_plain_o_f32": ((2, 4, 4, 129, 257, 64), {}, E4M3, torch.float32, 1.0, False),
+    "d64_causal_odd_gqa_bshd_o_bf16": ((2, 8, 2, 191, 191, 64), dict(causal=True), E4M3, torch.bfloat16, 1.0, True),
+    "d128_plain_odd_o_f32": ((1, 4, 2, 77, 1003, 128), {}, E4M3, torch.float32, 1.0, False),
+    "d128_causal_o_bf16": ((2, 4, 4, 1000, 1000, 128), dict(causal=True), E4M3, torch.bfloat16, 1.0, False),
+    "d128_causal_br_mqa_o_e4m3": ((2, 6, 1, 113, 203, 128), dict(causal=True, causal_alignment="bottom_right"),
+                                  E4M3, E4M3, 4.0, False),
+    "d128_window_bshd_o_f16": ((1, 4, 4, 300, 511, 128), dict(window=(100, 17)), E4M3, torch.float16, 1.0, True),
+    "d128_padding_o_bf16": ((3, 4, 2, 257, 300, 128), dict(seq_len_q=[257, 0, 100], seq_len_kv=[11, 300, 129]),
+                            E4M3, torch.bfloat16, 1.0, False),
+    "d128_padding_causal_e5m2_o_e5m2": ((2, 2, 2, 200, 190, 128), dict(causal=True, seq_len_q=[200, 17],
+                                                                       seq_len_kv=[0, 133]), E5M2, E5M2, 8.0, False),
+    "d64_padding_kv_only_o_f32": ((2, 2, 1, 65, 333, 64), dict(seq_len_kv=[333, 47]), E4M3, torch.float32, 1.0,
+                                  False),
+    "d128_decode_rows_o_bf16": ((3, 8, 2, 1, 1000, 128), dict(causal=True, causal_alignment="bottom_right"), E4M3,
+                                torch.bfloat16, 1.0, False),
+}
+# calls the switch does not take: the portable kernel runs them
+PORTABLE = {
+    "d256": ((1, 2, 2, 65, 129, 256), {}),
+    "d224_causal": ((1, 2, 1, 65, 129, 224), dict(causal=True)),
+    "d96": ((1, 2, 2, 65, 129, 96), {}),
+}
+
+
+def _repro(case):
+    return f"repro: pytest tests/test_gluon_fp8.py -k '{case}'"
+
+
+def _inputs(shape, dtype, bshd, seed, d_v=None):
+    """q8, k8, v8 [b, h, s, d] (views of [b, s, h, d] memory when bshd) and per-tensor descales, on the CPU."""
+    b, h_q, h_kv, s_q, s_kv, d = shape
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for h, s, dd in ((h_q, s_q, d), (h_kv, s_kv, d), (h_kv, s_kv, d_v or d)):
+        x8, scale = fp8.quantize_per_tensor(torch.randn((b, s, h, dd), generator=g) * 2, dtype)
+        out += [x8.transpose(1, 2) if bshd else x8.transpose(1, 2).contiguous(), scale]
+    q8, dq, k8, dk, v8, dv = out
+    return q8, k8, v8, dict(descale_q=dq, descale_k=dk, descale_v=dv)
+
+
+def _mask(spec, device):
+    lens = {n: torch.tensor(spec[n], dtype=torch.int32, device=device)
+            for n in ("seq_len_q", "seq_len_kv") if n in spec}
+    band = make_band(spec.get("causal", False), spec.get("causal_alignment", "top_left"), spec.get("window"))
+    return dict(band=band, **lens)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Which kernels ran: 'gluon' (fwd_sm90.launch_fwd_sm90_fp8), 'portable' (triton/fwd.launch_fwd_fp8)."""
+    from fusedattn.backends.gluon import fwd_sm90
+    from fusedattn.backends.triton import fwd as triton_fwd
+    calls = []
+    real_g, real_t = fwd_sm90.launch_fwd_sm90_fp8, triton_fwd.launch_fwd_fp8
+    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90_fp8", lambda *a, **kw: (calls.append("gluon"), real_g(*a, **kw))[1])
+    monkeypatch.setattr(triton_fwd, "launch_fwd_fp8", lambda *a, **kw: (calls.append("portable"), real_t(*a, **kw))[1])
+    return calls
+
+
+def _run(q8, k8, v8, sc, mask_spec, o_dtype):
+    """fp8._forward_kernel on the GPU into NaN-filled buffers; (o, stats, amax_s, amax_o) on the CPU."""
+    b, h_q, s_q, _ = q8.shape
+    s_kv, d_v = v8.shape[2], v8.shape[3]
+    dev_sc = {n: torch.tensor([float(x)], dtype=torch.float32, device="cuda") for n, x in sc.items()}
+    mask = _mask(mask_spec, "cuda")
+    lens = {n: (fp8._lengths(mask.get(n), n, b, s, "cuda") if n in mask else None)
+            for n, s in (("seq_len_q", s_q), ("seq_len_kv", s_kv))}
+    out = torch.full((b, h_q, s_q, d_v), float("nan"), dtype=o_dtype, device="cuda")
+    stats_out = torch.full((b, h_q, s_q, 1), float("nan"), dtype=torch.float32, device="cuda")
+    res = fp8._forward_kernel(q8.cuda(), k8.cuda(), v8.cuda(), dev_sc, q8.shape[-1] ** -0.5, mask["band"],
+                              lens["seq_len_q"], lens["seq_len_kv"], o_dtype, out=out, stats_out=stats_out)
+    assert res[0] is out and res[1] is stats_out
+    return tuple(x.cpu() for x in res)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
+def test_gluon_fp8_within_bound(case, _, launches):
+    from fusedattn.backends.gluon import fwd_sm90
+    shape, mask_spec, dtype, o_dtype, scale_o, bshd = CASES[case]
+    rep = _repro(case)
+    b, h_q, h_kv, s_q, s_kv, d = shape
+    q8, k8, v8, sc = _inputs(shape, dtype, bshd, seed=len(case))
+    s_s = fp8.DEFAULT_SCALE_S[dtype]
+    sc.update(descale_s=1 / s_s, scale_s=s_s, scale_o=scale_o)
+    o, stats, amax_s, amax_o = _run(q8, k8, v8, sc, mask_spec, o_dtype)
+    assert launches == ["gluon"], f"expected the Gluon FP8 kernel alone, ran {launches}; {rep}"
+    assert not o.float().isnan().any(), f"output elements left unwritten (NaN); {rep}"
+    assert not stats.isnan().any(), f"stats left unwritten (NaN); {rep}"
+    again = _run(q8, k8, v8, sc, mask_spec, o_dtype)
+    assert all(torch.equal(x.float(), y.float()) for x, y in zip((o, stats, amax_s, amax_o), again)), (
+        f"a second call gave other bits; {rep}")
+
+    ref_mask = {n: v for n, v in mask_spec.items() if n not in ("seq_len_q", "seq_len_kv")}
+    ref_mask.update({n: torch.tensor(mask_spec[n], dtype=torch.int32) for n in ("seq_len_q", "seq_len_kv")
+                     if n in mask_spec})
+    err = None
+    # the existing bound (MMA sums moved to fp32 every K-step of 32), then the one the kernel's accumulation
+    # guarantees (its chains of fp8_mma_chain K-steps; fwd_sm90 [Note] FP8, the accumulation)
+    chain = fwd_sm90.fp8_mma_chain(d)
+    ratios = {}
+    for name, u_mma in (("existing", fp8.mma_unit("cuda")), (f"chain {chain}", fp8.mma_unit("cuda", chain))):
+        ref, lse, bound = fp8_forward_bound(q8, k8, v8, o_dtype=o_dtype, mma_unit=u_mma, **ref_mask, **sc)
+        err = (o.double() / scale_o - ref).abs()
+        ratios[name] = (err / bound).max().item()
+    assert max(ratios.values()) <= 1.0, f"error / bound {ratios}; {rep}"
+    _, _, bound_fp32 = fp8_forward_bound(q8, k8, v8, o_dtype=o_dtype, **ref_mask, **sc)
+    tight = (err / bound_fp32).max().item()
+    assert tight > 0.05, f"bound is vacuous here (error only {tight:.4f} of it); {rep}"
+
+    # the emulation (cuDNN's graph): both within their bounds of float64
+    oe, stats_e, amax_s_e, amax_o_e = fp8.sdpa_fp8_forward(q8, k8, v8, **sc, **_mask(mask_spec, "cpu"),
+                                                           o_dtype=o_dtype, backend="cpu")
+    u_mma = fp8.mma_unit("cuda", chain)
+    _, _, bound = fp8_forward_bound(q8, k8, v8, o_dtype=o_dtype, mma_unit=u_mma, **ref_mask, **sc)
+    gap = ((o.double() - oe.double()).abs() / scale_o / (bound + bound_fp32)).max().item()
+    assert gap <= 1.0, f"kernel and emulation differ by {gap:.3f}x the sum of their bounds; {rep}"
+
+    # stats: -inf exactly on empty rows; elsewhere within 2 delta_i
+    g = h_q // h_kv
+    A = ((q8.double().abs() * float(sc["descale_q"])) @ (k8.double().abs() * float(sc["descale_k"]))
+         .repeat_interleave(g, 1).transpose(-1, -2)).amax(-1, keepdim=True) * d ** -0.5
+    delta = 2 * (d + 3) * EPS32 * A + 2 * u_mma * A + (s_kv + 6) * EPS32
+    finite = torch.isfinite(lse)
+    assert torch.equal(torch.isinf(stats), ~finite), f"stats' -inf rows differ; {rep}"
+    lse_tol = 2 * delta + 4 * EPS32 * lse.abs()
+    assert ((stats.double() - lse).abs() <= lse_tol)[finite].all(), f"stats off by more than 2 delta_i; {rep}"
+    if not finite.all():
+        assert (o.float()[~finite.expand_as(o)] == 0).all(), f"empty rows must write 0; {rep}"
+
+    # amaxes: exact against the output where it is O itself; against the emulation within P's error
+    if o_dtype == torch.float32 and scale_o == 1.0:
+        assert amax_o.item() == o.abs().max().item(), f"amax_o must be max |O| exactly; {rep}"
+    tol_s = 2 * delta.max().item() * max(amax_s_e.item(), 1e-30)
+    assert abs(amax_s.item() - amax_s_e.item()) <= tol_s, f"amax_s {amax_s.item()!r} vs {amax_s_e.item()!r}; {rep}"
+    _, _, bound32 = fp8_forward_bound(q8, k8, v8, o_dtype=torch.float32, mma_unit=u_mma, **ref_mask, **sc)
+    assert abs(amax_o.item() - amax_o_e.item()) <= 2 * bound32.max().item(), (
+        f"amax_o {amax_o.item()!r} vs emulation {amax_o_e.item()!r}; {rep}")
+
+
+@pytest.mark.parametrize("case", list(PORTABLE))
+@pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
+def test_gluon_fp8_refuses_to_portable(case, _, launches):
+    """Head dims outside fwd_sm90.FP8_DIMS run the portable kernel (same results as forcing it)."""
+    shape, mask_spec = PORTABLE[case]
+    q8, k8, v8, sc = _inputs(shape, E4M3, False, seed=5)
+    sc.update(descale_s=1 / 256, scale_s=256.0, scale_o=1.0)
+    _run(q8, k8, v8, sc, mask_spec, torch.bfloat16)
+    assert launches == ["portable"], f"ran {launches}; {_repro(case)}"
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
+def test_gluon_fp8_doors_route_here(_, launches):
+    """fusedattn.attention and sdpa_fp8_forward with backend 'auto' take the Gluon switch at d=128; per-head
+    descales (not taken by the kernels) run the emulation; backend='cpu' never launches."""
+    import fusedattn
+    q8, k8, v8, sc = _inputs((1, 4, 2, 130, 130, 128), E4M3, False, seed=9)
+    q8, k8, v8 = q8.cuda(), k8.cuda(), v8.cuda()
+    sc = {n: x.cuda() for n, x in sc.items()}
+    o = fusedattn.attention(q8, k8, v8, causal=True, **sc)
+    assert launches == ["gluon"] and o.dtype == torch.bfloat16
+    per_head = dict(sc, descale_q=torch.full((4,), float(sc["descale_q"]), device="cuda"))
+    fusedattn.attention(q8, k8, v8, causal=True, **per_head)
+    fusedattn.attention(q8, k8, v8, causal=True, backend="cpu", **sc)
+    assert launches == ["gluon"]
+
+
+def test_transposed_v_key_order():
+    """CPU: the host's V copy is V transposed with keys in fwd_sm90.key_order within each 16 and zeros past
+    s_kv; the order is the one _pack_p8 builds (operand column 16 g + 4 q + t <- score column 16 g +
+    8 (t // 2) + 2 q + t % 2) and _zero_cols_from inverts (the same formula, written in the kernel); so
+    P (in that column order) @ the copy is P @ V."""
+    from fusedattn.backends.gluon.fwd_sm90 import key_order, transposed_v
+    c = torch.arange(64)
+    want = torch.tensor([16 * (x // 16) + 8 * ((x % 4) // 2) + 2 * ((x % 16) // 4) + x % 2 for x in range(64)])
+    assert torch.equal(key_order(64, "cpu").cpu(), want)
+    assert torch.equal(torch.sort(key_order(64, "cpu")).values, c), "key_order must be a permutation"
+    # the kernel's register form (_pack_p8): dims [kb, h, u, q, e] of score columns, operand [kb, h, q, u, e]
+    score = torch.arange(64).reshape(2, 2, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(64)
+    assert torch.equal(score, want), "the kernel's operand order differs from key_order"
+    for s_kv, dtype in ((37, E4M3), (64, E5M2), (1, E4M3)):
+        g = torch.Generator().manual_seed(s_kv)
+        v8 = fp8.quantize(torch.randn(2, 3, s_kv, 8, generator=g), dtype)
+        vt = transposed_v(v8)
+        pad = -(-s_kv // 16) * 16
+        assert vt.shape == (2, 3, 8, pad) and vt.dtype == dtype and vt.stride(-1) == 1
+        idx = key_order(pad, "cpu")
+        for cc in range(pad):
+            key = int(idx[cc])
+            col = vt[..., cc].float()
+            if key < s_kv:
+                assert torch.equal(col, v8[:, :, key].float()), (s_kv, cc)
+            else:
+                assert (col == 0).all(), (s_kv, cc)
+        p = torch.rand(2, 3, 5, pad)
+        p[..., s_kv:] = 0
+        vv = torch.zeros(2, 3, pad, 8)
+        vv[:, :, :s_kv] = v8.float()
+        torch.testing.assert_close(p[..., idx] @ vt.float().transpose(-1, -2), p @ vv)
+
+
+@pytest.mark.parametrize("spec", [dict(), dict(causal=True), dict(seq_len_q=[100, 3], seq_len_kv=[77, 300])],
+                         ids=["plain", "causal", "padded"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
+def test_gluon_fp8_persistent_grid_bit_identical(spec, d, _):
+    """The persistent grid (launch_fwd_sm90_fp8(persistent=True), a few CTAs running many work tiles) writes
+    the one-tile grid's bits, amaxes included."""
+    from fusedattn.backends.gluon import fwd_sm90
+    from fusedattn.problem import AttentionProblem
+    rep = _repro(f"persistent and {d}")
+    b, h_q, h_kv, s_q, s_kv = 2, 4, 2, 300, 301
+    q8, k8, v8, sc = _inputs((b, h_q, h_kv, s_q, s_kv, d), E4M3, False, seed=d)
+    q8, k8, v8 = q8.cuda(), k8.cuda(), v8.cuda()
+    scales = torch.tensor([float(sc["descale_q"]), float(sc["descale_k"]), float(sc["descale_v"]), 1 / 256, 256.0,
+                           1.0], dtype=torch.float32, device="cuda")
+    mask = _mask(spec, "cuda")
+    p = AttentionProblem(b=b, h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, d_v=d, dtype=E4M3, device_type="cuda",
+                         scale=d ** -0.5, band=mask["band"], has_seq_len_q="seq_len_q" in mask,
+                         has_seq_len_kv="seq_len_kv" in mask)
+    lens = {n: mask[n] for n in ("seq_len_q", "seq_len_kv") if n in mask}
+    outs = []
+    for kw in (dict(persistent=False), dict(persistent=True, ctas=3), dict(persistent=True)):
+        o = torch.full((b, h_q, s_q, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device="cuda")
+        amax = torch.zeros(2, dtype=torch.float32, device="cuda")
+        assert fwd_sm90.supports_fp8(p, q8, k8, v8, o, **lens), rep
+        fwd_sm90.launch_fwd_sm90_fp8(p, q8, k8, fwd_sm90.transposed_v(v8), o, lse, scales, amax, **lens, **kw)
+        outs.append((o.float().cpu(), lse.cpu(), amax.cpu()))
+    for got in outs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(outs[0], got)), f"persistent grid differs; {rep}"
+    assert not outs[0][0].isnan().any(), rep
