@@ -13,6 +13,7 @@ descales) go to the portable kernel. CPU: the host's copy of V (``transposed_v``
 import pytest
 import torch
 
+from conftest import INTERPRET
 from fusedattn import fp8
 from fusedattn.problem import make_band
 from fusedattn.reference_fp8 import EPS32, fp8_forward_bound
@@ -225,6 +226,30 @@ def test_transposed_v_key_order():
         vv = torch.zeros(2, 3, pad, 8)
         vv[:, :, :s_kv] = v8.float()
         torch.testing.assert_close(p[..., idx] @ vt.float().transpose(-1, -2), p @ vv)
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")),
+    pytest.param("cuda", id="gpu", marks=gpu[:2])])
+def test_transposed_v_kernel_equals_torch(device):
+    """The V copy's kernel (``_transpose_v_keys``) writes the bytes of its PyTorch form (``_transposed_v_torch``,
+    checked against the key order above), bit for bit: BSHD and hostile strides, odd lengths, head dims that are
+    not powers of two, one key, more keys than one program's columns, e4m3 and e5m2, into a buffer of 0xFF."""
+    from fusedattn.backends.gluon.fwd_sm90 import _transposed_v_torch, transposed_v
+    for (b, h, s, d), layout, dtype in (((2, 3, 37, 40), "bshd", E4M3), ((1, 2, 1, 64), "bhsd", E5M2),
+                                        ((2, 1, 300, 128), "strided", E4M3), ((1, 2, 129, 256), "bshd", E4M3)):
+        g = torch.Generator().manual_seed(s + d)
+        x = torch.randn(b, s, h, 2 * d, generator=g) if layout == "strided" else torch.randn(b, s, h, d, generator=g)
+        x = x[..., ::2] if layout == "strided" else x
+        v8 = fp8.quantize(x, dtype).to(device).transpose(1, 2)      # [b, h, s, d] over BSHD memory
+        if layout == "bhsd":
+            v8 = v8.contiguous()
+        got = transposed_v(v8)
+        want = _transposed_v_torch(v8)
+        rep = f"repro: python -m pytest -q tests/test_gluon_fp8.py -k transposed_v_kernel  # {(b, h, s, d)} {layout}"
+        assert got.shape == want.shape and got.stride() == want.stride(), rep
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), rep
 
 
 @pytest.mark.parametrize("spec", [dict(), dict(causal=True), dict(seq_len_q=[100, 3], seq_len_kv=[77, 300])],

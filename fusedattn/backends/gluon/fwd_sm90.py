@@ -206,8 +206,9 @@ type, stored from registers (``_fp8_write``: any output type, so no TMA staging 
 * Triton 3.6's wgmma wait cannot carry 8-bit values, so P8 is not among the PV wait's dependencies
   (``_pv_wait``); tools/gluon_check.py checks that no instruction writes P8's registers while the wgmma
   that reads them is in flight.
-* No ALiBi, dropout, sinks or pages with FP8 (``supports_fp8``); the persistent grid compiles (off by default,
-  ``FP8_PERSISTENT``: not yet timed).
+* No ALiBi, dropout, sinks or pages with FP8 (``supports_fp8``); the persistent grid is on at d=64 only
+  (``FP8_PERSISTENT``, measured). V's transposed copy is one small Triton kernel per call
+  (``transposed_v``).
 
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
@@ -223,14 +224,16 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...plan import interpreting
 from ..compat import cta_barrier, smem_reinterpret, tma_load, tma_store
-from ..triton.launch import _current_raw_stream
+from ..triton.launch import _current_raw_stream, jit_launch
 from . import dropout
 from .launch import Tma, launch
 
@@ -1913,26 +1916,27 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
 # the FP8 switch (module docstring, [Note] FP8)
 
 # (tile width) -> (BLOCK_N, STAGES) of the FP8 forward. 8-bit K and V tiles are half the bytes, so shared
-# memory is not the limit (d=128: Q 2 x 64 x 128 + 4 x (K + V) 2 x 64 x 128 bytes = 80 KB; 128-key tiles in
-# 3 stages, 112 KB); registers are: per consumer thread O [64, d] fp32, each tile's P V in its own
-# accumulator ([Note] FP8: another [64, d]), S [64, BLOCK_N] and P8. tools/gluon_check.py fp8 (ptxas,
-# Triton 3.6): d=128 with 64-key tiles has no spills (mask-free loop 336 SASS instructions per tile, 672
-# per 128 keys); with 128-key tiles 8 bytes (no mask) / 164 bytes (causal) of spills, all in the masked
-# loops (mask-free loop 510 per 128 keys: the tensor cores' time for the tile at about one instruction
-# per cycle of each scheduler, so likely the faster one: the GPU's sweep decides). d=64: 128-key tiles,
-# no spills. d=224 / 256 (O alone is 128 registers, the per-tile accumulator another 128): not here yet,
-# the portable kernel runs them (FP8_DIMS).
-FP8_TILES = {64: (128, 3), 128: (64, 4), 256: (64, 2)}
+# memory is not the limit (d=128: Q 2 x 64 x 128 + 3 x (K + V) 2 x 128 x 128 bytes = 112 KB); registers are: per
+# consumer thread O [64, d] fp32, each tile's P V in its own accumulator ([Note] FP8: another [64, d]), S
+# [64, BLOCK_N] and P8. tools/gluon_check.py fp8 (ptxas, Triton 3.6): d=128 with 64-key tiles has no spills
+# (mask-free loop 336 SASS instructions per tile, 672 per 128 keys); with 128-key tiles 8 bytes (no mask) /
+# 164 bytes (causal) of spills, all in the masked loops (mask-free loop 510 per 128 keys). Measured
+# (bench/gluon_fp8_sweep.py, H100, Triton 3.6, bf16 out, TFLOP/s, 64 x 4 -> 128 x 3): b4 h32 2k causal 438 ->
+# 481, b2 h16 8k 700 -> 817, b1 h32 16k causal 693 -> 826, GQA 32/8 4k causal 564 -> 659 (bench/NOTES.md 59):
+# the 128-key tiles, spills and all. d=64: 128-key tiles, no spills. d=224 / 256 (O alone is 128 registers,
+# the per-tile accumulator another 128): not here yet, the portable kernel runs them (FP8_DIMS).
+FP8_TILES = {64: (128, 3), 128: (128, 3), 256: (64, 2)}
 FP8_DIMS = (64, 128)
 # the FP8 wgmmas' promotion ([Note] FP8, the accumulation): 0 = each key tile's P V in a fresh accumulator
 # added to O in fp32, nothing promoted inside one product (the products' chains: d / 32 K-steps for QK^T,
 # BLOCK_N / 32 for P V); 32 = every K-step of 32 moved to fp32 as the portable kernel does, which Triton
 # expands into one waited wgmma per K-step (serialized, the softmax no longer under P V: tools/gluon_check.py)
 FP8_PROMOTE = 0
-# the FP8 switch on the persistent grid ([Note] persistent grid; launch_fwd_sm90_fp8(persistent=)): compiles
-# spill-free (tools/gluon_check.py fp8), not yet timed, so off until the GPU's A/B (the 16-bit kernel gained
-# 1.5-9% at d128 and 19% at d64, where tiles are short: FP8's tiles take half the tensor time)
-FP8_PERSISTENT = False
+# (tile width) -> the FP8 switch on the persistent grid ([Note] persistent grid; launch_fwd_sm90_fp8(persistent=)).
+# Measured beside the one-tile grid (bench/gluon_fp8_sweep.py, H100, Triton 3.6, TFLOP/s): d=64 b8 h12 1k 294
+# -> 322, causal 135 -> 193 (short tiles: the grid's tail and launch dominate); d=128 with 128-key tiles mixed
+# (2k causal 481 -> 492, 8k 817 -> 819, 16k causal 826 -> 791, GQA 4k causal 659 -> 652): off there
+FP8_PERSISTENT = {64: True, 128: False, 256: False}
 
 
 def fp8_mma_chain(d, block_n=None, promote=None) -> int:
@@ -1981,11 +1985,47 @@ def key_order(n, device) -> torch.Tensor:
     return idx
 
 
+@triton.jit
+def _transpose_v_keys(V, VT, H, S, PAD, D, stride_vb, stride_vh, stride_vs, stride_vd, stride_tb, stride_th,
+                      stride_td, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """VT[b, h, :, c] = V[b, h, key_order(c), :] (0 for keys >= S) for BLOCK_S columns c of one (batch, head):
+    ``transposed_v``'s gather, transpose and zero fill in one pass over V's bytes (uint8 views)."""
+    pid_c = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = (bh // H).to(tl.int64)
+    head = (bh % H).to(tl.int64)
+    c = pid_c * BLOCK_S + tl.arange(0, BLOCK_S)
+    # key_order's formula: column 16 g + 4 q + t holds key 16 g + 8 (t // 2) + 2 q + t % 2
+    key = (c // 16) * 16 + (c & 2) * 4 + ((c // 2) & 6) + (c & 1)
+    d = tl.arange(0, BLOCK_D)
+    src = V + batch * stride_vb + head * stride_vh + key.to(tl.int64)[:, None] * stride_vs + d[None, :] * stride_vd
+    x = tl.load(src, mask=(key[:, None] < S) & (d[None, :] < D), other=0)
+    dst = VT + batch * stride_tb + head * stride_th + d.to(tl.int64)[:, None] * stride_td + c[None, :]
+    tl.store(dst, tl.trans(x), mask=(d[:, None] < D) & (c[None, :] < PAD))
+
+
 def transposed_v(v) -> torch.Tensor:
-    """V [b, h_kv, s_kv, d] as the FP8 switch reads it ([Note] FP8): [b, h_kv, d, s_pad] with the keys
-    innermost (FP8 wgmmas read B K-major), s_pad = s_kv rounded up to 16 (TMA's 16-byte row stride), keys in
-    ``key_order`` within each 16 and zeros for keys >= s_kv. One gather and one copy per call, through
-    uint8 views (PyTorch has few float8 kernels)."""
+    """V [b, h_kv, s_kv, d] (any strides) as the FP8 switch reads it ([Note] FP8): [b, h_kv, d, s_pad]
+    contiguous with the keys innermost (FP8 wgmmas read B K-major), s_pad = s_kv rounded up to 16 (TMA's
+    16-byte row stride), keys in ``key_order`` within each 16 and zeros for keys >= s_kv. One pass of one small
+    kernel over uint8 views (``_transpose_v_keys``; PyTorch's gather and transposing copy of 8-bit elements
+    took 0.35 ms for 32 MiB on the H100, a third of a 2k causal forward: bench/NOTES.md 59); on the CPU
+    without the interpreter, the same through PyTorch (``_transposed_v_torch``)."""
+    b, h, s, d = v.shape
+    pad = -(-s // 16) * 16
+    if not (v.is_cuda or interpreting()):
+        return _transposed_v_torch(v)
+    vt = torch.empty((b, h, d, pad), dtype=torch.uint8, device=v.device)
+    v8 = v.view(torch.uint8)
+    block_s = 128
+    jit_launch(_transpose_v_keys, (triton.cdiv(pad, block_s), b * h), v8, vt, h, s, pad, d, *v8.stride(),
+               *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    return vt.view(v.dtype)
+
+
+def _transposed_v_torch(v) -> torch.Tensor:
+    """``transposed_v`` through PyTorch: one gather and one transposing copy through uint8 views (PyTorch has
+    few float8 kernels). The CPU's form, and the reference of the kernel's test."""
     b, h, s, d = v.shape
     pad = -(-s // 16) * 16
     idx = key_order(pad, v.device)
@@ -2023,7 +2063,7 @@ def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, 
         raise ValueError(f"vt must be V transposed by transposed_v, [b, h_kv, d, s_kv rounded up to 16]; got "
                          f"{list(vt.shape)} strides {vt.stride()}")
     n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
-    persistent = FP8_PERSISTENT if persistent is None else bool(persistent)
+    persistent = FP8_PERSISTENT[td] if persistent is None else bool(persistent)
     counter = _tile_counter(q.device) if persistent else lse_arg
     if counter is None:         # first launch on a capturing stream (_tile_counter): the one-tile grid
         persistent, counter = False, lse_arg
