@@ -121,11 +121,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
             one type), required then and refused otherwise: floats, one-element fp32 tensors or one per kv head
             ``[h_kv]``; the cache holds ``k_cache * descale_k``. q stays fp16 / bf16 / fp32, k_new / v_new in
             q's dtype are quantized on append (``sat_rne(k_new / descale_k)``). Semantics, rounding points and
-            the error bound: :mod:`fusedattn.kvcache_fp8`. With fp16 / bf16 queries the Triton path runs the
-            kernels on the cache's bytes (decode: the split-KV kernel; prefill, padded or packed: the tiled
-            forward), whose bound adds P's rounding to q's type (``fp8_kvcache_bound(p_dtype=q.dtype)``);
-            fp32 queries and the CPU path run the emulation (dequantized in torch, then the fp32 path;
-            num_splits is ignored).
+            the error bound: :mod:`fusedattn.kvcache_fp8`. Emulated for now (dequantized in torch, then the
+            fp32 path; num_splits is ignored): the cache's bytes are halved, not yet the time.
 
     Returns:
         ``out`` ``[b, h_q, s_q, d_v]`` in q's dtype and layout, or ``(out, stats)``.
@@ -183,8 +180,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
                 lse.fill_(float("-inf"))     # no key at all: the log of an empty sum
                 if c.sink is not None:       # ... but for the sink's term
                     _fill_sink_lse(lse, {"sink": c.sink, "seq_len_q": c.seq_len_q})
-        elif c.backend == "cpu" or (c.fp8 and not c.fp8_kernel()):
-            c.run_cpu(out, stats)           # FP8 caches with fp32 queries: the emulation (dequantize, then fp32)
+        elif c.backend == "cpu" or (c.fp8 and not c.fp8_decode()):
+            c.run_cpu(out, stats)           # FP8 caches past decode: the emulation (dequantize, then fp32)
         else:
             c.run_triton(out, lse)
     return (out, stats) if return_stats else out
@@ -394,12 +391,12 @@ class _Call:
             _append_torch(self)
 
     # -- the two paths
-    def fp8_kernel(self) -> bool:
-        """Whether an FP8 cache's call runs a kernel on the cache's bytes (KV_FP8): 16-bit queries. Decode
-        (a few query rows per kv head) takes the split-KV decode kernel ([Note] FP8 caches in
-        backends/triton/decode.py), prefill (padded, packed, paged or not) the tiled forward ([Note] FP8 K/V
-        caches in backends/triton/fwd.py), with one semantics; fp32 queries run the emulation."""
-        return self.q.dtype in (torch.float16, torch.bfloat16)
+    def fp8_decode(self) -> bool:
+        """Whether an FP8 cache's call runs the decode kernel on the cache's bytes (KV_FP8, [Note] FP8
+        caches in backends/triton/decode.py): a few query rows per kv head and 16-bit queries. Prefill
+        against an FP8 cache (the tiled forward) and fp32 queries run the emulation."""
+        from .backends.triton import decode
+        return self.q.dtype in (torch.float16, torch.bfloat16) and decode.decode_rows_fit(self.s_q, self.g)
 
     def run_cpu(self, out, stats, q=None):
         """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward
@@ -449,7 +446,7 @@ class _Call:
         seq_len_kv on the device (no sync). The CPU path pads the queries and runs run_cpu."""
         if self.k_new is not None and self.s_q > 0:
             self.append()
-        if self.backend == "cpu" or (self.fp8 and not self.fp8_kernel()):
+        if self.backend == "cpu" or self.fp8:
             from .varlen import _pad, _unpad
             q_pad, _ = _pad(self.q[0].transpose(0, 1), self.cu_seqlens_q, self.b, self.s_q)
             o = torch.empty((self.b, self.h_q, self.s_q, self.d_v), dtype=self.q.dtype, device=self.q.device)
@@ -484,9 +481,6 @@ class _Call:
         from .plan import plan
         from .problem import make_problem
         table, k, v = self.page_table, self.k_cache, self.v_cache
-        kv_descales = None
-        if self.fp8:        # the problem describes K / V by q-typed stand-ins; the kernel reads the bytes
-            k, v, kv_descales = _stand_in(k, self.q.dtype), _stand_in(v, self.q.dtype), (self.descale_k, self.descale_v)
         if table is None:
             table = torch.arange(self.b, dtype=torch.int32, device=self.q.device).view(self.b, 1)
         lens = self.seq_len_kv if self.seq_len_kv is not None else \
@@ -501,8 +495,7 @@ class _Call:
         p = dataclasses.replace(p, s_q=self.s_q, varlen=True)
         extras.update(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=cu_kv, slopes=self.slopes)
         lse4 = stats.unsqueeze(0) if stats is not None else None          # [1, h_q, total_q]
-        launch_fwd(p, plan(p, "triton").fwd, q4, self.k_cache, self.v_cache, out.unsqueeze(0).transpose(1, 2), lse4,
-                   extras, kv_descales=kv_descales)
+        launch_fwd(p, plan(p, "triton").fwd, q4, k, v, out.unsqueeze(0).transpose(1, 2), lse4, extras)
 
     def _run_packed_padded(self, out, stats):
         """Packed queries as a padded batch through :meth:`run_triton` (``PAD_PACKED_MAX_WASTE`` says why).
@@ -555,9 +548,6 @@ class _Call:
         if not decode.decode_rows_fit(self.s_q, self.g):
             # prefill: the tiled forward kernel reads the cache, paged or not, in place
             table = self.page_table if self.paged else None
-            if self.fp8:
-                self._run_forward_fp8(q, out, lse, seq_len_q)
-                return
             attention_forward(
                 q, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,
                 causal_alignment="bottom_right", window=self.window, seq_len_q=seq_len_q,
@@ -580,31 +570,8 @@ class _Call:
             if target is not None:
                 target.copy_(buf)
 
-    def _run_forward_fp8(self, q, out, lse, seq_len_q):
-        """Prefill against an FP8 cache: the portable tiled forward with KV_FP8 ([Note] FP8 K/V caches in
-        backends/triton/fwd.py) on the cache's bytes, paged or not; on sm_90 too (the Gluon forward reads
-        16-bit K / V only). q fp16 / bf16 [b, h_q, s_q, d]; out [b, h_q, s_q, d_v]; lse fp32 [b, h_q, s_q] or
-        None; seq_len_q int32 [b] or None."""
-        from .backends.triton.fwd import launch_fwd
-        from .plan import plan
-        from .problem import make_problem
-        table = self.page_table if self.paged else None
-        p, extras = make_problem(
-            q, _stand_in(self.k_cache, q.dtype), _stand_in(self.v_cache, q.dtype), attn_scale=self.scale,
-            causal=self.causal, causal_alignment="bottom_right", window=self.window, seq_len_q=seq_len_q,
-            seq_len_kv=self.seq_len_kv, alibi=self.slopes if self.slopes is not None else False,
-            softcap=self.softcap, page_table_k=table, page_table_v=table, sink=self.sink,
-            validate=False)             # lengths: checked by self.validate(), or clamped (validate=False)
-        launch_fwd(p, plan(p, "triton").fwd, q, self.k_cache, self.v_cache, out, lse, extras,
-                   kv_descales=(self.descale_k, self.descale_v))
-
 
 # ----------------------------------------------------------------------------- helpers
-
-def _stand_in(cache, dtype):
-    """A tensor of ``cache``'s shape in ``dtype`` over one element (strides 0): what ``make_problem`` needs to
-    describe an FP8 cache's attention (it checks shapes and one dtype; no kernel reads it)."""
-    return torch.empty((), dtype=dtype, device=cache.device).expand(cache.shape)
 
 def _tensor(name, t, shape_doc):
     if not isinstance(t, torch.Tensor):

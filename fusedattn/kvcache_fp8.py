@@ -47,22 +47,17 @@ fp32 terms are those of :mod:`fusedattn.fp8`'s bound (relative ``2 (d + 3) eps A
 rounding grows with the logits' size (``E_i ~ u8 * attn_scale * sum_c |q_c| |K_c|``). Random data lands far
 inside (the roundings' signs cancel: the worst element at 4-16% of its bound in the tests); values placed
 just below a rounding midpoint, read with uniform P, reach over 90% of it (``tests/test_fp8_kvcache.py``).
-The kernels (below) round their unnormalized probabilities ``p <= 1`` to q's 16-bit type before
+The decode kernel (below) rounds its unnormalized probabilities ``p <= 1`` to q's 16-bit type before
 ``P @ V``: that adds ``u_16 * sum_j P |V'| + a_16 * sum_{j kept} |V'|`` (bf16 ``2^-8``, fp16 ``2^-11`` and
-``2^-25``; the row sum is at least 1), ``fp8_kvcache_bound(p_dtype=)``; with it the bound holds for the
-decode and the prefill kernel alike (one semantics: the rest of their arithmetic is fp32, the rescales
-inside the bound's doubled fp32 terms).
+``2^-25``; the row sum is at least 1), ``fp8_kvcache_bound(p_dtype=)``.
 
-Execution. With fp16 / bf16 queries the Triton path reads the cache's bytes in a kernel (``KV_FP8``): each
-K / V tile is loaded as FP8 and widened exactly to q's type, ``descale_k`` joins the scores' scale and
-``descale_v`` the output's, so the kernel reads half the bytes of a 16-bit cache. Decode (a few query rows
-per kv head, ``backends.triton.decode.decode_rows_fit``) runs the split-KV decode kernel ([Note] FP8 caches
-there); prefill (padded ``seq_len_q``, packed ``cu_seqlens_q`` through its padded or its VARLEN route,
-paged or contiguous) the portable tiled forward ([Note] FP8 K/V caches in ``backends/triton/fwd.py``), on
-sm_90 too (the Gluon forward reads 16-bit K / V only). Everything else (fp32 queries, ``backend='cpu'``) is
-the emulation: the used pages / rows of each sequence are gathered through the page table (torch indexing:
-only the keys up to the longest ``seq_len_kv`` are read), dequantized to fp32 with torch ops, and the dense
-path runs on them in fp32.
+Execution. Decode (a few query rows per kv head, ``backends.triton.decode.decode_rows_fit``) with fp16 /
+bf16 queries runs the split-KV decode kernel on the cache's bytes (``KV_FP8``; [Note] FP8 caches there):
+each K / V tile is read as FP8 and widened exactly to q's type, ``descale_k`` joins the scores' scale and
+``descale_v`` the output's, so the kernel reads half the bytes of a 16-bit cache. Everything else (prefill
+against an FP8 cache, fp32 queries, ``backend='cpu'``) is the emulation: the used pages / rows of each
+sequence are gathered through the page table (torch indexing: only the keys up to the longest
+``seq_len_kv`` are read), dequantized to fp32 with torch ops, and the dense path runs on them in fp32.
 Appends always run in torch (quantize, then an index write), on any device.
 """
 from __future__ import annotations

@@ -178,8 +178,8 @@ def fp8_kvcache_bound(q, k, v, k8, v8, *, descale_k, descale_v, out_dtype, attn_
     Returns ``(o_ref, o_deq, bound, bound_deq)``, ``[b, h_q, s_q, d_v]`` float64: attention of the
     unquantized K / V and of the dequantized cache; the bound on ``|out - o_ref|`` (the module docstring's)
     and on ``|out - o_deq|`` (fp32 and the output's rounding only). Assumes no value saturated. ``p_dtype``:
-    the type the kernels (decode and prefill, ``KV_FP8``) round their unnormalized probabilities to before
-    ``P @ V`` (q's 16-bit type; None: no rounding, the emulation), which adds ``u_p sum_j P |V| + a_p sum_{j kept} |V|`` (the row sum
+    the type the decode kernel rounds its unnormalized probabilities to before ``P @ V`` (q's 16-bit type;
+    None: no rounding, the emulation), which adds ``u_p sum_j P |V| + a_p sum_{j kept} |V|`` (the row sum
     is at least 1)."""
     mask = dict(causal=causal, causal_alignment="bottom_right", window=window, seq_len_q=seq_len_q,
                 seq_len_kv=seq_len_kv)

@@ -19,8 +19,6 @@ from fusedattn.reference_fp8 import fp8_kvcache_bound
 from fusedattn.testing import assert_lse_close
 from fusedattn.reference import attention_reference
 
-from conftest import INTERPRET
-
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 NAN_BYTE = 0x7F          # e4m3's NaN (S.1111.111); e5m2's 0x7F is a NaN too
 
@@ -44,10 +42,9 @@ class Cache:
 
     def __init__(self, *, paged, s_q=1, lens=(45, 17, 30), b=3, h_q=4, h_kv=2, d=32, d_v=24, page=8,
                  dtype=torch.bfloat16, fp8_dtype=E4M3, per_head=True, pow2=False, append=True, seq_len_q=None,
-                 seed=0, device="cpu", window=None):
+                 seed=0, device="cpu"):
         g = torch.Generator().manual_seed(seed)
         self.b, self.h_kv, self.s_q, self.append, self.fp8_dtype = b, h_kv, s_q, append, fp8_dtype
-        self.window = window
         self.lens = torch.tensor(lens, dtype=torch.int32)
         self.lens_q = torch.tensor(seq_len_q, dtype=torch.int32) if seq_len_q is not None else None
         cap = max(lens) + 5
@@ -99,7 +96,7 @@ class Cache:
 
     def kwargs(self):
         return dict(page_table=self.page_table, seq_len_kv=self.lens, k_new=self.k_new, v_new=self.v_new,
-                    seq_len_q=self.lens_q, descale_k=self.dk, descale_v=self.dv, window=self.window)
+                    seq_len_q=self.lens_q, descale_k=self.dk, descale_v=self.dv)
 
     def dense_cache_bytes(self):
         """The cache read back densely (through the page table): [b, h_kv, cap, d] float8."""
@@ -115,9 +112,8 @@ class Cache:
 
     def check(self, out, stats, lower=0.0, kernel=False):
         """The stored bytes, then out against float64 of the dequantized cache (tight) and of the unquantized
-        K / V (the derived bound, reached to at least ``lower`` of it). ``kernel``: the call ran a kernel on
-        the cache's bytes (decode or prefill, KV_FP8), which rounds P to q's type before P @ V (the bound's
-        p_dtype)."""
+        K / V (the derived bound, reached to at least ``lower`` of it). ``kernel``: the call ran the decode
+        kernel on the cache's bytes, which rounds P to q's type before P @ V (the bound's p_dtype)."""
         k8, v8 = self.dense_cache_bytes()
         kept = (torch.arange(k8.shape[2])[None, :] < self.lens[:, None].cpu())[:, None, :, None]
         if self.append:      # the appended slots hold exactly torch's own cast of k_new / descale_k
@@ -135,7 +131,7 @@ class Cache:
         k8z, v8z = zero(self.k8.float(), kept).to(self.fp8_dtype), zero(self.v8.float(), kept).to(self.fp8_dtype)
         o_ref, o_deq, bound, bound_deq = fp8_kvcache_bound(
             self.q.cpu(), zero(self.k.float(), kept), zero(self.v.float(), kept), k8z, v8z, descale_k=self.dk.cpu(),
-            descale_v=self.dv.cpu(), out_dtype=self.q.dtype, seq_len_kv=self.lens.cpu(), window=self.window,
+            descale_v=self.dv.cpu(), out_dtype=self.q.dtype, seq_len_kv=self.lens.cpu(),
             seq_len_q=self.lens_q.cpu() if self.lens_q is not None else None, p_dtype=self.q.dtype if kernel else None)
         got = out.detach().cpu().double()
         assert not torch.isnan(got).any(), "NaN in the output: a slot past a length or an unwritten append was read"
@@ -148,7 +144,7 @@ class Cache:
         K = (k8z.double() * self.dk.cpu().double().view(1, -1, 1, 1))
         V = (v8z.double() * self.dv.cpu().double().view(1, -1, 1, 1))
         _, lse = attention_reference(self.q.cpu().double(), K, V, causal=True, causal_alignment="bottom_right",
-                                     seq_len_kv=self.lens.cpu(), window=self.window,
+                                     seq_len_kv=self.lens.cpu(),
                                      seq_len_q=self.lens_q.cpu() if self.lens_q is not None else None)
         assert_lse_close(stats, lse, tol=1e-5)
         return ratio
@@ -189,168 +185,6 @@ def test_fp8_cache_on_each_target(geom, target, monkeypatch):
     kernel = backend == "triton"
     assert fp8_launches == ([True] if kernel else []), f"decode kernel launches (FP8 bytes?): {fp8_launches}"
     c.check(out, stats, kernel=kernel)
-
-
-# ---------------------------------------------------------------------------------------------
-# prefill against an FP8 cache in the tiled forward kernel (KV_FP8, [Note] FP8 K/V caches in fwd.py)
-# ---------------------------------------------------------------------------------------------
-
-# prefill-sized calls (s_q * g past decode's 64 rows): odd lengths, padded seq_len_q, paged 16 / 64 and
-# contiguous, windows, GQA / MQA, per-tensor and per-head descales, e4m3 and e5m2, appends in the call
-PREFILL_GEOMS = {
-    "paged16_e4m3_head": dict(paged=True, page=16, s_q=67, lens=(131, 70, 97)),
-    "paged64_padded_q_tensor": dict(paged=True, page=64, s_q=83, seq_len_q=(83, 41, 0), lens=(200, 41, 77),
-                                    per_head=False, pow2=True),
-    "contig_e5m2_head": dict(paged=False, s_q=65, lens=(65, 130, 99), fp8_dtype=E5M2),
-    "contig_window_gqa4_d40": dict(paged=False, s_q=64, h_q=8, h_kv=2, d=40, window=(37, 0), lens=(150, 64, 101)),
-    "paged16_window_e5m2_padded_q": dict(paged=True, page=16, s_q=71, seq_len_q=(71, 9, 33), lens=(171, 9, 40),
-                                         window=(50, -1), fp8_dtype=E5M2, per_head=False),
-    "paged64_no_append_mha": dict(paged=True, page=64, s_q=97, h_q=2, h_kv=2, lens=(97, 180, 129), append=False),
-    "paged64_s300_mqa": dict(paged=True, page=64, s_q=300, b=2, h_q=2, h_kv=1, lens=(403, 300)),
-}
-
-
-# the GPU's extra geometries: contig_window_gqa4_d40's features one at a time (the GPU's compiled tiles differ
-# from the interpreter's by head dim: the interpreter passed that case while the H100 failed it, session 20)
-PREFILL_GEOMS_GPU = {
-    "contig_d40": dict(paged=False, s_q=64, d=40, lens=(150, 64, 101)),
-    "contig_d72_e5m2": dict(paged=False, s_q=65, d=72, lens=(65, 130, 99), fp8_dtype=E5M2),
-    "contig_d64_window_gqa4": dict(paged=False, s_q=64, h_q=8, h_kv=2, d=64, window=(37, 0), lens=(150, 64, 101)),
-    "contig_window_gqa4": dict(paged=False, s_q=64, h_q=8, h_kv=2, window=(37, 0), lens=(150, 64, 101)),
-    "paged16_d40": dict(paged=True, page=16, s_q=67, d=40, lens=(131, 70, 97)),
-    "contig_d40_no_append": dict(paged=False, s_q=64, d=40, lens=(150, 64, 101), append=False),
-}
-
-
-def _count_launches(monkeypatch):
-    """Record each kernel launch of an attention_with_kvcache call: ("fwd" | "decode", read FP8 bytes?)."""
-    from fusedattn.backends.triton import decode, fwd
-    launches = []
-    real_fwd, real_decode = fwd.launch_fwd, decode.launch_decode
-    monkeypatch.setattr(fwd, "launch_fwd", lambda *a, **kw: (
-        launches.append(("fwd", kw.get("kv_descales") is not None)), real_fwd(*a, **kw))[1])
-    monkeypatch.setattr(decode, "launch_decode", lambda *a, **kw: (
-        launches.append(("decode", kw.get("descale_k") is not None)), real_decode(*a, **kw))[1])
-    return launches
-
-
-def _checked(c, out, stats, repro, **kw):
-    """c.check with a one-line repro on failure."""
-    try:
-        return c.check(out, stats, **kw)
-    except AssertionError as e:
-        pytest.fail(f"{e}\nrepro: {repro}", pytrace=False)
-
-
-def _nan_out(c, dtype):
-    return torch.full((c.b, c.q.shape[1], c.s_q, c.v.shape[-1]), float("nan"), dtype=dtype, device=c.q.device)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")
-@pytest.mark.parametrize("geom", list(PREFILL_GEOMS))
-def test_fp8_prefill_kernel(geom, monkeypatch):
-    """Prefill against an FP8 cache runs the tiled forward on the cache's bytes (one launch, KV_FP8; no decode
-    kernel, no emulation), within the derived bound with P rounded to q's type; output into a NaN buffer. The
-    interpreter runs fp16 queries (its bf16 dots are wrong; the GPU twin runs bf16)."""
-    c = Cache(dtype=torch.float16, **PREFILL_GEOMS[geom])
-    launches = _count_launches(monkeypatch)
-    out = _nan_out(c, torch.float16)
-    res, st = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend="triton", out=out,
-                                     **c.kwargs())
-    assert res is out
-    repro = f"python -m pytest -q 'tests/test_fp8_kvcache.py::test_fp8_prefill_kernel[{geom}]'  # Cache({PREFILL_GEOMS[geom]})"
-    assert launches == [("fwd", True)], f"launches {launches} (want the forward kernel on FP8 bytes). {repro}"
-    _checked(c, out, st, repro, kernel=True)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")
-@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "contig"])
-def test_fp8_prefill_kernel_equals_16bit_kernel(paged, monkeypatch):
-    """With power-of-two per-head descales the FP8 cache's values are exact in fp16 and every descale factor
-    scales exactly, so the forward on the FP8 bytes equals, bit for bit, the same kernel on the fp16 cache of
-    those values: softcap, ALiBi, sinks, a window and padded queries included (features the bound does not
-    model). e4m3 (e5m2 values times their descales can fall below fp16's range)."""
-    c = Cache(paged=paged, page=16, s_q=67, seq_len_q=(67, 30, 5), lens=(131, 70, 97), dtype=torch.float16,
-              pow2=True, append=False, window=(60, -1), seed=12)
-    feats = dict(softcap=5.0, alibi=True, sink=torch.tensor([0.5, -1.0, 2.0, 0.0]))
-    launches = _count_launches(monkeypatch)
-    out, st = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend="triton",
-                                     **c.kwargs(), **feats)
-    ds = lambda d: d.view(1, -1, 1, 1)                                                          # noqa: E731
-    k16 = (c.k_cache.float().nan_to_num(0) * ds(c.dk)).to(torch.float16)
-    v16 = (c.v_cache.float().nan_to_num(0) * ds(c.dv)).to(torch.float16)
-    assert torch.equal(k16.float(), c.k_cache.float().nan_to_num(0) * ds(c.dk))                # exact in fp16
-    kw = dict(c.kwargs(), descale_k=None, descale_v=None)
-    want, want_st = attention_with_kvcache(c.q, k16, v16, return_stats=True, backend="triton", **kw, **feats)
-    assert launches == [("fwd", True), ("fwd", False)], f"launches {launches}"
-    assert torch.equal(out, want), f"max diff {(out.float() - want.float()).abs().max()}"
-    assert torch.equal(st, want_st)
-
-
-def _packed_call(c, lens_q, monkeypatch, backend="triton"):
-    """The padded Cache ``c`` (s_q = max(lens_q), seq_len_q = lens_q) called packed (cu_seqlens_q) into NaN
-    buffers; returns (launches, out, stats) scattered back to the padded layout (0 / -inf past each length)."""
-    rows = [(i, t) for i in range(c.b) for t in range(lens_q[i])]
-    take = lambda x: torch.stack([x[i, :, t] for i, t in rows])                     # noqa: E731  [total, h, d]
-    cu = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device=c.q.device)
-    kw = c.kwargs()
-    kw.update(seq_len_q=None)
-    if c.append:
-        kw.update(k_new=take(c.k_new), v_new=take(c.v_new))
-    q = take(c.q)
-    out = torch.full((q.shape[0], q.shape[1], c.v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
-    launches = _count_launches(monkeypatch)
-    _, st = attention_with_kvcache(q, c.k_cache, c.v_cache, cu_seqlens_q=cu, max_seqlen_q=max(lens_q),
-                                   return_stats=True, backend=backend, out=out, **kw)
-    o_pad = torch.zeros((c.b, q.shape[1], c.s_q, c.v.shape[-1]), dtype=q.dtype)
-    s_pad = torch.full((c.b, q.shape[1], c.s_q, 1), float("-inf"))
-    for r, (i, t) in enumerate(rows):
-        o_pad[i, :, t], s_pad[i, :, t, 0] = out[r].cpu(), st[:, r].cpu()
-    return launches, o_pad, s_pad
-
-
-@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")
-@pytest.mark.parametrize("route, lens_q, cache_kw", [
-    ("padded", (70, 65, 64), dict(paged=True, page=16, lens=(133, 65, 64))),
-    ("varlen", (131, 5, 0), dict(paged=True, page=64, lens=(200, 31, 17), per_head=False)),
-    ("varlen", (97, 1, 3), dict(paged=False, lens=(97, 77, 3), fp8_dtype=E5M2)),
-], ids=["padded_route_paged16", "varlen_route_paged64", "varlen_route_contig_e5m2"])
-def test_fp8_prefill_kernel_packed(route, lens_q, cache_kw, monkeypatch):
-    """Packed new tokens (cu_seqlens_q) over an FP8 cache: the padded route (little padding) and the VARLEN
-    route (skewed lengths) both run the forward kernel on the cache's bytes, appends included."""
-    from fusedattn.kvcache import PAD_PACKED_MAX_WASTE
-    b, s_q = len(lens_q), max(lens_q)
-    assert (b * s_q <= (1 + PAD_PACKED_MAX_WASTE) * sum(lens_q)) == (route == "padded")
-    c = Cache(dtype=torch.float16, s_q=s_q, seq_len_q=lens_q, seed=11, **cache_kw)
-    launches, out, st = _packed_call(c, lens_q, monkeypatch)
-    assert launches == [("fwd", True)], f"launches {launches}"
-    _checked(c, out, st, f"python -m pytest -q 'tests/test_fp8_kvcache.py::test_fp8_prefill_kernel_packed'"
-                         f" -k {route}  # lens_q={lens_q} {cache_kw}", kernel=True)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")
-def test_fp8_prefill_fp32_queries_keep_the_emulation(monkeypatch):
-    """fp32 queries against an FP8 cache: no kernel (the emulation, P unrounded: the bound without p_dtype)."""
-    c = Cache(dtype=torch.float32, **PREFILL_GEOMS["paged16_e4m3_head"])
-    launches = _count_launches(monkeypatch)
-    out, st = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend="triton", **c.kwargs())
-    assert all(not fp8_bytes for _, fp8_bytes in launches), f"launches {launches}"
-    c.check(out, st)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")
-@pytest.mark.parametrize("s_q", [1, 67], ids=["decode", "prefill"])
-def test_fp8_kernels_strided_per_head_descales(s_q):
-    """Per-head descales given as a strided view (every other element of a buffer) read the right heads, in
-    the decode and the prefill kernel: equal to the contiguous descales' call."""
-    c = Cache(paged=True, page=16, s_q=s_q, lens=(131, 70, 97), dtype=torch.float16, append=False)
-    kw = c.kwargs()
-    want = attention_with_kvcache(c.q, c.k_cache, c.v_cache, backend="triton", **kw)
-    for name, ds in (("descale_k", c.dk), ("descale_v", c.dv)):
-        kw[name] = torch.stack([ds, torch.full_like(ds, 1e3)], 1).reshape(-1)[::2]
-        assert kw[name].stride() == (2,)
-    got = attention_with_kvcache(c.q, c.k_cache, c.v_cache, backend="triton", **kw)
-    assert torch.equal(got, want)
 
 
 def test_packed_queries():
@@ -571,33 +405,3 @@ def test_gpu_fp8_cache_within_derived_bound(geom):
     c = Cache(device="cuda", per_head=True, **GEOMS[geom])
     out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
     c.check(out, stats, kernel=True)        # every geometry here is decode-sized: the kernel on FP8 bytes
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("geom", list(PREFILL_GEOMS) + list(PREFILL_GEOMS_GPU))
-def test_gpu_fp8_prefill_kernel(geom, dtype, monkeypatch):
-    """The GPU twin of test_fp8_prefill_kernel: the forward kernel on FP8 bytes (sm_90 too: not the Gluon one),
-    and head dims that are not multiples of 16 with and without the other features of the d=40 case."""
-    c = Cache(device="cuda", dtype=dtype, **{**PREFILL_GEOMS, **PREFILL_GEOMS_GPU}[geom])
-    launches = _count_launches(monkeypatch)
-    out = _nan_out(c, dtype)
-    _, st = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, out=out, **c.kwargs())
-    assert launches == [("fwd", True)], f"launches {launches}"
-    _checked(c, out, st, f"python -m pytest -q 'tests/test_fp8_kvcache.py::test_gpu_fp8_prefill_kernel[{geom}]'",
-             kernel=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
-@pytest.mark.parametrize("route, lens_q, cache_kw", [
-    ("padded", (70, 65, 64), dict(paged=True, page=16, lens=(133, 65, 64))),
-    ("varlen", (131, 5, 0), dict(paged=True, page=64, lens=(200, 31, 17), per_head=False)),
-], ids=["padded_route", "varlen_route"])
-def test_gpu_fp8_prefill_kernel_packed(route, lens_q, cache_kw, monkeypatch):
-    c = Cache(device="cuda", s_q=max(lens_q), seq_len_q=lens_q, seed=11, **cache_kw)
-    launches, out, st = _packed_call(c, lens_q, monkeypatch, backend="auto")
-    assert launches == [("fwd", True)], f"launches {launches}"
-    _checked(c, out, st, f"python -m pytest -q tests/test_fp8_kvcache.py -k 'gpu_fp8_prefill_kernel_packed and {route}'",
-             kernel=True)

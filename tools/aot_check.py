@@ -2,7 +2,7 @@
 
 Catches compile errors before spending device time (the interpreter accepts code that sm_90
 rejects, e.g. a non-constexpr `if`) and prints each variant's shared memory:
-    python tools/aot_check.py [fwd|bwd|all|features|kvfp8]
+    python tools/aot_check.py [fwd|bwd|all|features]
 ``ptxas_report(kernel)`` gives registers and spills. The variants compile without the 16-byte
 divisibility hints the JIT adds at launch, so pipelining (and shared memory) can differ from
 the real kernels': use it for errors and register pressure, not for shared-memory budgets.
@@ -60,7 +60,6 @@ def fwd_spec(d, bm, bn, dtype="bf16", **sw):
              VARLEN=False)
     # the 16-bit launch leaves the FP8 parameters at their defaults (None pointers: constexpr)
     c.update({name: None for name in FP8_PTRS}, FP8=False, FP8_INTERP=False)
-    c.update(stride_dsk=None, stride_dsv=None, KV_FP8=False)
     c.update(sw)
     return ptrs, c
 
@@ -79,46 +78,6 @@ def fwd_fp8_spec(d, bm, bn, dtype="fp8e4nv", out="bf16", **sw):
     c.update(BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, FP8=True, FP8_INTERP=False)
     c.update(sw)
     return ptrs, c
-
-
-def fwd_kv_fp8_spec(d, bm, bn, dtype="bf16", kv="fp8e4nv", per_head=True, **sw):
-    """(pointer types, constexprs) of a forward over an FP8 K/V cache (``launch_fwd(kv_descales=)``, [Note] FP8
-    K/V caches): 16-bit q / out, float8 K / V, fp32 descale_k / descale_v with per-head strides (1: the JIT's
-    constexpr) or per-tensor ones (0, a run-time int)."""
-    ptrs, c = fwd_spec(d, bm, bn, dtype, **sw)
-    ptrs.update(K=f"*{kv}", V=f"*{kv}", DESCALE_K="*fp32", DESCALE_V="*fp32")
-    for name in ("DESCALE_K", "DESCALE_V", "stride_dsk", "stride_dsv"):
-        c.pop(name)
-    if per_head:
-        c.update(stride_dsk=1, stride_dsv=1)
-    c.update(KV_FP8=True)
-    c.update(sw)
-    return ptrs, c
-
-
-def fwd_kv_fp8_report(d, bm, bn, warps, stages, dtype="bf16", kv="fp8e4nv", per_head=True, **sw):
-    """Compile the forward over 16-bit (kv=dtype) or FP8 K/V caches as the JIT would launch it (unit strides
-    on d, 16-divisible pointers and strides); 'smem=... regs=[...] spill_stores=[...]'."""
-    if kv == dtype:
-        ptrs, c = fwd_spec(d, bm, bn, dtype, **sw)
-    else:
-        ptrs, c = fwd_kv_fp8_spec(d, bm, bn, dtype, kv, per_head, **sw)
-    k = compile_kernel(fwd._attn_fwd, ptrs, c, warps, stages, jit_like=True)
-    return f"smem={k.metadata.shared} {ptxas_report(k)}"
-
-
-def main_kv_fp8():
-    """Prefill over FP8 K/V caches (KV_FP8) beside the 16-bit cache, d = 128, the plan's sm_90 tiles (bf16:
-    64x64/4 warps/3 stages up to 2k rows, 128x64/8/3 beyond), paged 16 / 64 and contiguous."""
-    cache = dict(HAS_SEQ_KV=True, BOTTOM_RIGHT=True, HAS_RIGHT=True)
-    for t in ((64, 64, 4, 3), (128, 64, 8, 3)):
-        for layout, sw in (("contig", {}), ("paged16", dict(PAGED=True, PAGE_SIZE=16)),
-                           ("paged64", dict(PAGED=True, PAGE_SIZE=64))):
-            for q, kv, per_head in (("bf16", "bf16", True), ("bf16", "fp8e4nv", True), ("bf16", "fp8e4nv", False),
-                                    ("fp16", "fp8e4nv", True), ("bf16", "fp8e5", True)):
-                scales = "" if kv == q else (" per-head" if per_head else " per-tensor")
-                print(f"kv-fp8 d128 {t} {layout} q={q} kv={kv}{scales}:",
-                      fwd_kv_fp8_report(128, *t, dtype=q, kv=kv, per_head=per_head, **dict(cache, **sw)))
 
 
 def fwd_fp8_variant(d, bm, bn, warps, stages, dtype="fp8e4nv", out="bf16", **sw):
@@ -178,8 +137,6 @@ def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which == "features":
         return main_features()
-    if which == "kvfp8":
-        return main_kv_fp8()
     if which in ("fwd", "all"):
         for d, t in ((64, (128, 128, 8, 3)), (128, (128, 64, 8, 3)), (224, (128, 64, 8, 2)), (40, (64, 64, 4, 2))):
             print("fwd", d, t, fwd_variant(d, *t))

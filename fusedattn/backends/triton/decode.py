@@ -527,8 +527,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
             seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
             out, lse_arg, o_part, lse_part, sink if sink is not None else q, dsk, dsv,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *pt_strides, *ptv_strides, *out.stride(), *lse_strides,
-            slope_batch_stride(slopes), dsk.stride(0) if kv_fp8 and dsk.numel() > 1 else 0,
-            dsv.stride(0) if kv_fp8 and dsv.numel() > 1 else 0,       # a strided [h_kv] view keeps its stride
+            slope_batch_stride(slopes), int(kv_fp8 and dsk.numel() > 1), int(kv_fp8 and dsv.numel() > 1),
             b, h_kv, g, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0, num_splits,
             qk_scale, float(softcap), win_left, win_right)
     kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,

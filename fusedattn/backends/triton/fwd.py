@@ -48,21 +48,6 @@ Interpreter (``FP8_INTERP``): Triton's interpreter (3.6, 3.9) casts fp32 to floa
 FP8, casts on-grid values exactly and runs FP8 dots as fp16 operands (exact) with fp32 sums, so
 ``to_fp8`` rounds in fp32 arithmetic first (``common.round_to_fp8_grid``), then casts; everything
 else, the FP8 dots included, is the GPU path's code (max_num_imprecise_acc is ignored there).
-
-[Note] FP8 K/V caches (compile-time ``KV_FP8``; ``launch_fwd(kv_descales=)``, from
-``fusedattn.kvcache``'s prefill against a float8 cache; the decode kernel's ``KV_FP8`` semantics exactly,
-backends/triton/decode.py): q and the output are fp16 / bf16, K and V float8 (e4m3 or e5m2) bytes with
-K = k8 * descale_k, V = v8 * descale_v, one fp32 descale per kv head (stride 0: one per tensor).
-* each K / V tile is loaded as bytes and widened to q's type, exactly (e4m3 and e5m2 are subsets of
-  fp16 and bf16); S = dot(q, k8) in fp32 times ``qk_scale * descale_k`` (masks, softcap, ALiBi and
-  sinks as the 16-bit path);
-* p = exp2(S - m_running) <= 1 in fp32 (the row sum l takes it), rounded to q's type for
-  acc = acc * alpha + dot(p16, v8 widened), fp32;
-* epilogue O = acc * (descale_v / l) in q's type; lse as the 16-bit path (the scores are the true ones).
-Bound: ``fusedattn.kvcache_fp8``'s, with P's rounding to q's type added
-(``reference_fp8.fp8_kvcache_bound(p_dtype=q.dtype)``: ``u_16 sum_j P |V'| + a_16 sum_{j kept} |V'|``).
-No TMA (pointer loads) and no dropout with it; on sm_90 it is the FP8 cache's prefill kernel (the Gluon
-forward takes 16-bit K / V only).
 """
 import torch
 import triton
@@ -89,7 +74,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                     FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False, KV_FP8: tl.constexpr = False):
+                     FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
     """Online-softmax update of one query tile over key blocks [start, end).
 
     USE_TMA loads K/V tiles through tensor descriptors (Hopper's bulk copy engine; rows
@@ -97,8 +82,6 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
     FP8 (module docstring, [Note] FP8): q, K, V are float8; ``qk_scale`` already holds
     descale_q * descale_k; P enters the second product as fp8(p * scale_s) (``scale_s``
     is read only then), and both products accumulate in fp32.
-    KV_FP8 ([Note] FP8 K/V caches): q is fp16 / bf16, K and V float8 bytes widened exactly to q's
-    type; ``qk_scale`` already holds descale_k, the caller's epilogue applies descale_v.
     """
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -114,9 +97,6 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
             # FP8 MMA; the partial sums move to the fp32 tile after every K-step of 32 (sm_90 wgmma
             # otherwise adds all of d with fewer bits than fp32: Triton's max_num_imprecise_acc)
             qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
-        elif KV_FP8:
-            # the cache's e4m3 / e5m2 bytes widen exactly to q's fp16 / bf16 (the decode kernel's rule)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or SOFTCAP or BIAS_KIND != 0 or HAS_ALIBI:
@@ -157,9 +137,6 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         if FP8:
             # P8 = fp8(p * scale_s) of the unnormalized p <= 1 (the row sum l_i keeps the fp32 p)
             acc = tl.dot(to_fp8(p * scale_s, v.dtype, FP8_INTERP), v, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
-        elif KV_FP8:
-            # the unnormalized p <= 1 rounds to q's 16-bit type (the bound's p_dtype), V widens exactly
-            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
@@ -203,8 +180,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINK: tl.constexpr = False,
               DESCALE_Q=None, DESCALE_K=None, DESCALE_V=None, DESCALE_S=None, SCALE_S=None, SCALE_O=None,
-              AMAX_S=None, AMAX_O=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False,
-              stride_dsk=None, stride_dsv=None, KV_FP8: tl.constexpr = False):
+              AMAX_S=None, AMAX_O=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -264,12 +240,6 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         # cuDNN's bmm1 scale chain folded into the one score multiply (scale * log2(e) * descales)
         qk_scale = qk_scale * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
         scale_s = tl.load(SCALE_S)
-    descale_v = 1.0
-    if KV_FP8:
-        # [Note] FP8 K/V caches: descale_k (per kv head; stride 0: per tensor) joins the scores' scale,
-        # descale_v the epilogue's 1 / l, so the K / V tiles stay bytes until the dots widen them
-        qk_scale = qk_scale * tl.load(DESCALE_K + kv_head * stride_dsk)
-        descale_v = tl.load(DESCALE_V + kv_head * stride_dsv)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -282,7 +252,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP, KV_FP8)
+        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
@@ -290,7 +260,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         False, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE, FP8, FP8_INTERP, KV_FP8)
+        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE, FP8, FP8_INTERP)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
@@ -298,7 +268,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP, KV_FP8)
+        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + head) * 1.4426950408889634 + tl.zeros([BLOCK_M], tl.float32)   # fp32 [h_q]
@@ -309,10 +279,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     row_ok = l_i > 0.0
     if HAS_SEQ_Q:
         row_ok = row_ok & (offs_m < len_q)
-    if KV_FP8:
-        inv_l = tl.where(row_ok, descale_v / tl.where(row_ok, l_i, 1.0), 0.0)     # the decode kernel's epilogue
-    else:
-        inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
+    inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
     if FP8:
         out = fp8_epilogue(out, inv_l, offs_m < len_q, DESCALE_S, DESCALE_V, SCALE_O, AMAX_S, AMAX_O,
@@ -339,19 +306,15 @@ _PLAIN_ARGS = {}        # plain problems: (problem, tiles, strides) -> (grid, no
 _TENSOR_SLOTS = 14      # Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU_Q, CU_KV, SINK
 
 
-def launch_fwd(problem, tiles, q, k, v, out, lse, extras, kv_descales=None):
+def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
     """Launch the forward kernel. Decisions were made upstream (problem, tiles).
 
     q [b,h_q,s_q,d], k [b,h_kv,s_kv,d], v [b,h_kv,s_kv,d_v], out [b,h_q,s_q,d_v]: any strides.
     lse: fp32 [b,h_q,s_q] view (or None). extras: from ``problem.make_problem``.
-    kv_descales: None, or ``(descale_k, descale_v)`` for float8 k / v ([Note] FP8 K/V caches; q fp16 / bf16,
-    the problem made with q's dtype for K / V): fp32 with one element or one per kv head
-    (``fusedattn.kvcache_fp8``'s). Such launches go through the JIT's dispatch (key None): the descales are
-    trailing parameters, and the launch keys do not carry K's dtype.
     """
     p = problem
     plain_key = None
-    if kv_descales is None and _is_plain(p) and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)) and (
+    if _is_plain(p) and all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)) and (
             lse is None or lse.data_ptr() % 16 == 0):
         # the common call (no optional tensor): every argument but the tensors is remembered
         plain_key = (p, tiles, q.stride(), k.stride(), v.stride(), out.stride(), lse is None or lse.stride())
@@ -373,7 +336,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras, kv_descales=None):
         bias = bias.view(torch.uint8)
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     # descriptors only for power-of-two head dims (ptxas crashes on a 224-wide box over 256)
-    use_tma = kv_descales is None and tiles.tma and not p.paged and not p.varlen and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
+    use_tma = tiles.tma and not p.paged and not p.varlen and tma_ok(k, v) and args["switches"]["EVEN_D"] and args["switches"]["EVEN_DV"]
     if use_tma:
         set_descriptor_allocator()
     grid = (cdiv(p.s_q, tiles.block_m), p.b * p.h_q)
@@ -383,7 +346,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras, kv_descales=None):
     num_blocks = k.shape[0] if p.paged else 1
     # everything the non-tensor arguments and the tensors' dtypes/alignment depend on (launch.py);
     # dropout seeds change every call and the JIT specializes on their width: no key
-    key = None if p.has_dropout or kv_descales is not None else (
+    key = None if p.has_dropout else (
         p, tiles, use_tma, q.stride(), k.stride(), v.stride(), out.stride(), lse_strides, bias_strides,
         tables[2:], num_blocks, extras_key(extras))
     pos = (q, k, v, out, lse_arg, args["seq_q"], args["seq_kv"], bias if bias is not None else out, args["slopes"],
@@ -398,10 +361,6 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras, kv_descales=None):
                   USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
                   PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
                   HAS_SINK=p.has_sink, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **args["switches"])
-    if kv_descales is not None:
-        dsk, dsv = (t.reshape(-1) for t in kv_descales)       # [h_kv] or [1]: a view keeps its stride
-        kwargs.update(DESCALE_K=dsk, DESCALE_V=dsv, stride_dsk=dsk.stride(0) if dsk.numel() > 1 else 0,
-                      stride_dsv=dsv.stride(0) if dsv.numel() > 1 else 0, KV_FP8=True)
     if plain_key is not None:
         key = plain_key
         if len(_PLAIN_ARGS) >= 512:
