@@ -12,9 +12,10 @@ inputs (random, physically BSHD: ``torch.randn(b, s, h, d).transpose(1, 2)``):
 * cuDNN frontend (``import cudnn``; one pygraph sdpa / sdpa_backward per config);
 * FlashAttention-4 (``flash_attn.cute.flash_attn_func``).
 
-The FP8 group (issue 27, ``--configs fp8``, never part of ``all``) times forwards only, on e4m3
-inputs: ours (``fusedattn.fp8.sdpa_fp8_forward``), ours in bf16 on the same values (the forward FP8
-must beat) and cuDNN frontend's ``sdpa_fp8``; see :func:`fp8_configs`.
+The FP8 group (issue 27, ``--configs fp8``, never part of ``all``) times forward, backward and
+forward+backward on e4m3 inputs: ours (``fusedattn.fp8.sdpa_fp8_forward`` / ``sdpa_fp8_backward``), ours
+in bf16 on the same values (the forward and backward FP8 must beat) and cuDNN frontend's ``sdpa_fp8`` /
+``sdpa_fp8_backward``; see :func:`fp8_configs`.
 
 Counting (the usual one, see DESIGN.md "Performance"): forward
 ``2*b*h*s_q*s_kv*(d + d_v)`` FLOPs (``4*b*h*s*s*d`` when ``d_v == d``), halved
@@ -204,16 +205,25 @@ def prefill_configs() -> List[Config]:
 
 def fp8_configs() -> List[Config]:
     """Issue 27: the ANCHORS.md problems an FP8 forward serves, in e4m3, beside cuDNN frontend's
-    ``sdpa_fp8`` and beside our own bf16 forward on the same values (the issue asks for at least 1.5x
-    that on the long d=128 configs).
+    ``sdpa_fp8`` / ``sdpa_fp8_backward`` and beside our own bf16 forward and backward on the same values
+    (the issue asks for at least 1.5x our bf16 forward on the long d=128 configs, and a backward at
+    least cuDNN's FP8 backward).
 
-    Every column computes one problem: e4m3 Q, K, V and an **e4m3 O** (``FP8_OUT``), per-tensor fp32
-    scales (``FP8_SCALES``), amax_s and amax_o written, no stats (inference). The output is FP8
+    Forward: every column computes one problem: e4m3 Q, K, V and an **e4m3 O** (``FP8_OUT``), per-tensor
+    fp32 scales (``FP8_SCALES``), amax_s and amax_o written, no stats (inference). The output is FP8
     because cuDNN's ``sdpa_fp8`` on Hopper writes nothing else: a bf16 / fp16 O needs Blackwell and
     cuDNN 9.13+ (cuDNN frontend 1.32, ``node/sdpa_support_surface.h``). Causal is top-left (s_q ==
     s_kv here, so the same mask), since the Hopper FP8 forward refuses bottom-right; head dims up to
-    256 in multiples of 16, so the d=224 anchor is here too. Forward only: there is no FP8 backward
-    to time yet, so the bwd and fwd+bwd cells say none.
+    256 in multiples of 16, so the d=224 anchor is here too.
+
+    Backward (timed alone, as the other groups'; fwd+bwd is the sum of the two medians): e4m3 Q, K, V,
+    the column's own forward's e4m3 O and fp32 stats (a training forward, stats on, run once outside the
+    timing), an e4m3 dO (``make_fp8_inputs``), **e4m3 dQ, dK, dV** (``FP8_GRAD``) and the four amaxes,
+    with ``FP8_SCALES`` and :func:`fp8_bwd_scales`. The gradients are FP8 because cuDNN's Hopper FP8 backward
+    writes nothing else (bf16 / fp16 gradients: Blackwell and cuDNN 9.13+, ``node/sdpa_fp8_bwd.h``), and
+    that backward takes d_qk = d_v = 128 only, so cuDNN's bwd cells of the d=256 and d=224 configs say
+    none (with cuDNN's reason). 'ours bf16' is fusedattn's autograd backward on bf16 copies of the same
+    values (bf16 dO, bf16 gradients), the backward the FP8 one is measured against.
     """
     c = Config
     return [
@@ -338,20 +348,53 @@ def make_inputs(cfg: Config, device) -> Inputs:
 FP8_OUT = torch.float8_e4m3fn
 FP8_SCALES = {"descale_q": 1.0, "descale_k": 1.0, "descale_v": 1.0, "descale_s": 1.0 / 256, "scale_s": 256.0,
               "scale_o": 1.0}
+# The FP8 backward's gradient type (fp8_configs says why dQ, dK, dV are e4m3) and its further per-tensor scales
+# (fp8_bwd_scales), all powers of two, so every descale is the exact inverse of its scale. The magnitudes they are
+# chosen for, measured on the group's problems with randn e4m3 inputs and dO (fp32, many heads): max |dS| (cuDNN's
+# "dP") 1.0 causal, 0.03-0.14 non-causal; median |dS| 3e-4 causal at s=2048, 4e-5 non-causal at s=8192;
+# max |dQ|, |dK|, |dV| 3-6 causal, 0.1-0.5 non-causal, their medians 0.01-0.04.
+FP8_GRAD = torch.float8_e4m3fn
+# the twelve scales of sdpa_fp8_backward (cuDNN's order), each an fp32 [1, 1, 1, 1] tensor in Inputs.extra
+FP8_BWD_SCALE_ARGS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                      "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+
+
+def fp8_bwd_scales(cfg: Config) -> Dict[str, float]:
+    """The backward's scales beyond ``FP8_SCALES`` (descale_q / k / v / s and scale_s are the forward's, as cuDNN's
+    recipe reuses them), the same for ours and cuDNN's graph:
+
+    * ``descale_o = 1 / scale_o``: o is the forward's e4m3 output written with scale_o (1), so D = rowsum(dO * o)
+      reads the forward's values exactly;
+    * ``descale_dO = 1``: dO is randn values stored as they are (|x| < 6, far inside +-448), as q, k and v;
+    * ``scale_dP`` (``descale_dP`` its inverse): dS8 = q(dS * scale_dP) in e4m3. Causal 2^8: max |dS| about 1
+      lands at 256 (room to 448 for more heads' extremes), the median at 0.07, normal (e4m3's normal range starts
+      at 2^-6). Non-causal 2^10: max |dS| up to about 0.2 lands at 205 or less, the s=8192 median at 0.045, still
+      normal (2^8 would leave that median subnormal and flush 7% of dS8 to zero);
+    * ``scale_dQ = scale_dK = scale_dV = 2^5``: the e4m3 gradients hold max |grad| up to 14 (measured 6) without
+      saturating and put the medians (0.01 and up) at 0.3 and up, well inside e4m3's normal range.
+    """
+    s_dp = 256.0 if cfg.causal else 1024.0
+    return {"descale_o": 1.0 / FP8_SCALES["scale_o"], "descale_dO": 1.0, "descale_dP": 1.0 / s_dp,
+            "scale_dP": s_dp, "scale_dQ": 32.0, "scale_dK": 32.0, "scale_dV": 32.0}
+
+
 BF16_COPIES = ("q_bf16", "k_bf16", "v_bf16")
 
 
 def make_fp8_inputs(cfg: Config, device) -> Inputs:
-    """e4m3 q, k, v (logical BHSD over BSHD memory, as make_inputs), the six scales as fp32
-    ``[1, 1, 1, 1]`` tensors on the device (what cuDNN's graph reads, and ours), and bf16 copies of
-    the same values for the 'ours bf16' column (exact: every e4m3 value is a bf16 value)."""
-    shapes = ((cfg.h_q, cfg.s_q, cfg.d), (cfg.h_kv, cfg.s_kv, cfg.d), (cfg.h_kv, cfg.s_kv, cfg.dv))
+    """e4m3 q, k, v (logical BHSD over BSHD memory, as make_inputs), an e4m3 ``dO`` [b, h_q, s_q, d_v] (the
+    backward's output gradient, BSHD memory too), the forward's and the backward's scales as fp32
+    ``[1, 1, 1, 1]`` tensors on the device (what cuDNN's graph reads, and ours), and bf16 copies of q, k, v
+    (and ``dO_bf16``) for the 'ours bf16' column (exact: every e4m3 value is a bf16 value)."""
+    shapes = ((cfg.h_q, cfg.s_q, cfg.d), (cfg.h_kv, cfg.s_kv, cfg.d), (cfg.h_kv, cfg.s_kv, cfg.dv),
+              (cfg.h_q, cfg.s_q, cfg.dv))
     # torch.randn has no float8 kernel: draw in fp32, round once (.to keeps the BSHD strides)
-    q, k, v = (bshd(cfg.b, h, s, d, torch.float32, device).to(cfg.torch_dtype) for h, s, d in shapes)
+    q, k, v, d_o = (bshd(cfg.b, h, s, d, torch.float32, device).to(cfg.torch_dtype) for h, s, d in shapes)
     inp = Inputs(q, k, v)
-    for name, value in FP8_SCALES.items():
+    for name, value in list(FP8_SCALES.items()) + list(fp8_bwd_scales(cfg).items()):
         inp.extra[name] = torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=device)
-    for name, t in zip(BF16_COPIES, (q, k, v)):
+    inp.extra["dO"] = d_o
+    for name, t in zip(BF16_COPIES + ("dO_bf16",), (q, k, v, d_o)):
         inp.extra[name] = t.to(torch.bfloat16)
     return inp
 
@@ -861,25 +904,25 @@ def prepare_cudnn(cfg: Config, need_bwd: bool):
 
 # ----------------------------------------------------------------------------- FP8 backends (issue 27)
 
-def _forward_only(why: str) -> Callable[[], Callable[[], object]]:
-    """A Runner's ``make_bwd`` for the FP8 group: every bwd / fwd+bwd cell says none, with ``why``."""
-    def make_bwd():
-        raise Unsupported(why)
-    return make_bwd
+def _fp8_band(cfg: Config):
+    """The FP8 group's mask for fusedattn.fp8: causal top-left (cuDNN's Hopper FP8 ops refuse bottom-right;
+    s_q == s_kv here, so the same mask), else none."""
+    from fusedattn.problem import make_band
 
-
-_NO_FP8_BWD = "no FP8 backward yet (issue 27)"
+    return make_band(cfg.causal and cfg.s_q > 1, "top_left", None)
 
 
 def prepare_ours_fp8(cfg: Config, need_bwd: bool):
-    """fusedattn's FP8 forward, ``fusedattn.fp8.sdpa_fp8_forward`` on the e4m3 tensors with cuDNN's
-    sdpa_fp8 semantics and the group's scales (backend 'auto': the portable Triton kernel's FP8 switch
-    on CUDA, the exact torch emulation on the CPU). Called directly rather than through
-    ``fusedattn.attention``, as cuDNN's graph is: the same scale tensors, the same e4m3 output."""
-    from fusedattn.fp8 import sdpa_fp8_forward
-    from fusedattn.problem import make_band
+    """fusedattn's FP8 attention with cuDNN's sdpa_fp8 / sdpa_fp8_backward semantics and the group's scales:
+    forward ``fusedattn.fp8.sdpa_fp8_forward`` on the e4m3 tensors; backward ``fusedattn.fp8.sdpa_fp8_backward``
+    on e4m3 q, k, v, dO and our forward's e4m3 O and stats (that training forward runs once per input set, outside
+    the timing), writing e4m3 gradients (``FP8_GRAD``) and the four amaxes. Backend 'auto': the FP8 kernels on CUDA
+    (Gluon's sm_90 forward where it takes the call, else the portable Triton kernel's FP8 switch, forward and
+    backward), the exact torch emulation on the CPU. Called directly rather than through ``fusedattn.attention``,
+    as cuDNN's graph is: the same scale tensors, the same e4m3 output and gradients."""
+    from fusedattn.fp8 import sdpa_fp8_backward, sdpa_fp8_forward
 
-    band = make_band(cfg.causal and cfg.s_q > 1, "top_left", None)
+    band = _fp8_band(cfg)
     attn_scale = 1.0 / math.sqrt(cfg.d)
 
     def bind(inp: Inputs) -> Runner:
@@ -888,14 +931,24 @@ def prepare_ours_fp8(cfg: Config, need_bwd: bool):
         def fwd():
             return sdpa_fp8_forward(inp.q, inp.k, inp.v, **scales, attn_scale=attn_scale, band=band,
                                     o_dtype=FP8_OUT)[0]
-        return Runner(fwd, _forward_only(_NO_FP8_BWD))
+
+        def make_bwd():
+            o, stats, _, _ = sdpa_fp8_forward(inp.q, inp.k, inp.v, **scales, attn_scale=attn_scale, band=band,
+                                              o_dtype=FP8_OUT)
+            bwd_scales = {name: inp.extra[name] for name in FP8_BWD_SCALE_ARGS}
+            d_o = inp.extra["dO"]
+            return lambda: sdpa_fp8_backward(inp.q, inp.k, inp.v, o, d_o, stats, **bwd_scales, attn_scale=attn_scale,
+                                             band=band, grad_dtype=FP8_GRAD)
+        return Runner(fwd, make_bwd)
 
     return bind
 
 
 def prepare_ours_bf16(cfg: Config, need_bwd: bool):
-    """``fusedattn.attention`` on bf16 copies of the same values: the forward ours in FP8 is measured
-    against (the 'ours/ours bf16' column). Forward only, as the rest of the group."""
+    """``fusedattn.attention`` on bf16 copies of the same values: the forward and backward ours in FP8 is
+    measured against (the 'ours/ours bf16' column). The backward is the anchors group's: autograd.grad of one
+    kept forward (retain_graph), here on leaf aliases of the bf16 copies with the bf16 copy of the group's dO,
+    bf16 gradients."""
     import fusedattn
 
     causal = cfg.causal and cfg.s_q > 1
@@ -906,15 +959,33 @@ def prepare_ours_bf16(cfg: Config, need_bwd: bool):
         def fwd():
             with torch.no_grad():
                 return fusedattn.attention(q, k, v, causal=causal)
-        return Runner(fwd, _forward_only("the FP8 group times forwards only"))
+
+        def make_bwd():
+            leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
+            out = fusedattn.attention(*leaves, causal=causal)
+            d_out = inp.extra["dO_bf16"]
+            return lambda: torch.autograd.grad(out, leaves, d_out, retain_graph=True)
+        return Runner(fwd, make_bwd)
 
     return bind
 
 
-def _cudnn_fp8_graph(cfg: Config, example: Inputs):
-    """cuDNN frontend's own FP8 forward: one ``sdpa_fp8`` graph (e4m3 Q/K/V/O, fp32 scale tensors,
-    is_inference so no stats; amax_s and amax_o are outputs, as an FP8 recipe reads them and ours
-    writes them). Returns (graph, graph tensors by name)."""
+def _cudnn_guarded(what: str, fn: Callable[[], object]):
+    """``fn()``, with any failure of cuDNN frontend's (building, validating, planning, executing a graph)
+    turned into ``Unsupported`` carrying cuDNN's text: a 'none' cell with its reason, never a crash."""
+    try:
+        return fn()
+    except Unsupported:
+        raise
+    except Exception as exc:
+        raise Unsupported(f"cuDNN frontend {what}: {_short(exc)}") from exc
+
+
+def _cudnn_fp8_graph(cfg: Config, example: Inputs, stats: bool = False):
+    """cuDNN frontend's own FP8 forward: one ``sdpa_fp8`` graph (e4m3 Q/K/V/O, fp32 scale tensors; amax_s
+    and amax_o are outputs, as an FP8 recipe reads them and ours writes them). ``stats`` False: is_inference,
+    no stats (the timed forward); True: the training forward whose fp32 stats [b, h_q, s_q, 1] are an output
+    too (sdpa_fp8_backward's input). Returns (graph, graph tensors by name)."""
     import cudnn
 
     graph = _cudnn_new_graph(cfg)
@@ -923,34 +994,75 @@ def _cudnn_fp8_graph(cfg: Config, example: Inputs):
          for name, x in (("q", example.q), ("k", example.k), ("v", example.v))}
     for name in FP8_SCALES:
         t[name] = graph.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
-    o, _, amax_s, amax_o = graph.sdpa_fp8(
+    o, st, amax_s, amax_o = graph.sdpa_fp8(
         q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"],
         descale_v=t["descale_v"], descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"],
-        is_inference=True, attn_scale=1.0 / math.sqrt(cfg.d), use_causal_mask=cfg.causal and cfg.s_q > 1,
+        is_inference=not stats, attn_scale=1.0 / math.sqrt(cfg.d), use_causal_mask=cfg.causal and cfg.s_q > 1,
         name="sdpa_fp8")
     o_like = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, FP8_OUT, example.q.device, fill="empty")
     o.set_output(True).set_dim(list(o_like.shape)).set_stride(list(o_like.stride())).set_data_type(fp8)
     for amax in (amax_s, amax_o):
         amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
     t.update(o=o, amax_s=amax_s, amax_o=amax_o)
+    if stats:
+        st.set_output(True).set_dim([cfg.b, cfg.h_q, cfg.s_q, 1]).set_stride([cfg.h_q * cfg.s_q, cfg.s_q, 1, 1])
+        st.set_data_type(fp32)
+        t["stats"] = st
+    _cudnn_finish(graph)
+    return graph, t
+
+
+def _cudnn_fp8_bwd_graph(cfg: Config, example: Inputs):
+    """cuDNN frontend's FP8 backward: one ``sdpa_fp8_backward`` graph on e4m3 Q, K, V, O (BSHD memory, as the
+    forward writes it) and dO, fp32 stats [b, h_q, s_q, 1] and the twelve fp32 scale tensors; e4m3 dQ, dK, dV
+    shaped and strided like q, k, v (Hopper writes no other gradient type) and the four fp32 amaxes as outputs.
+    Returns (graph, graph tensors by name)."""
+    import cudnn
+
+    graph = _cudnn_new_graph(cfg)
+    fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    o_like = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, FP8_OUT, example.q.device, fill="empty")
+    t = {name: graph.tensor(dim=list(x.shape), stride=list(x.stride()), data_type=fp8)
+         for name, x in (("q", example.q), ("k", example.k), ("v", example.v), ("o", o_like),
+                         ("dO", example.extra["dO"]))}
+    t["stats"] = graph.tensor(dim=[cfg.b, cfg.h_q, cfg.s_q, 1], stride=[cfg.h_q * cfg.s_q, cfg.s_q, 1, 1],
+                              data_type=fp32)
+    for name in FP8_BWD_SCALE_ARGS:
+        t[name] = graph.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+    outs = graph.sdpa_fp8_backward(
+        q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"],
+        **{name: t[name] for name in FP8_BWD_SCALE_ARGS},
+        attn_scale=1.0 / math.sqrt(cfg.d), use_causal_mask=cfg.causal and cfg.s_q > 1, name="sdpa_fp8_backward")
+    names = ("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP")
+    t.update(zip(names, outs))
+    for name, like in (("dQ", example.q), ("dK", example.k), ("dV", example.v)):
+        t[name].set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride())).set_data_type(fp8)
+    for name in names[3:]:
+        t[name].set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
     _cudnn_finish(graph)
     return graph, t
 
 
 def prepare_cudnn_fp8(cfg: Config, need_bwd: bool):
-    """cuDNN frontend's ``sdpa_fp8``: the graph built once per config, executed with each input set's
-    buffers (its output buffer is returned, so the check and the tests can read it)."""
+    """cuDNN frontend's ``sdpa_fp8`` and ``sdpa_fp8_backward``: graphs built once per config, executed with each
+    input set's buffers (the forward's output buffer is returned, the backward's gradients and amaxes, so the
+    check and the tests can read them). The backward's O and stats come from cuDNN's own training forward
+    (``sdpa_fp8`` with stats), run once per input set outside the timing, as prepare_cudnn does for bf16.
+    Every cuDNN call is guarded (:func:`_cudnn_guarded`): a refusal is a 'none' cell with cuDNN's reason."""
     import cudnn  # noqa: F401  (not importable: no column; gpu_backends / fp8_backends say why)
 
     state: Dict[str, object] = {}
 
+    def f32(dev):
+        return torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev)
+
     def bind(inp: Inputs) -> Runner:
         if "fwd" not in state:
-            state["fwd"] = _cudnn_fp8_graph(cfg, inp)
+            state["fwd"] = _cudnn_guarded("sdpa_fp8", lambda: _cudnn_fp8_graph(cfg, inp))
         graph, t = state["fwd"]
         dev = inp.q.device
         out = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, FP8_OUT, dev, fill="empty")
-        amax_s, amax_o = (torch.empty(1, 1, 1, 1, dtype=torch.float32, device=dev) for _ in range(2))
+        amax_s, amax_o = f32(dev), f32(dev)
         ws = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=dev)
         pack = {t["q"]: inp.q, t["k"]: inp.k, t["v"]: inp.v, t["o"]: out, t["amax_s"]: amax_s, t["amax_o"]: amax_o}
         pack.update({t[name]: inp.extra[name] for name in FP8_SCALES})
@@ -958,15 +1070,52 @@ def prepare_cudnn_fp8(cfg: Config, need_bwd: bool):
         def fwd():
             _cudnn_execute(graph, pack, ws)
             return out
-        return Runner(fwd, _forward_only(_NO_FP8_BWD))
+        return Runner(fwd, lambda: make_bwd(inp))
+
+    def build_bwd(inp: Inputs):
+        if "bwd_error" in state:           # refused once: the same reason for every input set, no rebuild
+            raise Unsupported(state["bwd_error"])
+        try:
+            state["train"] = _cudnn_guarded("sdpa_fp8 (training, stats)",
+                                            lambda: _cudnn_fp8_graph(cfg, inp, stats=True))
+            state["bwd"] = _cudnn_guarded("sdpa_fp8_backward", lambda: _cudnn_fp8_bwd_graph(cfg, inp))
+        except Unsupported as exc:
+            state["bwd_error"] = str(exc)
+            raise
+
+    def make_bwd(inp: Inputs):
+        if "bwd" not in state:
+            build_bwd(inp)
+        (fgraph, ft), (bgraph, bt) = state["train"], state["bwd"]
+        dev = inp.q.device
+        out = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, FP8_OUT, dev, fill="empty")
+        stats = torch.empty(cfg.b, cfg.h_q, cfg.s_q, 1, dtype=torch.float32, device=dev)
+        ws = _cudnn_guarded("workspace size", lambda: torch.empty(
+            max(fgraph.get_workspace_size(), bgraph.get_workspace_size()), dtype=torch.uint8, device=dev))
+        fpack = {ft["q"]: inp.q, ft["k"]: inp.k, ft["v"]: inp.v, ft["o"]: out, ft["stats"]: stats,
+                 ft["amax_s"]: f32(dev), ft["amax_o"]: f32(dev)}
+        fpack.update({ft[name]: inp.extra[name] for name in FP8_SCALES})
+        _cudnn_guarded("sdpa_fp8 (training) execute", lambda: _cudnn_execute(fgraph, fpack, ws))
+        grads = [torch.empty_like(x) for x in (inp.q, inp.k, inp.v)]      # e4m3, q/k/v's (BSHD) strides
+        amaxes = [f32(dev) for _ in range(4)]
+        bpack = {bt["q"]: inp.q, bt["k"]: inp.k, bt["v"]: inp.v, bt["o"]: out, bt["dO"]: inp.extra["dO"],
+                 bt["stats"]: stats}
+        bpack.update(zip((bt[n] for n in ("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP")),
+                         grads + amaxes))
+        bpack.update({bt[name]: inp.extra[name] for name in FP8_BWD_SCALE_ARGS})
+
+        def bwd():
+            _cudnn_execute(bgraph, bpack, ws)
+            return tuple(grads) + tuple(amaxes)
+        return bwd
 
     return bind
 
 
 def fp8_backends(gpu: bool = True) -> Tuple[List[Tuple[str, Callable]], Dict[str, str]]:
     """(column, prepare) for the FP8 group: ours, ours in bf16 and, on a GPU where it imports, cuDNN
-    frontend's sdpa_fp8. PyTorch SDPA, FlexAttention and FA4 have no FP8 attention to time here, so
-    they have no column (rather than a column of 'none')."""
+    frontend's sdpa_fp8 / sdpa_fp8_backward. PyTorch SDPA, FlexAttention and FA4 have no FP8 attention to
+    time here, so they have no column (rather than a column of 'none')."""
     cols = [("ours", prepare_ours_fp8), ("ours bf16", prepare_ours_bf16)]
     missing = {}
     if gpu:
@@ -1237,7 +1386,7 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
     head = ["config"] + ([] if kind == "decode" else ["pass"]) + cols + ["ours/best"]
     head += [f"{name}/no-mask" for name, _, _ in no_mask]
     if kind == "fp8":
-        head.append("ours/ours bf16")       # issue 27: FP8 against our own bf16 forward on the same values
+        head.append("ours/ours bf16")       # issue 27: FP8 against our own bf16 forward / backward, same values
     if kind == "decode":
         head.append("ours/copy")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1269,7 +1418,7 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
     unit = "K/V bytes read per second, TB/s" if kind == "decode" else "TFLOP/s"
     title = {"anchors": "Anchor configs (ANCHORS.md)", "masked": "Masked configs (issue 5)",
              "decode": "Decode (issue 6)", "prefill": "Prefill against a K/V cache (issue 6)",
-             "fp8": "FP8 forward (issue 27): e4m3 Q, K, V and O", "cpu": "CPU (no GPU present)"}[kind]
+             "fp8": "FP8 (issue 27): e4m3 Q, K, V, O, dO and dQ, dK, dV", "cpu": "CPU (no GPU present)"}[kind]
     return f"\n### {title}: {unit}\n\n" + "\n".join(lines) + "\n"
 
 
@@ -1424,8 +1573,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main_cpu(args, bench: Bench) -> int:
     if args.configs == "fp8":
         print("no CUDA GPU found: timing one tiny FP8 config on the CPU only (fusedattn.fp8's torch emulation of "
-              "sdpa_fp8 beside our bf16 forward), to show the command works; cuDNN frontend's column and any "
-              "FP8 speed need a GPU", file=sys.stderr)
+              "sdpa_fp8 / sdpa_fp8_backward beside our bf16 forward and backward), to show the command works; "
+              "cuDNN frontend's column and any FP8 speed need a GPU", file=sys.stderr)
         cols, cfgs = fp8_backends(gpu=False)[0], cpu_fp8_configs()
     else:
         print("no CUDA GPU found: timing one tiny CPU config only, to show the command works; "

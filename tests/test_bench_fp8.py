@@ -1,9 +1,10 @@
 """``fusedattn bench --configs fp8`` (issue 27), on the CPU.
 
 The GPU numbers come from ``python -m fusedattn bench --configs fp8 --quick`` on the device; here: the group's
-configs and flag, our FP8 column computing exactly what ``fusedattn.fp8.sdpa_fp8_forward`` computes, the cuDNN
-frontend column's graph built with cuDNN's sdpa_fp8 arguments (fusedattn's Graph door, which mirrors cuDNN
-frontend 1.32's signatures, stands in for ``cudnn``), the table's ratios, and the CPU run of the group.
+configs and flag, our FP8 column computing exactly what ``fusedattn.fp8.sdpa_fp8_forward`` / ``sdpa_fp8_backward``
+compute, the bf16 column's backward, the cuDNN frontend column's graphs built with cuDNN's sdpa_fp8 /
+sdpa_fp8_backward arguments (fusedattn's Graph door, which mirrors cuDNN frontend 1.32's signatures, stands in for
+``cudnn``), the backward's scales, the table's ratios, and the CPU run of the group.
 """
 import math
 import sys
@@ -24,11 +25,28 @@ def _table_rows(text):
             if line.startswith("|") and not line.startswith("|---")]
 
 
-def _emulated(inp, cfg):
-    """What cuDNN's sdpa_fp8 computes for the group's scales, by fusedattn.fp8's exact emulation."""
+def _emulated(inp, cfg, stats=False):
+    """What cuDNN's sdpa_fp8 computes for the group's scales, by fusedattn.fp8's exact emulation (o, or (o, stats))."""
     scales = {name: inp.extra[name] for name in bench.FP8_SCALES}
-    return fp8.sdpa_fp8_forward(inp.q, inp.k, inp.v, **scales, band=make_band(cfg.causal, "top_left", None),
-                                o_dtype=E4M3, backend="cpu")[0]
+    res = fp8.sdpa_fp8_forward(inp.q, inp.k, inp.v, **scales, band=make_band(cfg.causal, "top_left", None),
+                               o_dtype=E4M3, backend="cpu")
+    return res[:2] if stats else res[0]
+
+
+def _emulated_bwd(inp, cfg):
+    """What cuDNN's sdpa_fp8_backward computes for the group's scales, dO and the emulated forward's o and stats:
+    (dQ, dK, dV, amax_dQ, amax_dK, amax_dV, amax_dP), e4m3 gradients."""
+    o, stats = _emulated(inp, cfg, stats=True)
+    scales = {name: inp.extra[name] for name in bench.FP8_BWD_SCALE_ARGS}
+    return fp8.sdpa_fp8_backward(inp.q, inp.k, inp.v, o, inp.extra["dO"], stats, **scales,
+                                 band=make_band(cfg.causal, "top_left", None), grad_dtype=E4M3, backend="cpu")
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want) == 7
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.float(), w.float())
 
 
 def test_fp8_group_is_asked_for_by_name():
@@ -74,30 +92,76 @@ def test_ours_fp8_column_computes_sdpa_fp8_forward():
     out = ours.fwd()
     assert out.dtype == E4M3 and out.shape == (1, 2, 64, 32)
     assert torch.equal(out.float(), _emulated(inp, TINY).float())
-    with pytest.raises(bench.Unsupported, match="no FP8 backward"):
-        ours.make_bwd()
     # our bf16 forward on the same values agrees up to e4m3's rounding of P and O (2^-4 relative)
     ref = bench.prepare_ours_bf16(TINY, False)(inp).fwd()
     assert ref.dtype == torch.bfloat16
     assert (out.float() - ref.float()).abs().max().item() < 0.2
 
 
+def test_ours_fp8_column_backward_computes_sdpa_fp8_backward():
+    """The bwd column: sdpa_fp8_backward on e4m3 q, k, v, dO and our forward's e4m3 o and stats, e4m3 gradients in
+    q/k/v's shapes and amaxes; the bf16 column's backward is autograd's on the bf16 copies with the bf16 dO, and the
+    two agree up to the FP8 rounding of P, dS and the gradients."""
+    inp = bench.make_inputs(TINY, "cpu")
+    d_o = inp.extra["dO"]
+    assert d_o.dtype == E4M3 and d_o.shape == (1, 2, 64, 32) and d_o.transpose(1, 2).is_contiguous()
+    assert torch.equal(inp.extra["dO_bf16"].float(), d_o.float())
+    got = bench.prepare_ours_fp8(TINY, True)(inp).make_bwd()()
+    want = _emulated_bwd(inp, TINY)
+    _assert_same(got, want)
+    assert all(g.dtype == bench.FP8_GRAD for g in got[:3])
+    assert all(float(a) > 0 for a in got[3:])
+
+    ref = bench.prepare_ours_bf16(TINY, True)(inp).make_bwd()()
+    assert len(ref) == 3 and all(r.dtype == torch.bfloat16 for r in ref)
+    for g, r, name in zip(got[:3], ref, ("scale_dQ", "scale_dK", "scale_dV")):
+        deq = g.float() / inp.extra[name]
+        assert deq.shape == r.shape
+        # e4m3's 2^-4 relative rounding of P, dS and the gradient itself, against the bf16 gradient's size
+        assert (deq - r.float()).abs().max().item() < 0.25 * r.float().abs().max().item() + 0.05
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_backward_scales(causal):
+    """The backward's scales: powers of two, each descale the exact inverse of its scale, descale_o the forward's
+    1 / scale_o, in the inputs as fp32 [1, 1, 1, 1] tensors beside the forward's."""
+    cfg = bench.Config("fp8", 1, 2, 2, 64, 64, 32, "e4m3", causal=causal)
+    sc = bench.fp8_bwd_scales(cfg)
+    assert sc["descale_o"] == 1 / bench.FP8_SCALES["scale_o"] and sc["descale_dO"] == 1.0
+    assert sc["scale_dP"] * sc["descale_dP"] == 1.0 and sc["scale_dP"] == (256.0 if causal else 1024.0)
+    for name in ("scale_dP", "scale_dQ", "scale_dK", "scale_dV"):
+        assert math.log2(sc[name]).is_integer()
+    assert set(bench.FP8_BWD_SCALE_ARGS) == (set(bench.FP8_SCALES) - {"scale_o"}) | set(sc)     # twelve, no other
+    inp = bench.make_inputs(cfg, "cpu")
+    for name in bench.FP8_BWD_SCALE_ARGS:
+        t = inp.extra[name]
+        assert t.dtype == torch.float32 and t.shape == (1, 1, 1, 1)
+    assert float(inp.extra["scale_dP"]) == sc["scale_dP"]
+
+
 def test_cudnn_fp8_column_builds_cudnns_sdpa_fp8(monkeypatch):
-    """The column's graph through fusedattn's Graph door (cuDNN frontend 1.32's signatures: a wrong keyword is
-    a TypeError there, as in cuDNN), with the call's arguments recorded; executed, it gives the emulation."""
+    """The column's graphs through fusedattn's Graph door (cuDNN frontend 1.32's signatures: a wrong keyword is
+    a TypeError there, as in cuDNN), with the calls' arguments recorded; executed, they give the emulation: the
+    timed inference forward, then the training forward (stats) and sdpa_fp8_backward of the bwd column."""
     calls = {}
     real_init, real_sdpa_fp8 = fusedattn.pygraph.__init__, fusedattn.pygraph.sdpa_fp8
+    real_bwd = fusedattn.pygraph.sdpa_fp8_backward
 
     def init(self, *args, **kwargs):
         calls["graph"] = kwargs
         real_init(self, *args, **kwargs)
 
     def sdpa_fp8(self, *args, **kwargs):
-        calls["sdpa_fp8"] = (args, kwargs)
+        calls.setdefault("sdpa_fp8", []).append((args, kwargs))
         return real_sdpa_fp8(self, *args, **kwargs)
+
+    def sdpa_fp8_backward(self, *args, **kwargs):
+        calls["sdpa_fp8_backward"] = (args, kwargs)
+        return real_bwd(self, *args, **kwargs)
 
     monkeypatch.setattr(fusedattn.pygraph, "__init__", init)
     monkeypatch.setattr(fusedattn.pygraph, "sdpa_fp8", sdpa_fp8)
+    monkeypatch.setattr(fusedattn.pygraph, "sdpa_fp8_backward", sdpa_fp8_backward)
     monkeypatch.setitem(sys.modules, "cudnn", fusedattn)
     monkeypatch.setattr(bench, "_CUDNN", {})
     cols, missing = bench.fp8_backends()
@@ -106,7 +170,7 @@ def test_cudnn_fp8_column_builds_cudnns_sdpa_fp8(monkeypatch):
     inp = bench.make_inputs(TINY, "cpu")
     runner = bench.prepare_cudnn_fp8(TINY, False)(inp)
     assert calls["graph"]["io_data_type"] == fusedattn.data_type.FP8_E4M3
-    args, kw = calls["sdpa_fp8"]
+    (args, kw), = calls["sdpa_fp8"]
     assert not args
     assert kw["is_inference"] is True and kw["use_causal_mask"] is True
     assert kw["attn_scale"] == pytest.approx(1 / math.sqrt(TINY.d))
@@ -114,8 +178,41 @@ def test_cudnn_fp8_column_builds_cudnns_sdpa_fp8(monkeypatch):
     out = runner.fwd()
     assert out.dtype == E4M3 and out.shape == (1, 2, 64, 32)
     assert torch.equal(out.float(), _emulated(inp, TINY).float())
-    with pytest.raises(bench.Unsupported):
-        runner.make_bwd()
+
+    bwd = runner.make_bwd()
+    (args, kw), = calls["sdpa_fp8"][1:]          # the training forward: stats on
+    assert not args and kw["is_inference"] is False and kw["use_causal_mask"] is True
+    args, kw = calls["sdpa_fp8_backward"]
+    assert not args
+    assert set(kw) == {"q", "k", "v", "o", "dO", "stats", "attn_scale", "use_causal_mask", "name"} | set(
+        bench.FP8_BWD_SCALE_ARGS)
+    assert kw["use_causal_mask"] is True and kw["attn_scale"] == pytest.approx(1 / math.sqrt(TINY.d))
+    got = bwd()
+    _assert_same(got, _emulated_bwd(inp, TINY))
+    assert [g.stride() for g in got[:3]] == [inp.q.stride(), inp.k.stride(), inp.v.stride()]
+
+
+def test_cudnn_fp8_backward_refusal_is_a_none_cell(monkeypatch):
+    """cuDNN refusing the FP8 backward (Hopper: d = 128 only) is an Unsupported with cuDNN's text, given again
+    for the next input set without a rebuild, and the forward still runs."""
+    monkeypatch.setitem(sys.modules, "cudnn", fusedattn)
+    monkeypatch.setattr(bench, "_CUDNN", {})
+    built = []
+
+    def refuse(self, *args, **kwargs):
+        built.append(1)
+        raise RuntimeError("hidden_dim shoud be equal to 128")
+
+    monkeypatch.setattr(fusedattn.pygraph, "sdpa_fp8_backward", refuse)
+    bind = bench.prepare_cudnn_fp8(TINY, True)
+    runners = [bind(bench.make_inputs(TINY, "cpu")) for _ in range(2)]
+    for r in runners:
+        with pytest.raises(bench.Unsupported, match="sdpa_fp8_backward: RuntimeError: hidden_dim"):
+            r.make_bwd()
+    assert len(built) == 1
+    assert runners[0].fwd().dtype == E4M3
+    cell = bench._failure(bench.Unsupported("cuDNN frontend sdpa_fp8_backward: x"))
+    assert cell.status == "none" and "sdpa_fp8_backward" in cell.why
 
 
 def test_fp8_table_divides_by_cudnn_and_by_our_bf16():
@@ -136,6 +233,6 @@ def test_fp8_group_runs_on_the_cpu(monkeypatch, capsys):
     assert "FP8 config on the CPU" in res.err
     rows = _table_rows(res.out)
     assert rows[0] == ["config", "pass", "ours", "ours bf16", "ours/best", "ours/ours bf16"]
-    fwd = rows[1]
-    assert fwd[1] == "fwd" and float(fwd[2]) > 0 and float(fwd[3]) > 0 and float(fwd[-1]) > 0
-    assert [r[2] for r in rows[2:]] == ["none", "none"]        # bwd, fwd+bwd: no FP8 backward yet
+    assert [r[1] for r in rows[1:]] == ["fwd", "bwd", "fwd+bwd"]
+    for row in rows[1:]:            # ours, ours bf16 and their ratio in every pass (the FP8 backward is timed)
+        assert float(row[2]) > 0 and float(row[3]) > 0 and row[4] == "-" and float(row[-1]) > 0
