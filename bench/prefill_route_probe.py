@@ -6,7 +6,11 @@ padded route landed (kvcache.PAD_PACKED_MAX_WASTE), where the same chunks as a p
 610 / 646: this counts the Gluon paged forward's launches for one packed call and times the packed
 call, the padded call and the padded route's gathers alone (do_bench, ms).
 
-    python bench/prefill_route_probe.py
+    PYTHONPATH=$PWD python bench/prefill_route_probe.py
+
+Session 20 (H100, Triton 3.6): packed 0.927 / 0.785 ms (278 / 328 TFLOP/s), padded batch 0.422 / 0.398,
+the q gather 0.030 / 0.029, pages of 16 / 64; one route ('padded'), one Gluon paged launch. The profile
+below (added then, not yet run) is the next step.
 """
 import torch
 import triton
@@ -46,6 +50,16 @@ def main() -> None:
             ms = triton.testing.do_bench(fn, warmup=10, rep=50)
             tf = bench.fwd_flops(cfg) / ms / 1e9
             print(f"    {name:14s} {ms:.3f} ms  {tf:.0f} TFLOP/s")
+        # where the packed call's GPU time goes, kernel by kernel (session 20 measured packed 0.93 / 0.79 ms
+        # against the padded batch's 0.42 / 0.40 at pages of 16 / 64, with the q gather at 0.03: the ~0.4 ms
+        # left is not in the route's bytes)
+        for name, fn in (("packed", packed), ("padded batch", batch)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"    profile of 10 {name} calls:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
