@@ -646,7 +646,8 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
       power-of-two scale (:func:`quantize_per_tensor`), the forward runs the FP8 semantics, and the
       backward (autograd) is fusedattn's 16-bit backward on the dequantized inputs in their dtype,
       with the FP8 forward's output and stats (straight-through quantization; the documented
-      choice until the FP8 backward kernels exist).
+      choice: the FP8 backward kernel, :func:`sdpa_fp8_backward`, runs at 0.16-0.22x of the 16-bit
+      backward on an H100 for now, bench/NOTES.md 59).
 
     The semantics are cuDNN's ``sdpa_fp8`` (:mod:`fusedattn.fp8`): P is quantized with ``scale_s``
     (default 256 for e4m3, 32768 for e5m2) and dequantized with ``descale_s`` (default
@@ -659,7 +660,8 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
         return_stats: also return the fp32 log-sum-exp ``[b, h_q, s_q, 1]``.
         return_amax: also return ``amax_s`` (max of P) and ``amax_o`` (max |O| before scale_o), fp32
             ``[1, 1, 1, 1]``, for the next step's scales.
-        backend: ``"auto"`` (CUDA: the portable Triton kernel's FP8 forward; CPU: the emulation),
+        backend: ``"auto"`` (CUDA: the Gluon FP8 forward on sm_90 where it takes the call, else the
+            portable Triton kernel's; CPU: the emulation),
             ``"triton"`` (the kernel; CPU tensors under Triton's interpreter) or ``"cpu"`` (the exact torch
             emulation on the tensors' device); see :func:`sdpa_fp8_forward`. The backward of the
             quantize-inside path is the 16-bit one either way.
