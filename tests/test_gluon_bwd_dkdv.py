@@ -37,8 +37,9 @@ def reference_grads(q, k, v, do, dtype, **kw):
     return ks.grad, vs.grad
 
 
-def run_gluon(case, q, k, v, do, lse, delta, stages=None):
-    """dK, dV from the Gluon kernel, in NaN-filled guarded buffers of the case's layout."""
+def run_gluon(case, q, k, v, do, lse, delta, stages=None, **launch_kw):
+    """dK, dV from the Gluon kernel, in NaN-filled guarded buffers of the case's layout (launch_kw: tuning
+    keywords of ``launch_dkdv_sm90``)."""
     from fusedattn.backends.gluon.bwd_dkdv_sm90 import launch_dkdv_sm90, supports
     dt = getattr(torch, case.dtype)
     dk = guarded((case.b, case.h_kv, case.s_kv, case.d), dt, "cuda", case.layout, fill=None)
@@ -48,7 +49,7 @@ def run_gluon(case, q, k, v, do, lse, delta, stages=None):
     assert supports(p, q.view, k.view, v.view, do.view, dk.view, dv.view, slopes=slopes), \
         "supports() refused a case it should run"
     launch_dkdv_sm90(p, q.view, k.view, v.view, do.view, lse, delta, dk.view, dv.view, slopes=slopes,
-                     stages=stages)
+                     stages=stages, **launch_kw)
     torch.cuda.synchronize()
     return dk, dv
 
@@ -173,6 +174,26 @@ def test_gluon_dkdv_deterministic(mode, d):
     again = run_gluon(case, q, k, v, do, lse, delta)
     for a, b in zip(first, again):
         assert torch.equal(a.view, b.view), "dK/dV not bitwise reproducible"
+
+
+@pytest.mark.parametrize("sms", [132, 20, 7])
+@pytest.mark.parametrize("mode", ["top_left", "bottom_right", "alibi_dropout"])
+def test_gluon_dkdv_heavy_first_is_bitwise_neutral(mode, sms, monkeypatch):
+    """The heavy-first CTA order (``HEAVY_FIRST``, on by default under a causal mask) gives bitwise the dK
+    and dV of the grid's own order: a permutation of the CTAs, one writer per element. ``sms`` sets the
+    chunk (``bwd_dq_sm90._chunk``): 6 (the whole 8 x 6 grid), 2 and 1 pairs; with dropout (64-key blocks,
+    16 x 6) 6, 1, 1."""
+    from fusedattn.backends.gluon import bwd_dq_sm90
+    monkeypatch.setattr(bwd_dq_sm90, "_sm_count", lambda index: sms)
+    case = HopperCase(seed=13, b=3, h_q=8, h_kv=2, s_q=700, s_kv=1000, d=128, dtype="bfloat16",
+                      mode="top_left" if mode == "alibi_dropout" else mode, layout="bshd")
+    if mode == "alibi_dropout":
+        case = dataclasses.replace(case, alibi=True, dropout=0.2)
+    _, _, q, k, v, do, out, lse, delta = backward_inputs(case)
+    grid_order = [t.view.clone() for t in run_gluon(case, q, k, v, do, lse, delta, heavy_first=False)]
+    heavy = run_gluon(case, q, k, v, do, lse, delta, heavy_first=True)
+    for name, a, b in zip(("dK", "dV"), grid_order, heavy):
+        assert torch.equal(a, b.view), f"{name} differs between the CTA orders ({mode}, sms={sms})"
 
 
 def test_gluon_dkdv_supports():

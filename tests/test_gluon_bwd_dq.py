@@ -43,9 +43,10 @@ def reference_dq(q, k, v, do, dtype, **kw):
     return qs.grad.cpu()
 
 
-def run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=None):
+def run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=None, **launch_kw):
     """The Gluon dQ into a NaN-filled guarded buffer. With ``out``, the kernel computes delta itself
-    and writes it into a NaN-filled buffer, checked against ``delta``."""
+    and writes it into a NaN-filled buffer, checked against ``delta``. launch_kw: tuning keywords of
+    ``launch_dq_sm90``."""
     from fusedattn.backends.gluon.bwd_dq_sm90 import launch_dq_sm90, supports
     dq = guarded((case.b, case.h_q, case.s_q, case.d), getattr(torch, case.dtype), "cuda", case.layout,
                  fill=None)   # NaN-filled
@@ -53,7 +54,7 @@ def run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=None):
     assert supports(p, q.view, k.view, v.view, do.view, dq.view, out=out, slopes=slopes), \
         f"supports() refused a case it should run. {msg}"
     d_buf = delta if out is None else torch.full_like(delta, float("nan"))
-    launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, d_buf, dq.view, out=out, slopes=slopes)
+    launch_dq_sm90(p, q.view, k.view, v.view, do.view, lse, d_buf, dq.view, out=out, slopes=slopes, **launch_kw)
     torch.cuda.synchronize()
     if out is not None:
         assert torch.isfinite(d_buf).all(), f"delta not written everywhere. {msg}"
@@ -177,6 +178,25 @@ def test_gluon_dq_deterministic(mode, request):
     for _ in range(3):
         again = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg).view
         assert torch.equal(first, again), f"dQ is not bitwise reproducible. {msg}"
+
+
+@pytest.mark.parametrize("sms", [132, 20, 7])
+@pytest.mark.parametrize("mode", ["top_left", "bottom_right", "alibi_dropout"])
+def test_gluon_dq_heavy_first_is_bitwise_neutral(mode, sms, request, monkeypatch):
+    """The heavy-first CTA order (``HEAVY_FIRST``, on by default under a causal mask) gives bitwise the dQ
+    (and delta) of the grid's own order: a permutation of the CTAs, one writer per element. ``sms`` sets
+    the chunk (``_chunk``: 16, 2, 1 pairs of this 8 x 24 grid; 16 leaves a partial last chunk)."""
+    from fusedattn.backends.gluon import bwd_dq_sm90
+    monkeypatch.setattr(bwd_dq_sm90, "_sm_count", lambda index: sms)
+    case = HopperCase(seed=11, b=3, h_q=8, h_kv=2, s_q=1000, s_kv=700, d=128, dtype="bfloat16",
+                      mode="top_left" if mode == "alibi_dropout" else mode, layout="bshd")
+    if mode == "alibi_dropout":
+        case = dataclasses.replace(case, alibi=True, dropout=0.2)
+    msg = case.repro(request.node.nodeid) + f" sms={sms}"
+    p, extras, q, k, v, do, out, lse, delta = backward_inputs(case)
+    grid_order = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=out, heavy_first=False).view.clone()
+    heavy = run_gluon(case, p, extras, q, k, v, do, lse, delta, msg, out=out, heavy_first=True).view
+    assert torch.equal(grid_order, heavy), f"dQ differs between the CTA orders. {msg}"
 
 
 def test_gluon_dq_supports():

@@ -1,7 +1,10 @@
 """Compile the Gluon sm_90 dK/dV backward kernel with no GPU, and show what matters in its SASS.
 
     python tools/gluon_bwd_check.py [D] [CAUSAL] [dtype] [STAGES|-] [dv_first] [window] [alibi] [seq_q] [seq_kv]
+                                    [grid_order]
         e.g. ... 128 1 bf16, ... 256 0 fp16, ... 128 1 bf16 - window alibi (window: a two-sided band)
+
+grid_order compiles a causal kernel without ``HEAVY_FIRST`` (the grid's own program order).
 
 D: 64, 128, 224 or 256 (224 compiles the 256-wide kernel, ``bwd_dkdv_sm90.SPLIT``).
 
@@ -43,13 +46,16 @@ def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=No
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
            "SLOPES": "*fp32", "stride_sb": "i32", "SEQ_Q": "*i32", "SEQ_KV": "*i32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32", "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32",
-           "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32"}
+           "DROP_OFFSET": "i32", "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32", "CHUNK": "i32"}
     const = dict(STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window, BOTTOM_RIGHT=bottom_right,
                  HAS_ALIBI=alibi, SPLIT=m.SPLIT[d] or dropout,
                  DV_FIRST=m.DV_FIRST if dv_first is None else dv_first,
                  CONSUMER_REGS=m.CONSUMER_REGS,
-                 PRODUCER_REGS=m.PRODUCER_REGS, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv, DROPOUT=dropout)
+                 PRODUCER_REGS=m.PRODUCER_REGS, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv, DROPOUT=dropout,
+                 HEAVY_FIRST=m.HEAVY_FIRST[causal and not window])
     const.update(over)
+    if not const["HEAVY_FIRST"]:
+        const["CHUNK"] = 1      # the launcher passes 1, which the JIT specializes into a constant
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=m._attn_bwd_dkdv_sm90, signature=sig, constexprs=const)
@@ -64,7 +70,7 @@ def main():
     flags = set(sys.argv[5:])
     k = compile_dkdv(d, causal, dtype, stages=stages, dv_first="dv_first" in flags, window="window" in flags,
                      alibi="alibi" in flags, seq_q="seq_q" in flags, seq_kv="seq_kv" in flags,
-                     dropout="dropout" in flags)
+                     dropout="dropout" in flags, **({"HEAVY_FIRST": False} if "grid_order" in flags else {}))
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

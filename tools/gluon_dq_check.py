@@ -2,8 +2,10 @@
 show what matters in its SASS.
 
     python tools/gluon_dq_check.py [D] [CAUSAL] [dtype] [BLOCK_N] [STAGES] [split] [window] [alibi] [seq_q] [seq_kv]
-        [dropout] [sink]
+        [dropout] [sink] [grid_order]
         e.g. ... 128 1 bf16 64 0 split   (BLOCK_N / STAGES 0: the defaults)
+
+grid_order compiles a causal kernel without ``HEAVY_FIRST`` (the grid's own program order).
 
 Prints shared memory, registers/spills (ptxas -v on the PTX), and for each loop of the SASS its
 instruction count, its MUFU.EX2 count and how many of them sit between the wait that leaves one
@@ -27,7 +29,8 @@ from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 
 def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False,
-               write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False, dropout=False, sink=False):
+               write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False, dropout=False, sink=False,
+               heavy_first=None):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     td = fwd_sm90.TILE_D[d]
@@ -44,12 +47,15 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
            "win_left": "i32", "win_right": "i32", "DROP_SEED": "i32", "DROP_OFFSET": "i32",
-           "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32"}
+           "DROP_THRESHOLD": "i32", "DROP_RESCALE": "fp32", "CHUNK": "i32"}
+    heavy = bwd_dq_sm90.HEAVY_FIRST[causal and not window] if heavy_first is None else heavy_first
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, REVERSE_M=causal and not window,
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
                  SPLIT=split, WRITE_DELTA=write_delta, D=d, HAS_SEQ_Q=seq_q,
-                 HAS_SEQ_KV=seq_kv, DROPOUT=dropout, HAS_SINK=sink)
+                 HAS_SEQ_KV=seq_kv, DROPOUT=dropout, HAS_SINK=sink, HEAVY_FIRST=heavy)
+    if not heavy:
+        const["CHUNK"] = 1      # the launcher passes 1, which the JIT specializes into a constant
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=bwd_dq_sm90._attn_bwd_dq_sm90, signature=sig, constexprs=const)
@@ -66,7 +72,8 @@ def main():
     flags = set(sys.argv[6:])
     k = compile_dq(d, causal, dtype, block_n=block_n, stages=stages, split="split" in flags,
                    window="window" in flags, alibi="alibi" in flags, seq_q="seq_q" in flags,
-                   seq_kv="seq_kv" in flags, dropout="dropout" in flags, sink="sink" in flags)
+                   seq_kv="seq_kv" in flags, dropout="dropout" in flags, sink="sink" in flags,
+                   heavy_first=False if "grid_order" in flags else None)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

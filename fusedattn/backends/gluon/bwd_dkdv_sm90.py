@@ -41,10 +41,18 @@ where none of its 64 keys is seen yet); tiles whose rows all see every real key 
 mask-free; the tiles below (right bound: ``key <= row + diag + right``) and above (left bound:
 ``key >= row + diag - left``) apply the mask. Rows that see no key at all (bottom-right, s_q >
 s_kv) have every key masked there, and their lse (-inf, the forward's) is staged as +inf, so their P
-is exactly 0 (never exp2(-inf - -inf) = NaN) and they add nothing. Key block 0 has the most query tiles
-under a causal mask, and the grid runs it first (longest work first). ALiBi (slope * (j - i),
+is exactly 0 (never exp2(-inf - -inf) = NaN) and they add nothing. ALiBi (slope * (j - i),
 slope per query head of the GQA group): the producer folds the row half -slope * (i - t * 64)
 into the lse it stages, the consumer adds the key half slope * (j - t * 64) (``_pt_tile``).
+
+Order: key block 0 has the most query tiles under a causal mask, and the grid runs it first within
+each (batch, kv head); under a causal-like band (a right bound, no left one) ``HEAVY_FIRST`` extends
+that to the whole grid: the linear program id is cut into chunks of ``bwd_dq_sm90._chunk`` (batch, kv
+head) pairs (about one wave of CTAs), key block outermost inside a chunk (``bwd_dq_sm90._heavy_first``,
+the single-pass backward's order), instead of one head's blocks after another's (7.4% of SM time idle
+at the end at 2k causal in the grid's order, H100, bench/BWD_PROFILE.md 7.2; a 132-SM list-scheduling
+model: 6.5% -> 1.6%). A permutation of the CTAs: each dK/dV element keeps its one writer, and results
+are bitwise the same in either order.
 
 Tensors are logical [b, h, s, d] with any strides of unit last stride (TMA rules: 16-byte
 aligned base and strides; ``fwd_sm90._tma_ready``), each seen through a 4-D TMA descriptor
@@ -101,7 +109,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..compat import tma_load, tma_store
 from . import dropout
-from .bwd_dq_sm90 import _bwd_problem_ok, _padding_ok
+from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first, _padding_ok
 from .fwd_sm90 import LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
 from .launch import launch
 
@@ -118,6 +126,10 @@ STAGES = {(64, False): 4, (64, True): 4, (128, False): 3, (128, True): 2, (256, 
 SPLIT = {64: False, 128: False, 256: True}
 # SPLIT: warpgroup 0 issues its dV wgmma before handing P^T over (the exchange under the wgmma; ``_p_dv_step``)
 DV_FIRST = False
+# causal-like band (right bound, no left) -> program ids in longest-first order over the whole grid, in chunks of
+# about one wave (``bwd_dq_sm90._chunk``, ``bwd_dq_sm90._heavy_first``; module docstring); off: the grid's own
+# order (key block 0, the longest, first within each (batch, kv head))
+HEAVY_FIRST = {False: False, True: True}
 SUPPORTED_DIMS = (64, 128, 224, 256)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -585,14 +597,15 @@ def _store_acc(acc, tile, desc, batch, kv_head, n0):
     tma.store_wait(0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize_on_alignment=["CHUNK"])     # CHUNK: == 1 or not, one compile for every other value
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, stride_lb, stride_lh, stride_lm,
                         DELTA, SLOPES, stride_sb, SEQ_Q, SEQ_KV, H_KV, H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left,
-                        win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, STAGES: gl.constexpr,
+                        win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, CHUNK, STAGES: gl.constexpr,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                         BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr,
                         DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False):
+                        HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False,
+                        HEAVY_FIRST: gl.constexpr = False):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -602,6 +615,11 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
 
     pid_n = gl.program_id(0)     # key block 0 has the most query tiles under a causal mask: it runs first
     bh = gl.program_id(1)
+    if HEAVY_FIRST:
+        # the linear program id in chunks of CHUNK (batch, kv head) pairs, key block outermost inside a chunk:
+        # key block 0 of every pair of the chunk is dispatched before any key block 1, and so on
+        n_blocks = gl.num_programs(0)
+        pid_n, bh = _heavy_first(pid_n + bh * n_blocks, n_blocks, CHUNK)
     batch = bh // H_KV
     kv_head = bh % H_KV
     n0 = pid_n * BLOCK_N
@@ -712,7 +730,7 @@ def _problem_ok(p) -> bool:
 
 
 def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, seq_len_q=None, seq_len_kv=None,
-                     stages=None, dv_first=None):
+                     stages=None, dv_first=None, heavy_first=None):
     """dK, dV of attention on Hopper, written in place.
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
@@ -720,7 +738,7 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)); slopes fp32
     [b, h_q] when p.alibi; seq_len_q / seq_len_kv int32 [b] when p has them (padding: rows past len_q
     add nothing, dK/dV rows of keys past len_kv are written as 0). stages overrides ``STAGES``,
-    dv_first ``DV_FIRST`` (tuning)."""
+    dv_first ``DV_FIRST``, heavy_first ``HEAVY_FIRST`` (tuning)."""
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     band = p.band
@@ -733,17 +751,18 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     split = SPLIT[td] or p.has_dropout
     block_n = WG_N if split else BLOCK_N
     grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
+    heavy = HEAVY_FIRST[has_right and not has_left] if heavy_first is None else heavy_first
     launch(
         _attn_bwd_dkdv_sm90, grid,
         _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N), _tma(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
-        *dropout.kernel_args(p),
+        *dropout.kernel_args(p), _chunk(grid, q.device.index) if heavy else 1,
         STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         SPLIT=split, DV_FIRST=DV_FIRST if dv_first is None else dv_first,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_SEQ_Q=p.has_seq_len_q,
-        HAS_SEQ_KV=p.has_seq_len_kv, DROPOUT=p.has_dropout, num_warps=4,
+        HAS_SEQ_KV=p.has_seq_len_kv, DROPOUT=p.has_dropout, HEAVY_FIRST=heavy, num_warps=4,
     )
     return dk, dv

@@ -45,8 +45,20 @@ the LSE). Rows
 past s_q: TMA zero-fills Q and dO, lse and delta load as 0, so dS = 1 * (0 - 0) = 0; their dQ
 rows are clipped by the TMA store. Rows with no visible key (causal bottom-right, s_q > s_kv, rows
 past len_q): the forward wrote lse -inf, read here as +inf, so P = exp2(x - inf) = 0 whether a key is
-masked or not (never -inf - -inf = NaN) and dQ = 0. Causal: the longest rows start
-first (REVERSE_M, as the forward).
+masked or not (never -inf - -inf = NaN) and dQ = 0.
+
+Order (causal-like bands: a right bound and no left one, either alignment): a CTA's work grows with
+its query block, so the longest rows start first (REVERSE_M, as the forward), and with ``HEAVY_FIRST``
+over the whole grid, not only inside one (batch, head): the linear program id is cut into chunks of
+``_chunk`` (batch, head) pairs (about one wave of CTAs, one per SM), query block outermost inside a
+chunk (``_heavy_first``, shared with the single-pass backward's ``HEAVY_FIRST``; the forward's
+persistent order, ``fwd_sm90._work_tile``, is the same), so every long CTA of a chunk is dispatched
+before any shorter one while the CTAs in flight share a few heads' K/V in L2. In the grid's own order
+the heads run one after another and the last wave mixes long and short CTAs: 7.8% of SM time idle
+at the end at 2k causal (H100, bench/BWD_PROFILE.md 7.2); a list-scheduling model of 132 SMs (CTA
+time ~ its key tiles) gives 6.5% for the grid's order and 1.6% for this one (b4 h32 s2048). The map
+is a permutation of the (query block, batch x head) pairs and every dQ element keeps its one writer,
+so results are bitwise the same in either order.
 
 Shared memory (d=128, BLOCK_N=64, STAGES=3): Q 32 KB + dO 32 KB + K 3 x 16 KB + V 3 x 16 KB =
 160 KB. Registers per consumer thread: dQ [64, 128] fp32 64, S and dP [64, 64] fp32 32 each, dS
@@ -96,8 +108,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..compat import tma_load, tma_store
 from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _alibi_slope2, _band_keep, _cta_tiles, _fwd_problem_ok,
-                       _is_sm90, _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _tma, _tma_ready,
-                       _zero_landed_rows)
+                       _is_sm90, _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _sm_count, _tma,
+                       _tma_ready, _zero_landed_rows)
 from . import dropout
 from .launch import launch
 
@@ -110,8 +122,26 @@ TILES = {64: (64, 4), 128: (64, 3), 256: (32, 2)}
 SUPPORTED_DIMS = (64, 128, 224, 256)
 # tile width -> wait for S and dP separately (``_dq_step``)
 SPLIT = {64: False, 128: False, 256: False}
+# causal-like band (right bound, no left) -> program ids in longest-first order over the whole grid, in chunks of
+# about one wave (``_chunk``, ``_heavy_first``; module docstring, "Order"); off: the grid's own order
+HEAVY_FIRST = {False: False, True: True}
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+
+
+@gluon.jit
+def _heavy_first(lin, n_blocks, CHUNK):
+    """Linear program id lin = program_id(0) + program_id(1) * n_blocks -> (block index, pair) in the
+    heavy-first order of the backward kernels (``HEAVY_FIRST`` here, in ``bwd_dkdv_sm90`` and in
+    ``bwd_fused_sm90``): the pairs (program_id(1): batch x head) in chunks of CHUNK (the last one may be
+    smaller), and inside a chunk the block index is the slow index, the pair the fast one, so block 0 of
+    every pair of a chunk is dispatched before any block 1. The caller maps block index 0 to its longest
+    CTA (the dK/dV key block 0; the dQ pass's last query block). A permutation of the grid; CHUNK = 1 is
+    the grid's own order. (``fwd_sm90._work_tile`` is the same order for the forward's persistent grid.)"""
+    c0 = lin // (CHUNK * n_blocks) * CHUNK
+    cnt = gl.minimum(CHUNK, gl.num_programs(1) - c0)
+    r = lin - c0 * n_blocks
+    return r // cnt, c0 + r % cnt
 
 
 @gluon.jit
@@ -359,16 +389,17 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     tma_store(dq_desc, [batch, head, row0, 0], q_smem)
     tma.store_wait(0)
 
-@gluon.jit
+@gluon.jit(do_not_specialize_on_alignment=["CHUNK"])     # CHUNK: == 1 or not, one compile for every other value
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
                       O, stride_ob, stride_oh, stride_om, SINK, DSINK, SLOPES, stride_sb, SEQ_Q, SEQ_KV,
                       H_Q, GROUP, S_Q, S_KV, qk_scale, sm_scale, win_left, win_right,
-                      DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                      DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, CHUNK,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                       BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-                      HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False):
+                      HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
+                      HEAVY_FIRST: gl.constexpr = False):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -377,6 +408,11 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
 
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
+    if HEAVY_FIRST:
+        # the linear program id in chunks of CHUNK (batch, head) pairs, query block outermost inside a chunk
+        # (descending under REVERSE_M): the longest CTAs of a chunk's heads are dispatched first
+        n_m = gl.num_programs(0)
+        pid_m, bh = _heavy_first(pid_m + bh * n_m, n_m, CHUNK)
     if REVERSE_M:
         pid_m = gl.num_programs(0) - 1 - pid_m
     batch = bh // H_Q
@@ -445,6 +481,15 @@ def _bwd_problem_ok(p, dims) -> bool:
     return _fwd_problem_ok(p, dims)
 
 
+def _chunk(grid, device_index):
+    """(batch, head) pairs per chunk of the heavy-first order (``HEAVY_FIRST`` here, in ``bwd_dkdv_sm90`` and
+    ``bwd_fused_sm90``; grid = (blocks per head, pairs), one CTA per SM): as many as one wave of CTAs holds,
+    at least 1. A list-scheduling model of 132 SMs (CTA time ~ its tiles) puts the tail at 1.000-1.017x
+    the average load for 2k-8k causal with this chunk, against 1.07x (2k) and 1.14x (GQA 4 at 4k) in the
+    grid's own order."""
+    return max(1, min(_sm_count(device_index) // grid[0], grid[1]))
+
+
 def _padding_ok(p, seq_len_q, seq_len_kv) -> bool:
     """The per-batch length tensors a padded problem needs (``fwd_sm90._lengths_ok``)."""
     return ((not p.has_seq_len_q or _lengths_ok(seq_len_q, p))
@@ -473,7 +518,7 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
 
 
 def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=None, seq_len_q=None,
-                   seq_len_kv=None, sink=None, dsink=None, block_n=None, stages=None, split=None):
+                   seq_len_kv=None, sink=None, dsink=None, block_n=None, stages=None, split=None, heavy_first=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
@@ -485,7 +530,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     len_kv are ignored). sink / dsink (with ``out``): the forward's sink logits, fp32 contiguous [h_q],
     and fp32 contiguous [h_q] zeroed by the caller, into which the sink's gradient
     -sum_rows exp(sink - lse) * delta is added with atomics (``HAS_SINK``; not bitwise reproducible).
-    block_n / stages / split override ``TILES`` / ``SPLIT`` (tuning).
+    block_n / stages / split / heavy_first override ``TILES`` / ``SPLIT`` / ``HEAVY_FIRST`` (tuning).
     """
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
@@ -500,6 +545,8 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     band = p.band
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
+    causal_like = has_right and not has_left
+    heavy = HEAVY_FIRST[causal_like] if heavy_first is None else heavy_first
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     o_arg, o_strides = (out, out.stride()[:3]) if out is not None else (lse, (0, 0, 0))
     launch(
@@ -510,12 +557,12 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
         slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else lse, seq_len_kv if p.has_seq_len_kv else lse, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
-        *dropout.kernel_args(p),
+        *dropout.kernel_args(p), _chunk(grid, q.device.index) if heavy else 1,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first, as the forward
-        REVERSE_M=has_right and not has_left, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        REVERSE_M=causal_like, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         SPLIT=split, WRITE_DELTA=out is not None, D=p.d, HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
-        DROPOUT=p.has_dropout, HAS_SINK=has_sink, num_warps=4,
+        DROPOUT=p.has_dropout, HAS_SINK=has_sink, HEAVY_FIRST=heavy, num_warps=4,
     )
     return dq

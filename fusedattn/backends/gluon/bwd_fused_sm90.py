@@ -64,7 +64,8 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
   a mask, where every CTA starts at tile 0), so Q/dO loads and the dQ reduce-adds of concurrent CTAs hit
   the same L2 lines. H100: causal +0-5% (GQA 4k +5%).
 * Heavy first (``HEAVY_FIRST``, causal): CTAs take (key block, batch x kv head) from the linear program id
-  in chunks of C = SMs // key blocks heads (``_chunk``: about one wave), key block outermost inside a chunk,
+  in chunks of C = SMs // key blocks heads (``bwd_dq_sm90._chunk``: about one wave), key block outermost inside
+  a chunk (``bwd_dq_sm90._heavy_first``, shared with the two-pass kernels' ``HEAVY_FIRST``),
   so the long CTAs (key block 0 sees every query tile) start first; C = 1 (16k) is the grid's own order.
   Prediction (list-scheduling model, CTA time ~ its query tiles): tail 1.07x -> 1.02x the mean load at 2k,
   1.14x -> 1.00x at GQA 4k, i.e. +5% and +12%. Measured (vs ``heavy_first=False``): 2k +6.8% (run3),
@@ -147,7 +148,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..compat import tma_reduce_add, tma_store
 from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
-from .bwd_dq_sm90 import _bwd_problem_ok
+from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first
 from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
@@ -487,15 +488,10 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
     dtype: gl.constexpr = q_desc.dtype
 
     # program ids in chunks of CHUNK (batch, kv head) pairs, key block outermost inside a chunk
-    # (``HEAVY_FIRST``): key block 0 (the most query tiles under a causal mask) of every pair of the chunk is
-    # dispatched before any key block 1, and so on; CHUNK = 1 is the grid's own order
+    # (``HEAVY_FIRST``, ``bwd_dq_sm90._heavy_first``): key block 0 (the most query tiles under a causal mask) of
+    # every pair of the chunk is dispatched before any key block 1, and so on; CHUNK = 1 is the grid's own order
     n_blocks = gl.num_programs(0)
-    lin = gl.program_id(0) + gl.program_id(1) * n_blocks
-    c0 = lin // (CHUNK * n_blocks) * CHUNK
-    cnt = gl.minimum(CHUNK, gl.num_programs(1) - c0)
-    r = lin - c0 * n_blocks
-    pid_n = r // cnt
-    bh = c0 + r % cnt
+    pid_n, bh = _heavy_first(gl.program_id(0) + gl.program_id(1) * n_blocks, n_blocks, CHUNK)
     batch = bh // H_KV
     kv_head = bh % H_KV
     n0 = pid_n * BLOCK_N
@@ -601,19 +597,6 @@ def _dq_convert(ACC, DQ, stride_b, stride_h, stride_m, H_Q, S_Q, ACC_ROWS, scale
 
 # ----------------------------------------------------------------------------------------------
 # host side
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _chunk(grid, device_index):
-    """(batch, kv head) pairs per chunk of the heavy-first order (``HEAVY_FIRST``): as many as one wave of
-    CTAs holds (one CTA per SM), at least 1. A list-scheduling model of 132 SMs (CTA time ~ its query tiles)
-    puts the tail at 1.000-1.017x the average load for 2k-8k causal with this chunk, against 1.07x (2k) and
-    1.14x (GQA 4 at 4k) in the grid's own order."""
-    return max(1, min(_sm_count(device_index) // grid[0], grid[1]))
-
 
 def acc_rows(s_q):
     """Rows per head of the fp32 dQ accumulator: s_q rounded up to whole query tiles (``DQ_ATOMIC`` adds
