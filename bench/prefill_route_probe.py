@@ -12,12 +12,27 @@ Session 20 (H100, Triton 3.6): packed 0.927 / 0.785 ms (278 / 328 TFLOP/s), padd
 the q gather 0.030 / 0.029, pages of 16 / 64; one route ('padded'), one Gluon paged launch. The profile
 below (added then, not yet run) is the next step.
 """
+import time
+
 import torch
 import triton
 
 import fusedattn
 from fusedattn import bench, kvcache
 from fusedattn.backends.gluon import fwd_sm90
+
+
+def host_ms(fn, n=50):
+    """Host time to enqueue one call (no sync inside the loop)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    return host
 
 
 def main() -> None:
@@ -46,10 +61,19 @@ def main() -> None:
         print(f"{cfg.name}: one packed call: routes {routes}, Gluon launches (paged?) {calls}")
         src = (cu[:-1, None].long() + torch.arange(cfg.s_q, device="cuda")).clamp_(0, q.shape[0] - 1)
         gather = lambda: q[src]  # noqa: E731
-        for name, fn in (("packed", packed), ("padded batch", batch), ("gather of q", gather)):
+        # the padded batch over BSHD memory, as the packed route hands it to the kernel (q gathered into
+        # [b, s_q, h, d] rows, out [b, s_q, h, d_v]): does the layout alone cost the kernel speed?
+        q_bshd = inp.q.transpose(1, 2).contiguous().transpose(1, 2)
+        o_bshd = torch.empty_like(q_bshd)
+        batch_bshd = lambda: fusedattn.attention_with_kvcache(  # noqa: E731
+            q_bshd, x["k_cache"], x["v_cache"], page_table=x["page_table"], seq_len_kv=x["seq_len_kv"],
+            causal=True, validate=False, out=o_bshd)
+        for name, fn in (("packed", packed), ("padded batch", batch), ("padded BSHD", batch_bshd),
+                         ("gather of q", gather)):
             ms = triton.testing.do_bench(fn, warmup=10, rep=50)
             tf = bench.fwd_flops(cfg) / ms / 1e9
-            print(f"    {name:14s} {ms:.3f} ms  {tf:.0f} TFLOP/s")
+            print(f"    {name:14s} {ms:.3f} ms  {tf:.0f} TFLOP/s  host {host_ms(fn):.3f} ms per call (enqueue, "
+                  f"no sync: host >= GPU means host-bound)")
         # where the packed call's GPU time goes, kernel by kernel (session 20 measured packed 0.93 / 0.79 ms
         # against the padded batch's 0.42 / 0.40 at pages of 16 / 64, with the q gather at 0.03: the ~0.4 ms
         # left is not in the route's bytes)
