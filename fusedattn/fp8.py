@@ -57,10 +57,8 @@ Gluon sm_90 FP8 kernels are the next step of issue 27.
 The Gluon sm_90 forward (issue 27 item 3): on an sm_90 GPU with Gluon, head dims 64 and 128 run the Gluon
 forward's FP8 switch ahead of the portable kernel (``backends/gluon/fwd_sm90.py``, [Note] FP8; routing in
 :func:`_run_gluon_fp8`, ``plan.gluon_fp8_fwd``): the same rounding points, e4m3 / e5m2 wgmmas, whose sums
-move into fp32 once per key tile, so its ``u_mma`` is ``mma_unit(device, chain)`` with
-``fwd_sm90.fp8_mma_chain``'s chain (4 at d=128; tests/test_gluon_fp8.py). The portable kernels' FP8 MMAs
-move theirs into fp32 after chains of at most 4 K-steps of 32 too (``backends/triton/common.fp8_dot``;
-``fwd.fp8_mma_chain``, ``bwd.fp8_mma_chain``: 2 at head dims <= 64, 4 above).
+move into fp32 once per key tile rather than once per K-step of 32, so its ``u_mma`` is
+``mma_unit(device, chain)`` with ``fwd_sm90.fp8_mma_chain``'s chain (4 at d=128; tests/test_gluon_fp8.py).
 
 Error bound (forward; :func:`fusedattn.reference_fp8.fp8_forward_error_bound` computes it). Compared
 with float64 attention of the dequantized inputs, ``O_ref = softmax(S) @ (v8 * descale_v)`` times
@@ -81,12 +79,9 @@ this module obeys, per element (i, c), to first order in the fp32 unit ``eps = 2
 * ``u_mma`` (:func:`mma_unit`): 0 where the products are summed in fp32 (this emulation, Triton's
   interpreter); on a GPU's FP8 MMAs :data:`MMA_UNIT_FP8` = ``2^-8``, and it joins the ``(s_kv + 4) eps``
   of P8 @ V's sum too. FP8 MMAs: Hopper's tensor cores add a K-step's 32 products aligned to the
-  largest with about 14 bits (DeepSeek-V3's report), so a step is off by at most ``32 * 2^-13`` of its
-  largest product; bench/fp8_mma_probe.py measured 2^-9.4 at worst on an H100 (one large product among
-  small ones) and 2^-13 on random operands. The kernels move a chain of at most 4 K-steps into fp32 at a
-  time, each step's error relative to the chain's running sum: ``u_mma = chain * MMA_UNIT_FP8``
-  (:func:`mma_unit`; the kernels' chains: ``fp8_mma_chain`` of backends/triton/fwd.py, bwd.py and
-  backends/gluon/fwd_sm90.py);
+  largest with about 14 bits (DeepSeek-V3's report; the kernel moves every step into fp32), so a step
+  is off by at most ``32 * 2^-13`` of its largest product; bench/fp8_mma_probe.py measured 2^-9.4 at
+  worst on an H100 (one large product among small ones) and 2^-13 on random operands;
 * ``u_o, a_o``: the output type's unit roundoff and half-subnormal (bf16 ``2^-8``, fp16 ``2^-11``
   and ``2^-25``, FP8 as above, fp32 0).
 
@@ -142,20 +137,18 @@ OUT_DTYPES = FP8_DTYPES + (torch.bfloat16, torch.float16, torch.float32)
 ROWS_PER_CHUNK = 128
 # The FP8 MMA's sum, relative to the sum of its products' magnitudes (module docstring, "FP8 MMAs"):
 # sm_89 / sm_90 tensor cores add a K-step's 32 FP8 products aligned to the largest with about 14 bits,
-# so each step is off by at most 32 * 2^-13 of its largest product: the unit of one K-step; the kernels
-# move chains of at most 4 steps into fp32 (mma_unit's chain). bench/fp8_mma_probe.py, H100: worst
+# so each step is off by at most 32 * 2^-13 of its largest product; the kernel moves each step into
+# fp32 (max_num_imprecise_acc=32), so the steps' errors add. bench/fp8_mma_probe.py, H100: worst
 # 2^-9.4 (one large product among small ones), 2^-13 on random operands.
 MMA_UNIT_FP8 = 2.0 ** -8
 
 
 def mma_unit(device, chain: int = 1) -> float:
     """``u_mma`` of the error bound for FP8 products computed on ``device``: 0 where they are summed in
-    fp32 (the CPU emulation, Triton's interpreter), ``chain *`` :data:`MMA_UNIT_FP8` on a CUDA GPU's FP8
-    MMAs. ``chain``: the K-steps of 32 an MMA adds up before its sum moves into fp32; each step's error is
-    relative to the chain's running sum, so the unit grows by the chain's length. The kernels' chains (at
-    most 4): the portable forward's ``backends/triton/fwd.fp8_mma_chain``, the portable backward's
-    ``backends/triton/bwd.fp8_mma_chain``, the Gluon sm_90 forward's ``backends/gluon/fwd_sm90.fp8_mma_chain``;
-    1 is a kernel that moves every K-step into fp32."""
+    fp32 (the CPU emulation, Triton's interpreter), :data:`MMA_UNIT_FP8` on a CUDA GPU's FP8 MMAs whose
+    every K-step of 32 is moved into fp32 (the portable kernel). ``chain``: the K-steps an MMA adds up
+    before its sum moves into fp32 (the Gluon sm_90 kernel's: ``backends/gluon/fwd_sm90.fp8_mma_chain``);
+    each step's error is then relative to the chain's running sum, so the unit grows by the chain's length."""
     from .backends.triton.launch import interpreting
     device = torch.device(device)
     return chain * MMA_UNIT_FP8 if device.type == "cuda" and not interpreting() else 0.0

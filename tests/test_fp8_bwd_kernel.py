@@ -136,7 +136,7 @@ def test_fp8_bwd_kernel_within_bound_and_matches_emulation(case, kernel_target):
 
     q8, k8, v8, o, do8, stats = (x.cpu() for x in (q8, k8, v8, o, do8, stats))
     rmask = _ref_mask(mask_spec)
-    u_mma = fp8.mma_unit(device, triton_bwd.fp8_mma_chain(d, d_v))     # chains of <= 4 K-steps (common.fp8_dot)
+    u_mma = fp8.mma_unit(device)
     refs, bounds, (ds_ref, ds_bound) = fp8_backward_bound(q8, k8, v8, o, do8, grad_dtype=g_dtype, mma_unit=u_mma,
                                                           with_ds=True, **rmask, **sc)
     _, bounds_fp32_sums = fp8_backward_bound(q8, k8, v8, o, do8, grad_dtype=g_dtype, **rmask, **sc)

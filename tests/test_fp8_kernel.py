@@ -11,7 +11,7 @@ import triton.language as tl
 from conftest import TARGETS
 from fusedattn import fp8
 from fusedattn.backends.triton import fwd as triton_fwd
-from fusedattn.backends.triton.common import fp8_chain, fp8_dot, to_fp8
+from fusedattn.backends.triton.common import to_fp8
 from fusedattn.problem import make_band
 from fusedattn.reference_fp8 import EPS32, fp8_forward_bound
 
@@ -113,7 +113,7 @@ def test_fp8_kernel_within_bound_and_matches_emulation(case, kernel_target):
     ref_mask.update({n: torch.tensor(mask_spec[n], dtype=torch.int32) for n in ("seq_len_q", "seq_len_kv")
                      if n in mask_spec})
     # the GPU's FP8 MMAs sum with fewer bits than fp32: their unit u_mma joins the bound (fusedattn.fp8)
-    u_mma = fp8.mma_unit(device, triton_fwd.fp8_mma_chain(d, d_v))     # chains of <= 4 K-steps (common.fp8_dot)
+    u_mma = fp8.mma_unit(device)
     ref, lse, bound = fp8_forward_bound(q8, k8, v8, o_dtype=o_dtype, mma_unit=u_mma, **ref_mask, **sc)
     err = (o.double() / scale_o - ref).abs()
     ratio = (err / bound).max().item()
@@ -187,41 +187,6 @@ def test_fp8_kernel_rounding_matches_torch(dtype, kernel_target):
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, (f"{bad.numel()} values round differently, e.g. {x.cpu()[bad[:4]].tolist()} -> "
                               f"{got[bad[:4]].tolist()} (want {want[bad[:4]].tolist()}); {rep}")
-
-
-@triton.jit
-def _fp8_dot_kernel(A, B, ACC, C, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HAS_ACC: tl.constexpr):
-    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
-    a = tl.load(A + rm[:, None] * K + rk[None, :])
-    b = tl.load(B + rk[:, None] * N + rn[None, :])
-    if HAS_ACC:
-        c = fp8_dot(a, b, tl.load(ACC + rm[:, None] * N + rn[None, :]))
-    else:
-        c = fp8_dot(a, b)
-    tl.store(C + rm[:, None] * N + rn[None, :], c)
-
-
-# (M, K, N, with acc): K = 256 splits into two chains on wgmma (M a multiple of 64); M = 32 is mma.sync's one dot
-FP8_DOTS = [(64, 256, 32, True), (64, 256, 32, False), (64, 64, 32, True), (128, 128, 64, False), (32, 256, 32, True)]
-
-
-@pytest.mark.parametrize("mkn", FP8_DOTS, ids=[f"m{m}k{k}n{n}{'_acc' if a else ''}" for m, k, n, a in FP8_DOTS])
-def test_fp8_dot_chains(mkn, kernel_target):
-    """common.fp8_dot (every FP8 product of the portable kernels): a @ b (+ acc) within fp32 sums' error plus
-    the MMA unit of its chains (min(K, 128) / 32 K-steps); the halves of K = 256 pair up right."""
-    device, _ = kernel_target
-    m, k, n, has_acc = mkn
-    g = torch.Generator().manual_seed(m + k + n)
-    a8, _ = fp8.quantize_per_tensor(torch.randn(m, k, generator=g), E4M3)
-    b8, _ = fp8.quantize_per_tensor(torch.randn(k, n, generator=g), E5M2)
-    acc = torch.randn(m, n, generator=g) * 16
-    c = torch.full((m, n), float("nan"), device=device)
-    _fp8_dot_kernel[(1,)](a8.to(device), b8.to(device), acc.to(device), c, M=m, K=k, N=n, HAS_ACC=has_acc)
-    ref = a8.double() @ b8.double() + (acc.double() if has_acc else 0)
-    mag = a8.double().abs() @ b8.double().abs() + (acc.double().abs() if has_acc else 0)
-    bound = (2 * (k + 2) * EPS32 + 2 * fp8.mma_unit(device, fp8_chain(k))) * mag
-    ratio = ((c.cpu().double() - ref).abs() / bound).max().item()
-    assert ratio <= 1.0, f"fp8_dot {mkn} off by {ratio:.3f}x its bound; " + _repro("fp8_dot_chains", device)
 
 
 @pytest.fixture

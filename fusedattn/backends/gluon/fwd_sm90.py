@@ -196,8 +196,7 @@ type, stored from registers (``_fp8_write``: any output type, so no TMA staging 
   moves per tile (758 SASS instructions per 128-key step at d=128; now 510).
 * The accumulation ([Note] FP8 of triton/fwd.py, ``fusedattn.fp8.MMA_UNIT_FP8``): Hopper's FP8 MMA adds a
   K-step's 32 products (and the accumulator) aligned to the largest with about 14 bits. The portable
-  kernel once moved every step into fp32 (``max_num_imprecise_acc=32``; it now chains up to 4 steps, as
-  here: ``triton/common.fp8_dot``); in Gluon that expands into one waited
+  kernel moves every step into fp32 (``max_num_imprecise_acc=32``); in Gluon that expands into one waited
   wgmma per K-step, which serializes the loop and spills (``PROMOTE=32``, kept for comparison). The
   default (``FP8_PROMOTE = 0``) puts each key tile's P V into a fresh accumulator and adds it to O in fp32
   (O = O * alpha + T: the rescale's multiply becomes that FMA), so P V's unpromoted chains are BLOCK_N / 32
@@ -284,9 +283,9 @@ PERSISTENT.update({("none", 64): True, ("causal", 64): True, ("none", 128): True
 # ring 192 KB); at 256-wide tiles two would need 256 KB, so the next Q waits for the last output.
 QSTAGES = {64: 2, 128: 2, 256: 1}
 CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
-# FP8 ([Note] FP8), PROMOTE = 32 (the comparison mode): the wgmmas' partial sums move to the fp32 accumulator
-# after every K-step of 32 (``max_num_imprecise_acc``), as the portable kernels' did before their chains of
-# up to 4 steps (``triton/common.fp8_dot``): the error bound's ``u_mma`` with chain 1
+# FP8 ([Note] FP8): the wgmmas' partial sums move to the fp32 accumulator after every K-step of 32
+# (``max_num_imprecise_acc``), as the portable kernel's (``triton/common.FP8_PROMOTE_K``): the error bound's
+# ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``) assumes it
 FP8_PROMOTE_K = 32
 PRODUCER_REGS = 24    # the load warp
 
@@ -515,7 +514,7 @@ def _mma_k(dtype):
 @gluon.constexpr_function
 def _promote_k(dtype, PROMOTE):
     """``max_num_imprecise_acc`` of the FP8 wgmmas ([Note] FP8): PROMOTE = 32 moves their partial sums to
-    fp32 after every K-step of 32 (``FP8_PROMOTE_K``, as the portable kernels once did); 0: never within one product
+    fp32 after every K-step of 32 (``FP8_PROMOTE_K``, as the portable kernel); 0: never within one product
     (Triton's sm_90 default), and for 16-bit types (fp32 sums)."""
     return PROMOTE if dtype.is_fp8() and PROMOTE > 0 else 0
 

@@ -40,14 +40,8 @@ the host). The rounding points are the emulation's, in its order:
 * dQ pass: dQ += dot(dS8, k8); dQ * descale_dP * descale_k;
 * each gradient: amax of the descaled fp32 tile (rows / keys inside the sequence), then * scale_dX in
   its type (``common.to_out``: FP8 saturating).
-All five products are FP8 MMAs (``common.fp8_dot``, the forward's): on sm_90 wgmma their partial sums move
-to fp32 after chains of at most 4 K-steps of 32 (min(K, 128) / 32: QK^T's K = BLOCK_D, dP's BLOCK_DV, dV's
-and dK's the dK/dV pass's query tile, dQ's the dQ pass's key tile; :func:`fp8_mma_chain`), and the
-loop-carried dV, dK, dQ take each product's sum in fp32 after its MMA. Products whose M is not a multiple of
-64 (the 32-row tiles of ``plan.fp8_bwd_tiles`` at d > 64) run on Triton's mma.sync with fp16 operands:
-exact products, fp32 sums. The bound's ``u_mma`` is ``fusedattn.fp8.mma_unit(device, fp8_mma_chain(d,
-d_v))`` (``reference_fp8.fp8_backward_bound(mma_unit=)``), the longest chain's. Before, every K-step was
-promoted (chain 1), which ptxas ran as one waited wgmma per step.
+All five products are FP8 MMAs on sm_90 with ``max_num_imprecise_acc=FP8_PROMOTE_K`` (the forward's;
+the unit ``fusedattn.fp8.MMA_UNIT_FP8`` enters the bound, ``reference_fp8.fp8_backward_bound(mma_unit=)``).
 The products dot(P8^T, dO8), dot(dS8^T, q8) and dot(dS8, k8) sum over the row / key axis, which is not
 innermost in dO, q and K: an FP8 wgmma wants both operands K-major, so Triton transposes those tiles on
 the way to shared memory (the forward's V, bench/NOTES.md 57); staging transposed copies is the speed step
@@ -61,7 +55,7 @@ import triton.language as tl
 
 from .args import aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
-from .common import (LOG2E, backward_lse, batch_rows, dropout_keep, fp8_chain, fp8_dot, kv_block_range, load_bias,
+from .common import (FP8_PROMOTE_K, LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_range, load_bias,
                      load_tile, q_block_range, scores_base2, softcap_tanh, to_fp8, to_out)
 from ...plan import interpreting
 
@@ -138,7 +132,7 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                       offs_m, offs_d, row_end, D, MASKED, not EVEN_D)
         if FP8:
-            qk_t = fp8_dot(k, tl.trans(q))                                  # K = BLOCK_D
+            qk_t = tl.dot(k, tl.trans(q), max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         bias = 0.0
@@ -159,11 +153,11 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
             scale_s, descale_do, descale_v, attn_scale, scale_dp = fp8_scales
             # cuDNN's order: dP = (dO8 V8^T) * descale_dO * descale_v; dV += P8^T dO8 (descaled at the end);
             # dS = (dP - D) * P * attn_scale, amax_dP = max |dS|; dK += dS8^T q8 with dS8 in dO's type
-            dp_t = fp8_dot(v, tl.trans(do)) * descale_do * descale_v                      # K = BLOCK_DV
-            dv = fp8_dot(to_fp8(p_t * scale_s, q.dtype, FP8_INTERP), do, dv)             # K = BLOCK_M rows
+            dp_t = tl.dot(v, tl.trans(do), max_num_imprecise_acc=FP8_PROMOTE_K) * descale_do * descale_v
+            dv = tl.dot(to_fp8(p_t * scale_s, q.dtype, FP8_INTERP), do, dv, max_num_imprecise_acc=FP8_PROMOTE_K)
             ds_t = (dp_t - delta[None, :]) * p_t * attn_scale
             amax_ds = tl.maximum(amax_ds, tl.max(tl.max(tl.abs(ds_t), 1), 0))
-            dk = fp8_dot(to_fp8(ds_t * scale_dp, do.dtype, FP8_INTERP), q, dk)           # K = BLOCK_M rows
+            dk = tl.dot(to_fp8(ds_t * scale_dp, do.dtype, FP8_INTERP), q, dk, max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             if DROPOUT:
@@ -325,7 +319,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
         v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                       offs_n, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         if FP8:
-            qk = fp8_dot(q, tl.trans(k))                                      # K = BLOCK_D
+            qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias = 0.0
@@ -337,9 +331,9 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
         if FP8:
             descale_do, descale_v, attn_scale, scale_dp = fp8_scales
             # the dK/dV pass's dS (same order), quantized to dO's type with scale_dP
-            dp = fp8_dot(do, tl.trans(v)) * descale_do * descale_v                        # K = BLOCK_DV
+            dp = tl.dot(do, tl.trans(v), max_num_imprecise_acc=FP8_PROMOTE_K) * descale_do * descale_v
             ds = (dp - delta[:, None]) * p * attn_scale
-            dq = fp8_dot(to_fp8(ds * scale_dp, do.dtype, FP8_INTERP), k, dq)             # K = BLOCK_N keys
+            dq = tl.dot(to_fp8(ds * scale_dp, do.dtype, FP8_INTERP), k, dq, max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             if DROPOUT:
@@ -590,20 +584,6 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
 FP8_BWD_SCALE_NAMES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
                        "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
 FP8_BWD_AMAX_NAMES = ("dQ", "dK", "dV", "dP")
-
-
-def fp8_mma_chain(d: int, d_v: int, tiles_dkdv=None, tiles_dq=None) -> int:
-    """The longest chain (K-steps of 32) that the FP8 backward's 8-bit MMAs sum before it moves into fp32
-    (``common.fp8_dot``: min(K, 128) / 32 per product), over its five products: QK^T (K = BLOCK_D) and dP =
-    dO V^T (K = BLOCK_DV) in both passes, dV = P8^T dO8 and dK = dS8^T q8 (K = the dK/dV pass's query tile,
-    block_m), dQ = dS8 K8 (K = the dQ pass's key tile, block_n). Tiles: ``plan.fp8_bwd_tiles`` by default.
-    The bound takes one unit for all five: ``fusedattn.fp8.mma_unit(device, chain)`` (conservative for the
-    shorter chains, and for products Triton runs on mma.sync, M < 64, which sum in fp32)."""
-    from ...plan import fp8_bwd_tiles
-    from .fwd import fp8_block_dim
-    if tiles_dkdv is None or tiles_dq is None:
-        tiles_dkdv, tiles_dq = fp8_bwd_tiles(d, d_v)
-    return max(fp8_chain(k) for k in (fp8_block_dim(d), fp8_block_dim(d_v), tiles_dkdv.block_m, tiles_dq.block_n))
 
 
 def launch_bwd_fp8(problem, tiles_dkdv, tiles_dq, q8, k8, v8, out, grad_out, lse, extras, scales, amax, dq, dk, dv):

@@ -281,54 +281,9 @@ def dropout_keep(seed, offset, bh, row0, key0, S_Q, S_KV, threshold,
     return r.to(tl.int32) >= threshold
 
 
-# FP8 (fusedattn.fp8): sm_90's 8-bit wgmma adds each K-step of 32 products (and its accumulator) with fewer
-# bits than fp32. tl.dot's max_num_imprecise_acc = M (<= the dot's K) has Triton sum each run of M elements of
-# K in a fresh partial accumulator and add it to the fp32 result, one promotion per M; without it sm_90 never
-# promotes (the reduced-precision sum would run across a loop-carried accumulator, all tiles long). The FP8
-# dots (fp8_dot) promote after min(K, FP8_CHAIN_K) elements: chains of at most 4 K-steps, as the Gluon
-# forward's (backends/gluon/fwd_sm90.fp8_mma_chain). (Before, every K-step was promoted, M = 32, and ptxas
-# serialized the kernels' wgmmas: one wait per step.) The chains of a launch: fwd.fp8_mma_chain, bwd.fp8_mma_chain;
-# the error bound's u_mma grows with them (fusedattn.fp8.mma_unit(device, chain)).
-FP8_K_STEP = 32                                   # one 8-bit wgmma K-step
-FP8_MAX_CHAIN = 4                                 # K-steps per chain, at most
-FP8_CHAIN_K = tl.constexpr(FP8_K_STEP * FP8_MAX_CHAIN)
-
-
-def fp8_chain(k: int) -> int:
-    """K-steps in the longest chain of an FP8 dot (``fp8_dot``) whose reduction length is ``k``."""
-    return min(k, FP8_K_STEP * FP8_MAX_CHAIN) // FP8_K_STEP
-
-
-@triton.jit
-def fp8_dot(a, b, acc=None):
-    """``tl.dot(a, b, acc)`` of FP8 tiles a [M, K], b [K, N] into fp32, summed in chains of at most
-    ``FP8_CHAIN_K`` = 128 elements of K (4 wgmma K-steps of 32), each then moved into fp32.
-
-    sm_90 wgmma (Triton takes it for M a multiple of 64): K <= 128 is one dot of one chain
-    (``max_num_imprecise_acc=K``); K = 256 (head dims 129-256) two dots on the halves of K, added here in
-    fp32. ``acc`` is added after the dot, not passed to ``tl.dot``: given an accumulator (or two chains in one
-    dot) Triton adds each chain's partial sum inside the wgmma sequence, before its wait, and ptxas then
-    serializes every wgmma of the kernel (info C7514: a wait after each K-step); this way each dot's sum is
-    read after its one wait. Other M (Triton's mma.sync on fp16 operands: exact products, fp32 sums, no
-    chains): one ``tl.dot`` with ``acc``, as the 16-bit path. The interpreter sums in fp32 either way.
-    """
-    K: tl.constexpr = a.shape[1]
-    if a.shape[0] % 64 == 0:
-        if K > FP8_CHAIN_K:
-            tl.static_assert(K == 2 * FP8_CHAIN_K, "fp8_dot: K is at most 256")
-            HALF: tl.constexpr = K // 2
-            a0, a1 = tl.split(tl.permute(tl.reshape(a, [a.shape[0], 2, HALF]), (0, 2, 1)))
-            b0, b1 = tl.split(tl.permute(tl.reshape(b, [2, HALF, b.shape[1]]), (1, 2, 0)))
-            c = tl.dot(a0, b0, max_num_imprecise_acc=HALF) + tl.dot(a1, b1, max_num_imprecise_acc=HALF)
-        else:
-            c = tl.dot(a, b, max_num_imprecise_acc=K)
-        if acc is not None:
-            c = acc + c
-    else:
-        c = tl.dot(a, b, acc, max_num_imprecise_acc=min(K, FP8_CHAIN_K))
-    return c
-
-
+# FP8 (fusedattn.fp8): K-step after which sm_90's FP8 MMA hands its partial sums to the fp32 accumulator
+# (tl.dot's max_num_imprecise_acc; 32 is one wgmma K-step for 8-bit inputs, so every step is promoted)
+FP8_PROMOTE_K = tl.constexpr(32)
 _ROUND_INT = tl.constexpr(12582912.0)     # 1.5 * 2^23: x + it - it rounds |x| < 2^22 to an integer, nearest even
 
 

@@ -40,21 +40,14 @@ sum_j P_j (1 + t_j) V_j plus sum_j alpha_j n_j descale_s V_j / l, with alpha_j <
 key j's tile and l >= 1, so the relative term is the bound's and the subnormal floor term at most
 its; p <= 1 never saturates when scale_s <= FP8_MAX (the bound's assumption); the rescales add one
 fp32 rounding per key tile, inside the bound's doubled fp32 terms.
-sm_90: both products run on 8-bit wgmmas (``common.fp8_dot``), whose partial sums move to fp32 after
-chains of at most 4 K-steps of 32 (``max_num_imprecise_acc`` = min(K, 128); Triton's sm_90 default never
-promotes, and the tensor cores add with fewer bits than fp32 in between): QK^T's K = BLOCK_D is one chain
-up to d = 128 and two at 256 (two dots on the halves of d, added in fp32); P8 V8's K = BLOCK_N keys is one
-chain per key tile, added to ``acc`` in fp32 after the MMA (an accumulator inside the wgmma sequence would
-make ptxas serialize every wgmma). Within a chain the hardware's sum keeps about 14 bits, relative to the
-chain's running sum: the bound's ``u_mma`` is ``fusedattn.fp8.mma_unit(device, fp8_mma_chain(d, d_v))``
-(``MMA_UNIT_FP8`` per K-step, measured by bench/fp8_mma_probe.py; chain 4 as the Gluon forward's). Before,
-every K-step was promoted (chain 1), which ptxas ran as one waited wgmma per step.
+sm_90: both products run on 8-bit MMAs; ``max_num_imprecise_acc=FP8_PROMOTE_K`` moves their partial
+sums to fp32 after every 32-wide K-step (Triton's sm_90 default never does, and the tensor cores add
+with fewer bits than fp32 in between). Within a step the hardware's sum keeps about 14 bits: the
+bound's ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``, measured by bench/fp8_mma_probe.py).
 Interpreter (``FP8_INTERP``): Triton's interpreter (3.6, 3.9) casts fp32 to float8 wrongly but loads
 FP8, casts on-grid values exactly and runs FP8 dots as fp16 operands (exact) with fp32 sums, so
 ``to_fp8`` rounds in fp32 arithmetic first (``common.round_to_fp8_grid``), then casts; everything
-else, the FP8 dots included, is the GPU path's code (max_num_imprecise_acc is ignored there; its 32-row
-tiles take ``fp8_dot``'s one-dot branch, the wgmma branch's split and add run in tests/test_fp8_kernel.py's
-test_fp8_dot_chains).
+else, the FP8 dots included, is the GPU path's code (max_num_imprecise_acc is ignored there).
 """
 import torch
 import triton
@@ -64,7 +57,7 @@ from .args import (aligned, aligned_output, block_dim, extras_key, is_plain as _
                    set_descriptor_allocator, tma_ok)
 from .launch import Launcher, cdiv
 from ...plan import interpreting
-from .common import (LN2, batch_rows, dropout_keep, fold_sink, fp8_chain, fp8_dot, kv_block_range, kv_row_offsets,
+from .common import (FP8_PROMOTE_K, LN2, batch_rows, dropout_keep, fold_sink, kv_block_range, kv_row_offsets,
                      load_bias, load_tile, scores_base2, to_fp8, to_out)
 
 
@@ -88,7 +81,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
     past the tensor and head-dim padding arrive as zeros, the score mask does the rest).
     FP8 (module docstring, [Note] FP8): q, K, V are float8; ``qk_scale`` already holds
     descale_q * descale_k; P enters the second product as fp8(p * scale_s) (``scale_s``
-    is read only then), and both products accumulate in fp32 (``common.fp8_dot``'s chains).
+    is read only then), and both products accumulate in fp32.
     """
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -101,9 +94,9 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
             k = load_tile(k_base + k_rows[:, None] + offs_d[None, :] * stride_kd,
                           cols, offs_d, len_kv, D, MASKED, not EVEN_D)
         if FP8:
-            # FP8 MMA over K = BLOCK_D in chains of at most 4 K-steps of 32, each moved into fp32
-            # (common.fp8_dot; sm_90 wgmma otherwise adds all of d with fewer bits than fp32)
-            qk = fp8_dot(q, tl.trans(k))
+            # FP8 MMA; the partial sums move to the fp32 tile after every K-step of 32 (sm_90 wgmma
+            # otherwise adds all of d with fewer bits than fp32: Triton's max_num_imprecise_acc)
+            qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or SOFTCAP or BIAS_KIND != 0 or HAS_ALIBI:
@@ -143,8 +136,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         if FP8:
             # P8 = fp8(p * scale_s) of the unnormalized p <= 1 (the row sum l_i keeps the fp32 p)
-            # K = BLOCK_N keys: one chain of BLOCK_N / 32 K-steps, added to acc in fp32 once per tile
-            acc = fp8_dot(to_fp8(p * scale_s, v.dtype, FP8_INTERP), v, acc)
+            acc = tl.dot(to_fp8(p * scale_s, v.dtype, FP8_INTERP), v, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
@@ -426,15 +418,5 @@ FP8_SCALE_NAMES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s"
 
 def fp8_block_dim(d: int) -> int:
     """The tile width over a head dim for FP8 operands: a power of two, at least 32 (an 8-bit MMA's
-    K-step: a product's K, and its chain, are whole K-steps)."""
+    K-step, and FP8_PROMOTE_K must not exceed a product's K)."""
     return max(32, block_dim(d))
-
-
-def fp8_mma_chain(d: int, d_v: int, tiles=None) -> int:
-    """The longest chain (K-steps of 32) that the FP8 forward's 8-bit MMAs sum before it moves into fp32
-    ([Note] FP8; ``common.fp8_dot``: min(K, 128) / 32): QK^T's K = BLOCK_D, P8 V8's K = BLOCK_N (tiles:
-    ``plan.fp8_fwd_tiles`` by default); 2 at d <= 64, 4 above (sm_90 tiles). The error bound's ``u_mma`` is
-    ``fusedattn.fp8.mma_unit(device, chain)``."""
-    from ...plan import fp8_fwd_tiles
-    tiles = tiles or fp8_fwd_tiles(d, d_v)
-    return max(fp8_chain(fp8_block_dim(d)), fp8_chain(tiles.block_n))
