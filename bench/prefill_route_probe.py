@@ -9,8 +9,11 @@ call, the padded call and the padded route's gathers alone (do_bench, ms).
     PYTHONPATH=$PWD python bench/prefill_route_probe.py
 
 Session 20 (H100, Triton 3.6): packed 0.927 / 0.785 ms (278 / 328 TFLOP/s), padded batch 0.422 / 0.398,
-the q gather 0.030 / 0.029, pages of 16 / 64; one route ('padded'), one Gluon paged launch. The profile
-below (added then, not yet run) is the next step.
+the q gather 0.030 / 0.029, pages of 16 / 64; one route ('padded'), one Gluon paged launch.
+Session 21 (same, stale kernel store): packed 0.771 / 0.883 ms with 0.718 / 0.798 ms of host time per call
+(enqueue, no sync): host-bound; the padded batch 0.430 / 0.413 (host 0.200 / 0.182), over BSHD memory
+0.470 / 0.449. The route's ~25 small PyTorch ops cost ~0.5 ms of host; on the GPU its gathers and where took
+~0.09 ms per call. Then the Gluon forward's packed mode (fwd_sm90 [Note] packed queries) replaced the route.
 """
 import time
 
@@ -38,10 +41,14 @@ def host_ms(fn, n=50):
 def main() -> None:
     calls = []
     real = fwd_sm90.launch_fwd_sm90
-    fwd_sm90.launch_fwd_sm90 = lambda p, *a, **kw: (calls.append(p.paged), real(p, *a, **kw))[1]
+    fwd_sm90.launch_fwd_sm90 = lambda p, *a, **kw: (calls.append((p.paged, "packed" if kw.get("cu_seqlens_q")
+                                                                  is not None else "batch")), real(p, *a, **kw))[1]
     routes = []
     padded = kvcache._Call._run_packed_padded
     kvcache._Call._run_packed_padded = lambda self, o, s: (routes.append("padded"), padded(self, o, s))[1]
+    gluon = kvcache._Call._run_packed_gluon
+    kvcache._Call._run_packed_gluon = lambda self, o, s: (lambda took: (routes.append(f"gluon packed: {took}"),
+                                                                        took)[1])(gluon(self, o, s))
     for cfg in bench.prefill_configs():
         if cfg.mask != "varlen":
             continue

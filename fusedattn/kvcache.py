@@ -472,6 +472,8 @@ class _Call:
                 if self.sink is not None:       # ... but for the sink's term
                     stats.copy_(self.sink.view(-1, 1).expand_as(stats))
             return
+        if self._run_packed_gluon(out, stats):
+            return
         total = self.q.shape[2]
         if self.b * self.s_q <= (1 + PAD_PACKED_MAX_WASTE) * total:
             self._run_packed_padded(out, stats)
@@ -496,6 +498,43 @@ class _Call:
         extras.update(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=cu_kv, slopes=self.slopes)
         lse4 = stats.unsqueeze(0) if stats is not None else None          # [1, h_q, total_q]
         launch_fwd(p, plan(p, "triton").fwd, q4, k, v, out.unsqueeze(0).transpose(1, 2), lse4, extras)
+
+    def _run_packed_gluon(self, out, stats) -> bool:
+        """Packed queries on the Gluon sm_90 forward's packed mode (``fwd_sm90`` [Note] packed queries): the
+        kernel reads each sequence's rows from the packed q and writes them to ``out`` / ``stats`` in place,
+        over the paged or contiguous cache, with no gather and no host sync. False (nothing done) where it
+        does not take the call (not Hopper, softcap, a dtype or strides TMA cannot read ...). out [total_q,
+        h_q, d_v], stats fp32 [h_q, total_q] or None."""
+        import dataclasses
+        from .functional import _gluon_kernels, _gluon_ran
+        from .plan import plan
+        from .problem import make_problem
+        if not self.q.is_cuda:
+            return False
+        table = self.page_table if self.paged else None
+        lens = self.seq_len_kv if self.seq_len_kv is not None else \
+            torch.full((self.b,), self.cap, dtype=torch.int32, device=self.q.device)
+        q4 = self.q.expand(self.b, -1, -1, -1)          # the padded batch it stands for (s_q set below)
+        p, extras = make_problem(q4, self.k_cache, self.v_cache, attn_scale=self.scale, causal=self.causal,
+                                 causal_alignment="bottom_right", window=self.window,
+                                 alibi=self.slopes[0] if self.slopes is not None else False, softcap=self.softcap,
+                                 seq_len_kv=lens, page_table_k=table, page_table_v=table, sink=self.sink,
+                                 validate=False)
+        p = dataclasses.replace(p, s_q=self.s_q, has_seq_len_q=True)
+        if not plan(p, "triton").fwd_gluon:
+            return False
+        gluon = _gluon_kernels("forward", "fwd_sm90")
+        if gluon is None:
+            return False
+        fwd_sm90 = gluon[0]
+        o4 = out.unsqueeze(0).transpose(1, 2)                           # [1, h_q, total_q, d_v]
+        lse4 = stats.unsqueeze(0) if stats is not None else None        # [1, h_q, total_q]
+        kw = dict(slopes=self.slopes, seq_len_kv=extras["seq_len_kv"], sink=extras["sink"],
+                  page_table_k=extras["page_table_k"], page_table_v=extras["page_table_v"])
+        if not fwd_sm90.supports_packed(p, self.q, self.k_cache, self.v_cache, o4, self.cu_seqlens_q, **kw):
+            return False
+        return _gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
+            p, self.q, self.k_cache, self.v_cache, o4, lse4, cu_seqlens_q=self.cu_seqlens_q, **kw) or True)
 
     def _run_packed_padded(self, out, stats):
         """Packed queries as a padded batch through :meth:`run_triton` (``PAD_PACKED_MAX_WASTE`` says why).

@@ -186,15 +186,16 @@ def test_gluon_fwd_paged_refuses_odd_pages():
 
 
 @pytest.mark.parametrize("page", [16, 64])
-def test_gluon_fwd_paged_packed_queries_take_the_padded_route(page, request, monkeypatch):
-    """Packed queries (cu_seqlens_q) over a paged cache whose padding would add at most
-    ``kvcache.PAD_PACKED_MAX_WASTE`` of rows run as a padded batch through the Gluon paged forward (the
-    packed mode has only the portable kernel): each sequence against its float64 reference, bottom-right
-    causal over its own keys, and the Gluon kernel launched once, paged."""
+def test_gluon_fwd_paged_packed_queries(page, request, monkeypatch):
+    """Packed queries (cu_seqlens_q) over a paged cache run on the Gluon forward's packed mode (fwd_sm90
+    [Note] packed queries; before it, as a padded batch gathered on the device): each sequence against its
+    float64 reference, bottom-right causal over its own keys, and the Gluon kernel launched once, paged,
+    with the packed offsets (tests/test_gluon_fwd_packed.py has the edge lengths and random cases)."""
     from fusedattn.backends.gluon import fwd_sm90
     calls = []
     real = fwd_sm90.launch_fwd_sm90
-    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", lambda p, *a, **kw: (calls.append(p.paged), real(p, *a, **kw))[1])
+    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", lambda p, *a, **kw: (
+        calls.append((p.paged, kw.get("cu_seqlens_q") is not None)), real(p, *a, **kw))[1])
     gen = torch.Generator().manual_seed(page)
     b, h_q, h_kv, d, s_kv = 3, 8, 2, 128, 700
     lens_q, lens_kv = [300, 277, 300], [700, 411, 300]
@@ -208,7 +209,7 @@ def test_gluon_fwd_paged_packed_queries_take_the_padded_route(page, request, mon
         q, k_pages, v_pages, page_table=table, seq_len_kv=torch.tensor(lens_kv, dtype=torch.int32, device="cuda"),
         cu_seqlens_q=cu, max_seqlen_q=max(lens_q), causal=True, return_stats=True)
     torch.cuda.synchronize()
-    assert calls == [True], f"the Gluon paged forward did not take the packed batch ({calls}). {msg}"
+    assert calls == [(True, True)], f"the Gluon paged forward's packed mode did not take the call ({calls}). {msg}"
     for i in range(b):
         rows = slice(int(cu[i]), int(cu[i + 1]))
         qi = q[rows].transpose(0, 1)[None].cpu()

@@ -8,6 +8,7 @@
     python tools/gluon_check.py paged PAGE [D] [persistent]   # the load warp's loops over a paged K/V cache
     python tools/gluon_check.py 128 1 e4m3 [plain|pingpong] [BLOCK_N|-] [window] [seq_q] [seq_kv]
                                 [persistent] [out=e4m3|bf16|fp16|fp32] [promote=0|32]   # the FP8 switch
+    python tools/gluon_check.py 128 1 bf16 plain - varlen seq_kv bottom_right page=16 persistent   # packed queries
     python tools/gluon_check.py fp8        # every FP8 variant: d 64/128/256 x masks x padding, spills and HGMMA kinds
 
 D is the head dim (64, 128, 224, 256); 224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the
@@ -48,7 +49,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
-                persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None):
+                persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None,
+                varlen=False):
     import torch
     fp8 = dtype in FP8_TYPES
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
@@ -83,7 +85,10 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
-                 HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote)
+                 HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote,
+                 VARLEN=varlen)
+    if varlen:
+        sig["O"] = "*" + ty     # packed queries: the 16-bit output's masked stores (_store_rows)
     for k in const:
         sig[k] = "constexpr"
     src = GluonASTSource(fn=fwd_sm90._attn_fwd_sm90, signature=sig, constexprs=const)
@@ -305,7 +310,9 @@ def main():
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
     block_n = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
-    extra = sys.argv[6:]          # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static", "dropout"
+    # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static", "dropout", "varlen" (packed queries:
+    # seq_q implied), "bottom_right", "page=N"
+    extra = sys.argv[6:]
     if dtype in FP8_TYPES:
         # the FP8 switch: "out=TYPE" (e4m3, e5m2, bf16, fp16, fp32), "promote=N" (fwd_sm90.FP8_PROMOTE)
         opts = dict(a.split("=", 1) for a in extra if "=" in a)
@@ -313,9 +320,11 @@ def main():
                         seq_q="seq_q" in extra, seq_kv="seq_kv" in extra, out=opts.get("out", "bf16"),
                         promote=int(opts.get("promote", fwd_sm90.FP8_PROMOTE)), persistent="persistent" in extra)
         return fp8_report(k, f"d{d} causal={int(causal)} {dtype} {' '.join(sys.argv[4:])}".strip())
+    page = int(dict(a.split("=", 1) for a in extra if "=" in a).get("page", 0))
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
-                    alibi="alibi" in extra, seq_q="seq_q" in extra, seq_kv="seq_kv" in extra,
-                    persistent="persistent" in extra, dynamic="static" not in extra, dropout="dropout" in extra)
+                    alibi="alibi" in extra, seq_q="seq_q" in extra or "varlen" in extra, seq_kv="seq_kv" in extra,
+                    persistent="persistent" in extra, dynamic="static" not in extra, dropout="dropout" in extra,
+                    varlen="varlen" in extra, bottom_right="bottom_right" in extra, page=page)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

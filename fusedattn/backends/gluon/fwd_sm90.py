@@ -100,6 +100,21 @@ len_kv - len_q of the sequence; rows past len_q and rows with no key write outpu
 * Q rows in [len_q, s_q) are in the tensor too; a score row depends only on its own Q row, so
   whatever they hold stays in their own rows, which the epilogue replaces (output 0, LSE -inf).
 
+[Note] packed queries (compile-time ``VARLEN``, with HAS_SEQ_Q; ``launch_fwd_sm90(cu_seqlens_q=)``):
+the new tokens of b sequences packed into one tensor (FlashAttention's varlen layout, the serving
+engines' chunked prefill), over a K/V cache with per-batch lengths, paged or not. Q and O are seen as
+one view batch [1, h_q, total, d] and SEQ_Q holds cu_seqlens_q: sequence i's query row m is packed row
+cu_seqlens_q[i] + m (``_q_origin``), len_q = cu_seqlens_q[i + 1] - cu_seqlens_q[i] clamped to [0,
+max_seqlen_q], and everything else is the padded kernel above (the grid is (cdiv(max_seqlen_q, 128),
+b * h_q); tiles past len_q load and write nothing). Loads: Q's TMA box may run past the sequence into
+the next one's rows (or past the tensor: zero-filled); those rows stay in their own score rows. Stores:
+a TMA store would write the next sequence's rows too, so only a tile wholly inside its sequence goes
+out by TMA; the tile holding the sequence's last row is stored from registers with a row mask
+(``_store_rows``, once per sequence and warpgroup), and rows outside [0, total) never are. The LSE goes
+to [1, h_q, total] at the packed rows. Before this the packed call was gathered into a padded batch and
+back (kvcache ``_run_packed_padded``): ~25 small PyTorch ops whose host time (0.5 ms on the H100's
+host) made the call host-bound at about half the padded batch's speed (bench/NOTES.md 60).
+
 [Note] persistent grid (compile-time ``PERSISTENT``; ``launch_fwd_sm90(persistent=...)``, defaults
 in ``PERSISTENT``). The one-tile grid runs (cdiv(s_q, 128), b * h_q) CTAs, one per SM at a time
 (shared memory), and each pays a bubble: launch, barrier init, the Q load and the first K/V load
@@ -354,10 +369,12 @@ def _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT: gl.c
 @gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                   v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr, PAGE: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr, PAGE: gl.constexpr,
+                  q_batch=0, q_off=0):
     """Load warp: Q once, then K and V of key tile t_lo + j (j < n_tiles) into slot j % STAGES
     once the consumers freed it. Padded: a CTA with n_tiles = 0 computes nothing and loads nothing.
-    PAGE > 0: K/V come from pages of PAGE keys (``_kv_ring_loads_paged_at``; pages: its tables)."""
+    PAGE > 0: K/V come from pages of PAGE keys (``_kv_ring_loads_paged_at``; pages: its tables). Q's rows
+    are read at [q_batch, head, q_off + start_m] (``_q_origin``)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     load_q = True
     if PADDED:
@@ -365,9 +382,9 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
     if load_q:
         # coordinates are [batch, head, row, column] of the 4-D views
         mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, head, start_m, 0], q_bar.index(0), q_smem0)
+        tma_load(q_desc, [q_batch, head, q_off + start_m, 0], q_bar.index(0), q_smem0)
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, head, start_m + WG_M, 0], q_bar.index(1), q_smem1)
+        tma_load(q_desc, [q_batch, head, q_off + start_m + WG_M, 0], q_bar.index(1), q_smem1)
     if PAGE > 0:
         _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
                                 t_lo, n_tiles, 0, pages, PAGE, BLOCK_N, STAGES)
@@ -989,7 +1006,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                len_q, slope2, drop, SINK, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None):
+               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None, q_off=0, VARLEN: gl.constexpr = False):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
@@ -998,7 +1015,11 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
     HAS_SINK: the head's sink logit (fp32 ``SINK[head]``) joins the row's sum first (module docstring,
     [Note] sinks). FP8 (stage's type; [Note] FP8): fp8_out = (O, stride_ob, stride_oh, stride_om, D,
     SCALES, AMAX); the output is descaled, counted into the amaxes, scaled and stored from registers (``_fp8_write``)
-    instead of through ``stage``."""
+    instead of through ``stage``. VARLEN ([Note] packed queries): ``batch`` is the views' batch (0) and the
+    sequence's rows start at row q_off of the packed O / LSE; a tile wholly inside the sequence goes out by
+    TMA, the one that holds its last row by masked stores from registers (``_store_rows``: TMA would write
+    the next sequence's rows), a tile past it not at all; fp8_out = (O, the packed row count, stride_oh,
+    stride_om, D, unused, unused)."""
     WG_M: gl.constexpr = stage.shape[2]
     HEAD_D: gl.constexpr = stage.shape[3]
     o_layout: gl.constexpr = o.type.layout
@@ -1028,6 +1049,13 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
         out = gl.where(ok[:, None], out, 0.0)
     if _is_fp8(stage.dtype):
         _fp8_write(out, inv_l, gl.convert_layout(rows, row_o), batch, head, S_Q, len_q, fp8_out)
+    elif VARLEN:
+        if row0 + WG_M <= len_q:
+            stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
+            fence_async_shared()
+            tma_store(o_desc, [batch, head, q_off + row0, 0], stage)
+        elif row0 < len_q:
+            _store_rows(out.to(stage.dtype), gl.convert_layout(rows, row_o), q_off, head, len_q, fp8_out)
     else:
         stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
         fence_async_shared()
@@ -1042,7 +1070,26 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
             lse2 = lse2 - slope2 * (rows - row0).to(gl.float32)     # the row half of ALiBi (_softmax_tile)
         lse = gl.where(ok_s, lse2 * LN2, float("-inf"))
         base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        gl.store(base + rows.to(gl.int64) * stride_lm, lse, mask=rows < S_Q)
+        if VARLEN:
+            at = q_off + rows
+            gl.store(base + at.to(gl.int64) * stride_lm, lse, mask=(rows < len_q) & (at >= 0) & (at < fp8_out[1]))
+        else:
+            gl.store(base + rows.to(gl.int64) * stride_lm, lse, mask=rows < S_Q)
+
+
+@gluon.jit
+def _store_rows(val, rows, q_off, head, len_q, o_out):
+    """Rows [0, len_q) of a VARLEN output tile (``_fwd_write``) by masked plain stores: val [WG_M, HEAD_D] in the
+    accumulator's layout, rows its sequence rows (the layout's row slice), written at packed row q_off + row
+    of O; o_out = (O, packed row count, stride_oh, stride_om, D, ...). Rows outside [0, count) are never
+    written, whatever cu_seqlens_q holds (validate=False promises no access out of bounds)."""
+    HEAD_D: gl.constexpr = val.shape[1]
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, val.type.layout))
+    at = q_off + rows
+    base = o_out[0] + head.to(gl.int64) * o_out[2]
+    ptrs = base + at.to(gl.int64)[:, None] * o_out[3] + cols[None, :]
+    keep = (rows < len_q) & (at >= 0) & (at < o_out[1])
+    gl.store(ptrs, val, mask=keep[:, None] & (cols < o_out[4])[None, :])
 
 
 @gluon.jit
@@ -1081,13 +1128,14 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
-                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32):
+                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, VARLEN: gl.constexpr = False):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
     unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes zeros, and
     rows >= len_q are written as zeros (module docstring, [Note] padding). scale_s, fp8_out: the FP8
-    switch's P scale and output (``_fwd_write``; [Note] FP8)."""
+    switch's P scale and output (``_fwd_write``; [Note] FP8). batch is the Q / O views' batch and q_off the
+    sequence's first row in them (``_q_origin``; VARLEN, [Note] packed queries)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1102,7 +1150,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
                               scale_s, PROMOTE)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out)
+               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off, VARLEN)
     tma.store_wait(0)
 
 
@@ -1117,9 +1165,32 @@ def _seq_length(SEQ, batch, S, HAS_SEQ: gl.constexpr):
 
 
 @gluon.jit
+def _q_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q: gl.constexpr, VARLEN: gl.constexpr):
+    """Query rows of batch entry ``batch``: ``_seq_length``'s, or under VARLEN (SEQ_Q = cu_seqlens_q, int32
+    [b + 1]) SEQ_Q[batch + 1] - SEQ_Q[batch] clamped to [0, S_Q] (S_Q = max_seqlen_q)."""
+    if VARLEN:
+        n = gl.minimum(gl.maximum(gl.load(SEQ_Q + batch + 1) - gl.load(SEQ_Q + batch), 0), S_Q)
+    else:
+        n = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+    return n
+
+
+@gluon.jit
+def _q_origin(SEQ_Q, batch, VARLEN: gl.constexpr):
+    """Where batch entry ``batch``'s query rows sit in the Q / O / LSE views: (the views' batch, the first
+    row). VARLEN ([Note] packed queries): one view batch of packed rows, (0, SEQ_Q[batch]); else (batch, 0)."""
+    q_batch = batch
+    q_off = batch * 0
+    if VARLEN:
+        q_batch = batch * 0
+        q_off = gl.load(SEQ_Q + batch)
+    return q_batch, q_off
+
+
+@gluon.jit
 def _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-              HAS_SEQ_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+              HAS_SEQ_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr = False):
     """Where work tile (query tile pid_m, batch * H_Q + head = bh) sits and which key tiles it
     visits: (batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles)
     (``_cta_tiles``; diag: the band's diagonal offset, len_kv - len_q under bottom-right)."""
@@ -1127,7 +1198,7 @@ def _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_rig
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
-    len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+    len_q = _q_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, VARLEN)
     len_kv = _seq_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV)
     diag = S_Q * 0
     if BOTTOM_RIGHT:
@@ -1352,7 +1423,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
-                             DYNAMIC: gl.constexpr, PAGE: gl.constexpr):
+                             DYNAMIC: gl.constexpr, PAGE: gl.constexpr, VARLEN: gl.constexpr = False):
     """Load warp of the persistent grid. For each work tile (i-th of this CTA): wait until Q slot
     i % QSTAGES is free (both consumers' q_empty), post the tile number there, load the two Q
     halves onto q_ready0 / q_ready1 (or, for a tile with nothing to load, arrive on them
@@ -1368,18 +1439,17 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
         batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
             pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, VARLEN)
+        q_batch, q_off = _q_origin(SEQ_Q, batch, VARLEN)
         qs = i % QSTAGES
         mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)
         _post_tile(tile_smem.index(qs), tile)
         if n_tiles > 0:
             # coordinates are [batch, head, row, column] of the 4-D views
             mbarrier.expect(q_ready0.index(qs), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, head, start_m, 0], q_ready0.index(qs),
-                                            q_smem0.index(qs))
+            tma_load(q_desc, [q_batch, head, q_off + start_m, 0], q_ready0.index(qs), q_smem0.index(qs))
             mbarrier.expect(q_ready1.index(qs), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, head, start_m + WG_M, 0], q_ready1.index(qs),
-                                            q_smem1.index(qs))
+            tma_load(q_desc, [q_batch, head, q_off + start_m + WG_M, 0], q_ready1.index(qs), q_smem1.index(qs))
         else:
             mbarrier.arrive(q_ready0.index(qs))
             mbarrier.arrive(q_ready1.index(qs))
@@ -1410,7 +1480,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                              QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
-                             scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32):
+                             scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, VARLEN: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -1437,7 +1507,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
         batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
             pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, VARLEN)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
@@ -1469,11 +1539,13 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         head = bh % H_Q
         row0 = pid_m * BLOCK_M + WG * WG_M
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-        len_q = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+        len_q = _q_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, VARLEN)
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
-        _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-                   len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out)
+        q_batch, q_off = _q_origin(SEQ_Q, batch, VARLEN)
+        _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, S_Q,
+                   len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off,
+                   VARLEN)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -1496,7 +1568,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
                    DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
-                   PROMOTE: gl.constexpr = 32):
+                   PROMOTE: gl.constexpr = 32, VARLEN: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1510,7 +1582,11 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     FP8 (q_desc's type is an 8-bit float; module docstring, [Note] FP8): v_desc views V transposed
     [b, H_KV, d, S_KV]; O (any type, strides stride_ob / oh / om, unit last; D_O columns) is written by
     plain stores, o_desc unused; SCALES fp32 [6] (descale_q, descale_k, descale_v, descale_s, scale_s,
-    scale_o) and AMAX fp32 [2] (amax_s, amax_o; zeroed by the host) are read / maxed into; unused otherwise."""
+    scale_o) and AMAX fp32 [2] (amax_s, amax_o; zeroed by the host) are read / maxed into; unused otherwise.
+    VARLEN (16-bit, with HAS_SEQ_Q; module docstring, [Note] packed queries): SEQ_Q is cu_seqlens_q (int32
+    [b + 1]), q_desc / o_desc view packed rows [1, H_Q, total, d] and LSE [1, H_Q, total], S_Q is the longest
+    sequence; O (the packed output), stride_ob = total, stride_oh, stride_om and D_O serve the masked stores of
+    each sequence's last tile (``_store_rows``)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -1519,8 +1595,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     FP8: gl.constexpr = _is_fp8(dtype)
     pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
     if FP8:
-        gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0),
+        gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0 or VARLEN),
                          "the FP8 forward runs masks, padding and GQA only")
+    if VARLEN:
+        gl.static_assert(HAS_SEQ_Q and not DROPOUT, "packed queries: HAS_SEQ_Q on, no dropout")
     scale_s = 1.0
     # the FP8 epilogue's arguments (unused by the 16-bit kernel: _fwd_write decides by the type)
     fp8_out = (O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX)
@@ -1570,19 +1648,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK, scale_s, fp8_out, PROMOTE)),
+                                        HAS_SINK, scale_s, fp8_out, PROMOTE, VARLEN)),
             (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK, scale_s, fp8_out, PROMOTE)),
+                                        HAS_SINK, scale_s, fp8_out, PROMOTE, VARLEN)),
             (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                         q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                         H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
                                         HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N,
-                                        STAGES, QSTAGES, DYNAMIC, PAGE)),
+                                        STAGES, QSTAGES, DYNAMIC, PAGE, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         pid_m = gl.program_id(0)
@@ -1592,7 +1670,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             pid_m = gl.num_programs(0) - 1 - pid_m
         batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
             pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, VARLEN)
+        q_batch, q_off = _q_origin(SEQ_Q, batch, VARLEN)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
@@ -1609,19 +1688,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         gl.warp_specialize([
             # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
             (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
-                             o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
+                             o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, VARLEN)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
-                             o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, start_m, t_lo, t_a, t_b,
+                             o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, VARLEN)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
-                             STAGES, PADDED, PAGE)),
+                             STAGES, PADDED, PAGE, q_batch, q_off)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1829,7 +1908,7 @@ def _persistent_default(p) -> bool:
 
 
 def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None,
-                    page_table_k=None, page_table_v=None, block_n=None,
+                    page_table_k=None, page_table_v=None, cu_seqlens_q=None, block_n=None,
                     stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
@@ -1838,6 +1917,9 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     rows past len_q are written as 0, keys past len_kv are masked); sink: fp32 [h_q] sink logits when
     p.has_sink (the stats include the sink's term); page_table_k / page_table_v: int32 [b, pages] when
     p.paged, k / v then being the containers [blocks, h_kv, page, d] (any strides, unit last).
+    cu_seqlens_q: int32 [b + 1] (packed queries, [Note] packed queries; p then has per-batch query lengths,
+    p.s_q the longest sequence, and no dropout): q / out are packed [1, h_q, total, d] views and lse
+    [1, h_q, total]; sequence i's rows are rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 (``supports_packed``).
     Writes out and lse in place.
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); persistent (the
@@ -1855,6 +1937,11 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     has_left = band is not None and band.left is not None
     has_right = band is not None and band.right is not None
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        if not p.has_seq_len_q or p.has_dropout:
+            raise ValueError("packed queries: the problem has per-batch query lengths and no dropout")
+        seq_len_q = cu_seqlens_q
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     if p.has_sink and sink is None:
@@ -1899,7 +1986,10 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
         *dropout.kernel_args(p), sink if p.has_sink else lse_arg, *tables,
-        lse_arg, 0, 0, 0, 0, lse_arg, lse_arg,      # the FP8 switch's output, scales and amaxes (unused)
+        # packed queries: the output for the masked stores of each sequence's last tile (_store_rows), its
+        # row count in the batch stride's place; else the FP8 switch's output, scales and amaxes (unused)
+        *((out, out.shape[2], out.stride(1), out.stride(2), p.d_v) if varlen else (lse_arg, 0, 0, 0, 0)),
+        lse_arg, lse_arg,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
@@ -1907,9 +1997,23 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
-        HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, num_warps=4,
+        HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, VARLEN=varlen, num_warps=4,
     )
     return out, lse
+
+
+def supports_packed(p, q, k, v, out, cu_seqlens_q, **lens) -> bool:
+    """``supports`` for packed queries (``launch_fwd_sm90(cu_seqlens_q=)``): q / out packed [1, h_q, total, d]
+    views, p with per-batch query lengths (p.b sequences, p.s_q the longest) and no dropout, cu_seqlens_q int32
+    [p.b + 1] contiguous on q's GPU; lens as ``supports``'s (seq_len_q not among them)."""
+    if not (p.has_seq_len_q and not p.has_dropout and p.dtype in _GL_DTYPES and q.dim() == 4 and q.shape[0] == 1
+            and tuple(out.shape) == (1, p.h_q, q.shape[2], p.d_v)):
+        return False
+    if not (isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_cuda
+            and cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() == p.b + 1 and cu_seqlens_q.stride(0) == 1):
+        return False
+    # the problem half as the padded batch it stands for, the tensor half (TMA's rules) on the packed views
+    return supports(p, q, k, v, out, seq_len_q=cu_seqlens_q[1:], **lens)
 
 
 # ----------------------------------------------------------------------------------------------
