@@ -459,9 +459,11 @@ class _Call:
             else:
                 self.run_cpu(o, st, q=q_pad)
             total = self.q.shape[2]
-            out.copy_(_unpad(o, self.cu_seqlens_q, total))
+            # rows past cu_seqlens_q[-1] keep what out / stats held, as on the kernels' routes
+            end = max(0, min(int(self.cu_seqlens_q[-1]), total))
+            out[:end].copy_(_unpad(o, self.cu_seqlens_q, total)[:end])
             if stats is not None:
-                stats.copy_(_unpad(st, self.cu_seqlens_q, total)[..., 0].T)
+                stats[:, :end].copy_(_unpad(st, self.cu_seqlens_q, total)[:end, ..., 0].T)
             return
         if self.s_q == 0 or self.q.shape[2] == 0:
             return                      # no new token: nothing to write (rows past cu_seqlens_q[-1] are left)

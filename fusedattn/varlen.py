@@ -6,7 +6,8 @@ Sequences of different lengths are stored back to back, ``q [total_q, h_q, d]``,
 layout; cuDNN's ragged offsets are the same offsets times the row stride).
 
 The Triton kernels read the offsets (``VARLEN`` switch of the forward and backward
-kernels) so nothing is padded in memory. The result equals attention on the same
+kernels) so nothing is padded in memory; on Hopper the forward runs on the Gluon kernel's packed mode
+where its plan takes the problem (``backends/gluon/fwd_sm90.py`` [Note] packed queries). The result equals attention on the same
 sequences padded to ``max_seqlen_q`` / ``max_seqlen_kv`` with ``seq_len_q`` /
 ``seq_len_kv`` masks, dropout mask included; the CPU path computes exactly that.
 """
@@ -129,10 +130,34 @@ def varlen_forward(p, extras, pl, q, k, v, q4, k4, v4):
         out.copy_(_unpad(o, extras["cu_seqlens_q"], q.shape[0]))
         stats.copy_(_unpad(st[..., 0].unsqueeze(-1), extras["cu_seqlens_q"], q.shape[0])[..., 0].T)
     else:
-        from .backends.triton.fwd import launch_fwd
-        lse4 = stats.unsqueeze(0)                                   # [1, h, total]
-        launch_fwd(p, pl.fwd, q4, k4, v4, out.unsqueeze(0).transpose(1, 2), lse4, extras)
+        o4, lse4 = out.unsqueeze(0).transpose(1, 2), stats.unsqueeze(0)     # [1, h, total, d_v], [1, h, total]
+        if not _gluon_packed_forward(p, extras, q4, k4, v4, o4, lse4):
+            from .backends.triton.fwd import launch_fwd
+            launch_fwd(p, pl.fwd, q4, k4, v4, o4, lse4, extras)
     return out, stats
+
+
+def _gluon_packed_forward(p, extras, q4, k4, v4, o4, lse4) -> bool:
+    """The forward on the Gluon sm_90 kernel's packed mode (``fwd_sm90`` [Note] packed queries, packed keys
+    too) where it takes the call: Hopper, a head dim and features of its plan (no dropout, no softcap); each
+    sequence read and written in place by its offsets, as the Triton kernel's VARLEN switch. False (nothing
+    done) elsewhere. q4 / k4 / v4 / o4: [1, h, total, d] views, lse4 fp32 [1, h_q, total_q]."""
+    if not q4.is_cuda or p.has_dropout:
+        return False
+    # the padded batch the packed one stands for: per-sequence lengths from the offsets
+    padded = dataclasses.replace(p, varlen=False, has_seq_len_q=True, has_seq_len_kv=True)
+    if not plan(padded, "triton").fwd_gluon:
+        return False
+    gluon = functional._gluon_kernels("forward", "fwd_sm90")
+    if gluon is None:
+        return False
+    fwd_sm90 = gluon[0]
+    cu_q, cu_kv = extras["cu_seqlens_q"], extras["cu_seqlens_kv"]
+    kw = dict(slopes=extras["slopes"], sink=extras["sink"])
+    if not fwd_sm90.supports_packed(padded, q4, k4, v4, o4, cu_q, cu_kv, **kw):
+        return False
+    return functional._gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
+        padded, q4, k4, v4, o4, lse4, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw) or True)
 
 
 def varlen_backward(p, extras, pl, q, k, v, out, grad_out, stats):

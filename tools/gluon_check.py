@@ -50,7 +50,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
                 persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None,
-                varlen=False):
+                varlen=False, packed_kv=False):
     import torch
     fp8 = dtype in FP8_TYPES
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
@@ -86,8 +86,8 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
                  HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote,
-                 VARLEN=varlen)
-    if varlen:
+                 PACKED_Q=varlen, PACKED_KV=packed_kv)
+    if varlen or packed_kv:
         sig["O"] = "*" + ty     # packed queries: the 16-bit output's masked stores (_store_rows)
     for k in const:
         sig[k] = "constexpr"
@@ -311,7 +311,7 @@ def main():
     pingpong = len(sys.argv) > 4 and sys.argv[4] == "pingpong"
     block_n = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] != "-" else None
     # any of "window", "alibi", "seq_q", "seq_kv", "persistent", "static", "dropout", "varlen" (packed queries:
-    # seq_q implied), "bottom_right", "page=N"
+    # seq_q implied), "varlen_kv" (packed queries and keys: needs seq_kv), "bottom_right", "page=N"
     extra = sys.argv[6:]
     if dtype in FP8_TYPES:
         # the FP8 switch: "out=TYPE" (e4m3, e5m2, bf16, fp16, fp32), "promote=N" (fwd_sm90.FP8_PROMOTE)
@@ -322,9 +322,10 @@ def main():
         return fp8_report(k, f"d{d} causal={int(causal)} {dtype} {' '.join(sys.argv[4:])}".strip())
     page = int(dict(a.split("=", 1) for a in extra if "=" in a).get("page", 0))
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
-                    alibi="alibi" in extra, seq_q="seq_q" in extra or "varlen" in extra, seq_kv="seq_kv" in extra,
+                    alibi="alibi" in extra, seq_q="seq_q" in extra or "varlen" in extra or "varlen_kv" in extra, seq_kv="seq_kv" in extra,
                     persistent="persistent" in extra, dynamic="static" not in extra, dropout="dropout" in extra,
-                    varlen="varlen" in extra, bottom_right="bottom_right" in extra, page=page)
+                    varlen="varlen" in extra or "varlen_kv" in extra, bottom_right="bottom_right" in extra, page=page,
+                    packed_kv="varlen_kv" in extra)
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

@@ -100,18 +100,23 @@ len_kv - len_q of the sequence; rows past len_q and rows with no key write outpu
 * Q rows in [len_q, s_q) are in the tensor too; a score row depends only on its own Q row, so
   whatever they hold stays in their own rows, which the epilogue replaces (output 0, LSE -inf).
 
-[Note] packed queries (compile-time ``VARLEN``, with HAS_SEQ_Q; ``launch_fwd_sm90(cu_seqlens_q=)``):
+[Note] packed queries (compile-time ``PACKED_Q``, with HAS_SEQ_Q; ``launch_fwd_sm90(cu_seqlens_q=)``):
 the new tokens of b sequences packed into one tensor (FlashAttention's varlen layout, the serving
 engines' chunked prefill), over a K/V cache with per-batch lengths, paged or not. Q and O are seen as
 one view batch [1, h_q, total, d] and SEQ_Q holds cu_seqlens_q: sequence i's query row m is packed row
-cu_seqlens_q[i] + m (``_q_origin``), len_q = cu_seqlens_q[i + 1] - cu_seqlens_q[i] clamped to [0,
+cu_seqlens_q[i] + m (``_packed_origin``), len_q = cu_seqlens_q[i + 1] - cu_seqlens_q[i] clamped to [0,
 max_seqlen_q], and everything else is the padded kernel above (the grid is (cdiv(max_seqlen_q, 128),
 b * h_q); tiles past len_q load and write nothing). Loads: Q's TMA box may run past the sequence into
 the next one's rows (or past the tensor: zero-filled); those rows stay in their own score rows. Stores:
 a TMA store would write the next sequence's rows too, so only a tile wholly inside its sequence goes
 out by TMA; the tile holding the sequence's last row is stored from registers with a row mask
 (``_store_rows``, once per sequence and warpgroup), and rows outside [0, total) never are. The LSE goes
-to [1, h_q, total] at the packed rows. Before this the packed call was gathered into a padded batch and
+to [1, h_q, total] at the packed rows. ``PACKED_KV`` (with HAS_SEQ_KV, not paged; ``cu_seqlens_kv=``) packs
+the keys the same way (FlashAttention's varlen call, ``varlen.attention_varlen``): K / V views [1, h_kv,
+total_k, d], sequence i's key j at row cu_seqlens_kv[i] + j; a key tile reaching past the sequence reads
+the next one's keys (or zeros past the tensor), which the length masks as it masks padding (V's rows
+zeroed, above). Offsets are trusted as given (validate=False callers): TMA never reads or writes outside
+the tensors, but a sequence whose rows run past them computes with zeros there. Before this the packed call was gathered into a padded batch and
 back (kvcache ``_run_packed_padded``): ~25 small PyTorch ops whose host time (0.5 ms on the H100's
 host) made the call host-bound at about half the padded batch's speed (bench/NOTES.md 60).
 
@@ -370,11 +375,11 @@ def _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT: gl.c
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                   v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr, PAGE: gl.constexpr,
-                  q_batch=0, q_off=0):
+                  q_batch=0, q_off=0, kv_batch=0, k_off=0):
     """Load warp: Q once, then K and V of key tile t_lo + j (j < n_tiles) into slot j % STAGES
     once the consumers freed it. Padded: a CTA with n_tiles = 0 computes nothing and loads nothing.
     PAGE > 0: K/V come from pages of PAGE keys (``_kv_ring_loads_paged_at``; pages: its tables). Q's rows
-    are read at [q_batch, head, q_off + start_m] (``_q_origin``)."""
+    are read at [q_batch, head, q_off + start_m], K / V's at [kv_batch, kv_head, k_off + key] (``_packed_origin``)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     load_q = True
     if PADDED:
@@ -389,8 +394,8 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
         _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
                                 t_lo, n_tiles, 0, pages, PAGE, BLOCK_N, STAGES)
     else:
-        _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
-                       n_tiles, BLOCK_N, STAGES)
+        _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_batch, kv_head, t_lo,
+                          n_tiles, 0, BLOCK_N, STAGES, k_off)
 
 
 @gluon.jit
@@ -1006,7 +1011,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                len_q, slope2, drop, SINK, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None, q_off=0, VARLEN: gl.constexpr = False):
+               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None, q_off=0, PACKED_Q: gl.constexpr = False):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
@@ -1015,7 +1020,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
     HAS_SINK: the head's sink logit (fp32 ``SINK[head]``) joins the row's sum first (module docstring,
     [Note] sinks). FP8 (stage's type; [Note] FP8): fp8_out = (O, stride_ob, stride_oh, stride_om, D,
     SCALES, AMAX); the output is descaled, counted into the amaxes, scaled and stored from registers (``_fp8_write``)
-    instead of through ``stage``. VARLEN ([Note] packed queries): ``batch`` is the views' batch (0) and the
+    instead of through ``stage``. PACKED_Q ([Note] packed queries): ``batch`` is the views' batch (0) and the
     sequence's rows start at row q_off of the packed O / LSE; a tile wholly inside the sequence goes out by
     TMA, the one that holds its last row by masked stores from registers (``_store_rows``: TMA would write
     the next sequence's rows), a tile past it not at all; fp8_out = (O, the packed row count, stride_oh,
@@ -1049,7 +1054,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
         out = gl.where(ok[:, None], out, 0.0)
     if _is_fp8(stage.dtype):
         _fp8_write(out, inv_l, gl.convert_layout(rows, row_o), batch, head, S_Q, len_q, fp8_out)
-    elif VARLEN:
+    elif PACKED_Q:
         if row0 + WG_M <= len_q:
             stage.reshape([WG_M, HEAD_D]).store(out.to(stage.dtype))
             fence_async_shared()
@@ -1070,7 +1075,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
             lse2 = lse2 - slope2 * (rows - row0).to(gl.float32)     # the row half of ALiBi (_softmax_tile)
         lse = gl.where(ok_s, lse2 * LN2, float("-inf"))
         base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        if VARLEN:
+        if PACKED_Q:
             at = q_off + rows
             gl.store(base + at.to(gl.int64) * stride_lm, lse, mask=(rows < len_q) & (at >= 0) & (at < fp8_out[1]))
         else:
@@ -1079,7 +1084,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
 
 @gluon.jit
 def _store_rows(val, rows, q_off, head, len_q, o_out):
-    """Rows [0, len_q) of a VARLEN output tile (``_fwd_write``) by masked plain stores: val [WG_M, HEAD_D] in the
+    """Rows [0, len_q) of a PACKED_Q output tile (``_fwd_write``) by masked plain stores: val [WG_M, HEAD_D] in the
     accumulator's layout, rows its sequence rows (the layout's row slice), written at packed row q_off + row
     of O; o_out = (O, packed row count, stride_oh, stride_om, D, ...). Rows outside [0, count) are never
     written, whatever cu_seqlens_q holds (validate=False promises no access out of bounds)."""
@@ -1128,14 +1133,14 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
-                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, VARLEN: gl.constexpr = False):
+                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, PACKED_Q: gl.constexpr = False):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
     unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes zeros, and
     rows >= len_q are written as zeros (module docstring, [Note] padding). scale_s, fp8_out: the FP8
     switch's P scale and output (``_fwd_write``; [Note] FP8). batch is the Q / O views' batch and q_off the
-    sequence's first row in them (``_q_origin``; VARLEN, [Note] packed queries)."""
+    sequence's first row in them (``_packed_origin``; PACKED_Q, [Note] packed queries)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1150,7 +1155,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
                               scale_s, PROMOTE)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off, VARLEN)
+               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off, PACKED_Q)
     tma.store_wait(0)
 
 
@@ -1165,32 +1170,33 @@ def _seq_length(SEQ, batch, S, HAS_SEQ: gl.constexpr):
 
 
 @gluon.jit
-def _q_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q: gl.constexpr, VARLEN: gl.constexpr):
-    """Query rows of batch entry ``batch``: ``_seq_length``'s, or under VARLEN (SEQ_Q = cu_seqlens_q, int32
-    [b + 1]) SEQ_Q[batch + 1] - SEQ_Q[batch] clamped to [0, S_Q] (S_Q = max_seqlen_q)."""
-    if VARLEN:
-        n = gl.minimum(gl.maximum(gl.load(SEQ_Q + batch + 1) - gl.load(SEQ_Q + batch), 0), S_Q)
+def _packed_length(SEQ, batch, S, HAS_SEQ: gl.constexpr, PACKED: gl.constexpr):
+    """Rows (query or key) of batch entry ``batch``: ``_seq_length``'s, or when PACKED (SEQ = cumulative
+    offsets, int32 [b + 1]) SEQ[batch + 1] - SEQ[batch] clamped to [0, S] (S: the longest sequence)."""
+    if PACKED:
+        n = gl.minimum(gl.maximum(gl.load(SEQ + batch + 1) - gl.load(SEQ + batch), 0), S)
     else:
-        n = _seq_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q)
+        n = _seq_length(SEQ, batch, S, HAS_SEQ)
     return n
 
 
 @gluon.jit
-def _q_origin(SEQ_Q, batch, VARLEN: gl.constexpr):
-    """Where batch entry ``batch``'s query rows sit in the Q / O / LSE views: (the views' batch, the first
-    row). VARLEN ([Note] packed queries): one view batch of packed rows, (0, SEQ_Q[batch]); else (batch, 0)."""
-    q_batch = batch
-    q_off = batch * 0
-    if VARLEN:
-        q_batch = batch * 0
-        q_off = gl.load(SEQ_Q + batch)
-    return q_batch, q_off
+def _packed_origin(SEQ, batch, PACKED: gl.constexpr):
+    """Where batch entry ``batch``'s rows sit in their 4-D views: (the views' batch, the first row). PACKED
+    ([Note] packed queries): one view batch of packed rows, (0, SEQ[batch]); else (batch, 0)."""
+    view_batch = batch
+    first = batch * 0
+    if PACKED:
+        view_batch = batch * 0
+        first = gl.load(SEQ + batch)
+    return view_batch, first
 
 
 @gluon.jit
 def _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-              HAS_SEQ_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr = False):
+              HAS_SEQ_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PACKED_Q: gl.constexpr = False,
+              PACKED_KV: gl.constexpr = False):
     """Where work tile (query tile pid_m, batch * H_Q + head = bh) sits and which key tiles it
     visits: (batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles)
     (``_cta_tiles``; diag: the band's diagonal offset, len_kv - len_q under bottom-right)."""
@@ -1198,8 +1204,8 @@ def _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_rig
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
-    len_q = _q_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, VARLEN)
-    len_kv = _seq_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV)
+    len_q = _packed_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, PACKED_Q)
+    len_kv = _packed_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV, PACKED_KV)
     diag = S_Q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q      # bottom-right: each sequence's own lengths
@@ -1276,10 +1282,11 @@ def _take_tile(slot, ready, phase):
 
 @gluon.jit
 def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
-                      n_tiles, ring0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                      n_tiles, ring0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, key0=0):
     """The producers' K/V stream: K and V of key tile t_lo + j into ring slot (ring0 + j) % STAGES once
     the consumers freed it, K and V on separate ready/empty barriers. ring0: the tiles that went
-    through the ring before (0 for a one-tile grid; the persistent grid's count so far)."""
+    through the ring before (0 for a one-tile grid; the persistent grid's count so far). key0: the
+    sequence's first row in the K / V views (packed keys, ``_packed_origin``)."""
     for j in range(n_tiles):
         it = ring0 + j
         slot = it % STAGES
@@ -1288,16 +1295,15 @@ def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready,
         phase = ((it // STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], k_ready.index(slot),
-                                        k_smem.index(slot))
+        tma_load(k_desc, [batch, kv_head, key0 + (t_lo + j) * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         if _is_fp8(v_desc.dtype):
             # FP8: V is stored transposed, [b, h_kv, d, s_kv] ([Note] FP8): the tile is [HEAD_D, BLOCK_N]
             tma_load(v_desc, [batch, kv_head, 0, (t_lo + j) * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
         else:
-            tma_load(v_desc, [batch, kv_head, (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
-                                            v_smem.index(slot))
+            tma_load(v_desc, [batch, kv_head, key0 + (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
+                     v_smem.index(slot))
 
 
 @gluon.jit
@@ -1423,7 +1429,8 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
-                             DYNAMIC: gl.constexpr, PAGE: gl.constexpr, VARLEN: gl.constexpr = False):
+                             DYNAMIC: gl.constexpr, PAGE: gl.constexpr, PACKED_Q: gl.constexpr = False,
+                             PACKED_KV: gl.constexpr = False):
     """Load warp of the persistent grid. For each work tile (i-th of this CTA): wait until Q slot
     i % QSTAGES is free (both consumers' q_empty), post the tile number there, load the two Q
     halves onto q_ready0 / q_ready1 (or, for a tile with nothing to load, arrive on them
@@ -1439,8 +1446,9 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
         batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
             pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, VARLEN)
-        q_batch, q_off = _q_origin(SEQ_Q, batch, VARLEN)
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, PACKED_KV)
+        q_batch, q_off = _packed_origin(SEQ_Q, batch, PACKED_Q)
+        kv_batch, k_off = _packed_origin(SEQ_KV, batch, PACKED_KV)
         qs = i % QSTAGES
         mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)
         _post_tile(tile_smem.index(qs), tile)
@@ -1457,8 +1465,8 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
             _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch,
                                     kv_head, t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES)
         else:
-            _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
-                              t_lo, n_tiles, ring, BLOCK_N, STAGES)
+            _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_batch, kv_head,
+                              t_lo, n_tiles, ring, BLOCK_N, STAGES, k_off)
         ring += n_tiles
         i += 1
         tile = _next_tile(tile, COUNTER, total, DYNAMIC)
@@ -1480,7 +1488,8 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                              QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
-                             scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, VARLEN: gl.constexpr = False):
+                             scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False,
+                             PACKED_KV: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -1507,7 +1516,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
         batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
             pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, VARLEN)
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, PACKED_KV)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
@@ -1539,13 +1548,13 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         head = bh % H_Q
         row0 = pid_m * BLOCK_M + WG * WG_M
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-        len_q = _q_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, VARLEN)
+        len_q = _packed_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, PACKED_Q)
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
-        q_batch, q_off = _q_origin(SEQ_Q, batch, VARLEN)
+        q_batch, q_off = _packed_origin(SEQ_Q, batch, PACKED_Q)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, S_Q,
                    len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off,
-                   VARLEN)
+                   PACKED_Q)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -1568,7 +1577,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
                    DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
-                   PROMOTE: gl.constexpr = 32, VARLEN: gl.constexpr = False):
+                   PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False, PACKED_KV: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1583,10 +1592,11 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     [b, H_KV, d, S_KV]; O (any type, strides stride_ob / oh / om, unit last; D_O columns) is written by
     plain stores, o_desc unused; SCALES fp32 [6] (descale_q, descale_k, descale_v, descale_s, scale_s,
     scale_o) and AMAX fp32 [2] (amax_s, amax_o; zeroed by the host) are read / maxed into; unused otherwise.
-    VARLEN (16-bit, with HAS_SEQ_Q; module docstring, [Note] packed queries): SEQ_Q is cu_seqlens_q (int32
+    PACKED_Q (16-bit, with HAS_SEQ_Q; module docstring, [Note] packed queries): SEQ_Q is cu_seqlens_q (int32
     [b + 1]), q_desc / o_desc view packed rows [1, H_Q, total, d] and LSE [1, H_Q, total], S_Q is the longest
     sequence; O (the packed output), stride_ob = total, stride_oh, stride_om and D_O serve the masked stores of
-    each sequence's last tile (``_store_rows``)."""
+    each sequence's last tile (``_store_rows``). PACKED_KV (16-bit, with HAS_SEQ_KV, not paged): SEQ_KV is
+    cu_seqlens_kv and k_desc / v_desc view packed keys [1, H_KV, total_k, d], S_KV the longest sequence."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -1595,10 +1605,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     FP8: gl.constexpr = _is_fp8(dtype)
     pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
     if FP8:
-        gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0 or VARLEN),
+        gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0 or PACKED_Q),
                          "the FP8 forward runs masks, padding and GQA only")
-    if VARLEN:
+    if PACKED_Q:
         gl.static_assert(HAS_SEQ_Q and not DROPOUT, "packed queries: HAS_SEQ_Q on, no dropout")
+    if PACKED_KV:
+        gl.static_assert(HAS_SEQ_KV and not DROPOUT and PAGE == 0 and not FP8, "packed keys: HAS_SEQ_KV on, "
+                         "no dropout, not paged, 16-bit")
     scale_s = 1.0
     # the FP8 epilogue's arguments (unused by the 16-bit kernel: _fwd_write decides by the type)
     fp8_out = (O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX)
@@ -1648,19 +1661,19 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK, scale_s, fp8_out, PROMOTE, VARLEN)),
+                                        HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
             (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                         v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                         SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                         win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                         SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                         HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK, scale_s, fp8_out, PROMOTE, VARLEN)),
+                                        HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
             (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                         q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                         H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
                                         HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N,
-                                        STAGES, QSTAGES, DYNAMIC, PAGE, VARLEN)),
+                                        STAGES, QSTAGES, DYNAMIC, PAGE, PACKED_Q, PACKED_KV)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         pid_m = gl.program_id(0)
@@ -1670,8 +1683,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             pid_m = gl.num_programs(0) - 1 - pid_m
         batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
             pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, VARLEN)
-        q_batch, q_off = _q_origin(SEQ_Q, batch, VARLEN)
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, PACKED_KV)
+        q_batch, q_off = _packed_origin(SEQ_Q, batch, PACKED_Q)
+        kv_batch, k_off = _packed_origin(SEQ_KV, batch, PACKED_KV)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
@@ -1691,16 +1705,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, VARLEN)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, VARLEN)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
-                             STAGES, PADDED, PAGE, q_batch, q_off)),
+                             STAGES, PADDED, PAGE, q_batch, q_off, kv_batch, k_off)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1908,7 +1922,7 @@ def _persistent_default(p) -> bool:
 
 
 def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None,
-                    page_table_k=None, page_table_v=None, cu_seqlens_q=None, block_n=None,
+                    page_table_k=None, page_table_v=None, cu_seqlens_q=None, cu_seqlens_kv=None, block_n=None,
                     stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
@@ -1920,6 +1934,8 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     cu_seqlens_q: int32 [b + 1] (packed queries, [Note] packed queries; p then has per-batch query lengths,
     p.s_q the longest sequence, and no dropout): q / out are packed [1, h_q, total, d] views and lse
     [1, h_q, total]; sequence i's rows are rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1 (``supports_packed``).
+    cu_seqlens_kv: the same for packed keys (FlashAttention's varlen call; p with per-batch key lengths, p.s_kv
+    the longest, not paged): k / v packed [1, h_kv, total_k, d] views.
     Writes out and lse in place.
 
     block_n / stages / pingpong override the defaults (``TILES``, ``PINGPONG``); persistent (the
@@ -1942,6 +1958,11 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         if not p.has_seq_len_q or p.has_dropout:
             raise ValueError("packed queries: the problem has per-batch query lengths and no dropout")
         seq_len_q = cu_seqlens_q
+    packed_kv = cu_seqlens_kv is not None
+    if packed_kv:
+        if not p.has_seq_len_kv or p.has_dropout or p.paged:
+            raise ValueError("packed keys: the problem has per-batch key lengths, no dropout and no pages")
+        seq_len_kv = cu_seqlens_kv
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     if p.has_sink and sink is None:
@@ -1997,21 +2018,31 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
-        HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, VARLEN=varlen, num_warps=4,
+        HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, PACKED_Q=varlen, PACKED_KV=packed_kv,
+        num_warps=4,
     )
     return out, lse
 
 
-def supports_packed(p, q, k, v, out, cu_seqlens_q, **lens) -> bool:
+def _offsets_ok(cu, p) -> bool:
+    """Cumulative offsets as the packed modes read them: int32 [p.b + 1], contiguous, on the GPU."""
+    return (isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.is_cuda and cu.dim() == 1
+            and cu.numel() == p.b + 1 and cu.stride(0) == 1)
+
+
+def supports_packed(p, q, k, v, out, cu_seqlens_q, cu_seqlens_kv=None, **lens) -> bool:
     """``supports`` for packed queries (``launch_fwd_sm90(cu_seqlens_q=)``): q / out packed [1, h_q, total, d]
     views, p with per-batch query lengths (p.b sequences, p.s_q the longest) and no dropout, cu_seqlens_q int32
-    [p.b + 1] contiguous on q's GPU; lens as ``supports``'s (seq_len_q not among them)."""
+    [p.b + 1] contiguous on q's GPU; with cu_seqlens_kv, packed keys too (k / v [1, h_kv, total_k, d], p with
+    per-batch key lengths, not paged); lens as ``supports``'s (neither length tensor among them)."""
     if not (p.has_seq_len_q and not p.has_dropout and p.dtype in _GL_DTYPES and q.dim() == 4 and q.shape[0] == 1
-            and tuple(out.shape) == (1, p.h_q, q.shape[2], p.d_v)):
+            and tuple(out.shape) == (1, p.h_q, q.shape[2], p.d_v) and _offsets_ok(cu_seqlens_q, p)):
         return False
-    if not (isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_cuda
-            and cu_seqlens_q.dim() == 1 and cu_seqlens_q.numel() == p.b + 1 and cu_seqlens_q.stride(0) == 1):
-        return False
+    if cu_seqlens_kv is not None:
+        if not (p.has_seq_len_kv and not p.paged and k.shape[0] == 1 and v.shape[0] == 1
+                and _offsets_ok(cu_seqlens_kv, p)):
+            return False
+        lens = dict(lens, seq_len_kv=cu_seqlens_kv[1:])
     # the problem half as the padded batch it stands for, the tensor half (TMA's rules) on the packed views
     return supports(p, q, k, v, out, seq_len_q=cu_seqlens_q[1:], **lens)
 
