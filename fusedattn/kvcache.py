@@ -536,7 +536,7 @@ class _Call:
         if not fwd_sm90.supports_packed(p, self.q, self.k_cache, self.v_cache, o4, self.cu_seqlens_q, **kw):
             return False
         return _gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
-            p, self.q, self.k_cache, self.v_cache, o4, lse4, cu_seqlens_q=self.cu_seqlens_q, **kw) or True)
+            p, self.q, self.k_cache, self.v_cache, o4, lse4, cu_seqlens_q=self.cu_seqlens_q, **kw) is not None)
 
     def _run_packed_padded(self, out, stats):
         """Packed queries as a padded batch through :meth:`run_triton` (``PAD_PACKED_MAX_WASTE`` says why).

@@ -157,7 +157,7 @@ def _gluon_packed_forward(p, extras, q4, k4, v4, o4, lse4) -> bool:
     if not fwd_sm90.supports_packed(padded, q4, k4, v4, o4, cu_q, cu_kv, **kw):
         return False
     return functional._gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
-        padded, q4, k4, v4, o4, lse4, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw) or True)
+        padded, q4, k4, v4, o4, lse4, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw) is not None)
 
 
 def varlen_backward(p, extras, pl, q, k, v, out, grad_out, stats):

@@ -157,7 +157,9 @@ def test_gluon_packed_keys_varlen(seed, request, monkeypatch):
     out, stats = fusedattn.attention_varlen(qc, kc, vc, cu_q.cuda(), cu_kv.cuda(), max(max(lens_q), 1),
                                             max(max(lens_kv), 1), alibi=alibi, return_stats=True, **opts)
     torch.cuda.synchronize()
-    assert launches == [(True, True)], f"the Gluon forward's packed mode did not take the call ({launches}). {msg}"
+    # no query row at all: nothing to launch (a TMA descriptor needs rows)
+    expected = [(True, True)] if total_q else []
+    assert launches == expected, f"the Gluon forward's packed mode: launches {launches}, expected {expected}. {msg}"
     do = torch.randn(out.shape, generator=gen).to(dtype).cuda()
     dq, dk, dv = torch.autograd.grad(out, (qc, kc, vc), do)
     ref = dict(alibi=alibi, **opts)

@@ -2038,6 +2038,8 @@ def supports_packed(p, q, k, v, out, cu_seqlens_q, cu_seqlens_kv=None, **lens) -
     if not (p.has_seq_len_q and not p.has_dropout and p.dtype in _GL_DTYPES and q.dim() == 4 and q.shape[0] == 1
             and tuple(out.shape) == (1, p.h_q, q.shape[2], p.d_v) and _offsets_ok(cu_seqlens_q, p)):
         return False
+    if q.shape[2] == 0 or k.shape[2] == 0 or v.shape[2] == 0:
+        return False        # no row to read or write (a TMA descriptor needs every dim >= 1)
     if cu_seqlens_kv is not None:
         if not (p.has_seq_len_kv and not p.paged and k.shape[0] == 1 and v.shape[0] == 1
                 and _offsets_ok(cu_seqlens_kv, p)):
