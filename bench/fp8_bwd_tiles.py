@@ -199,13 +199,9 @@ def inner_loop_local(text: str) -> int:
     """Local-memory instructions (LDL / STL: spill traffic) inside the innermost loops of a SASS listing,
     per trip of each, summed: a spill there costs every step; one outside (the prologue, the epilogue, the
     GQA head loop around the step loops) costs once per program or head."""
+    from sass_loops import loop_spans        # tools/ (on sys.path for --sass)
     lines = text.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    loops = []
-    for i, line in enumerate(lines):
-        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if m and labels.get(m.group(1), i) < i:
-            loops.append((labels[m.group(1)], i))
+    loops = [(first, last) for _, first, last in loop_spans(text)]
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     return sum(len(re.findall(r"\b(?:LDL|STL)\b", "\n".join(lines[a:b + 1]))) for a, b in inner)
 

@@ -44,19 +44,11 @@ def main():
             switch(on)
             run(), run()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         med = {False: [], True: []}
         for r in range(args.rounds):
             for on in (False, True):
                 switch(on)
-                ms = []
-                for _ in range(args.reps):
-                    start.record()
-                    run()
-                    end.record()
-                    torch.cuda.synchronize()
-                    ms.append(start.elapsed_time(end))
-                ms.sort()
+                ms = profile_bwd.event_times(run, args.reps)
                 med[on].append(ms[len(ms) // 2])
             print(f"  {name} round {r}: off {med[False][-1]:.4f} ms, on {med[True][-1]:.4f} ms")
         f = profile_bwd.flops(name)

@@ -23,6 +23,8 @@ from fusedattn.problem import make_problem
 
 
 def host_ms(fn, n=200):
+    """Host time (ms) to enqueue one call of ``fn``, n calls with no sync between them: host >= the call's GPU
+    time means the call is host-bound (also used by bench/prefill_route_probe.py and bench/varlen_probe.py)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()

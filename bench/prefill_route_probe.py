@@ -15,27 +15,13 @@ Session 21 (same, stale kernel store): packed 0.771 / 0.883 ms with 0.718 / 0.79
 0.470 / 0.449. The route's ~25 small PyTorch ops cost ~0.5 ms of host; on the GPU its gathers and where took
 ~0.09 ms per call. Then the Gluon forward's packed mode (fwd_sm90 [Note] packed queries) replaced the route.
 """
-import time
-
 import torch
 import triton
 
 import fusedattn
 from fusedattn import bench, kvcache
 from fusedattn.backends.gluon import fwd_sm90
-
-
-def host_ms(fn, n=50):
-    """Host time to enqueue one call (no sync inside the loop)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / n
-    torch.cuda.synchronize()
-    return host
+from overhead import host_ms    # bench/overhead.py: enqueue time of one call, no sync
 
 
 def main() -> None:
@@ -79,7 +65,7 @@ def main() -> None:
                          ("gather of q", gather)):
             ms = triton.testing.do_bench(fn, warmup=10, rep=50)
             tf = bench.fwd_flops(cfg) / ms / 1e9
-            print(f"    {name:14s} {ms:.3f} ms  {tf:.0f} TFLOP/s  host {host_ms(fn):.3f} ms per call (enqueue, "
+            print(f"    {name:14s} {ms:.3f} ms  {tf:.0f} TFLOP/s  host {host_ms(fn, n=50):.3f} ms per call (enqueue, "
                   f"no sync: host >= GPU means host-bound)")
         # where the packed call's GPU time goes, kernel by kernel (session 20 measured packed 0.93 / 0.79 ms
         # against the padded batch's 0.42 / 0.40 at pages of 16 / 64, with the q gather at 0.03: the ~0.4 ms

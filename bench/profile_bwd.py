@@ -120,6 +120,20 @@ def _fa4(name):
     return run
 
 
+def event_times(run, n):
+    """n calls of ``run``, each between a pair of CUDA events and synchronized: their ms, sorted."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = []
+    for _ in range(n):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        ms.append(start.elapsed_time(end))
+    return sorted(ms)
+
+
 def gpu_main(args):
     import torch
     names = args.configs
@@ -143,15 +157,7 @@ def gpu_main(args):
                 print(f"  {tag}: backward failed ({type(exc).__name__}: {str(exc)[:200]})")
                 continue
             if args.time:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                ms = []
-                for _ in range(args.time):
-                    start.record()
-                    run()
-                    end.record()
-                    torch.cuda.synchronize()
-                    ms.append(start.elapsed_time(end))
-                ms.sort()
+                ms = event_times(run, args.time)
                 med = ms[len(ms) // 2]
                 print(f"  {tag}: median {med:.3f} ms over {len(ms)} ({flops(name) / med / 1e9:.1f} TFLOP/s; "
                       f"min {ms[0]:.3f})")

@@ -11,32 +11,18 @@ padded batch through ``attention(seq_len_q=, seq_len_kv=)`` (the Gluon padded ke
 
 Measured: see bench/NOTES.md (entry of the session that ran it).
 """
-import time
-
 import torch
 import triton
 
 import fusedattn
 from fusedattn import varlen
+from overhead import host_ms    # bench/overhead.py: enqueue time of one call, no sync
 
 CONFIGS = [  # (name, lengths, h_q, h_kv, d, causal)
     ("lens 2048/1536/1024/512 h32 d128 causal", (2048, 1536, 1024, 512), 32, 32, 128, True),
     ("16 x 1k..4k h32/8 d128 causal", tuple(1024 + 192 * i for i in range(16)), 32, 8, 128, True),
     ("lens 2048/1536/1024/512 h16 d256", (2048, 1536, 1024, 512), 16, 16, 256, False),
 ]
-
-
-def host_ms(fn, n=50):
-    """Host time to enqueue one call (no sync inside the loop): host >= GPU time means host-bound."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / n
-    torch.cuda.synchronize()
-    return host
 
 
 def main() -> None:
@@ -55,12 +41,12 @@ def main() -> None:
         varlen._gluon_packed_forward = lambda *a: (lambda took: (routes.append(took), took)[1])(real(*a))
         ref = call()
         gluon_ms = triton.testing.do_bench(call, warmup=10, rep=100)
-        gluon_host = host_ms(call)
+        gluon_host = host_ms(call, n=50)
         took = routes[0]
         varlen._gluon_packed_forward = lambda *a: False
         other = call()
         triton_ms = triton.testing.do_bench(call, warmup=10, rep=100)
-        triton_host = host_ms(call)
+        triton_host = host_ms(call, n=50)
         varlen._gluon_packed_forward = real
         diff = (ref.float() - other.float()).abs().max().item()
         # the same lengths as a padded batch (BSHD memory) with per-sequence lengths
@@ -73,7 +59,7 @@ def main() -> None:
         padded = lambda: fusedattn.attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),  # noqa
                                              causal=causal, seq_len_q=lens_t, seq_len_kv=lens_t)
         padded_ms = triton.testing.do_bench(padded, warmup=10, rep=100)
-        padded_host = host_ms(padded)
+        padded_host = host_ms(padded, n=50)
         print(f"{name}: Gluon packed route taken: {took}; max |Gluon - Triton| {diff:.2e}")
         for label, ms, host in (("Gluon packed", gluon_ms, gluon_host), ("Triton VARLEN", triton_ms, triton_host),
                                 ("padded batch", padded_ms, padded_host)):

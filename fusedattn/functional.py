@@ -200,6 +200,25 @@ def _sink_acc(dsink):
     return torch.zeros(dsink.shape, dtype=torch.float32, device=dsink.device)
 
 
+def _run_packed_gluon(p, q4, k4, v4, o4, lse4, cu_seqlens_q, cu_seqlens_kv=None, **lens) -> bool:
+    """The Gluon sm_90 forward's packed mode (``fwd_sm90`` [Note] packed queries) where it takes the call, for
+    the packed doors (kvcache's packed queries, varlen's packed queries and keys): p is the padded problem the
+    packed batch stands for (per-sequence lengths, p.s_q / p.s_kv the longest); q4 / o4 packed [1, h_q,
+    total_q, d] views, k4 / v4 the cache or packed [1, h_kv, total_k, d] keys, lse4 fp32 [1, h_q, total_q] or
+    None; lens: ``fwd_sm90.supports_packed``'s (slopes, sink, seq_len_kv, page tables). False (nothing done)
+    where its plan or ``supports_packed`` refuses (not Hopper, softcap, dropout, strides TMA cannot read ...)."""
+    if not q4.is_cuda or not plan(p, "triton").fwd_gluon:
+        return False
+    gluon = _gluon_kernels("forward", "fwd_sm90")
+    if gluon is None:
+        return False
+    fwd_sm90 = gluon[0]
+    if not fwd_sm90.supports_packed(p, q4, k4, v4, o4, cu_seqlens_q, cu_seqlens_kv, **lens):
+        return False
+    return _gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
+        p, q4, k4, v4, o4, lse4, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, **lens) is not None)
+
+
 def _run_forward(p, extras, pl, q, k, v, out, lse):
     if pl.backend == "cpu":
         cpu_backend.forward(p, q, k, v, extras, out, lse)

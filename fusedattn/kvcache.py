@@ -508,8 +508,7 @@ class _Call:
         does not take the call (not Hopper, softcap, a dtype or strides TMA cannot read ...). out [total_q,
         h_q, d_v], stats fp32 [h_q, total_q] or None."""
         import dataclasses
-        from .functional import _gluon_kernels, _gluon_ran
-        from .plan import plan
+        from .functional import _run_packed_gluon
         from .problem import make_problem
         if not self.q.is_cuda:
             return False
@@ -523,20 +522,11 @@ class _Call:
                                  seq_len_kv=lens, page_table_k=table, page_table_v=table, sink=self.sink,
                                  validate=False)
         p = dataclasses.replace(p, s_q=self.s_q, has_seq_len_q=True)
-        if not plan(p, "triton").fwd_gluon:
-            return False
-        gluon = _gluon_kernels("forward", "fwd_sm90")
-        if gluon is None:
-            return False
-        fwd_sm90 = gluon[0]
         o4 = out.unsqueeze(0).transpose(1, 2)                           # [1, h_q, total_q, d_v]
         lse4 = stats.unsqueeze(0) if stats is not None else None        # [1, h_q, total_q]
-        kw = dict(slopes=self.slopes, seq_len_kv=extras["seq_len_kv"], sink=extras["sink"],
-                  page_table_k=extras["page_table_k"], page_table_v=extras["page_table_v"])
-        if not fwd_sm90.supports_packed(p, self.q, self.k_cache, self.v_cache, o4, self.cu_seqlens_q, **kw):
-            return False
-        return _gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
-            p, self.q, self.k_cache, self.v_cache, o4, lse4, cu_seqlens_q=self.cu_seqlens_q, **kw) is not None)
+        return _run_packed_gluon(p, self.q, self.k_cache, self.v_cache, o4, lse4, self.cu_seqlens_q,
+                                 slopes=self.slopes, seq_len_kv=extras["seq_len_kv"], sink=extras["sink"],
+                                 page_table_k=extras["page_table_k"], page_table_v=extras["page_table_v"])
 
     def _run_packed_padded(self, out, stats):
         """Packed queries as a padded batch through :meth:`run_triton` (``PAD_PACKED_MAX_WASTE`` says why).

@@ -146,18 +146,8 @@ def _gluon_packed_forward(p, extras, q4, k4, v4, o4, lse4) -> bool:
         return False
     # the padded batch the packed one stands for: per-sequence lengths from the offsets
     padded = dataclasses.replace(p, varlen=False, has_seq_len_q=True, has_seq_len_kv=True)
-    if not plan(padded, "triton").fwd_gluon:
-        return False
-    gluon = functional._gluon_kernels("forward", "fwd_sm90")
-    if gluon is None:
-        return False
-    fwd_sm90 = gluon[0]
-    cu_q, cu_kv = extras["cu_seqlens_q"], extras["cu_seqlens_kv"]
-    kw = dict(slopes=extras["slopes"], sink=extras["sink"])
-    if not fwd_sm90.supports_packed(padded, q4, k4, v4, o4, cu_q, cu_kv, **kw):
-        return False
-    return functional._gluon_ran("forward", lambda: fwd_sm90.launch_fwd_sm90(
-        padded, q4, k4, v4, o4, lse4, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, **kw) is not None)
+    return functional._run_packed_gluon(padded, q4, k4, v4, o4, lse4, extras["cu_seqlens_q"],
+                                        extras["cu_seqlens_kv"], slopes=extras["slopes"], sink=extras["sink"])
 
 
 def varlen_backward(p, extras, pl, q, k, v, out, grad_out, stats):

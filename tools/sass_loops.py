@@ -28,20 +28,30 @@ def sass(kernel_obj) -> str:
     return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def loop_stats(text: str):
-    """[(label, instructions, [(opcode, count), ...])] for each loop: label ... branch back to it."""
+def loop_spans(text: str):
+    """[(label, first line, last line)] of each loop of a SASS listing (lines of ``text``): a label and the
+    branch back to it."""
     lines = text.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
-    loops = []
+    spans = []
     for i, line in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i:
-            ops = collections.Counter()
-            for body in lines[labels[m.group(1)]:i + 1]:
-                op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body)
-                if op:
-                    ops[op.group(2)] += 1
-            loops.append((m.group(1), sum(ops.values()), ops.most_common(12)))
+            spans.append((m.group(1), labels[m.group(1)], i))
+    return spans
+
+
+def loop_stats(text: str):
+    """[(label, instructions, [(opcode, count), ...])] for each loop: label ... branch back to it."""
+    lines = text.splitlines()
+    loops = []
+    for label, first, last in loop_spans(text):
+        ops = collections.Counter()
+        for body in lines[first:last + 1]:
+            op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", body)
+            if op:
+                ops[op.group(2)] += 1
+        loops.append((label, sum(ops.values()), ops.most_common(12)))
     return loops
 
 
