@@ -125,8 +125,9 @@ def test_gluon_fwd_paged_pages_and_dims(page, d, request, monkeypatch):
 @pytest.mark.parametrize("page", [8, 16, 32])
 @pytest.mark.parametrize("d", [128, 256])
 def test_gluon_fwd_paged_small_pages_tables(page, d, request, monkeypatch):
-    """Pages smaller than a key tile, whose table entries the load warp reads a tile ahead, K's and V's
-    in separate lanes (fwd_sm90._page_entries): K and V through different tables (a K/V lane mix-up
+    """Pages smaller than a key tile, whose table entries the load warp reads a step ahead, K's of one
+    tile and V's of the one before in separate lanes (fwd_sm90._page_entries): K and V through different
+    tables (a K/V lane mix-up
     shows), the tables row views of wider tensors (a read past a row shows), GQA 4/2, lengths with a
     partial last tile, and the persistent grid on 3 CTAs (each runs several work tiles: the entries are
     read ahead within a work tile only)."""

@@ -195,6 +195,10 @@ Pages smaller than a tile: a scalar table read in front of each copy serialized 
 and V's, come in one load a tile ahead, one entry per lane of the load warp (``_page_entries``), and
 each copy takes its page from its lane with one warp reduction into the uniform registers the TMA
 copy reads (``_paged_tile_gather``: one copy per page and 64-column block, in a loop over pages).
+That left 0.91-0.93x at pages of 16 (bench/paged_tiles.py): K of tile j + 1 queued behind V of tile j's
+16 copies, though the consumers need it first (QK^T of tile j + 1 comes before PV of tile j). So the load
+warp's step j copies K of tile j, then V of tile j - 1 (the consumers' order), with one entries load
+per step holding K's entries of one tile and V's of the one before.
 
 [Note] FP8 (q / K / V of one float8 type: the switch is the descriptors' element type, so the 16-bit
 kernel is unchanged; ``launch_fwd_sm90_fp8``; semantics: cuDNN's ``sdpa_fp8``, ``fusedattn.fp8``, at the
@@ -1321,16 +1325,17 @@ def _paged_tile_loads(desc, ring_slot, ready, table_row, max_pages, key0, kv_hea
 
 
 @gluon.jit
-def _page_entries(row_k, row_v, tile, valid, max_pages, ENTRIES: gl.constexpr):
-    """The page-table entries of key tile ``tile`` (ENTRIES pages of BLOCK_N / ENTRIES keys each for K
-    and for V), one per lane of the load warp: lane c < ENTRIES holds K's c-th page, lane ENTRIES + c
-    V's; one load, no entry waits on another. An index past the table is clamped to its last entry
-    (as ``_paged_tile_loads``). Not ``valid``: nothing is read (0 in every lane)."""
+def _page_entries(row_k, row_v, tile_k, tile_v, valid_k, valid_v, max_pages, ENTRIES: gl.constexpr):
+    """The page-table entries of K's key tile ``tile_k`` and V's key tile ``tile_v`` (ENTRIES pages of
+    BLOCK_N / ENTRIES keys each), one per lane of the load warp: lane c < ENTRIES holds K's c-th page,
+    lane ENTRIES + c V's; one load, no entry waits on another. An index past the table is clamped to its
+    last entry (as ``_paged_tile_loads``). A side not valid (``valid_k``, ``valid_v``) reads nothing (0)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     lane = gl.arange(0, 32, layout=lay)
     is_v = lane >= ENTRIES
-    idx = gl.minimum(tile * ENTRIES + gl.where(is_v, lane - ENTRIES, lane), max_pages - 1)
-    return gl.load(gl.where(is_v, row_v, row_k) + idx, mask=(lane < 2 * ENTRIES) & valid, other=0)
+    idx = gl.minimum(gl.where(is_v, tile_v * ENTRIES + lane - ENTRIES, tile_k * ENTRIES + lane), max_pages - 1)
+    valid = gl.where(is_v, valid_v, valid_k) & (lane < 2 * ENTRIES)
+    return gl.load(gl.where(is_v, row_v, row_k) + idx, mask=valid, other=0)
 
 
 @gluon.jit
@@ -1385,41 +1390,50 @@ def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_
     t_lo + j of sequence ``batch`` is read through the page tables ``pages`` = (PT_K, PT_V, stride_ptk,
     stride_ptv, MAX_PAGES): int32 [b, MAX_PAGES] rows of block indices into the containers.
 
-    Pages smaller than a tile: a tile's table entries, K's and V's, arrive in one load issued a tile
-    ahead (``_page_entries``; it completes under this tile's slot waits and copies), so no copy waits
-    for a table read. Pages of a tile or more: one table read per tile (``_paged_tile_loads``)."""
+    Step j copies K of tile j, then V of tile j - 1 (the order of the consumers' QK^T and PV). Pages
+    smaller than a tile: a step's table entries, K's and V's, arrive in one load issued a step ahead
+    (``_page_entries``; it completes under the step's slot waits and copies), so no copy waits for a
+    table read. Pages of a tile or more: one table read per tile (``_paged_tile_loads``)."""
     PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES = pages
     row_k = PT_K + batch.to(gl.int64) * stride_ptk
     row_v = PT_V + batch.to(gl.int64) * stride_ptv
+    # K of tile j does not queue behind V of tile j - 1's copies (16 per tile at pages of 16)
     if PAGE < BLOCK_N:
         PAGES: gl.constexpr = BLOCK_N // PAGE
-        ahead = _page_entries(row_k, row_v, t_lo, n_tiles > 0, MAX_PAGES, PAGES)
-        for j in range(n_tiles):
-            it = ring0 + j
-            slot = it % STAGES
-            phase = ((it // STAGES) & 1) ^ 1     # as _kv_ring_loads_at
+        # the entries step j copies with (K's of tile j, V's of tile j - 1), loaded one step ahead
+        ahead = _page_entries(row_k, row_v, t_lo, t_lo, n_tiles > 0, False, MAX_PAGES, PAGES)
+        for j in range(n_tiles + 1):
             entries = ahead
-            ahead = _page_entries(row_k, row_v, t_lo + j + 1, j + 1 < n_tiles, MAX_PAGES, PAGES)
-            page = _lane_value(entries, 0)
-            mbarrier.wait(k_empty.index(slot), phase)
-            _paged_tile_gather(k_desc, k_smem, slot, k_ready.index(slot), entries, 0, page, MAX_PAGES, kv_head,
-                               BLOCK_N)
-            page = _lane_value(entries, PAGES)
-            mbarrier.wait(v_empty.index(slot), phase)
-            _paged_tile_gather(v_desc, v_smem, slot, v_ready.index(slot), entries, PAGES, page, MAX_PAGES, kv_head,
-                               BLOCK_N)
+            ahead = _page_entries(row_k, row_v, t_lo + j + 1, t_lo + j, j + 1 < n_tiles, j < n_tiles, MAX_PAGES,
+                                  PAGES)
+            if j < n_tiles:
+                it = ring0 + j
+                slot = it % STAGES
+                page = _lane_value(entries, 0)
+                mbarrier.wait(k_empty.index(slot), ((it // STAGES) & 1) ^ 1)     # as _kv_ring_loads_at
+                _paged_tile_gather(k_desc, k_smem, slot, k_ready.index(slot), entries, 0, page, MAX_PAGES,
+                                   kv_head, BLOCK_N)
+            if j > 0:
+                it = ring0 + j - 1
+                slot = it % STAGES
+                page = _lane_value(entries, PAGES)
+                mbarrier.wait(v_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                _paged_tile_gather(v_desc, v_smem, slot, v_ready.index(slot), entries, PAGES, page, MAX_PAGES,
+                                   kv_head, BLOCK_N)
     else:
-        for j in range(n_tiles):
-            it = ring0 + j
-            slot = it % STAGES
-            phase = ((it // STAGES) & 1) ^ 1     # as _kv_ring_loads_at
-            key0 = (t_lo + j) * BLOCK_N
-            mbarrier.wait(k_empty.index(slot), phase)
-            _paged_tile_loads(k_desc, k_smem.index(slot), k_ready.index(slot), row_k, MAX_PAGES, key0, kv_head,
-                              PAGE, BLOCK_N)
-            mbarrier.wait(v_empty.index(slot), phase)
-            _paged_tile_loads(v_desc, v_smem.index(slot), v_ready.index(slot), row_v, MAX_PAGES, key0, kv_head,
-                              PAGE, BLOCK_N)
+        for j in range(n_tiles + 1):
+            if j < n_tiles:
+                it = ring0 + j
+                slot = it % STAGES
+                mbarrier.wait(k_empty.index(slot), ((it // STAGES) & 1) ^ 1)     # as _kv_ring_loads_at
+                _paged_tile_loads(k_desc, k_smem.index(slot), k_ready.index(slot), row_k, MAX_PAGES,
+                                  (t_lo + j) * BLOCK_N, kv_head, PAGE, BLOCK_N)
+            if j > 0:
+                it = ring0 + j - 1
+                slot = it % STAGES
+                mbarrier.wait(v_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                _paged_tile_loads(v_desc, v_smem.index(slot), v_ready.index(slot), row_v, MAX_PAGES,
+                                  (t_lo + j - 1) * BLOCK_N, kv_head, PAGE, BLOCK_N)
 
 
 @gluon.jit
