@@ -1,0 +1,118 @@
+"""Lab probe (issue 25 item 3): the Gluon forward's key tile and ring depth over a paged K/V cache.
+
+Pages of 16 keys read 0.92-0.93 of the contiguous cache in ``bench --configs prefill`` (b8 h32/8, 512 new
+queries over 4096 cached keys, d128 bf16, causal bottom-right), pages of 64 0.98, against the 0.95 the issue
+asks. The consumers see the same tiles at every page size; only the load warp's copies differ: a 128-key K
+(or V) tile is 16 TMA copies of [16 keys, 64 columns] at pages of 16, 4 at pages of 64, 2 contiguous
+(``fwd_sm90._paged_tile_gather``). Hypothesis: a tile's 16 small copies take longer from the first issue to
+the last completion than the one tile of lead the 2-stage ring gives at 128 keys, so the consumers wait.
+A 64-key tile in a 4-stage ring holds the same shared memory and gives 1.5 tiles-of-128 of lead with half
+the copies per tile; a deeper ring on the one-tile grid (its Q takes half the shared memory) gives more.
+
+    PYTHONPATH=$PWD python3 bench/paged_tiles.py [--rep MS] [--pages 0,16,32,64]
+
+For each cache (contiguous, pages of P) and variant (BLOCK_N / STAGES / grid, passed to ``launch_fwd_sm90``
+as its tuning overrides through ``attention_with_kvcache``, the bench's call), TFLOP/s (``bench.fwd_flops``,
+do_bench median) and the max |difference| from the default variant's output on the same cache (the key
+tile changes the summation order: a few bf16 steps at most). The varlen rows pack the same chunks
+(cu_seqlens_q) as ``bench``'s "varlen" prefill configs.
+
+Measured (H100 80GB HBM3, torch 2.11, Triton 3.6.0, session 22, ``--rep 100 --pages 0,16,32``), TFLOP/s and / the
+contiguous cache's default:
+
+    cache             default (persistent  n64/s4       tile n128/s2  tile n128/s3  tile n64/s4  tile n64/s5
+                      n128/s2)
+    contiguous        641.7  1.000         549.8 0.857  620.5 0.967   597.8 0.932   535.6 0.835  529.4 0.825
+    pages of 16       582.2  0.907         505.8 0.788  559.0 0.871   575.5 0.897   503.2 0.784  513.9 0.801
+    pages of 32       595.6  0.928         525.1 0.818  591.3 0.921   580.5 0.905   509.7 0.794  507.5 0.791
+    varlen, pages 16  573.7  0.894         517.4 0.806  574.5 0.895   578.8 0.902   496.4 0.774  504.1 0.785
+
+The hypothesis half held: a deeper ring helps pages of 16 on the one-tile grid (s3 575 against s2 559) and hurts
+contiguous (598 against 621), so the small pages' copies do wait; but 64-key tiles cost 14-17% everywhere (twice
+the barrier round trips and softmax steps per key), more than they give. The default stays; the fix was the load
+warp's order instead (``fwd_sm90`` [Note] paged K/V: K of tile j before V of tile j - 1). Same probe after it,
+``--rep 200 --pages 0,16,32,64 --variants default`` (a later call, another machine start): contiguous 604.5,
+pages of 16 575.0 (0.951), 32 593.8 (0.982), 64 593.6 (0.982), varlen pages of 16 577.8 (0.956), 64 597.2 (0.988).
+"""
+import argparse
+import functools
+from dataclasses import replace
+
+import torch
+import triton
+
+import fusedattn
+from fusedattn import bench
+from fusedattn.backends.gluon import fwd_sm90
+
+# name: launch_fwd_sm90 overrides (None: the defaults, the persistent grid with 128-key tiles, 2 stages)
+VARIANTS = {
+    "default": {},
+    "n64/s4": dict(block_n=64, stages=4),
+    "tile n128/s2": dict(persistent=False),
+    "tile n128/s3": dict(persistent=False, stages=3),
+    "tile n64/s4": dict(persistent=False, block_n=64, stages=4),
+    "tile n64/s5": dict(persistent=False, block_n=64, stages=5),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms)")
+    ap.add_argument("--pages", default="0,16,32,64", help="page sizes (0: contiguous)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    real = fwd_sm90.launch_fwd_sm90
+    base = [c for c in bench.prefill_configs() if c.mask != "varlen" and c.page_block == 0][0]
+    cfgs = [replace(base, page_block=int(p)) for p in args.pages.split(",")]
+    cfgs += [replace(c, mask="varlen") for c in cfgs if c.page_block in (16, 64)]
+    contiguous = None
+    print(f"{'config':62s} {'variant':14s} {'TFLOP/s':>8s} {'/ contig':>8s} {'max diff':>9s}")
+    for cfg in cfgs:
+        inp = bench.make_inputs(cfg, "cuda")
+        x = inp.extra
+        if cfg.mask == "varlen":
+            q = inp.q.transpose(1, 2).reshape(cfg.b * cfg.s_q, cfg.h_q, cfg.d)
+            cu = torch.arange(0, cfg.b + 1, dtype=torch.int32, device="cuda") * cfg.s_q
+            call = functools.partial(fusedattn.attention_with_kvcache, q, x.get("k_cache", inp.k),
+                                     x.get("v_cache", inp.v), page_table=x.get("page_table"),
+                                     seq_len_kv=x.get("seq_len_kv"), cu_seqlens_q=cu, max_seqlen_q=cfg.s_q,
+                                     causal=True, validate=False)
+        elif cfg.page_block:
+            call = functools.partial(fusedattn.attention_with_kvcache, inp.q, x["k_cache"], x["v_cache"],
+                                     page_table=x["page_table"], seq_len_kv=x["seq_len_kv"], causal=True,
+                                     validate=False)
+        else:
+            call = functools.partial(fusedattn.attention_with_kvcache, inp.q, inp.k, inp.v, causal=True,
+                                     validate=False)
+        ref = None
+        for name in args.variants.split(","):
+            launched = []
+
+            def patched(p, *a, _kw=VARIANTS[name], **kw):
+                launched.append(1)
+                return real(p, *a, **{**kw, **_kw})
+
+            fwd_sm90.launch_fwd_sm90 = patched
+            try:
+                out = call()
+                torch.cuda.synchronize()
+                if not launched:
+                    print(f"{cfg.name:62s} {name:14s} not the Gluon forward")
+                    break
+                ms = triton.testing.do_bench(call, warmup=25, rep=args.rep)
+            except Exception as e:  # a ring that does not fit: report and go on
+                print(f"{cfg.name:62s} {name:14s} failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            finally:
+                fwd_sm90.launch_fwd_sm90 = real
+            tf = bench.fwd_flops(cfg) / ms / 1e9
+            if cfg.page_block == 0 and cfg.mask != "varlen" and name == "default":
+                contiguous = tf
+            ref = out if ref is None else ref
+            diff = (out.float() - ref.float()).abs().max().item()
+            print(f"{cfg.name:62s} {name:14s} {tf:8.1f} {tf / contiguous:8.3f} {diff:9.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
