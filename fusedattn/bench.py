@@ -1201,6 +1201,9 @@ class Bench:
         self.on_gpu = torch.cuda.is_available()
         self.results: Dict[Tuple[str, str], Dict[str, Cell]] = {}
         self.checks: Dict[str, float] = {}
+        # (config name, pass) -> the SM clock (MHz) read right after ours' timing (gpu_clock_mhz), so that a
+        # row measured while the GPU ran slower (power or heat) shows as such under its table
+        self.clocks: Dict[Tuple[str, str], float] = {}
 
     # -- one config
     def run_config(self, cfg: Config, backends) -> None:
@@ -1249,6 +1252,10 @@ class Bench:
                                                                    for r in runners]
                 ms = self._time(fns)
                 self._store(key_cfg, p, col, self._cell(cfg, p, ms))
+                if col == "ours" and store_as is None and self.on_gpu:
+                    mhz = gpu_clock_mhz()
+                    if mhz is not None:
+                        self.clocks[(cfg.name, p)] = mhz
             except Exception as exc:
                 self._store(key_cfg, p, col, _failure(exc))
             _free_memory()
@@ -1415,11 +1422,54 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
         what = ("ours' FP8 forward (e4m3 P and O), max abs difference from SDPA in bf16 on the same values"
                 if kind == "fp8" else "ours' forward, max abs difference from SDPA on the same inputs")
         lines.append(f"\n{what}: " + "; ".join(checked))
+    clocks = clock_note(bench, cfgs, shown)
+    if clocks:
+        lines.append(f"\n{clocks}")
     unit = "K/V bytes read per second, TB/s" if kind == "decode" else "TFLOP/s"
     title = {"anchors": "Anchor configs (ANCHORS.md)", "masked": "Masked configs (issue 5)",
              "decode": "Decode (issue 6)", "prefill": "Prefill against a K/V cache (issue 6)",
              "fp8": "FP8 (issue 27): e4m3 Q, K, V, O, dO and dQ, dK, dV", "cpu": "CPU (no GPU present)"}[kind]
     return f"\n### {title}: {unit}\n\n" + "\n".join(lines) + "\n"
+
+
+def clock_note(bench: Bench, cfgs: List[Config], passes: Sequence[str], slow: float = 0.9) -> str:
+    """The SM clocks read after ours' timings of a table's rows (``Bench.clocks``): their range, and the rows
+    read below ``slow`` x the table's highest, whose numbers the GPU's own slowdown (power, heat) lowered
+    rather than the kernel. Empty without clock readings."""
+    read = [(cfg.label, p, bench.clocks[(cfg.name, p)]) for cfg in cfgs for p in passes
+            if (cfg.name, p) in bench.clocks]
+    if not read:
+        return ""
+    top = max(mhz for _, _, mhz in read)
+    low = [f"{label} {p} {mhz:.0f}" for label, p, mhz in read if mhz < slow * top]
+    note = f"SM clock right after ours' timings: {min(m for _, _, m in read):.0f}-{top:.0f} MHz"
+    if low:
+        note += f"; below {slow:.0%} of the highest (those rows ran on a slowed GPU): " + "; ".join(low)
+    return note
+
+
+def gpu_clock_mhz(device: Optional[int] = None) -> Optional[float]:
+    """The current SM clock of the current (or given) CUDA device in MHz: through NVML where PyTorch reaches it
+    (``torch.cuda.clock_rate``), else ``nvidia-smi``; None where neither answers."""
+    index = torch.cuda.current_device() if device is None else device
+    try:
+        return float(torch.cuda.clock_rate(index))
+    except Exception:        # no pynvml / amdsmi: ask nvidia-smi for this device (by PCI bus id where known)
+        pass
+    import subprocess
+    props = torch.cuda.get_device_properties(index)
+    bus = getattr(props, "pci_bus_id", None)
+    # nvidia-smi numbers devices its own way (CUDA_VISIBLE_DEVICES renumbers CUDA's): the PCI address first
+    idents = ([f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:00.0"] if bus is not None else []) + [str(index)]
+    for ident in idents:
+        try:
+            out = subprocess.run(["nvidia-smi", f"--id={ident}", "--query-gpu=clocks.sm",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+            if out.returncode == 0:
+                return float(out.stdout.strip().splitlines()[0])
+        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            pass
+    return None
 
 
 def write_plot(path: str, bench: Bench, cfgs: List[Config], columns: List[str]) -> None:

@@ -174,3 +174,24 @@ def test_bench_varlen_prefill_is_the_padded_prefill_packed():
         pass                                                  # cuDNN frontend not installed here
     except bench.Unsupported as exc:
         assert "paged" in str(exc)
+
+
+def test_bench_table_names_rows_measured_on_a_slowed_gpu():
+    """The SM clock read after each of ours' timings (bench.gpu_clock_mhz) goes under the table: its range,
+    and the rows read below 90% of the table's highest clock (a transient slowdown of the GPU, not of the
+    kernel: bench/NOTES.md 61's packed rows). No readings (CPU), no note."""
+    from fusedattn import bench
+
+    cfgs = [c for c in bench.prefill_configs()][:3]
+    b = bench.Bench(bench.parse_args(["--configs", "prefill"]))
+    for cfg in cfgs:
+        b._store(cfg, "fwd", "ours", bench.Cell("ok", 1.0, 600.0))
+    assert "SM clock" not in bench.render_table(b, cfgs, ["ours"], None)
+    for cfg, mhz in zip(cfgs, (1980.0, 1800.0, 1410.0)):
+        b.clocks[(cfg.name, "fwd")] = mhz
+    table = bench.render_table(b, cfgs, ["ours"], None)
+    note = [line for line in table.splitlines() if line.startswith("SM clock")]
+    assert len(note) == 1 and "1410-1980 MHz" in note[0]
+    assert f"{cfgs[2].label} fwd 1410" in note[0]          # 1410 < 0.9 * 1980
+    assert cfgs[1].label not in note[0]                    # 1800 >= 0.9 * 1980
+    assert not bench.Bench(bench.parse_args(["--configs", "prefill"])).clocks
