@@ -312,7 +312,8 @@ def test_shipped_store_is_intact_and_current(store):
     stale = {e["kernel"] for e in index["kernels"].values()
              if e["kernel"].rpartition(":")[2] != prebuilt.kernel_sources_digest()}
     assert not stale, (f"{store.name} was built from other kernel sources than this tree's: rebuild it "
-                       f"(bash bench/run_device.sh prebuilt, Triton {version}) or delete it. {sorted(stale)[:3]}")
+                       f"(bash bench/run_device.sh prebuilt on a GPU, or python tools/store_rebuild.py without one, "
+                       f"Triton {version}) or delete it. {sorted(stale)[:3]}")
     # the cold-start call's kernels are there (bench --cold-start loaded 3 on the H100, Triton 3.6)
     names = {e["name"] for e in index["kernels"].values()}
     assert {"_attn_fwd_sm90", "_attn_bwd_dq_sm90", "_attn_bwd_dkdv_sm90", "_decode_fwd"} <= names

@@ -1,0 +1,36 @@
+"""tools/store_rebuild.py: a shipped store's kernels recompiled with no GPU are the kernels the GPU recorded.
+
+The tool rebuilds a store after a kernel source change without device time (bench/NOTES.md 61). Its claim is
+that the stand-in arguments it makes from an entry's recorded specialization drive Triton's own binder and
+compiler to the JIT's build; this checks the claim on the shipped store of the Triton under test: two of its
+entries (a portable Triton kernel and a Gluon one) recompiled in a child process (no interpreter: real
+compiles for sm_90) must have the recorded SASS. Skipped, saying so, where this Triton has no shipped store
+or its wheel has no cuobjdump.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).parent.parent
+STORE = ROOT / "fusedattn" / "prebuilt" / f"triton-{triton.__version__}-sm90"
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+@pytest.mark.skipif(not (STORE / "index.json").is_file(), reason=f"no shipped store for Triton {triton.__version__}")
+@pytest.mark.skipif(not CUOBJDUMP.is_file(), reason="this Triton wheel ships no cuobjdump")
+@pytest.mark.parametrize("name", ["_dq_convert", "_attn_bwd_dq_sm90"])
+def test_recompiled_store_entries_have_the_recorded_sass(name, tmp_path):
+    index = json.loads((STORE / "index.json").read_text())
+    if not any(e["name"] == name for e in index["kernels"].values()):
+        pytest.skip(f"the {triton.__version__} store has no {name} entry")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "store_rebuild.py"), "--check", "--only", name,
+                          str(STORE)], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "have the recorded SASS" in run.stdout and "DIFFERENT" not in run.stdout, run.stdout

@@ -1,0 +1,203 @@
+"""Rebuild a shipped kernel store (``fusedattn/prebuilt/triton-VERSION-sm90``) with no GPU.
+
+A store entry is one launch the JIT compiled while ``python -m fusedattn warmup --record`` ran on a GPU
+(``backends/prebuilt.py``). Its index keeps, per launch, every compile-time constant's value and every runtime
+argument as the JIT specializes on it (``specs``). That is all Triton's compile needs: for each entry this
+makes stand-in arguments with the same specialization (CPU tensors of the dtype, aligned or not; integers
+equal to 1, divisible by 16 or neither; TMA descriptors of the dtype, box and layout), runs Triton's own
+binder on them for an sm_90 target (the JIT's specialization code, so signature and attributes are the JIT's),
+compiles with Triton's compiler and the ptxas it ships, and writes the cubin under the key the current kernel
+sources give (``prebuilt.kernel_sources_digest``).
+
+    python tools/store_rebuild.py --check [STORE]     # recompile, compare each cubin with the recorded one
+    python tools/store_rebuild.py [STORE]             # rebuild the store in place for the current sources
+
+STORE defaults to this Triton's store under fusedattn/prebuilt. ``--check`` is the proof the rebuild is the
+JIT's build: on the store recorded on the GPU from the same sources, every recompiled cubin should have the
+recorded one's SASS (the bytes differ in the line table's file paths, the Triton install's, and nowhere else).
+The rebuild covers the launches of the last GPU recording only: a
+kernel variant that the new sources add (a new constexpr switch value, a new kernel) is not in the store
+until the next ``warmup --record``; entries whose kernel or constants no longer exist are dropped (printed).
+"""
+import argparse
+import ast
+import hashlib
+import importlib
+import json
+import lzma
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+ARCH = 90
+TARGET = GPUTarget("cuda", ARCH, 32)
+
+
+def _kernel(ident):
+    """The JITFunction an index entry names (``module.qualname:digest``)."""
+    path = ident.split(":", 1)[0]
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _tensor(dtype, aligned, shape=(256, )):
+    base = torch.zeros(int(torch.tensor(shape).prod()) + 16, dtype=dtype)
+    if aligned:
+        return base[:int(torch.tensor(shape).prod())].view(shape)
+    return base[1:1 + int(torch.tensor(shape).prod())].view(shape)     # one element off: not 16-byte aligned
+
+
+def _descriptor(kernel, spec):
+    """A TMA descriptor argument with ``spec``'s dtype, box, layout and padding over a CPU tensor."""
+    _, dtype, block, layout, padding, ndim, _tf32 = spec
+    dtype = getattr(torch, dtype.split(".")[-1])
+    shape = [2 * b for b in block]
+    base = torch.zeros(shape, dtype=dtype)
+    strides = list(base.stride())
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon import language as gl     # noqa: F401  (names the layout's repr uses)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        names = {n: getattr(gl, n) for n in dir(gl)}
+        return TensorDescriptor(base, shape, strides, list(block), eval(layout, names), padding=padding)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(base, shape, strides, list(block), padding=padding)
+
+
+def _argument(kernel, spec):
+    kind = spec[0]
+    if kind == "t":
+        return _tensor(getattr(torch, spec[1].split(".")[-1]), spec[2])
+    if kind == "i":
+        _, one, div16, is32 = spec
+        if one:
+            return 1
+        value = 16 if div16 else 3
+        return value if is32 else 2 ** 33 + value
+    if kind == "f":
+        return 1.5
+    if kind == "b":
+        return spec[1]
+    if kind == "none":
+        return None
+    if kind == "d":
+        return _descriptor(kernel, spec)
+    raise ValueError(f"argument kind {kind!r}")
+
+
+def _constant(text):
+    """A constexpr's value from its repr in the specs."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return eval(text, {"torch": torch, "triton": triton, "tl": triton.language})
+
+
+def launch_of(kernel, specs):
+    """(args, kwargs) with ``specs``' specialization: positional arguments for every parameter, then the
+    launch options."""
+    n = len(kernel.params)
+    args = []
+    for param, spec in zip(kernel.params, specs[:n]):
+        args.append(_constant(spec) if param.is_constexpr else _argument(kernel, spec))
+    kwargs = {k: _constant(v) for k, v in (specs[n] if len(specs) > n else ())}
+    return args, kwargs
+
+
+def compile_launch(kernel, args, kwargs):
+    """Triton's JIT path for one launch (``JITFunction.run``: binder, ``_pack_args``, compile) on an sm_90
+    target, with no device."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    source_cls = triton.compiler.ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_cls
+    return triton.compile(source_cls(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS (cuobjdump, shipped with Triton): what a cubin executes, without its line table (whose
+    file paths name the machine that compiled it)."""
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main():
+    from fusedattn.backends import prebuilt
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store", nargs="?", default=os.path.join(prebuilt.STORE_ROOT, prebuilt.store_name(ARCH)))
+    ap.add_argument("--check", action="store_true", help="compare with the recorded cubins, write nothing")
+    ap.add_argument("--only", help="--check: entries whose kernel name contains this")
+    args = ap.parse_args()
+    if args.only and not args.check:
+        raise SystemExit("--only goes with --check: a rebuild covers the whole store (one source digest)")
+    with open(os.path.join(args.store, "index.json")) as f:
+        index = json.load(f)
+    if index["triton"] != triton.__version__:
+        raise SystemExit(f"{args.store} is a store for Triton {index['triton']}, this is {triton.__version__}")
+    digest = prebuilt.kernel_sources_digest()
+    kept, same, t0 = {}, 0, time.time()
+    chosen = sorted(((key, entry) for key, entry in index["kernels"].items()
+                     if not args.only or args.only in entry["name"]), key=lambda kv: kv[1]["name"])
+    for key, entry in chosen:
+        try:
+            kernel = _kernel(entry["kernel"])
+            specs = ast.literal_eval(entry["specs"])
+            call_args, call_kwargs = launch_of(kernel, specs)
+            compiled = compile_launch(kernel, call_args, call_kwargs)
+        except Exception as exc:          # a kernel or constant the sources no longer have: dropped
+            print(f"  {entry['name']} {key[:10]}: not rebuilt ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+            continue
+        cubin = compiled.asm["cubin"]
+        sha = hashlib.sha256(cubin).hexdigest()
+        if args.check:
+            with open(os.path.join(args.store, f"{key}.cubin.xz"), "rb") as f:
+                recorded = lzma.decompress(f.read())
+            ok = sass(cubin) == sass(recorded)
+            same += ok
+            print(f"  {entry['name']:28s} {key[:10]}: {'same SASS' if ok else 'DIFFERENT'}"
+                  f"{' (bytes equal)' if sha == entry['sha256'] else ''}", flush=True)
+            continue
+        new_key = prebuilt.launch_key(kernel, tuple(call_args), call_kwargs, ARCH)
+        if prebuilt._specs(kernel, tuple(call_args), call_kwargs) != specs:
+            print(f"  {entry['name']} {key[:10]}: stand-in arguments specialize differently; dropped", flush=True)
+            continue
+        with open(os.path.join(args.store, f"{new_key}.cubin.xz"), "wb") as f:
+            f.write(lzma.compress(cubin))
+        kept[new_key] = dict(entry, kernel=f"{entry['kernel'].split(':', 1)[0]}:{digest}", sha256=sha,
+                             shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+                             params=prebuilt.expand_params(kernel, compiled),
+                             descriptors=prebuilt._descriptor_entries(compiled))
+        print(f"  {entry['name']:28s} {key[:10]} -> {new_key[:10]}", flush=True)
+    n = len(chosen)
+    if args.check:
+        print(f"{same} of {n} recompiled kernels have the recorded SASS ({time.time() - t0:.0f} s)")
+        return 0 if same == n else 1
+    for old in index["kernels"]:
+        if old not in kept:
+            os.remove(os.path.join(args.store, f"{old}.cubin.xz"))
+    index["kernels"] = kept
+    with open(os.path.join(args.store, "index.json"), "w") as f:
+        json.dump(index, f, indent=0, sort_keys=True)
+    print(f"{len(kept)} of {n} entries rebuilt for sources {digest[:12]} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
