@@ -9,8 +9,8 @@ binder on them for an sm_90 target (the JIT's specialization code, so signature 
 compiles with Triton's compiler and the ptxas it ships, and writes the cubin under the key the current kernel
 sources give (``prebuilt.kernel_sources_digest``).
 
-    python tools/store_rebuild.py --check [STORE]     # recompile, compare each cubin with the recorded one
-    python tools/store_rebuild.py [STORE]             # rebuild the store in place for the current sources
+    python tools/store_rebuild.py --check [STORE] [--jobs N]   # recompile, compare with the recorded cubins
+    python tools/store_rebuild.py [STORE] [--jobs N]           # rebuild the store in place for the current sources
 
 STORE defaults to this Triton's store under fusedattn/prebuilt. ``--check`` is the proof the rebuild is the
 JIT's build: on the store recorded on the GPU from the same sources, every recompiled cubin should have the
@@ -138,12 +138,40 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
+def build_group(entries):
+    """``build_entry`` for each of one kernel's entries, in order, in this (fresh) process."""
+    return [build_entry(entry) for entry in entries]
+
+
+def build_entry(entry):
+    """Compile one store entry from the current sources. Returns (cubin, its key under the current sources,
+    the entry's new fields) or (None, None, why)."""
+    from fusedattn.backends import prebuilt
+    try:
+        kernel = _kernel(entry["kernel"])
+        specs = ast.literal_eval(entry["specs"])
+        call_args, call_kwargs = launch_of(kernel, specs)
+        compiled = compile_launch(kernel, call_args, call_kwargs)
+    except Exception as exc:          # a kernel or constant the sources no longer have
+        return None, None, f"not rebuilt ({type(exc).__name__}: {str(exc)[:160]})"
+    if prebuilt._specs(kernel, tuple(call_args), call_kwargs) != specs:
+        return None, None, "stand-in arguments specialize differently"
+    cubin = compiled.asm["cubin"]
+    fields = dict(kernel=f"{entry['kernel'].split(':', 1)[0]}:{prebuilt.kernel_sources_digest()}",
+                  sha256=hashlib.sha256(cubin).hexdigest(), shared=compiled.metadata.shared,
+                  num_warps=compiled.metadata.num_warps, params=prebuilt.expand_params(kernel, compiled),
+                  descriptors=prebuilt._descriptor_entries(compiled))
+    return cubin, prebuilt.launch_key(kernel, tuple(call_args), call_kwargs, ARCH), fields
+
+
 def main():
+    from concurrent.futures import ProcessPoolExecutor
     from fusedattn.backends import prebuilt
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store", nargs="?", default=os.path.join(prebuilt.STORE_ROOT, prebuilt.store_name(ARCH)))
     ap.add_argument("--check", action="store_true", help="compare with the recorded cubins, write nothing")
     ap.add_argument("--only", help="--check: entries whose kernel name contains this")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     args = ap.parse_args()
     if args.only and not args.check:
         raise SystemExit("--only goes with --check: a rebuild covers the whole store (one source digest)")
@@ -151,39 +179,33 @@ def main():
         index = json.load(f)
     if index["triton"] != triton.__version__:
         raise SystemExit(f"{args.store} is a store for Triton {index['triton']}, this is {triton.__version__}")
-    digest = prebuilt.kernel_sources_digest()
     kept, same, t0 = {}, 0, time.time()
     chosen = sorted(((key, entry) for key, entry in index["kernels"].items()
                      if not args.only or args.only in entry["name"]), key=lambda kv: kv[1]["name"])
-    for key, entry in chosen:
-        try:
-            kernel = _kernel(entry["kernel"])
-            specs = ast.literal_eval(entry["specs"])
-            call_args, call_kwargs = launch_of(kernel, specs)
-            compiled = compile_launch(kernel, call_args, call_kwargs)
-        except Exception as exc:          # a kernel or constant the sources no longer have: dropped
-            print(f"  {entry['name']} {key[:10]}: not rebuilt ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+    # one fresh process per kernel, its entries in key order: a build's schedule can depend on what its process
+    # compiled before it. Measured (bench/NOTES.md 61): one fused-backward build (3.6.0, 3.7.1) and one dQ-pass
+    # build (3.8.0) came out other than recorded when compiled after every other kernel in one process, and
+    # also alone in a process; after their own kernel's other entries, as here, they gave the recorded SASS
+    groups = {}
+    for _, entry in chosen:
+        groups.setdefault(entry["name"], []).append(entry)
+    with ProcessPoolExecutor(args.jobs, max_tasks_per_child=1) as pool:
+        builds = [b for group in pool.map(build_group, groups.values()) for b in group]
+    for (key, entry), (cubin, new_key, fields) in zip(chosen, builds):
+        if cubin is None:
+            print(f"  {entry['name']} {key[:10]}: {fields}; dropped", flush=True)
             continue
-        cubin = compiled.asm["cubin"]
-        sha = hashlib.sha256(cubin).hexdigest()
         if args.check:
             with open(os.path.join(args.store, f"{key}.cubin.xz"), "rb") as f:
                 recorded = lzma.decompress(f.read())
             ok = sass(cubin) == sass(recorded)
             same += ok
             print(f"  {entry['name']:28s} {key[:10]}: {'same SASS' if ok else 'DIFFERENT'}"
-                  f"{' (bytes equal)' if sha == entry['sha256'] else ''}", flush=True)
-            continue
-        new_key = prebuilt.launch_key(kernel, tuple(call_args), call_kwargs, ARCH)
-        if prebuilt._specs(kernel, tuple(call_args), call_kwargs) != specs:
-            print(f"  {entry['name']} {key[:10]}: stand-in arguments specialize differently; dropped", flush=True)
+                  f"{' (bytes equal)' if fields['sha256'] == entry['sha256'] else ''}", flush=True)
             continue
         with open(os.path.join(args.store, f"{new_key}.cubin.xz"), "wb") as f:
             f.write(lzma.compress(cubin))
-        kept[new_key] = dict(entry, kernel=f"{entry['kernel'].split(':', 1)[0]}:{digest}", sha256=sha,
-                             shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
-                             params=prebuilt.expand_params(kernel, compiled),
-                             descriptors=prebuilt._descriptor_entries(compiled))
+        kept[new_key] = dict(entry, **fields)
         print(f"  {entry['name']:28s} {key[:10]} -> {new_key[:10]}", flush=True)
     n = len(chosen)
     if args.check:
@@ -195,7 +217,8 @@ def main():
     index["kernels"] = kept
     with open(os.path.join(args.store, "index.json"), "w") as f:
         json.dump(index, f, indent=0, sort_keys=True)
-    print(f"{len(kept)} of {n} entries rebuilt for sources {digest[:12]} ({time.time() - t0:.0f} s)")
+    print(f"{len(kept)} of {n} entries rebuilt for sources {prebuilt.kernel_sources_digest()[:12]} "
+          f"({time.time() - t0:.0f} s)")
     return 0
 
 
