@@ -71,26 +71,12 @@ def compile_dkdv(tile, causal, maxnreg):
     ptr = "*bf16"
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32",
                 DQ=ptr, SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32", CU_Q="*i32", CU_KV="*i32")
-    constexprs = dict(c)
-    # as the JIT specializes a launch of the anchor (b8 h12 s1024 d64, MHA, BSHD): unit strides and the
-    # group of 1 become constants (what left the runtime kernel at 214 registers where a compile without
+    # as the JIT specializes a launch of the anchor (b8 h12 s1024 d64, MHA, BSHD): unit strides (jit_like) and
+    # the group of 1 become constants (what left the runtime kernel at 214 registers where a compile without
     # them reads 255 and spills), lengths and pointers divisible by 16
-    constexprs.update({n: 1 for n in bwd._attn_bwd_dkdv.arg_names if n.startswith("stride_") and n.endswith("d")})
-    constexprs.update(GROUP=1, stride_lm=1)
-    sig, attrs = {}, {}
-    for i, name in enumerate(bwd._attn_bwd_dkdv.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = ptrs.get(name) or ("fp32" if name in aot_check.FLOATS else
-                                       "i64" if name in aot_check.INT64 else "i32")
-        if name in ptrs or name.startswith("stride_") or name in ("D", "D_V", "S_Q", "S_KV"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = aot_check.ASTSource(fn=bwd._attn_bwd_dkdv, signature=sig, constexprs=constexprs, attrs=attrs)
-    opts = dict(num_warps=warps, num_stages=stages)
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    k = triton.compile(src, target=aot_check.TARGET, options=opts)
+    c.update(GROUP=1, stride_lm=1)
+    cap = dict(maxnreg=maxnreg) if maxnreg else {}
+    k = aot_check.compile_kernel(bwd._attn_bwd_dkdv, ptrs, c, warps, stages, jit_like=True, **cap)
     rep = aot_check.ptxas_report(k)          # "regs=['214'] spill_stores=['0']"
     regs = rep.split("regs=['")[1].split("'")[0]
     spill = rep.split("spill_stores=['")[1].split("'")[0] if "spill_stores=['" in rep else "0"

@@ -182,7 +182,7 @@ def test_bench_table_names_rows_measured_on_a_slowed_gpu():
     kernel: bench/NOTES.md 61's packed rows). No readings (CPU), no note."""
     from fusedattn import bench
 
-    cfgs = [c for c in bench.prefill_configs()][:3]
+    cfgs = bench.prefill_configs()[:3]
     b = bench.Bench(bench.parse_args(["--configs", "prefill"]))
     for cfg in cfgs:
         b._store(cfg, "fwd", "ours", bench.Cell("ok", 1.0, 600.0))

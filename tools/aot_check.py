@@ -20,11 +20,12 @@ FLOATS = {"qk_scale", "softcap", "dropout_rescale", "sm_scale"}
 INT64 = {"dropout_seed", "dropout_offset"}
 
 
-def compile_kernel(kernel, ptrs, constexprs, num_warps, num_stages, jit_like=False):
+def compile_kernel(kernel, ptrs, constexprs, num_warps, num_stages, jit_like=False, **options):
     """Compile ``kernel`` for sm_90; returns Triton's compiled kernel (asm["cubin"], metadata).
 
     jit_like: specialize as the JIT does at a real launch (unit strides of the last dim are
     constexpr 1, pointers and other strides divisible by 16), so loads vectorize as on the GPU.
+    options: more of Triton's compile options (e.g. maxnreg).
     """
     constexprs = dict(constexprs)
     if jit_like:
@@ -38,7 +39,7 @@ def compile_kernel(kernel, ptrs, constexprs, num_warps, num_stages, jit_like=Fal
         if jit_like and (name in ptrs or name.startswith("stride_") or name in ("D", "D_V", "S_Q", "S_KV")):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs or None)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(src, target=TARGET, options=dict(options, num_warps=num_warps, num_stages=num_stages))
 
 
 def compile_variant(kernel, ptrs, constexprs, num_warps, num_stages):

@@ -7,7 +7,9 @@ makes stand-in arguments with the same specialization (CPU tensors of the dtype,
 equal to 1, divisible by 16 or neither; TMA descriptors of the dtype, box and layout), runs Triton's own
 binder on them for an sm_90 target (the JIT's specialization code, so signature and attributes are the JIT's),
 compiles with Triton's compiler and the ptxas it ships, and writes the cubin under the key the current kernel
-sources give (``prebuilt.kernel_sources_digest``).
+sources give (``prebuilt.kernel_sources_digest``). A lab tool, not part of the package: it calls Triton's JIT
+internals (``create_function_from_signature``, ``JITFunction._pack_args``), checked on Triton 3.6.0 to 3.9.0
+by ``--check`` (bench/NOTES.md 61) and by tests/test_store_rebuild.py in CI.
 
     python tools/store_rebuild.py --check [STORE] [--jobs N]   # recompile, compare with the recorded cubins
     python tools/store_rebuild.py [STORE] [--jobs N]           # rebuild the store in place for the current sources
@@ -44,16 +46,15 @@ def _kernel(ident):
     return getattr(importlib.import_module(module), name)
 
 
-def _tensor(dtype, aligned, shape=(256, )):
-    base = torch.zeros(int(torch.tensor(shape).prod()) + 16, dtype=dtype)
-    if aligned:
-        return base[:int(torch.tensor(shape).prod())].view(shape)
-    return base[1:1 + int(torch.tensor(shape).prod())].view(shape)     # one element off: not 16-byte aligned
+def _tensor(dtype, aligned, n=256):
+    """n elements of ``dtype``, 16-byte aligned or one element off (not aligned)."""
+    start = 0 if aligned else 1
+    return torch.zeros(n + 16, dtype=dtype)[start:start + n]
 
 
 def _descriptor(kernel, spec):
     """A TMA descriptor argument with ``spec``'s dtype, box, layout and padding over a CPU tensor."""
-    _, dtype, block, layout, padding, ndim, _tf32 = spec
+    _, dtype, block, layout, padding, _ndim, _tf32 = spec
     dtype = getattr(torch, dtype.split(".")[-1])
     shape = [2 * b for b in block]
     base = torch.zeros(shape, dtype=dtype)
