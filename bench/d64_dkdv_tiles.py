@@ -44,6 +44,21 @@ d=64 causal backward is host-bound eagerly, BWD_PROFILE 7.3) and eager calls, an
 the default's. Prediction from the profile: dK/dV is 60% of the d=64 backward and latency-bound at two CTAs,
 so a third CTA per SM gives 0 to +9% overall, less where spills appear; the smaller tiles re-read Q / dO twice
 as often (L2, not DRAM, at this size).
+
+Measured (H100 80GB HBM3, torch 2.11, Triton 3.6.0, session 23), CUDA graphs, TFLOP/s of the whole d=64 backward
+(/ the default):
+
+    candidate            no mask          causal
+    64x64x4x3 (default)  284.9 (1.000)    207.2 (1.000)
+    64x64x4x3 cap 168    289.0 (1.014)    200.5 (0.968)
+    64x64x4x2 cap 168    292.0 (1.025)    202.6 (0.978)
+    32x64x4x2            266.7 (0.936)    204.5 (0.987)
+    32x64x4x3            281.6 (0.988)    208.9 (1.008)
+    64x32x4x2            185.9 (0.652)    148.7 (0.718)
+
+-2.2% to +2.5% against the predicted 0 to +9%: a third CTA per SM buys nothing measurable, so occupancy is not
+what holds the d=64 dK/dV pass back (its stalls are spread, BWD_PROFILE 7.1); the default stays. The d=64
+gain came from the single-pass kernel instead (bench/d64_fused.py).
 """
 import argparse
 import os

@@ -153,8 +153,18 @@ NaN in dV, differently from run to run, where the default tiles give the same bi
 under the Triton interpreter with these tiles: no NaN, so the kernel's logic holds and the compiled sm_90 code
 does not). ``case_check`` now runs every candidate on the test's shapes after the timings.
 
-Next GPU session: ``PYTHONPATH=$PWD python3 bench/fp8_bwd_tiles.py --configs 0`` times the candidates again and
-checks them on the test shapes (``--no-cases`` skips that); the pair can land where the check passes.
+Session 23, ``--configs 0`` (same GPU, Triton 3.6.0): default 91.7, the five candidates 103.4 / 124.9 / 74.0 / 84.5
+/ 124.5 TFLOP/s (as session 22). Case check, three runs each into NaN-filled outputs: every candidate clean on
+the six other shapes; on the decode row NaN in dV for dK/dV 32x128/8w/1s + dQ 128x32/8w/3s (again) and for
+32x64/8w/1s + 64x64/8w/3s, none this time for 32x128/8w/1s + 64x64/8w/3s (NaN in session 22) nor for
+32x64/8w/1s + 128x32/8w/3s; 32x128/8w/3s + 128x32/8w/3s (124.5, the same speed as the best) clean, and with it
+in plan._BWD_FP8_SM90 tests/test_fp8_bwd_kernel.py + test_fp8.py passed three times (15 GPU tests each). So
+every 1-stage dK/dV tile at 8 warps has left NaN in dV on that shape in some run, and which dQ tile runs beside
+it changes only the odds: a run-to-run race, not a tile-specific miscompile. The PTX of the 1-stage dK/dV kernel
+(this shape's specialization) has a CTA barrier before every shared-memory store and after every fence, so the
+race is not a missing barrier there; not found. The 3-stage pair is not landed either: "clean in six runs" is
+not proof against a race, and the 1-stage pair's NaN is not understood. Next: the same case check at 100 runs
+per candidate, and compute-sanitizer (racecheck) on the decode row with the 1-stage kernel.
 """
 import argparse
 import itertools

@@ -33,6 +33,19 @@ the barrier round trips and softmax steps per key), more than they give. The def
 warp's order instead (``fwd_sm90`` [Note] paged K/V: K of tile j before V of tile j - 1). Same probe after it,
 ``--rep 200 --pages 0,16,32,64 --variants default`` (a later call, another machine start): contiguous 604.5,
 pages of 16 575.0 (0.951), 32 593.8 (0.982), 64 593.6 (0.982), varlen pages of 16 577.8 (0.956), 64 597.2 (0.988).
+
+Session 23 (same GPU model, Triton 3.6.0, a fresh machine each call). One Q slot and a third K/V stage on the
+persistent grid (``q1/s3``: 224 KB of shared memory; ``q1/s2`` isolates the Q slot): contiguous 613 / 621 against
+640, pages of 16 577 / 577 against 599, pages of 64 602 / 606 against 613, varlen pages of 16 567 / 427 against
+584: the deeper ring does not pay for the next tile's Q load it gives up. ``--in-order`` (pages 0, 1, 2 ... of
+the same containers: the same bytes at the same addresses as the contiguous cache, only the copies differ),
+``--rep 200 --pages 0,16,64 --variants default``: contiguous 613.4; pages of 16 584.8 (0.953) shuffled against
+557.0 (0.908) in order, 64 601.7 (0.981) against 595.3 (0.970); varlen 16 577.8 (0.942) against 559.5
+(0.912). So the per-copy cost of 16-key pages is ~9% with no address effect at all, and shuffled pages
+recover half of it (their copies spread over more DRAM channels at once); the cost is the copies' number,
+which a TMA gather cannot lower on Hopper (a 128-byte-swizzled box holds 64 columns: two copies per page).
+FlashAttention-3 takes TMA for paged K/V only when the page is a multiple of its key tile, and cp.async loads
+by the producer warpgroup otherwise (``PagedKVNonTMA``): the next step for pages under 64 keys.
 """
 import argparse
 import functools
@@ -45,9 +58,12 @@ import fusedattn
 from fusedattn import bench
 from fusedattn.backends.gluon import fwd_sm90
 
-# name: launch_fwd_sm90 overrides (None: the defaults, the persistent grid with 128-key tiles, 2 stages)
+# name: launch_fwd_sm90 overrides (None: the defaults, the persistent grid with 128-key tiles, 2 stages);
+# "qstages" is not an argument of the launcher: the probe sets fwd_sm90.QSTAGES for the call instead
 VARIANTS = {
     "default": {},
+    "q1/s3": dict(stages=3, qstages=1),
+    "q1/s2": dict(qstages=1),
     "n64/s4": dict(block_n=64, stages=4),
     "tile n128/s2": dict(persistent=False),
     "tile n128/s3": dict(persistent=False, stages=3),
@@ -61,15 +77,26 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms)")
     ap.add_argument("--pages", default="0,16,32,64", help="page sizes (0: contiguous)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--in-order", action="store_true",
+                    help="also each paged cache with its pages in order (page table 0, 1, 2 ...: the same copies, "
+                         "sequential addresses) beside the shuffled one")
     args = ap.parse_args()
     real = fwd_sm90.launch_fwd_sm90
     base = [c for c in bench.prefill_configs() if c.mask != "varlen" and c.page_block == 0][0]
     cfgs = [replace(base, page_block=int(p)) for p in args.pages.split(",")]
     cfgs += [replace(c, mask="varlen") for c in cfgs if c.page_block in (16, 64)]
+    runs = [(c, False) for c in cfgs] + [(c, True) for c in cfgs if args.in_order and c.page_block]
     contiguous = None
     print(f"{'config':62s} {'variant':14s} {'TFLOP/s':>8s} {'/ contig':>8s} {'max diff':>9s}")
-    for cfg in cfgs:
-        inp = bench.make_inputs(cfg, "cuda")
+    for cfg, in_order in runs:
+        shuffle = torch.randperm
+        if in_order:        # bench._add_paged_cache shuffles the pages with torch.randperm
+            torch.randperm = lambda n, **kw: torch.arange(n, **{k: x for k, x in kw.items() if k != "generator"})
+        try:
+            inp = bench.make_inputs(cfg, "cuda")
+        finally:
+            torch.randperm = shuffle
+        label = cfg.name + (" in-order" if in_order else "")
         x = inp.extra
         if cfg.mask == "varlen":
             q = inp.q.transpose(1, 2).reshape(cfg.b * cfg.s_q, cfg.h_q, cfg.d)
@@ -91,27 +118,30 @@ def main() -> None:
 
             def patched(p, *a, _kw=VARIANTS[name], **kw):
                 launched.append(1)
-                return real(p, *a, **{**kw, **_kw})
+                return real(p, *a, **{**kw, **{n: x for n, x in _kw.items() if n != "qstages"}})
 
             fwd_sm90.launch_fwd_sm90 = patched
+            qstages = dict(fwd_sm90.QSTAGES)
+            fwd_sm90.QSTAGES[128] = VARIANTS[name].get("qstages", qstages[128])
             try:
                 out = call()
                 torch.cuda.synchronize()
                 if not launched:
-                    print(f"{cfg.name:62s} {name:14s} not the Gluon forward")
+                    print(f"{label:62s} {name:14s} not the Gluon forward")
                     break
                 ms = triton.testing.do_bench(call, warmup=25, rep=args.rep)
             except Exception as e:  # a ring that does not fit: report and go on
-                print(f"{cfg.name:62s} {name:14s} failed: {type(e).__name__}: {str(e)[:80]}")
+                print(f"{label:62s} {name:14s} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue
             finally:
                 fwd_sm90.launch_fwd_sm90 = real
+                fwd_sm90.QSTAGES.update(qstages)
             tf = bench.fwd_flops(cfg) / ms / 1e9
             if cfg.page_block == 0 and cfg.mask != "varlen" and name == "default":
                 contiguous = tf
             ref = out if ref is None else ref
             diff = (out.float() - ref.float()).abs().max().item()
-            print(f"{cfg.name:62s} {name:14s} {tf:8.1f} {tf / contiguous:8.3f} {diff:9.2e}", flush=True)
+            print(f"{label:62s} {name:14s} {tf:8.1f} {tf / contiguous:8.3f} {diff:9.2e}", flush=True)
 
 
 if __name__ == "__main__":

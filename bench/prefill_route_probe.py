@@ -14,6 +14,9 @@ Session 21 (same, stale kernel store): packed 0.771 / 0.883 ms with 0.718 / 0.79
 (enqueue, no sync): host-bound; the padded batch 0.430 / 0.413 (host 0.200 / 0.182), over BSHD memory
 0.470 / 0.449. The route's ~25 small PyTorch ops cost ~0.5 ms of host; on the GPU its gathers and where took
 ~0.09 ms per call. Then the Gluon forward's packed mode (fwd_sm90 [Note] packed queries) replaced the route.
+Session 23 (same, fresh store): one Gluon packed launch per call; packed 0.411 / 0.401 ms (627 / 642 TFLOP/s)
+with 0.223 / 0.234 ms of host time per call, the padded batch 0.420 / 0.422 (host 0.174 / 0.184): GPU-bound,
+the packed call now at or above the padded batch.
 """
 import torch
 import triton

@@ -20,6 +20,9 @@
 #                  flash_attn.cute imports: carry .whl), bench/profile_bwd.py; the report in $OUT/ncu-bwd/ (bwd.ncu-rep,
 #                  details.txt, raw.csv). NCU_BWD_CONFIGS narrows it (e.g. d64,2kc), NCU_BWD_ARGS adds arguments,
 #                  NCU_BWD_SOURCE=0 drops the SourceCounters section (per-instruction stalls; the slowest one)
+#   route-probe    bench/prefill_route_probe.py: the packed prefill's route, GPU and host time per call (issue 25)
+#   d64-tiles      bench/d64_dkdv_tiles.py: the d=64 dK/dV pass's candidate tiles and register caps, timed (issue 28)
+#   fp8-bwd-tiles  bench/fp8_bwd_tiles.py $FP8_BWD_TILES_ARGS: the FP8 backward's tile pairs, timed and case-checked
 #   bwd-time       bench/profile_bwd.py --time 20 --fa4: the same backwards timed, ours beside FA4 in one process
 #   fused-sweep    bench/gluon_fused_sweep.py: single-pass vs two-pass backward at d=128
 #                  (FUSED_SWEEP_ARGS: extra arguments, e.g. "--variants=rot")
@@ -252,6 +255,9 @@ for part in "${PARTS[@]}"; do
                            grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" \
                                "$OUT/ncu-bwd/details.txt" | tee -a "$LOG"
                        fi ;;
+        route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
+        d64-tiles)     run_part d64-tiles python3 bench/d64_dkdv_tiles.py ;;
+        fp8-bwd-tiles) run_part fp8-bwd-tiles python3 bench/fp8_bwd_tiles.py ${FP8_BWD_TILES_ARGS:-} ;;
         bwd-time)      run_part bwd-time python3 bench/profile_bwd.py --time 20 --fa4 \
                            ${NCU_BWD_CONFIGS:+--configs "$NCU_BWD_CONFIGS"} ;;
         fused-sweep)   run_part fused-sweep python3 bench/gluon_fused_sweep.py ${FUSED_SWEEP_ARGS:-} ;;

@@ -21,7 +21,7 @@ import torch
 from .backends import compat
 from .backends import cpu as cpu_backend
 from . import fp8 as _fp8
-from .plan import plan
+from .plan import GLUON_BWD_FUSED_MIN_WORK, plan
 from .problem import InvalidArgumentError, InvalidTypeError, check_deterministic, make_problem
 
 __all__ = ["attention", "attention_forward", "attention_backward"]
@@ -125,7 +125,8 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
     pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
-    the Gluon dQ pass refuses. deterministic=False, no mask, d=128: the single-pass backward (dQ reduced
+    the Gluon dQ pass refuses. deterministic=False, no mask, d=128 (or d=64 from plan.GLUON_BWD_FUSED_MIN_WORK
+    on, causal too): the single-pass backward (dQ reduced
     with TMA adds into fp32, so not bitwise reproducible) where it accepts the call; deterministic=None
     means torch.are_deterministic_algorithms_enabled(). A sink changes nothing in dQ, dK, dV (the lse
     includes it); its gradient (into ``dsink``) needs delta: the two passes share theirs, and beside the
@@ -140,8 +141,15 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     dq_pass, dkdv_pass, fused = mods
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    causal_long = p.band is not None and p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
-    if not deterministic and (p.band is None or causal_long) and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
+    min_work = GLUON_BWD_FUSED_MIN_WORK.get(p.d)
+    fused_only = min_work is not None
+    if fused_only:
+        # d=64: the single pass from that much work on, causal or not; otherwise the Triton pair (the Gluon two
+        # passes lose to it there, plan._GLUON_BWD_DIMS)
+        take = p.b * p.h_q * p.s_q * p.s_kv // (2 if p.band is not None else 1) >= min_work
+    else:
+        take = p.band is None or p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
+    if not deterministic and take and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
         # H100 (bench/gluon_fused_sweep.py, bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two
         # passes with no mask; under a causal mask 1.00 / 1.07x at 16k and 1.04 / 1.02x at GQA 4k (two
         # runs), 0.92 / 0.97x at 2k (which keeps the two passes); delta comes from the kernel that also
@@ -158,6 +166,8 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
             if acc is not dsink:
                 dsink.copy_(acc)
         return True
+    if fused_only:
+        return False
     opts = dict(slopes=extras["slopes"], seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
     # out is read with plain loads that assume a 16-byte aligned base (the others are TMA-checked)
     from .backends.triton.args import aligned

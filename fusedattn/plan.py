@@ -93,8 +93,17 @@ _GLUON_FWD_PLAIN_DIMS = (64, )
 # Gluon backward (bench/GLUON_NOTES.md "Backward"): the dQ pass, then the Gluon dK/dV pass where it takes the
 # call, else the Triton one (functional._run_gluon_backward). d = d_v = 128: on the H100 the dQ pass runs
 # 1.12-1.26x and the dK/dV pass 1.03-1.29x our Triton passes. At d=64 they measured 0.90-0.92x (dQ) and
-# 0.99-1.00x (dK/dV): Triton keeps d=64. d = 224/256: the dQ pass on 32-key tiles (the Triton passes spill).
-_GLUON_BWD_DIMS = (128, 224, 256)
+# 0.99-1.00x (dK/dV), so at d=64 only the single-pass kernel (bwd_fused_sm90; not deterministic) is tried,
+# no mask or causal, from GLUON_BWD_FUSED_MIN_WORK on; everything else at d=64 keeps the Triton pair.
+# d = 224/256: the dQ pass on 32-key tiles (the Triton passes spill).
+_GLUON_BWD_DIMS = (64, 128, 224, 256)
+# head dim -> the least score work (b * h_q * s_q * s_kv, halved under a causal mask) from which the single pass
+# runs, at head dims where it is the only Gluon backward tried (smaller calls and the rest keep the Triton
+# pair). H100, bench/d64_fused.py (session 23), single pass / Triton pair: CUDA graphs 1.04-1.06x at b8 h12 1k,
+# 1.07-1.10x causal, 1.06-1.08x b4 h32 2k causal, 1.11-1.13x b2 h16 8k; eager 1k 0.57x / 0.58x causal (the
+# single pass's launches take more host time than its ~0.2 ms of GPU work: host-bound), 2k causal 1.02x,
+# 8k 1.11x. 2^28 is the 2k causal call's work.
+GLUON_BWD_FUSED_MIN_WORK = {64: 2 ** 28}
 _GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns the Gluon kernels off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)

@@ -9,7 +9,8 @@ kernel source) is never found. Triton writes each entry to a temporary name and 
 so processes sharing the cache never read a half-written entry (``tests/test_kernel_cache.py``).
 
 ``warmup`` runs the common configurations (the benchmark's: ``shared/ANCHORS.md``'s eight, each mask
-kind, decode and paged prefill; then ``bench --cold-start``'s call and two packed varlen batches) at
+kind, decode and paged prefill; then ``bench --cold-start``'s call, two packed varlen batches and four long
+d=64 calls, fp16 / bf16, causal or not) at
 their real sizes (shapes decide the kernels' specializations) inside
 ``backends.triton.launch.compiling_ahead``: nothing runs on the GPU, and every kernel compiles on a pool
 of threads, side by side. Without it, a process's first call compiles only what it needs, its backward's
@@ -65,6 +66,11 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
             _varlen_call(device, max_len)
         if verbose:
             print(f"warmup: packed varlen batches: {len(ahead.futures)} compiles started", flush=True)
+        for dtype in (torch.float16, torch.bfloat16):
+            for causal in (False, True):
+                _long_d64_call(device, dtype, causal)
+        if verbose:
+            print(f"warmup: long d=64 calls: {len(ahead.futures)} compiles started", flush=True)
     ahead.wait()
     torch.cuda.synchronize(device)
     return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start,
@@ -92,6 +98,17 @@ def _varlen_call(device: torch.device, max_len: int) -> None:
     q, k, v = (torch.randn(int(lens.sum()), 32, 128, device=device, dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
     out = attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=True)
+    out.backward(torch.ones_like(out))
+
+
+def _long_d64_call(device: torch.device, dtype: torch.dtype, causal: bool) -> None:
+    """Forward and backward at d 64, b 2, h 16, s 4096, physically BSHD: the d=64 backward's single-pass kernel
+    (``plan.GLUON_BWD_FUSED_MIN_WORK``), which the benchmark's d=64 configurations are too small to take."""
+    from .functional import attention
+    b, h, s, d = 2, 16, 4096, 64
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    out = attention(q, k, v, causal=causal)
     out.backward(torch.ones_like(out))
 
 

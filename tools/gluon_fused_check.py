@@ -2,8 +2,8 @@
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
                                       [flat|swizzled] [p16|p32] [dqfirst|dqlast]
-                                      [defer|nodefer] [atomic|tma] [rotate]
-        e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag
+                                      [defer|nodefer] [atomic|tma] [rotate] [d64] [m128]
+        e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag, ... 0 fp16 - d64 (head dim 64; default 128), ... 0 fp16 - d64 m128 (128-row query tiles)
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
 serialization), and for each inner loop of the SASS its instruction count, MUFU.EX2 count, local-memory
@@ -27,21 +27,21 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
 def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, reverse=None, flat=None, p16_ds=None,
-                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, **over):
+                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, d=128, block_m=None, **over):
     import torch
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    d = m.HEAD_D
+    block_m = block_m or m.BLOCK_M
     stages = stages or m.STAGES[causal]
-    ql = fwd_sm90._smem_layout(m.BLOCK_M, d, tdt)
+    ql = fwd_sm90._smem_layout(block_m, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
-    box, dl = m._dq_box(m.DQ_FLAT[causal] if flat is None else flat)
-    sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
+    box, dl = m._dq_box(m.DQ_FLAT[causal] if flat is None else flat, d)
+    sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {block_m}, {d}],{ql!r}>",
            "k_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
-           "do_desc": f"tensordesc<{dtype}[1, 1, {m.BLOCK_M}, {d}],{ql!r}>",
+           "do_desc": f"tensordesc<{dtype}[1, 1, {block_m}, {d}],{ql!r}>",
            "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
-           "dq_desc": f"tensordesc<fp32[1, 1, {m.BLOCK_M}, {box}],{dl!r}>", "DQ_ACC": "*fp32",
+           "dq_desc": f"tensordesc<fp32[1, 1, {block_m}, {box}],{dl!r}>", "DQ_ACC": "*fp32",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
            "DELTA": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32", "CHUNK": "i32"}
@@ -78,7 +78,7 @@ def main():
                       dq_first=True if "dqfirst" in flags else False if "dqlast" in flags else None,
                       defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,
                       dq_atomic=True if "atomic" in flags else False if "tma" in flags else None,
-                      **({"ROTATE": True} if "rotate" in flags else {}))
+                      d=64 if "d64" in flags else 128, block_m=128 if "m128" in flags else None, **({"ROTATE": True} if "rotate" in flags else {}))
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

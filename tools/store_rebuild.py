@@ -13,6 +13,7 @@ by ``--check`` (bench/NOTES.md 61) and by tests/test_store_rebuild.py in CI.
 
     python tools/store_rebuild.py --check [STORE] [--jobs N]   # recompile, compare with the recorded cubins
     python tools/store_rebuild.py [STORE] [--jobs N]           # rebuild the store in place for the current sources
+    python tools/store_rebuild.py STORE --launches-from OTHER   # ... from another Triton's store's launches
 
 STORE defaults to this Triton's store under fusedattn/prebuilt. ``--check`` is the proof the rebuild is the
 JIT's build: on the store recorded on the GPU from the same sources, every recompiled cubin should have the
@@ -20,6 +21,9 @@ recorded one's SASS (the bytes differ in the line table's file paths, the Triton
 The rebuild covers the launches of the last GPU recording only: a
 kernel variant that the new sources add (a new constexpr switch value, a new kernel) is not in the store
 until the next ``warmup --record``; entries whose kernel or constants no longer exist are dropped (printed).
+A recording on one Triton serves the others: ``--launches-from`` takes the launches of another store's index
+(the specs do not depend on the Triton release: the same warmup specializes the same way on each; session 23
+built 3.7.1, 3.8.0 and 3.9.0 from a 3.6.0 recording, bench/NOTES.md 62) and replaces this store's entries.
 """
 import argparse
 import ast
@@ -173,11 +177,21 @@ def main():
     ap.add_argument("--check", action="store_true", help="compare with the recorded cubins, write nothing")
     ap.add_argument("--only", help="--check: entries whose kernel name contains this")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    ap.add_argument("--launches-from", metavar="OTHER", help="rebuild from the launches recorded in another store "
+                    "(e.g. another Triton's, recorded on a GPU from the current sources) instead of this one's")
     args = ap.parse_args()
     if args.only and not args.check:
         raise SystemExit("--only goes with --check: a rebuild covers the whole store (one source digest)")
+    if args.launches_from and args.check:
+        raise SystemExit("--launches-from rebuilds; --check compares a store with its own recording")
     with open(os.path.join(args.store, "index.json")) as f:
         index = json.load(f)
+    recorded = list(index["kernels"])          # this store's cubins before the rebuild
+    if args.launches_from:
+        with open(os.path.join(args.launches_from, "index.json")) as f:
+            other = json.load(f)
+        index["kernels"] = {f"from-{key}": {field: entry[field] for field in ("name", "kernel", "specs")}
+                            for key, entry in other["kernels"].items()}
     if index["triton"] != triton.__version__:
         raise SystemExit(f"{args.store} is a store for Triton {index['triton']}, this is {triton.__version__}")
     kept, same, t0 = {}, 0, time.time()
@@ -212,7 +226,7 @@ def main():
     if args.check:
         print(f"{same} of {n} recompiled kernels have the recorded SASS ({time.time() - t0:.0f} s)")
         return 0 if same == n else 1
-    for old in index["kernels"]:
+    for old in recorded:
         if old not in kept:
             os.remove(os.path.join(args.store, f"{old}.cubin.xz"))
     index["kernels"] = kept

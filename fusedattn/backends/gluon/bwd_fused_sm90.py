@@ -1,4 +1,4 @@
-"""Attention backward in ONE pass for Hopper (sm_90) in Gluon, d=128: FlashAttention-3 style (experimental).
+"""Attention backward in ONE pass for Hopper (sm_90) in Gluon, d=128 or 64: FlashAttention-3 style (experimental).
 
 The dK/dV pass (``bwd_dkdv_sm90``, non-SPLIT path) with dQ added, so no separate dQ pass: per
 (key tile, query tile) pair 5 matmuls (S^T, dP^T, dV, dK, dQ) instead of the two-pass backward's 7
@@ -13,6 +13,12 @@ One program (CTA) owns keys [n0, n0 + 128) of one (batch, kv head) and loops ove
   tiles through a ring of STAGES slots; lse2 / delta rows through a small shared ring.
 * two consumer warpgroups: warpgroup WG owns keys [n0 + 64 WG, +64) with its dK, dV [64, 128] fp32
   accumulators in registers (128 of its 240 registers per thread).
+
+(The head dim d is the descriptors'; the text below is d=128's. At d=64 (``HEAD_DIMS``) the tiles stay, each
+warpgroup's dQ products are [64, 32] (a 32-column slice of each K tile), dK + dV take 64 registers and the
+shared memory halves: 116 KB with 2 stages; a 128-row query tile spilled 169 accesses per step
+(tools/gluon_fused_check.py ... d64 m128). H100, bench/d64_fused.py: 1.04-1.13x the Triton pair, which
+``plan.GLUON_BWD_FUSED_MIN_WORK`` weighs against the host time of its launches.)
 
 Per query tile i (rows [64 t, +64) of head h), in warpgroup WG (xb = i % 2 the dS buffer):
 
@@ -154,8 +160,7 @@ from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA
 BLOCK_M = 64         # query rows per tile of the Q/dO ring
-HEAD_D = 128
-DQ_N = HEAD_D // 2   # dQ columns per warpgroup
+HEAD_DIMS = (64, 128)   # d = d_v; the kernel takes its head dim from the descriptors
 # dQ staging (docstring, "Switches"): True: one unswizzled [64, 64] fp32 box per warpgroup (one base address,
 # 8-way bank conflicts on the stores); False: two [64, 32] 128-byte-swizzled boxes (conflict-free stores)
 DQ_FLAT = {False: False, True: False}    # causal -> flat
@@ -604,16 +609,17 @@ def acc_rows(s_q):
     return triton.cdiv(s_q, BLOCK_M) * BLOCK_M
 
 
-def _dq_box(flat):
-    """(box width, shared layout) of the dQ staging tile / TMA reduce (``DQ_FLAT``)."""
+def _dq_box(flat, d=128):
+    """(box width, shared layout) of the dQ staging tile / TMA reduce (``DQ_FLAT``) at head dim d: a
+    warpgroup's d / 2 columns in one unswizzled box (flat) or in 32-column (128-byte) swizzled boxes."""
     if flat:
-        return HEAD_D // 2, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+        return d // 2, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     return 32, gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
 
 
 def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
     """True when this kernel computes the whole backward of ``p`` on these tensors: sm_90, fp16/bf16,
-    d = d_v = 128, no mask or causal (either alignment); no windows, ALiBi, padding, bias, dropout,
+    d = d_v in ``HEAD_DIMS``, no mask or causal (either alignment); no windows, ALiBi, padding, bias, dropout,
     softcap (``bwd_dq_sm90._bwd_problem_ok`` minus windows, ALiBi, padding and dropout); TMA-ready q,
     k, v, grad_out, dk, dv; dq any strides with unit last stride."""
     if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
@@ -630,7 +636,7 @@ def _problem_ok(p) -> bool:
         return False
     if p.has_seq_len_q or p.has_seq_len_kv or p.has_dropout:      # no per-sequence lengths, no dropout here
         return False
-    return _bwd_problem_ok(p, (128, )) and p.d == 128 and p.b * p.h_q * p.s_q < 2 ** 31
+    return _bwd_problem_ok(p, HEAD_DIMS) and p.d in HEAD_DIMS and p.b * p.h_q * p.s_q < 2 ** 31
 
 
 def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=None, dq_acc=None, stages=None,
@@ -639,21 +645,21 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
     """dQ, dK, dV of attention on Hopper in one pass (plus preparing dQ's fp32 accumulator and converting
     it), written in place.
 
-    q [b,h_q,s_q,128], k/v [b,h_kv,s_kv,128], grad_out [b,h_q,s_q,128], dq like q, dk/dv like k/v (any
+    q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d] (d = 128 or 64), dq like q, dk/dv like k/v (any
     strides of unit last stride; ``supports`` checks them); lse fp32 [b,h_q,s_q] view (natural log, the
-    forward's). delta: fp32 contiguous [b*h_q, s_q]; out: the forward's output [b,h_q,s_q,128] (unit last
+    forward's). delta: fp32 contiguous [b*h_q, s_q]; out: the forward's output [b,h_q,s_q,d] (unit last
     stride, 16-byte aligned base) or None:
 
     * out given: one small kernel (``_delta_zero``) computes delta = rowsum(dO * O) into ``delta`` (a fresh
       buffer when None) and zeroes dq_acc in the same pass;
     * out None: delta holds rowsum(dO * O) already (the caller's delta pass) and dq_acc is zeroed here.
 
-    dq_acc: optional fp32 scratch of b*h_q*acc_rows(s_q)*128 elements. Tuning: stages, reverse, flat, p16_ds, lag,
+    dq_acc: optional fp32 scratch of b*h_q*acc_rows(s_q)*d elements. Tuning: stages, reverse, flat, p16_ds, lag,
     dq_first, defer_dk, dq_atomic, heavy_first, rotate override ``STAGES``, ``REVERSE``, ``DQ_FLAT``, ``P16_DS``,
     ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``."""
     if dq_acc is None:
-        dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), HEAD_D), dtype=torch.float32, device=q.device)
-    dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), HEAD_D)
+        dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=q.device)
+    dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
     if out is not None:
         if delta is None:
             delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
@@ -669,20 +675,20 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
 
 def launch_delta_zero(p, out, grad_out, delta, dq_acc):
     """delta = rowsum(dO * O) (fp32 contiguous [b*h_q, s_q]) and dq_acc = 0 (fp32 contiguous
-    [b, h_q, acc_rows(s_q), 128]; rows >= s_q left alone) in one launch. out, grad_out [b,h_q,s_q,128], any strides with unit last stride."""
+    [b, h_q, acc_rows(s_q), d]; rows >= s_q left alone) in one launch. out, grad_out [b,h_q,s_q,d], any strides with unit last stride."""
     assert delta.is_contiguous() and delta.dtype == torch.float32
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
     assert out.stride(-1) == 1 and grad_out.stride(-1) == 1
     block = 64
     jit_launch(_delta_zero, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         out, grad_out, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0),
-        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=HEAD_D, num_warps=4)
+        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=p.d, num_warps=4)
 
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
                   p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
-    [b, h_q, acc_rows(s_q), 128]; its rows >= s_q are scratch)."""
+    [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch)."""
     band = p.band
     causal = band is not None
     stages = stages or STAGES[causal]
@@ -691,10 +697,10 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     assert dq_first or not defer_dk, "defer_dk needs dq_first (dK the last wgmma group in flight)"
     assert delta.is_contiguous() and delta.dtype == torch.float32
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
-    dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), HEAD_D)
-    box, layout = _dq_box(DQ_FLAT[causal] if flat is None else flat)
+    dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
+    box, layout = _dq_box(DQ_FLAT[causal] if flat is None else flat, p.d)
     # the TMA reduce clips at s_q (LAG's reduce at row s_q before the first tile is dropped whole)
-    dq_desc = TensorDescriptor(dq_acc, [p.b, p.h_q, p.s_q, HEAD_D], list(dq_acc.stride()), [1, 1, BLOCK_M, box],
+    dq_desc = TensorDescriptor(dq_acc, [p.b, p.h_q, p.s_q, p.d], list(dq_acc.stride()), [1, 1, BLOCK_M, box],
                                layout)
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     jit_launch(_attn_bwd_fused_sm90, grid,
@@ -716,4 +722,4 @@ def launch_convert(p, dq_acc, dq):
     block = 64
     jit_launch(_dq_convert, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
-        D=HEAD_D, num_warps=4)
+        D=p.d, num_warps=4)
