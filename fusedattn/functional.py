@@ -135,20 +135,19 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     single pass, bench/NOTES.md 54). deterministic=False: the kernel that computes delta also adds the
     sink's gradient into dsink with atomics (``_sink_acc``), no launch of its own; deterministic:
     ``cpu.sink_grad`` from delta (a few torch kernels, bitwise reproducible)."""
+    min_work = GLUON_BWD_FUSED_MIN_WORK.get(p.d)
+    fused_only = min_work is not None
+    # d=64: the single pass from that much work on, causal or not; otherwise the Triton pair (the Gluon two passes
+    # lose to it there, plan._GLUON_BWD_DIMS). Checked first: the small calls are the host-bound ones
+    if fused_only and p.b * p.h_q * p.s_q * p.s_kv // (2 if p.band is not None else 1) < min_work:
+        return False
     mods = _gluon_kernels("backward", "bwd_dq_sm90", "bwd_dkdv_sm90", "bwd_fused_sm90")
     if mods is None:
         return False
     dq_pass, dkdv_pass, fused = mods
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    min_work = GLUON_BWD_FUSED_MIN_WORK.get(p.d)
-    fused_only = min_work is not None
-    if fused_only:
-        # d=64: the single pass from that much work on, causal or not; otherwise the Triton pair (the Gluon two
-        # passes lose to it there, plan._GLUON_BWD_DIMS)
-        take = p.b * p.h_q * p.s_q * p.s_kv // (2 if p.band is not None else 1) >= min_work
-    else:
-        take = p.band is None or p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
+    take = fused_only or p.band is None or p.s_kv >= _FUSED_CAUSAL_MIN_KEYS
     if not deterministic and take and fused.supports(p, q, k, v, grad_out, dq, dk, dv):
         # H100 (bench/gluon_fused_sweep.py, bench/GLUON_NOTES.md "Fused backward"): 1.15-1.25x the two
         # passes with no mask; under a causal mask 1.00 / 1.07x at 16k and 1.04 / 1.02x at GQA 4k (two
