@@ -23,7 +23,7 @@ eager, single pass with 2 stages (3 under a causal mask read the same within 1%)
     config                  Triton pair        single pass        single / pair (graphs)
     b8 h12 1k               278-283 / 290-293  295 / 282-284      1.04-1.06x
     b8 h12 1k causal        203-207 / 204-205  221-222 / 137-210  1.07-1.10x
-    b4 h32 2k causal        266-273 / 276-281  286-293 / 289-291  1.06-1.08x
+    b4 h32 2k causal        266-273 / 276-281  286-293 / 288-291  1.06-1.08x
     b2 h16 8k               335-346 / 336-352  379-386 / 391-393  1.11-1.13x
 
 Below the 340-460 predicted at 1k: at d=64 the softmax-side work per step does not shrink with d, and 128-row
