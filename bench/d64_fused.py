@@ -101,7 +101,8 @@ def main():
                 nan = sum(int(torch.isnan(x).sum()) for x in got)
                 print(f"  {name:30s} graph {graph_ms:.4f} ms {flops / graph_ms / 1e9:6.1f} TFLOP/s "
                       f"({base / graph_ms:.3f}x)  eager {eager_ms:.4f} ms {flops / eager_ms / 1e9:6.1f}  "
-                      f"max rel diff {diff:.1e}{'  CHECK' if diff > 2e-2 or nan else ''}{f'  NaN {nan}' if nan else ''}",
+                      f"max rel diff {diff:.1e}{'  CHECK' if diff > 2e-2 or nan else ''}"
+                      f"{f'  NaN {nan}' if nan else ''}",
                       flush=True)
             except Exception as exc:     # a failing variant (compile, launch, capture) is a result
                 print(f"  {name:30s} FAILED {type(exc).__name__}: {str(exc).strip()[:200]}", flush=True)

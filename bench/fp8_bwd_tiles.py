@@ -604,7 +604,8 @@ def case_check(cands, device="cuda", runs=3, only=None):
                     first = first or got
                     same = same and all(torch.equal(x, y) for x, y in zip(first, got))
                 verdict = ("ok" if same and not bad else
-                           f"BAD: NaN in {len(bad)} of {runs} runs (dQ/dK/dV/... counts, first: {bad[0] if bad else 0}), "
+                           f"BAD: NaN in {len(bad)} of {runs} runs "
+                           f"(dQ/dK/dV/... counts, first: {bad[0] if bad else 0}), "
                            f"bit-equal runs {same}")
             except Exception as exc:
                 verdict = f"FAILED {type(exc).__name__}: {str(exc).strip()[:200]}"
