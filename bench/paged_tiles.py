@@ -46,6 +46,24 @@ recover half of it (their copies spread over more DRAM channels at once); the co
 which a TMA gather cannot lower on Hopper (a 128-byte-swizzled box holds 64 columns: two copies per page).
 FlashAttention-3 takes TMA for paged K/V only when the page is a multiple of its key tile, and cp.async loads
 by the producer warpgroup otherwise (``PagedKVNonTMA``): the next step for pages under 64 keys.
+
+Session 24: if one warp issuing 32 copies a step is the limit, two warps issuing 16 each remove it. A second load
+warp (``fwd_sm90.V_WARP``: V's copies, following the producer's work tiles; "default" below) against the one load
+warp ("one load warp", ``v_warp=False``), ``--rep 200``, one process each, three calls (two machines; Triton 3.6.0
+in the first and third, 3.9.0 in the second), TFLOP/s / the contiguous default:
+
+    cache                 3.6 (1)          3.6 (2)          3.9
+                          V warp  one      V warp  one      V warp  one
+    contiguous            1.000   1.004    1.000   0.996    1.000   0.992
+    pages of 16           0.987   0.955    0.983   0.949    0.957   0.945
+    pages of 32           0.986   0.968      -       -        -       -
+    pages of 64           0.993   0.984    0.983   0.981    0.979   0.987
+    varlen, pages of 16   0.968   0.980    0.954   0.928    0.940   0.949
+    varlen, pages of 64   0.982   0.979    0.971   0.966    0.973   0.982
+
+Predicted +2-5% at pages of 16; measured +1.2 to +3.4% there (0.949-0.955 -> 0.957-0.987), within +-1% at pages
+of 64, mixed for the packed varlen rows (-1.2% to +2.8%). Every output bit-identical (max diff 0). Taken as the
+default for pages smaller than a tile on the persistent grid.
 """
 import argparse
 import functools
@@ -62,6 +80,7 @@ from fusedattn.backends.gluon import fwd_sm90
 # "qstages" is not an argument of the launcher: the probe sets fwd_sm90.QSTAGES for the call instead
 VARIANTS = {
     "default": {},
+    "one load warp": dict(v_warp=False),
     "q1/s3": dict(stages=3, qstages=1),
     "q1/s2": dict(qstages=1),
     "n64/s4": dict(block_n=64, stages=4),

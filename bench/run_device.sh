@@ -38,6 +38,8 @@
 #   warmup         python3 -m fusedattn warmup (compile the common configurations' kernels, timed)
 #   prebuilt       python3 -m fusedattn warmup --record: the shipped-kernel store for this Triton, copied into
 #                  fusedattn/prebuilt/ for the later parts and returned as $OUT/prebuilt-VERSION.tar
+#   store-check    tools/store_gpu_check.py: the shipped store of this Triton run for real, every warmup call, against
+#                  the JIT in another process (every launch from the store, the same outputs); STORE_CHECK_ONLY narrows
 #   tests-prebuilt the store's GPU test (a recorded store launched through the driver against the JIT)
 #   sweep          tests/test_gpu_sweep.py: every head dim 8..256 (step 8, d_v != d too) with rotating masks,
 #                  s_q 1 / odd / > s_kv, forward and backward against float64 (issue 24 item 4), and
@@ -285,6 +287,7 @@ for part in "${PARTS[@]}"; do
                        mkdir -p fusedattn/prebuilt && cp -r /tmp/prebuilt-store/triton-* fusedattn/prebuilt/
                        tar -C /tmp/prebuilt-store -cf "$OUT/prebuilt-$(python3 -c 'import triton; print(triton.__version__)').tar" .
                        du -sh /tmp/prebuilt-store/* | tee -a "$LOG" ;;
+        store-check)   run_part store-check python3 tools/store_gpu_check.py ${STORE_CHECK_ONLY:+--only "$STORE_CHECK_ONLY"} ;;
         tests-prebuilt) run_part tests-prebuilt python3 -m pytest -q -rfEs tests/test_prebuilt.py -m gpu ;;
         coldstart)     run_part coldstart python3 -m fusedattn bench --cold-start ${COLD_ONLY:+--only "$COLD_ONLY"} ;;
         sdpa)          run_part sdpa python3 -m pytest -q -rfEs tests/test_torch_sdpa.py -n "${TEST_WORKERS:-4}" ;;

@@ -50,9 +50,9 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
         for cfg in configs:
             inp = bench.make_inputs(cfg, device)
             runner = bench.prepare_ours(cfg, True)(inp)
-            if runner.make_bwd is None:
-                runner.fwd()
-            else:
+            # the forward alone (no_grad: inference, which writes no stats, a kernel specialization of its own)
+            runner.fwd()
+            if runner.make_bwd is not None:
                 # the forward under autograd compiles the backward's kernels ahead (functional.
                 # _compile_backward_ahead); the backward itself runs on PyTorch's autograd thread,
                 # where launches run: it waits for those compiles and launches on the placeholder data
@@ -77,20 +77,21 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
             "store": store}
 
 
-def _first_call(device: torch.device) -> None:
+def _first_call(device: torch.device) -> list:
     """The call ``bench --cold-start`` times (``fusedattn.coldstart``): forward and backward, b 4, h 16,
-    s 2048, d 128, bf16, causal, physically BSHD."""
+    s 2048, d 128, bf16, causal, physically BSHD. Returns [out, dq, dk, dv] (tools/store_gpu_check.py)."""
     from .functional import attention
     b, h, s, d = 4, 16, 2048, 128
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                for _ in range(3))
     out = attention(q, k, v, causal=True)
     out.backward(torch.ones_like(out))
+    return [out, q.grad, k.grad, v.grad]
 
 
-def _varlen_call(device: torch.device, max_len: int) -> None:
+def _varlen_call(device: torch.device, max_len: int) -> list:
     """A packed batch (``attention_varlen``): 8 sequences of 256 to ``max_len`` tokens, h 32, d 128,
-    bf16, causal, forward and backward."""
+    bf16, causal, forward and backward. Returns [out, dq, dk, dv]."""
     from .varlen import attention_varlen
     lens = torch.linspace(256, max_len, 8).round().int()
     lens[-1] = max_len
@@ -99,17 +100,20 @@ def _varlen_call(device: torch.device, max_len: int) -> None:
                for _ in range(3))
     out = attention_varlen(q, k, v, cu, cu, max_len, max_len, causal=True)
     out.backward(torch.ones_like(out))
+    return [out, q.grad, k.grad, v.grad]
 
 
-def _long_d64_call(device: torch.device, dtype: torch.dtype, causal: bool) -> None:
+def _long_d64_call(device: torch.device, dtype: torch.dtype, causal: bool) -> list:
     """Forward and backward at d 64, b 2, h 16, s 4096, physically BSHD: the d=64 backward's single-pass kernel
-    (``plan.GLUON_BWD_FUSED_MIN_WORK``), which the benchmark's d=64 configurations are too small to take."""
+    (``plan.GLUON_BWD_FUSED_MIN_WORK``), which the benchmark's d=64 configurations are too small to take.
+    Returns [out, dq, dk, dv]."""
     from .functional import attention
     b, h, s, d = 2, 16, 4096, 64
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
                for _ in range(3))
     out = attention(q, k, v, causal=causal)
     out.backward(torch.ones_like(out))
+    return [out, q.grad, k.grad, v.grad]
 
 
 class _Args:
@@ -117,4 +121,3 @@ class _Args:
 
     def __init__(self, group: str):
         self.configs, self.only = group, None
-

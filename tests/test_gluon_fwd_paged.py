@@ -57,16 +57,17 @@ def table_view(table, pad, gen):
 
 
 def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodeid, monkeypatch, persistent=None,
-              separate_v=False, table_pad=0, ctas=None):
+              separate_v=False, table_pad=0, ctas=None, v_warp=None):
     """One case: the paged forward against the float64 reference and, bit for bit, against the same
     kernel on the contiguous K/V. lens: per-sequence key lengths, or None (then s_kv must fill whole
     pages: every key the table reaches is a key). separate_v: V through its own table and container
     (another shuffle); table_pad: the tables are views with that many extra columns per row
-    (``table_view``); ctas: the persistent grid's size (its CTAs then run several work tiles each)."""
+    (``table_view``); ctas: the persistent grid's size (its CTAs then run several work tiles each); v_warp:
+    V's copies from a second load warp (persistent grid, pages smaller than a tile; None: the default)."""
     from fusedattn.backends.gluon import fwd_sm90
     msg = (f"repro: pytest {nodeid} ; seed={seed} b={b} h={h_q}/{h_kv} s_q={s_q} s_kv={s_kv} d={d} page={page} "
            f"causal={causal} lens={lens} {dtype} persistent={persistent} separate_v={separate_v} "
-           f"table_pad={table_pad} ctas={ctas}")
+           f"table_pad={table_pad} ctas={ctas} v_warp={v_warp}")
     per_seq = -(-s_kv // page)
     assert lens is not None or per_seq * page == s_kv, "a case without lengths needs whole pages"
     calls = []
@@ -78,6 +79,8 @@ def run_paged(seed, b, h_q, h_kv, s_q, s_kv, d, page, causal, lens, dtype, nodei
             kw["persistent"] = persistent
         if ctas is not None:
             kw["ctas"] = ctas
+        if v_warp is not None:
+            kw["v_warp"] = v_warp
         return real(p, *a, **kw)
 
     monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90", counted)
@@ -122,17 +125,19 @@ def test_gluon_fwd_paged_pages_and_dims(page, d, request, monkeypatch):
     run_paged(seed, 3, 4, 2, 200, 777, d, page, True, [777, 1, 530], "bfloat16", request.node.nodeid, monkeypatch)
 
 
+@pytest.mark.parametrize("v_warp", [True, False], ids=["v_warp", "one_load_warp"])
 @pytest.mark.parametrize("page", [8, 16, 32])
 @pytest.mark.parametrize("d", [128, 256])
-def test_gluon_fwd_paged_small_pages_tables(page, d, request, monkeypatch):
+def test_gluon_fwd_paged_small_pages_tables(page, d, v_warp, request, monkeypatch):
     """Pages smaller than a key tile, whose table entries the load warp reads a step ahead, K's of one
     tile and V's of the one before in separate lanes (fwd_sm90._page_entries): K and V through different
     tables (a K/V lane mix-up
     shows), the tables row views of wider tensors (a read past a row shows), GQA 4/2, lengths with a
     partial last tile, and the persistent grid on 3 CTAs (each runs several work tiles: the entries are
-    read ahead within a work tile only)."""
+    read ahead within a work tile only). Both load splits: V's copies from a second warp that follows the
+    producer's work tiles (fwd_sm90.PAGED_V_WARP, the default), or all copies from one warp."""
     run_paged(page * 7 + d, 3, 4, 2, 200, 777, d, page, True, [777, 1, 530], "bfloat16", request.node.nodeid,
-              monkeypatch, persistent=True, separate_v=True, table_pad=5, ctas=3)
+              monkeypatch, persistent=True, separate_v=True, table_pad=5, ctas=3, v_warp=v_warp)
 
 
 @pytest.mark.parametrize("page", [8, 16])

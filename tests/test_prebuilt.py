@@ -251,6 +251,48 @@ def test_prebuilt_launch_equals_jit_launch(tmp_path):
     assert compiled == [], f"{compiled}\n{log}"
 
 
+SHIPPED_CHILD = r"""
+import torch
+from fusedattn import bench, warmup
+from fusedattn.backends import prebuilt
+names = ("b8-h12-s1024-d64-fp16-causal", "b4-h32-s2048-d128-bf16-causal")
+for cfg in [c for c in bench.select_configs(warmup._Args("anchors")) if c.name in names]:
+    runner = bench.prepare_ours(cfg, True)(bench.make_inputs(cfg, "cuda"))
+    runner.fwd()                    # inference: no stats written, a specialization of its own
+    runner.make_bwd()()             # training: the forward with stats, then the backward
+warmup._first_call(torch.device("cuda"))
+torch.cuda.synchronize()
+print("STATS", prebuilt.stats["hits"], len(prebuilt.stats["misses"]), ",".join(prebuilt.stats["misses"]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+def test_shipped_store_serves_first_calls(tmp_path):
+    """The store shipped for this Triton (``fusedattn warmup --record`` on a GPU, or ``tools/store_rebuild.py``)
+    serves the first calls of a fresh process with an empty Triton cache: two anchors' inference forwards
+    (under no_grad) and training forward + backward, and ``bench --cold-start``'s call, with no kernel compiled
+    (a miss would stall the call for seconds). tools/store_gpu_check.py runs every warmup call this way."""
+    from fusedattn.backends import prebuilt
+    major, minor = torch.cuda.get_device_capability()
+    name = prebuilt.store_name(major * 10 + minor)
+    if name not in [p.name for p in STORES]:
+        pytest.skip(f"no shipped store {name} (this Triton on this GPU)")
+    dropped = ("TRITON_INTERPRET", "FUSEDATTN_PREBUILT", "FUSEDATTN_PREBUILT_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["FUSEDATTN_PREBUILT_DEBUG"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", SHIPPED_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    misses_log = "\n".join(line for line in r.stderr.splitlines() if "prebuilt: miss" in line)
+    _, hits, misses, names = (next(line for line in r.stdout.splitlines() if line.startswith("STATS")).split(" ")
+                              + [""])[:4]
+    assert int(misses) == 0, f"kernels compiled instead of loaded from the store: {names}\n{misses_log}"
+    assert int(hits) > 0
+    assert [p.name for p in (tmp_path / "cache").rglob("*.cubin")] == [], misses_log
+
+
 def test_kernel_identity_is_the_same_in_every_process(tmp_path):
     """A store entry must be found by every later process: the kernels' identity (module, name, source
     digest) printed by three processes with different hash seeds is one string, and it changes when a

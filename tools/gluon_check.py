@@ -5,7 +5,7 @@
     e.g. ... 256 1 bf16 plain 32, or ... 128 1 bf16 plain - window alibi, or ... 128 0 bf16 plain - seq_q seq_kv,
     or ... 128 1 bf16 plain - persistent
     python tools/gluon_check.py spills     # spill bytes of every persistent variant (one-tile grid beside)
-    python tools/gluon_check.py paged PAGE [D] [persistent]   # the load warp's loops over a paged K/V cache
+    python tools/gluon_check.py paged PAGE [D] [persistent] [v_warp]   # the load warps' loops over a paged K/V cache
     python tools/gluon_check.py 128 1 e4m3 [plain|pingpong] [BLOCK_N|-] [window] [seq_q] [seq_kv]
                                 [persistent] [out=e4m3|bf16|fp16|fp32] [promote=0|32]   # the FP8 switch
     python tools/gluon_check.py 128 1 bf16 plain - varlen seq_kv bottom_right page=16 persistent   # packed queries
@@ -50,7 +50,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
                 persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None,
-                varlen=False, packed_kv=False):
+                varlen=False, packed_kv=False, v_warp=False):
     import torch
     fp8 = dtype in FP8_TYPES
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
@@ -86,7 +86,7 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
                  HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote,
-                 PACKED_Q=varlen, PACKED_KV=packed_kv)
+                 PACKED_Q=varlen, PACKED_KV=packed_kv, V_WARP=v_warp)
     if varlen or packed_kv:
         sig["O"] = "*" + ty     # packed queries: the 16-bit output's masked stores (_store_rows)
     for k in const:
@@ -263,9 +263,10 @@ def _regs(operands):
     return out
 
 
-def paged_loads(page, d=128, persistent=False):
-    """The load warp's loops of the paged kernel (module docstring, ``paged``)."""
-    k = compile_fwd(d, True, "bf16", bottom_right=True, seq_kv=True, persistent=persistent, page=page)
+def paged_loads(page, d=128, persistent=False, v_warp=False):
+    """The load warp's loops of the paged kernel (module docstring, ``paged``; v_warp: V from a second warp)."""
+    k = compile_fwd(d, True, "bf16", bottom_right=True, seq_kv=True, persistent=persistent, page=page,
+                    v_warp=v_warp)
     rep = ptxas_report(k)
     m = re.search(r"\d+ bytes stack frame, \d+ bytes spill stores, \d+ bytes spill loads", rep)
     print(f"page {page} d{d} {'persistent' if persistent else 'one-tile grid'}: "
@@ -304,7 +305,7 @@ def main():
         return fp8_survey()
     if sys.argv[1:2] == ["paged"]:
         return paged_loads(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 128,
-                           "persistent" in sys.argv[4:])
+                           "persistent" in sys.argv[4:], "v_warp" in sys.argv[4:])
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     causal = bool(int(sys.argv[2])) if len(sys.argv) > 2 else True
     dtype = sys.argv[3] if len(sys.argv) > 3 else "bf16"

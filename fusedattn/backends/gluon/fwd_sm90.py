@@ -198,7 +198,12 @@ copy reads (``_paged_tile_gather``: one copy per page and 64-column block, in a 
 That left 0.91-0.93x at pages of 16 (bench/paged_tiles.py): K of tile j + 1 queued behind V of tile j's
 16 copies, though the consumers need it first (QK^T of tile j + 1 comes before PV of tile j). So the load
 warp's step j copies K of tile j, then V of tile j - 1 (the consumers' order), with one entries load
-per step holding K's entries of one tile and V's of the one before.
+per step holding K's entries of one tile and V's of the one before. That left 0.947-0.953 (bench/NOTES.md 62;
+in order, the same bytes at the contiguous cache's addresses, 0.908: the copies' number, one warp issuing
+32 per step). Split load (``V_WARP``, the persistent grid, the default ``PAGED_V_WARP``): a second load warp
+(``_fwd_v_loader_persistent``, in the producer's warpgroup, its register cap) copies V while the first copies
+Q and K, each issuing half the copies; the V warp learns each work tile from the number the producer posts in
+its Q slot, as a consumer does (bench/NOTES.md 63).
 
 [Note] FP8 (q / K / V of one float8 type: the switch is the descriptors' element type, so the 16-bit
 kernel is unchanged; ``launch_fwd_sm90_fp8``; semantics: cuDNN's ``sdpa_fp8``, ``fusedattn.fp8``, at the
@@ -312,6 +317,8 @@ CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 # ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``) assumes it
 FP8_PROMOTE_K = 32
 PRODUCER_REGS = 24    # the load warp
+# pages smaller than a key tile on the persistent grid: a second load warp copies V ([Note] paged K/V)
+PAGED_V_WARP = True
 
 
 @gluon.jit
@@ -1385,7 +1392,8 @@ def _paged_tile_gather(desc, ring, slot, ready, entries, lane0, page, max_pages,
 
 @gluon.jit
 def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
-                            n_tiles, ring0, pages, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                            n_tiles, ring0, pages, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                            LOAD_K: gl.constexpr = True, LOAD_V: gl.constexpr = True):
     """``_kv_ring_loads_at`` over a paged K/V cache (module docstring, [Note] paged K/V): key tile
     t_lo + j of sequence ``batch`` is read through the page tables ``pages`` = (PT_K, PT_V, stride_ptk,
     stride_ptv, MAX_PAGES): int32 [b, MAX_PAGES] rows of block indices into the containers.
@@ -1393,7 +1401,8 @@ def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_
     Step j copies K of tile j, then V of tile j - 1 (the order of the consumers' QK^T and PV). Pages
     smaller than a tile: a step's table entries, K's and V's, arrive in one load issued a step ahead
     (``_page_entries``; it completes under the step's slot waits and copies), so no copy waits for a
-    table read. Pages of a tile or more: one table read per tile (``_paged_tile_loads``)."""
+    table read. Pages of a tile or more: one table read per tile (``_paged_tile_loads``). LOAD_K / LOAD_V: which
+    of the two this warp copies (the V warp of [Note] paged K/V's split load: one each)."""
     PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES = pages
     row_k = PT_K + batch.to(gl.int64) * stride_ptk
     row_v = PT_V + batch.to(gl.int64) * stride_ptv
@@ -1401,19 +1410,19 @@ def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_
     if PAGE < BLOCK_N:
         PAGES: gl.constexpr = BLOCK_N // PAGE
         # the entries step j copies with (K's of tile j, V's of tile j - 1), loaded one step ahead
-        ahead = _page_entries(row_k, row_v, t_lo, t_lo, n_tiles > 0, False, MAX_PAGES, PAGES)
+        ahead = _page_entries(row_k, row_v, t_lo, t_lo, (n_tiles > 0) & LOAD_K, False, MAX_PAGES, PAGES)
         for j in range(n_tiles + 1):
             entries = ahead
-            ahead = _page_entries(row_k, row_v, t_lo + j + 1, t_lo + j, j + 1 < n_tiles, j < n_tiles, MAX_PAGES,
-                                  PAGES)
-            if j < n_tiles:
+            ahead = _page_entries(row_k, row_v, t_lo + j + 1, t_lo + j, (j + 1 < n_tiles) & LOAD_K,
+                                  (j < n_tiles) & LOAD_V, MAX_PAGES, PAGES)
+            if LOAD_K and j < n_tiles:
                 it = ring0 + j
                 slot = it % STAGES
                 page = _lane_value(entries, 0)
                 mbarrier.wait(k_empty.index(slot), ((it // STAGES) & 1) ^ 1)     # as _kv_ring_loads_at
                 _paged_tile_gather(k_desc, k_smem, slot, k_ready.index(slot), entries, 0, page, MAX_PAGES,
                                    kv_head, BLOCK_N)
-            if j > 0:
+            if LOAD_V and j > 0:
                 it = ring0 + j - 1
                 slot = it % STAGES
                 page = _lane_value(entries, PAGES)
@@ -1422,13 +1431,13 @@ def _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_
                                    kv_head, BLOCK_N)
     else:
         for j in range(n_tiles + 1):
-            if j < n_tiles:
+            if LOAD_K and j < n_tiles:
                 it = ring0 + j
                 slot = it % STAGES
                 mbarrier.wait(k_empty.index(slot), ((it // STAGES) & 1) ^ 1)     # as _kv_ring_loads_at
                 _paged_tile_loads(k_desc, k_smem.index(slot), k_ready.index(slot), row_k, MAX_PAGES,
                                   (t_lo + j) * BLOCK_N, kv_head, PAGE, BLOCK_N)
-            if j > 0:
+            if LOAD_V and j > 0:
                 it = ring0 + j - 1
                 slot = it % STAGES
                 mbarrier.wait(v_empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -1444,8 +1453,9 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
                              REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
                              DYNAMIC: gl.constexpr, PAGE: gl.constexpr, PACKED_Q: gl.constexpr = False,
-                             PACKED_KV: gl.constexpr = False):
-    """Load warp of the persistent grid. For each work tile (i-th of this CTA): wait until Q slot
+                             PACKED_KV: gl.constexpr = False, V_WARP: gl.constexpr = False):
+    """Load warp of the persistent grid (V_WARP: V's copies are another warp's, ``_fwd_v_loader_persistent``).
+    For each work tile (i-th of this CTA): wait until Q slot
     i % QSTAGES is free (both consumers' q_empty), post the tile number there, load the two Q
     halves onto q_ready0 / q_ready1 (or, for a tile with nothing to load, arrive on them
     without data), then stream its K/V tiles through the ring, whose count continues across
@@ -1477,7 +1487,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
             mbarrier.arrive(q_ready1.index(qs))
         if PAGE > 0:
             _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch,
-                                    kv_head, t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES)
+                                    kv_head, t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES, True, not V_WARP)
         else:
             _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_batch, kv_head,
                               t_lo, n_tiles, ring, BLOCK_N, STAGES, k_off)
@@ -1490,6 +1500,34 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
     _post_tile(tile_smem.index(qs), total)
     mbarrier.arrive(q_ready0.index(qs))
     mbarrier.arrive(q_ready1.index(qs))
+
+
+@gluon.jit
+def _fwd_v_loader_persistent(k_desc, v_desc, k_smem, v_smem, tile_smem, q_ready0, k_ready, k_empty, v_ready, v_empty,
+                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
+                             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                             REVERSE_M: gl.constexpr, HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QSTAGES: gl.constexpr,
+                             PAGE: gl.constexpr, BLOCK_M: gl.constexpr, PACKED_Q: gl.constexpr = False):
+    """V's load warp of the persistent grid over pages smaller than a tile ([Note] paged K/V, split load): it
+    follows the work tiles as a consumer does (the number the producer posts in each Q slot, on warpgroup 0's
+    Q ready barrier) and copies V's tiles of each into the ring, while the producer copies Q and K. A slot's
+    number is read before the consumers can finish that tile (they need its V), so before the producer
+    posts another there."""
+    total = N_M * N_BH
+    i = 0
+    ring = 0
+    tile = _take_tile(tile_smem.index(0), q_ready0.index(0), 0)
+    while tile < total:
+        pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
+        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
+            pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, False)
+        _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
+                                t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES, False, True)
+        ring += n_tiles
+        i += 1
+        tile = _take_tile(tile_smem.index(i % QSTAGES), q_ready0.index(i % QSTAGES), (i // QSTAGES) & 1)
 
 
 @gluon.jit
@@ -1591,7 +1629,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
                    DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
-                   PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False, PACKED_KV: gl.constexpr = False):
+                   PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False, PACKED_KV: gl.constexpr = False,
+                   V_WARP: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1610,7 +1649,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     [b + 1]), q_desc / o_desc view packed rows [1, H_Q, total, d] and LSE [1, H_Q, total], S_Q is the longest
     sequence; O (the packed output), stride_ob = total, stride_oh, stride_om and D_O serve the masked stores of
     each sequence's last tile (``_store_rows``). PACKED_KV (16-bit, with HAS_SEQ_KV, not paged): SEQ_KV is
-    cu_seqlens_kv and k_desc / v_desc view packed keys [1, H_KV, total_k, d], S_KV the longest sequence."""
+    cu_seqlens_kv and k_desc / v_desc view packed keys [1, H_KV, total_k, d], S_KV the longest sequence.
+    V_WARP (persistent grid, 0 < PAGE < BLOCK_N): V's copies come from a second load warp ([Note] paged K/V)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -1668,27 +1708,54 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
             mbarrier.init(q_ready0.index(i), count=1)
             mbarrier.init(q_ready1.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=2)
-        gl.warp_specialize([
-            (_fwd_consumer_persistent, (0, q_smem0, tile_smem, k_smem, v_smem, q_ready0, q_empty, k_ready, k_empty,
-                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
-                                        SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
-                                        win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
-                                        SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
-                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
-            (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
-                                        v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
-                                        SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
-                                        win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
-                                        SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
-                                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                        HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
-            (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
-                                        q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
-                                        H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
-                                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N,
-                                        STAGES, QSTAGES, DYNAMIC, PAGE, PACKED_Q, PACKED_KV)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if V_WARP:
+            gl.warp_specialize([
+                (_fwd_consumer_persistent, (0, q_smem0, tile_smem, k_smem, v_smem, q_ready0, q_empty, k_ready, k_empty,
+                                            v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
+                                            SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
+                                            win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                                            SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                            HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
+                                            v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
+                                            SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
+                                            win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                                            SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                            HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
+                                            q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
+                                            H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
+                                            HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N,
+                                            STAGES, QSTAGES, DYNAMIC, PAGE, PACKED_Q, PACKED_KV, V_WARP)),
+                (_fwd_v_loader_persistent, (k_desc, v_desc, k_smem, v_smem, tile_smem, q_ready0, k_ready, k_empty, v_ready,
+                                            v_empty, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP,
+                                            win_left, win_right, pages, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M,
+                                            HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N, STAGES, QSTAGES, PAGE, BLOCK_M, PACKED_Q)),
+            ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_fwd_consumer_persistent, (0, q_smem0, tile_smem, k_smem, v_smem, q_ready0, q_empty, k_ready, k_empty,
+                                            v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
+                                            SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
+                                            win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                                            SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                            HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
+                                            v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
+                                            SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
+                                            win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
+                                            SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
+                                            HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
+                                            q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
+                                            H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
+                                            HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, REVERSE_M, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_N,
+                                            STAGES, QSTAGES, DYNAMIC, PAGE, PACKED_Q, PACKED_KV, V_WARP)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
@@ -1937,7 +2004,8 @@ def _persistent_default(p) -> bool:
 
 def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None,
                     page_table_k=None, page_table_v=None, cu_seqlens_q=None, cu_seqlens_kv=None, block_n=None,
-                    stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None):
+                    stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None,
+                    v_warp=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
     (any strides) or None; slopes: fp32 [b, h_q] ALiBi slopes (natural units) when p.alibi;
@@ -1956,7 +2024,8 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     persistent grid, default ``PERSISTENT`` per mask kind and head dim), dynamic (its tile
     counter, default on) and head_group (heads per group of its tile order, default: about one
     wave's worth, ``_work_tile``) likewise; ctas caps the persistent grid's size (tests: a few
-    CTAs then run many work tiles each); for tuning.
+    CTAs then run many work tiles each); v_warp (pages smaller than a key tile on the persistent grid: V's
+    copies from a second load warp, default ``PAGED_V_WARP``); for tuning.
     """
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
@@ -2010,7 +2079,10 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         k_tma, v_tma = (_tma(t, block_n, box_rows=min(p.page_size, block_n), box_cols=64 if small else None)
                         for t in (k, v))
         tables = (page_table_k, page_table_v, page_table_k.stride(0), page_table_v.stride(0), page_table_k.shape[1])
+        v_warp = PAGED_V_WARP if v_warp is None else v_warp
+        v_warp = bool(v_warp and small and persistent)
     else:
+        v_warp = False
         k_tma, v_tma = _tma(k, block_n), _tma(v, block_n)
         tables = (lse_arg, lse_arg, 0, 0, 1)
     launch(
@@ -2033,7 +2105,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
         HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, PACKED_Q=varlen, PACKED_KV=packed_kv,
-        num_warps=4,
+        V_WARP=v_warp, num_warps=4,
     )
     return out, lse
 
