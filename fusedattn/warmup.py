@@ -9,7 +9,8 @@ kernel source) is never found. Triton writes each entry to a temporary name and 
 so processes sharing the cache never read a half-written entry (``tests/test_kernel_cache.py``).
 
 ``warmup`` runs the common configurations (the benchmark's: ``shared/ANCHORS.md``'s eight, each mask
-kind, decode and paged prefill; then ``bench --cold-start``'s call, two packed varlen batches and four long
+kind, decode and paged prefill; each one's forward alone, as inference calls it, and its forward under
+autograd with the backward; then ``bench --cold-start``'s call, two packed varlen batches and four long
 d=64 calls, fp16 / bf16, causal or not) at
 their real sizes (shapes decide the kernels' specializations) inside
 ``backends.triton.launch.compiling_ahead``: nothing runs on the GPU, and every kernel compiles on a pool

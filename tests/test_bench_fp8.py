@@ -85,6 +85,7 @@ def test_fp8_cache_decode_rows(block):
 
 
 def test_ours_fp8_column_computes_sdpa_fp8_forward():
+    torch.manual_seed(0)
     inp = bench.make_inputs(TINY, "cpu")
     assert inp.q.dtype == E4M3 and inp.q.transpose(1, 2).is_contiguous()       # BSHD memory, as the bf16 configs
     assert torch.equal(inp.extra["q_bf16"].float(), inp.q.float())
@@ -92,10 +93,13 @@ def test_ours_fp8_column_computes_sdpa_fp8_forward():
     out = ours.fwd()
     assert out.dtype == E4M3 and out.shape == (1, 2, 64, 32)
     assert torch.equal(out.float(), _emulated(inp, TINY).float())
-    # our bf16 forward on the same values agrees up to e4m3's rounding of P and O (2^-4 relative)
+    # our bf16 forward on the same values agrees up to e4m3's rounding (half a step: 2^-4 relative) of O, and of
+    # P, which moves O by at most 2^-4 max |v| (O is a convex combination of V's rows), plus bf16's own rounding.
+    # (A fixed 0.2 absolute was exceeded by one unseeded draw in CI: 0.203 with max |v| 3.75.)
     ref = bench.prepare_ours_bf16(TINY, False)(inp).fwd()
     assert ref.dtype == torch.bfloat16
-    assert (out.float() - ref.float()).abs().max().item() < 0.2
+    bound = 2 ** -4 * ref.float().abs() + 2 ** -4 * inp.v.float().abs().amax() + 2 ** -7
+    assert ((out.float() - ref.float()).abs() <= bound).all(), ((out.float() - ref.float()).abs() - bound).max()
 
 
 def test_ours_fp8_column_backward_computes_sdpa_fp8_backward():
