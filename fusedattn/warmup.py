@@ -37,7 +37,6 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
     ``record``: a directory; every kernel compiled is also written to a store of shipped kernels under
     it (``backends.prebuilt``; the store's path is returned as ``"store"``). Recording compiles
     everything, shipped store or not, so use a fresh process."""
-    from . import bench
     from .backends import prebuilt
     from .backends.triton import launch
     from .plan import interpreting
@@ -45,42 +44,54 @@ def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None
         return {"configs": 0, "kernels": 0, "seconds": 0.0}
     device = device or torch.device("cuda", torch.cuda.current_device())
     store = prebuilt.start_recording(record, prebuilt.device_arch(device.index or 0)) if record else None
-    configs = [cfg for group in groups for cfg in bench.select_configs(_Args(group))]
+    todo = calls(groups, device)
     start = time.perf_counter()
     with launch.compiling_ahead() as ahead:
-        for cfg in configs:
-            inp = bench.make_inputs(cfg, device)
-            runner = bench.prepare_ours(cfg, True)(inp)
-            # the forward alone (no_grad: inference, which writes no stats, a kernel specialization of its own)
-            runner.fwd()
-            if runner.make_bwd is not None:
-                # the forward under autograd compiles the backward's kernels ahead (functional.
-                # _compile_backward_ahead); the backward itself runs on PyTorch's autograd thread,
-                # where launches run: it waits for those compiles and launches on the placeholder data
-                runner.make_bwd()()
+        for name, call in todo:
+            call()
             if verbose:
-                print(f"warmup: {cfg.name}: {len(ahead.futures)} compiles started", flush=True)
-        _first_call(device)
-        if verbose:
-            print(f"warmup: bench --cold-start's call: {len(ahead.futures)} compiles started", flush=True)
-        for max_len in (2048, 1999):        # the JIT specializes an int on divisibility by 16
-            _varlen_call(device, max_len)
-        if verbose:
-            print(f"warmup: packed varlen batches: {len(ahead.futures)} compiles started", flush=True)
-        for dtype in (torch.float16, torch.bfloat16):
-            for causal in (False, True):
-                _long_d64_call(device, dtype, causal)
-        if verbose:
-            print(f"warmup: long d=64 calls: {len(ahead.futures)} compiles started", flush=True)
+                print(f"warmup: {name}: {len(ahead.futures)} compiles started", flush=True)
     ahead.wait()
     torch.cuda.synchronize(device)
-    return {"configs": len(configs), "kernels": len(ahead.futures), "seconds": time.perf_counter() - start,
+    n_configs = sum(":" in name for name, _ in todo)
+    return {"configs": n_configs, "kernels": len(ahead.futures), "seconds": time.perf_counter() - start,
             "store": store}
+
+
+def calls(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None) -> list:
+    """Every call ``warmup`` makes, in its order, as ``[(name, call)]``; ``call()`` runs it and returns the tensors
+    it produced (outputs, gradients). Names: ``GROUP:CONFIG`` for the benchmark's configurations (each one's
+    forward alone, as inference calls it (no_grad: no stats written, a kernel specialization of its own), then
+    its forward under autograd with the backward), then ``first-call``, ``varlen-N`` and ``d64-4k-DTYPE[-causal]``.
+    tools/store_gpu_check.py runs them for real against the shipped kernels."""
+    from . import bench
+    device = device or torch.device("cuda", torch.cuda.current_device())
+
+    def config_call(cfg):
+        runner = bench.prepare_ours(cfg, True)(bench.make_inputs(cfg, device))
+        outs = [runner.fwd()]
+        if runner.make_bwd is not None:
+            # the forward under autograd compiles the backward's kernels ahead (functional.
+            # _compile_backward_ahead); the backward itself runs on PyTorch's autograd thread,
+            # where launches run: it waits for those compiles and launches on the placeholder data
+            outs += list(runner.make_bwd()())
+        return outs
+
+    todo = [(f"{group}:{cfg.name}", lambda cfg=cfg: config_call(cfg))
+            for group in groups for cfg in bench.select_configs(_Args(group))]
+    todo.append(("first-call", lambda: _first_call(device)))
+    for max_len in (2048, 1999):        # the JIT specializes an int on divisibility by 16
+        todo.append((f"varlen-{max_len}", lambda m=max_len: _varlen_call(device, m)))
+    for dtype in (torch.float16, torch.bfloat16):
+        for causal in (False, True):
+            todo.append((f"d64-4k-{str(dtype)[6:]}{'-causal' if causal else ''}",
+                         lambda d=dtype, c=causal: _long_d64_call(device, d, c)))
+    return todo
 
 
 def _first_call(device: torch.device) -> list:
     """The call ``bench --cold-start`` times (``fusedattn.coldstart``): forward and backward, b 4, h 16,
-    s 2048, d 128, bf16, causal, physically BSHD. Returns [out, dq, dk, dv] (tools/store_gpu_check.py)."""
+    s 2048, d 128, bf16, causal, physically BSHD. Returns [out, dq, dk, dv]."""
     from .functional import attention
     b, h, s, d = 4, 16, 2048, 128
     q, k, v = (torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()

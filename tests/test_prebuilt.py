@@ -253,14 +253,15 @@ def test_prebuilt_launch_equals_jit_launch(tmp_path):
 
 SHIPPED_CHILD = r"""
 import torch
-from fusedattn import bench, warmup
+from fusedattn import warmup
 from fusedattn.backends import prebuilt
-names = ("b8-h12-s1024-d64-fp16-causal", "b4-h32-s2048-d128-bf16-causal")
-for cfg in [c for c in bench.select_configs(warmup._Args("anchors")) if c.name in names]:
-    runner = bench.prepare_ours(cfg, True)(bench.make_inputs(cfg, "cuda"))
-    runner.fwd()                    # inference: no stats written, a specialization of its own
-    runner.make_bwd()()             # training: the forward with stats, then the backward
-warmup._first_call(torch.device("cuda"))
+# two anchors (each: the inference forward, no stats written, then forward with stats and backward) and the
+# cold-start call, as warmup makes them
+names = ("anchors:b8-h12-s1024-d64-fp16-causal", "anchors:b4-h32-s2048-d128-bf16-causal", "first-call")
+todo = [call for name, call in warmup.calls(("anchors",)) if name in names]
+assert len(todo) == len(names), [name for name, _ in warmup.calls(("anchors",))]
+for call in todo:
+    call()
 torch.cuda.synchronize()
 print("STATS", prebuilt.stats["hits"], len(prebuilt.stats["misses"]), ",".join(prebuilt.stats["misses"]))
 """

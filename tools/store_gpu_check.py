@@ -47,39 +47,17 @@ def _fingerprint(t):
 
 
 def _calls(only):
-    """(name, thunk) for every call warmup makes; each thunk returns the tensors to compare."""
-    import torch
-    from fusedattn import bench, warmup
-    device = torch.device("cuda", torch.cuda.current_device())
-    calls = []
-    for group in warmup.GROUPS:
-        for cfg in bench.select_configs(warmup._Args(group)):
-            def run(cfg=cfg):
-                inp = bench.make_inputs(cfg, device)
-                runner = bench.prepare_ours(cfg, True)(inp)
-                outs = [runner.fwd()]
-                if runner.make_bwd is not None:
-                    outs += list(runner.make_bwd()())
-                return outs
-            calls.append((f"{group}:{cfg.name}", run))
-    calls.append(("first-call", lambda: warmup._first_call(device)))
-    for max_len in (2048, 1999):
-        calls.append((f"varlen-{max_len}", lambda m=max_len: warmup._varlen_call(device, m)))
-    for dtype in (torch.float16, torch.bfloat16):
-        for causal in (False, True):
-            calls.append((f"d64-4k-{str(dtype)[6:]}{'-causal' if causal else ''}",
-                          lambda d=dtype, c=causal: warmup._long_d64_call(device, d, c)))
-    if only:
-        calls = [(n, f) for n, f in calls if any(o in n for o in only)]
-    return calls
+    """warmup's calls (``fusedattn.warmup.calls``), those whose name contains one of ``only`` if given."""
+    from fusedattn import warmup
+    todo = warmup.calls()
+    return [(n, f) for n, f in todo if any(o in n for o in only)] if only else todo
 
 
 def child(out_path, only):
     import torch
     from fusedattn.backends import prebuilt
-    result = {"calls": {}, "triton": None}
     import triton
-    result["triton"] = triton.__version__
+    result = {"calls": {}, "triton": triton.__version__}
     start = time.perf_counter()
     for i, (name, thunk) in enumerate(_calls(only)):
         torch.manual_seed(1000 + i)
