@@ -168,7 +168,10 @@ VARIANTS = {"stages2": dict(stages=2), "stages3": dict(stages=3), "nolag": dict(
             "atomic_dqfirst_stages2": dict(dq_atomic=True, lag=False, dq_first=True, stages=2),
             "heavy_first": dict(heavy_first=True), "grid_order": dict(heavy_first=False),
             "rotate": dict(rotate=True), "rotate_forward": dict(rotate=True, reverse=False),
-            "rotate_lag": dict(rotate=True, lag=True)}
+            "rotate_lag": dict(rotate=True, lag=True), "segments": dict(segments=True), "per_head": dict(segments=False),
+            "segments_rotate": dict(segments=True, rotate=True), "segments_forward": dict(segments=True, reverse=False),
+            "segments_lag": dict(segments=True, lag=True),
+            "segments_defer": dict(segments=True, defer_dk=True, dq_first=True, lag=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -176,8 +179,8 @@ VARIANTS = {"stages2": dict(stages=2), "stages3": dict(stages=3), "nolag": dict(
 def test_gluon_fused_variants(mode, variant, request):
     """The tuning switches (a 3-deep Q/dO ring, LAG or not, query tiles in either order, flat or swizzled dQ
     staging, dS from 16-bit P, dQ before or after dK, dK deferred to the next step, dQ by atomics, heavy CTAs
-    first or the grid's order), one at a time and the
-    staging x LAG pairs, and the out= path (delta and the dq_acc zeroing in one kernel); GQA 4, many rounds
+    first or the grid's order, each run of query tiles over the group's heads in one loop or a loop per head), one
+    at a time and the staging x LAG pairs, and the out= path (delta and the dq_acc zeroing in one kernel); GQA 4, many rounds
     of the ring."""
     case = HopperCase(seed=9000 + MODES.index(mode), b=1, h_q=8, h_kv=2, s_q=650, s_kv=700, d=128, dtype="bfloat16",
                       mode=mode, layout="bshd")

@@ -52,7 +52,7 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
                  DQ_FIRST=m.DQ_FIRST[causal] if dq_first is None else dq_first,
                  DEFER_DK=m.DEFER_DK[causal] if defer_dk is None else defer_dk,
                  DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic, ROTATE=m.ROTATE[causal],
-                 CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS)
+                 CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, SEGMENTS=False)
     const.update(over)
     for k in const:
         sig[k] = "constexpr"

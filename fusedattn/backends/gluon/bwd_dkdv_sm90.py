@@ -198,75 +198,117 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                    q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, stride_sb, batch,
                    kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
                    HAS_SEQ_Q: gl.constexpr, REVERSE: gl.constexpr = False, ROTATE: gl.constexpr = False, t_a=0,
-                   t_b=0, rot=0):
+                   t_b=0, rot=0, SEGMENTS: gl.constexpr = False):
     """Load warp: K and V once (every 64-key tile of the CTA), then Q_i and dO_i (TMA) and the tile's
     lse2 = lse * log2 e and delta rows (plain loads; +inf and 0 for rows >= len_q, the sequence's
     length, S_Q unpadded) of every (head of the group, query tile). REVERSE: each head's query tiles
     last-first (the single-pass backward under a causal mask, ``bwd_fused_sm90``). ROTATE: the mask-free
     tiles [t_a, t_b) of each head start ``rot`` tiles into their order and wrap around (``bwd_fused_sm90``,
-    "Switches": Rotate; ``_tile_loop`` visits them in the same order)."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    "Switches": Rotate; ``_tile_loop`` visits them in the same order). SEGMENTS: segment-major order (the
+    single-pass backward, ``bwd_fused_sm90`` "Switches": Segments): the masked run before the mask-free one of
+    every head of the group, then every head's mask-free run, then every head's other masked run; each
+    head's tiles in the same order as without it, so with one head per group the order is the same."""
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     N_KV: gl.constexpr = k_smem.shape[0]     # 64-key K/V tiles of the CTA: 2, or 1 (SPLIT)
-    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for h in gl.static_range(N_KV):
         tma_load(k_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, k_smem.index(h))
     for h in gl.static_range(N_KV):
         tma_load(v_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, v_smem.index(h))
     it = 0
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
-        if HAS_ALIBI:
-            slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
-        for i in range(t_hi - t_lo):
-            t = t_hi - 1 - i if REVERSE else t_lo + i
-            if ROTATE:
-                # position j in the mask-free run (it follows the masked tiles before it in this order)
-                j = i - (t_hi - t_b) if REVERSE else i - (t_a - t_lo)
-                if (j >= 0) & (j < t_b - t_a):
-                    j = (j + rot) % (t_b - t_a)      # the load warp: a division per tile is cheap here
-                    t = t_b - 1 - j if REVERSE else t_a + j
-            slot = it % STAGES
-            rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-            # issued before the slot wait: their latency hides under it
-            # rows past len_q (Q and dO rows that TMA zero-fills, or that this warp zeroes below): lse = +inf
-            # makes their P exactly 0
-            lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < len_q, other=float("inf"))
-            delta = gl.load(delta_base + rows, mask=rows < len_q, other=0.0)
-            # first use of a slot: the phase before a fresh barrier's first counts as complete
-            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-            tma_load(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot),
-                                            q_smem.index(slot))
-            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-            tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot),
-                                            do_smem.index(slot))
-            # rows that saw no key have lse -inf: +inf makes their P exactly 0, as for rows >= len_q
-            lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2) * LOG2E_C
+    if SEGMENTS:
+        # the runs in the consumers' order (``bwd_fused_sm90._fused_consumer``)
+        lo0, hi0, lo2, hi2 = t_lo, t_a, t_b, t_hi
+        if REVERSE:
+            lo0, hi0, lo2, hi2 = t_b, t_hi, t_lo, t_a
+        for r in gl.static_range(3):
+            lo, hi = t_a, t_b
+            if r == 0:
+                lo, hi = lo0, hi0
+            elif r == 2:
+                lo, hi = lo2, hi2
+            for g in range(GROUP):
+                head = kv_head * GROUP + g
+                lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+                delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
+                slope2 = 0.0
+                if HAS_ALIBI:
+                    slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
+                for i in range(hi - lo):
+                    t = hi - 1 - i if REVERSE else lo + i
+                    if ROTATE:
+                        if r == 1:
+                            j = (i + rot) % (hi - lo)
+                            t = hi - 1 - j if REVERSE else lo + j
+                    _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready,
+                                 empty, lse_base, stride_lm, delta_base, slope2, batch, head, t, it, len_q, STAGES,
+                                 HAS_ALIBI, HAS_SEQ_Q)
+                    it += 1
+    else:
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+            delta_base = DELTA + (batch * H_Q + head).to(gl.int64) * S_Q
+            slope2 = 0.0
             if HAS_ALIBI:
-                lse2 = lse2 + slope2 * (rows - t * BLOCK_M).to(gl.float32)     # ALiBi's row half (_pt_tile)
-            lse_smem.index(slot).store(lse2)
-            delta_smem.index(slot).store(delta)
-            if HAS_SEQ_Q:
-                n_valid = len_q - t * BLOCK_M
-                if n_valid < BLOCK_M:
-                    # a head's last tile reaches past len_q: its padding rows of Q and dO (inside the
-                    # tensor, so TMA loads them; they may hold NaN) are zeroed once landed, so the zero
-                    # P^T and dS^T of those rows meet zeros in dV += P^T dO and dK += dS^T Q, never
-                    # 0 * NaN. The consumers wait for l_ready before their first wgmma on a padded
-                    # problem's tile, and the fence orders these stores before the wgmmas' reads.
-                    phase = (it // STAGES) & 1
-                    mbarrier.wait(q_ready.index(slot), phase)
-                    mbarrier.wait(do_ready.index(slot), phase)
-                    _zero_rows_by_chunks(q_smem.index(slot).reshape([BLOCK_M, HEAD_D]), n_valid)
-                    _zero_rows_by_chunks(do_smem.index(slot).reshape([BLOCK_M, HEAD_D]), n_valid)
-                    fence_async_shared()
-            mbarrier.arrive(l_ready.index(slot))
-            it += 1
+                slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
+            for i in range(t_hi - t_lo):
+                t = t_hi - 1 - i if REVERSE else t_lo + i
+                if ROTATE:
+                    # position j in the mask-free run (it follows the masked tiles before it in this order)
+                    j = i - (t_hi - t_b) if REVERSE else i - (t_a - t_lo)
+                    if (j >= 0) & (j < t_b - t_a):
+                        j = (j + rot) % (t_b - t_a)      # the load warp: a division per tile is cheap here
+                        t = t_b - 1 - j if REVERSE else t_a + j
+                _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready,
+                             empty, lse_base, stride_lm, delta_base, slope2, batch, head, t, it, len_q, STAGES,
+                             HAS_ALIBI, HAS_SEQ_Q)
+                it += 1
+
+
+@gluon.jit
+def _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready, empty, lse_base,
+                 stride_lm, delta_base, slope2, batch, head, t, it, len_q, STAGES: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
+    """The load warp's work for query tile t of one head, the it-th tile of the CTA: Q and dO into ring slot
+    it % STAGES (TMA), lse2 and delta rows into their slots, then l_ready (``_dkdv_producer``)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    slot = it % STAGES
+    rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    # issued before the slot wait: their latency hides under it
+    # rows past len_q (Q and dO rows that TMA zero-fills, or that this warp zeroes below): lse = +inf
+    # makes their P exactly 0
+    lse2 = gl.load(lse_base + rows.to(gl.int64) * stride_lm, mask=rows < len_q, other=float("inf"))
+    delta = gl.load(delta_base + rows, mask=rows < len_q, other=0.0)
+    # first use of a slot: the phase before a fresh barrier's first counts as complete
+    mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+    tma_load(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot), q_smem.index(slot))
+    mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+    tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot), do_smem.index(slot))
+    # rows that saw no key have lse -inf: +inf makes their P exactly 0, as for rows >= len_q
+    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2) * LOG2E_C
+    if HAS_ALIBI:
+        lse2 = lse2 + slope2 * (rows - t * BLOCK_M).to(gl.float32)     # ALiBi's row half (_pt_tile)
+    lse_smem.index(slot).store(lse2)
+    delta_smem.index(slot).store(delta)
+    if HAS_SEQ_Q:
+        n_valid = len_q - t * BLOCK_M
+        if n_valid < BLOCK_M:
+            # a head's last tile reaches past len_q: its padding rows of Q and dO (inside the
+            # tensor, so TMA loads them; they may hold NaN) are zeroed once landed, so the zero
+            # P^T and dS^T of those rows meet zeros in dV += P^T dO and dK += dS^T Q, never
+            # 0 * NaN. The consumers wait for l_ready before their first wgmma on a padded
+            # problem's tile, and the fence orders these stores before the wgmmas' reads.
+            phase = (it // STAGES) & 1
+            mbarrier.wait(q_ready.index(slot), phase)
+            mbarrier.wait(do_ready.index(slot), phase)
+            _zero_rows_by_chunks(q_smem.index(slot).reshape([BLOCK_M, HEAD_D]), n_valid)
+            _zero_rows_by_chunks(do_smem.index(slot).reshape([BLOCK_M, HEAD_D]), n_valid)
+            fence_async_shared()
+    mbarrier.arrive(l_ready.index(slot))
 
 
 @gluon.jit

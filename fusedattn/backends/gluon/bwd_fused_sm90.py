@@ -110,6 +110,16 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
   defaults, same run): 2k causal -2.2%, 16k causal -2.4%, GQA 4k -1.0%, 8k no mask -3.6%: the shared tile
   is the cheaper one (its Q/dO and dQ lines are hot in L2); the wrap also costs 6-10 instructions and 5
   spill accesses per step. Off.
+* Segments (``SEGMENTS``, GQA / MQA only): the CTA's three runs of query tiles (masked, mask-free, masked)
+  each over every head of the group in one loop, head after head (``_tile_loop``; the load warp in the same
+  order, ``_dkdv_producer(SEGMENTS=True)``), instead of a loop over the group's heads around the three runs.
+  With one head per group both are the same order and the head loop folds away. Found on Triton 3.9: GQA 4k
+  causal's backward ran at 0.74x of its 3.6 speed (ncu: 3.74 against 2.68 ms, 41.7 M spill instructions
+  against 21.6 M, tensor pipe 39% against 55%), while MHA ran faster on 3.9 than on 3.6; compiled with no GPU
+  (``tools/gluon_fused_check.py``), 3.9's runtime-group build spills 544 / 896 bytes (424 local accesses in
+  the SASS, 31-54 per step) against 3.6's 340 / 396 (173), and the segment-major one 192 / 156 (277, 1-39
+  per step). On 3.6, 3.7 and 3.8 the segment-major build spills more than the head loop (259 / 260 / 249
+  local accesses against 173 / 171 / 121): so on from Triton 3.9 only (bench/NOTES.md 64).
 * Host (``out=``): delta and the dq_acc zeroing in one kernel (``_delta_zero``) instead of the delta pass
   and torch's zero_: the same bytes, one launch fewer; measured even (runs 1-3, -1..+2%, within noise).
 
@@ -151,7 +161,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..compat import tma_reduce_add, tma_store
+from ..compat import TRITON_VERSION, tma_reduce_add, tma_store
 from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first
@@ -182,6 +192,10 @@ HEAVY_FIRST = {False: False, True: True}  # causal -> heavy first
 # each CTA's mask-free query tiles start at its key block's index into their order and wrap around, so the CTAs
 # of a head reduce into different dQ tiles at a time (docstring, "Switches": Rotate)
 ROTATE = {False: False, True: False}     # causal -> rotate
+# GQA / MQA: each run of query tiles over every head of the group in one loop instead of a loop over the
+# group's heads around the runs (docstring, "Switches": Segments); by Triton release, as their register
+# allocation differs (bench/NOTES.md 64)
+SEGMENTS = TRITON_VERSION >= (3, 9)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -361,25 +375,84 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr,
                DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr = False,
-               rot=0):
+               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1):
     """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE); ROTATE: starting ``rot``
-    tiles into that order and wrapping around (the producer's order, ``_dkdv_producer``)."""
+    tiles into that order and wrapping around (the producer's order, ``_dkdv_producer``). SEGMENTS: the same
+    tiles of GROUP heads, head after head, in one loop (head and dq_out: the first head's; "Switches":
+    Segments)."""
     n = hi - lo
     start = 0
     if ROTATE:
         start = rot % gl.maximum(n, 1)       # one division per run; the loop wraps with a compare
-    for i in range(n):
-        j = i
-        if ROTATE:
-            j = i + start
-            if j >= n:
-                j = j - n
-        t = hi - 1 - j if REVERSE else lo + j
-        dk, dv, ds_keep, prev_head, prev_row = _fused_step(
-            it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready, do_ready,
-            l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band, qk_scale, batch,
-            head, prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-        it += 1
+    if SEGMENTS:
+        BLOCK_M: gl.constexpr = q_smem.shape[3]
+        HEAD_D: gl.constexpr = k_smem.shape[4]
+        dq_desc, dq_first, S_Q = dq_out
+        # dq_acc: contiguous [b, h_q, S_Q rounded up to BLOCK_M, HEAD_D] (``acc_rows``)
+        head_elems = ((S_Q + BLOCK_M - 1) // BLOCK_M * BLOCK_M * HEAD_D).to(gl.int64)
+        g = 0
+        i = 0
+        for v in range(GROUP * n):
+            j = i
+            if ROTATE:
+                j = i + start
+                if j >= n:
+                    j = j - n
+            t = hi - 1 - j if REVERSE else lo + j
+            dk, dv, ds_keep, prev_head, prev_row = _fused_step(
+                it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, (dq_desc, dq_first + g * head_elems, S_Q), dk, dv,
+                ds_keep, zero_s, zero_q, keys, band, qk_scale, batch, head + g, prev_head, prev_row, MASKED, HAS_RIGHT,
+                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+            it += 1
+            i += 1
+            if i == n:
+                i = 0
+                g += 1
+    else:
+        for i in range(n):
+            j = i
+            if ROTATE:
+                j = i + start
+                if j >= n:
+                    j = j - n
+            t = hi - 1 - j if REVERSE else lo + j
+            dk, dv, ds_keep, prev_head, prev_row = _fused_step(
+                it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
+                do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band,
+                qk_scale, batch, head, prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK,
+                DQ_ATOMIC)
+            it += 1
+    return it, dk, dv, ds_keep, prev_head, prev_row
+
+
+@gluon.jit
+def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
+          dq_lo, dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
+          keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
+          P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr, DQ_FIRST: gl.constexpr,
+          DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, GROUP):
+    """The CTA's query tiles of one head (or under SEGMENTS of GROUP heads from ``head`` on): masked [lo0, hi0),
+    mask-free [t_a, t_b), masked [lo2, hi2): the band's left edge first, or with REVERSE the last query tile
+    first (module docstring, "Switches": Order)."""
+    lo0, hi0, lo2, hi2 = t_lo, t_a, t_b, t_hi
+    if REVERSE:
+        lo0, hi0, lo2, hi2 = t_b, t_hi, t_lo, t_a
+    it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+        lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+        q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
+        band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+        DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP)
+    it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+        t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+        q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
+        band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP)
+    it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+        lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+        q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
+        band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+        DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP)
     return it, dk, dv, ds_keep, prev_head, prev_row
 
 
@@ -389,7 +462,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles, qk_scale, sm_scale,
                     HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, REVERSE: gl.constexpr, P16_DS: gl.constexpr,
                     LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                    ROTATE: gl.constexpr, rot):
+                    ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
     (LAG: each one a tile late, the last one after the loop)."""
     WG_N: gl.constexpr = k_smem.shape[3]
@@ -427,32 +500,26 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     it = 0
     prev_head = kv_head * GROUP
     prev_row = S_Q       # LAG: no tile before the first (a reduce at row S_Q is clipped whole)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        # ``_dq_stage``: the descriptor, this head's rows of dq_acc (contiguous [b, h_q, S_Q rounded up to
-        # BLOCK_M, 128]), S_Q
-        acc_rows = (S_Q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    # ``_dq_stage``: the descriptor, a head's rows of dq_acc (contiguous [b, h_q, S_Q rounded up to BLOCK_M,
+    # HEAD_D]), S_Q
+    acc_rows = (S_Q + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if SEGMENTS:
+        head = kv_head * GROUP
         dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
-        # masked [lo0, hi0), mask-free [t_a, t_b), masked [lo2, hi2): the band's left edge first, or with
-        # REVERSE the last query tile first (module docstring, "Switches": Order)
-        lo0, hi0, lo2, hi2 = t_lo, t_a, t_b, t_hi
-        if REVERSE:
-            lo0, hi0, lo2, hi2 = t_b, t_hi, t_lo, t_a
-        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-            lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-            q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-            band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC)
-        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-            t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-            q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-            band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot)
-        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
-            lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-            q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
-            band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+        it, dk, dv, ds_keep, prev_head, prev_row = _runs(
+            t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
+            dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
+            keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP)
+    else:
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
+            it, dk, dv, ds_keep, prev_head, prev_row = _runs(
+                t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
+                dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
+                keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
+                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1)
     if DEFER_DK:
         # the last step's dK (its Q/dO slot and dS buffer are not released: nothing is loaded or stored
         # into them again)
@@ -484,7 +551,7 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                          STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, REVERSE: gl.constexpr,
                          P16_DS: gl.constexpr, LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr,
                          DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr):
+                         PRODUCER_REGS: gl.constexpr, SEGMENTS: gl.constexpr = False):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -548,17 +615,17 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS)),
         (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS)),
         # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
                           DELTA, DELTA, 0, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES, False,
-                          False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n)),
+                          False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n, SEGMENTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -641,7 +708,7 @@ def _problem_ok(p) -> bool:
 
 def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=None, dq_acc=None, stages=None,
                           reverse=None, flat=None, p16_ds=None, lag=None, dq_first=None, defer_dk=None,
-                          dq_atomic=None, heavy_first=None, rotate=None):
+                          dq_atomic=None, heavy_first=None, rotate=None, segments=None):
     """dQ, dK, dV of attention on Hopper in one pass (plus preparing dQ's fp32 accumulator and converting
     it), written in place.
 
@@ -655,8 +722,8 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
     * out None: delta holds rowsum(dO * O) already (the caller's delta pass) and dq_acc is zeroed here.
 
     dq_acc: optional fp32 scratch of b*h_q*acc_rows(s_q)*d elements. Tuning: stages, reverse, flat, p16_ds, lag,
-    dq_first, defer_dk, dq_atomic, heavy_first, rotate override ``STAGES``, ``REVERSE``, ``DQ_FLAT``, ``P16_DS``,
-    ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``."""
+    dq_first, defer_dk, dq_atomic, heavy_first, rotate, segments override ``STAGES``, ``REVERSE``, ``DQ_FLAT``,
+    ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``, ``SEGMENTS``."""
     if dq_acc is None:
         dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=q.device)
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
@@ -668,7 +735,7 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
         dq_acc.zero_()
     launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, reverse=reverse, flat=flat,
                   p16_ds=p16_ds, lag=lag, dq_first=dq_first, defer_dk=defer_dk, dq_atomic=dq_atomic,
-                  heavy_first=heavy_first, rotate=rotate)
+                  heavy_first=heavy_first, rotate=rotate, segments=segments)
     launch_convert(p, dq_acc, dq)
     return dq, dk, dv
 
@@ -686,7 +753,8 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
 
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
-                  p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None):
+                  p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None,
+                  segments=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
     [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch)."""
     band = p.band
@@ -713,7 +781,9 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         LAG=LAG[causal] if lag is None else lag, DQ_FIRST=dq_first, DEFER_DK=defer_dk,
         DQ_ATOMIC=DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
         ROTATE=ROTATE[causal] if rotate is None else rotate, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        PRODUCER_REGS=PRODUCER_REGS,
+        # one head per group: the same order either way, and the per-head loop folds away (group 1 is a constant)
+        SEGMENTS=bool(SEGMENTS if segments is None else segments) and p.group > 1, num_warps=4,
     )
 
 

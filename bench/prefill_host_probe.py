@@ -1,0 +1,91 @@
+"""Lab probe (issue 25 item 3): is a prefill row of ``bench`` the kernel's speed, or the call's host time?
+
+``bench`` times eager calls with ``do_bench``: an L2 flush (a 256 MB memset, ~0.09 ms), a start event, the call,
+an end event, one call at a time. The start event fires when the flush ends; if the call's Python takes longer
+than the flush to reach its launch, the GPU idles in between and the row counts that host time. The prefill
+calls take ~0.42 ms of GPU, so a call needing more than ~0.1 ms of host before its launch reads slower than its
+kernel; the paged calls do more host work than the contiguous one, and Triton's launch path changes between
+releases. For each prefill config this prints, in TFLOP/s (``bench.fwd_flops``):
+
+* ``bench``: what the bench reads (``bench.time_gpu_ms``, quick, eager);
+* ``graph``: CUDA-graph replays of the same call (the kernel alone);
+* ``loop``: 100 calls back to back between two events, no flush (a serving loop: max(host, GPU) per call);
+
+and the host time of one call (enqueue, no sync; ``overhead.host_ms``), how the Gluon launches went
+(:func:`launch_paths`), and with ``--profile`` a cProfile of each config's Python
+(200 calls).
+
+    PYTHONPATH=$PWD python bench/prefill_host_probe.py [--profile]
+"""
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+
+from fusedattn import bench
+from fusedattn.backends import compat
+from overhead import host_ms    # bench/overhead.py
+
+
+def loop_ms(fn, n=100) -> float:
+    """ms per call of ``n`` calls enqueued back to back (no flush, no sync between them)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def launch_paths() -> str:
+    """How the Gluon kernels launched so far go: per kernel, its cached signatures by path (a shipped kernel's
+    bound launch, the direct C launch, Triton's public launcher where the fast path refused: why)."""
+    from fusedattn.backends.gluon import launch as gluon_launch
+    paths = []
+    for kernel, launcher in gluon_launch._LAUNCHERS.items():
+        kinds = [("public: " + str(compat.last_refusal)) if e[3] is None else type(e[3]).__name__
+                 for e in launcher.cache.values()]
+        paths.append(f"{getattr(kernel, '__name__', kernel)} {sorted(set(kinds))}")
+    return "; ".join(paths)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", action="store_true", help="cProfile 200 calls of each config")
+    args = ap.parse_args()
+    import triton
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    print(f"{'config':48s} {'bench':>7s} {'graph':>7s} {'loop':>7s}  {'host ms':>8s} {'GPU ms':>7s}  launch")
+    for cfg in bench.prefill_configs():
+        inp = bench.make_inputs(cfg, "cuda")
+        fn = bench.prepare_ours(cfg, False)(inp).fwd
+        flops = bench.fwd_flops(cfg)
+        tf = lambda ms: flops / ms / 1e9  # noqa: E731
+        eager = bench.time_gpu_ms([fn], quick=True, graphs=False)
+        graph = bench.time_gpu_ms([fn], quick=True, graphs=True)
+        loop = loop_ms(fn)
+        host = host_ms(fn, n=200)
+        print(f"{cfg.name:48s} {tf(eager):7.1f} {tf(graph):7.1f} {tf(loop):7.1f}  {host:8.3f} {graph:7.3f}  "
+              f"{launch_paths()}", flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+            print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+        del inp, fn
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
