@@ -5,6 +5,7 @@ Without a GPU, a child process (no interpreter: real ``@triton.jit`` kernels) co
 self-check's two probe kernels for sm_90 with Triton's compiler, records them into a store the test owns as
 ``fusedattn warmup --record`` does, and reports the keys and entries; the test then reads the store back.
 """
+import ast
 import json
 import lzma
 import os
@@ -362,6 +363,22 @@ def test_shipped_store_is_intact_and_current(store):
     # the cold-start call's kernels are there (bench --cold-start loaded 3 on the H100, Triton 3.6)
     names = {e["name"] for e in index["kernels"].values()}
     assert {"_attn_fwd_sm90", "_attn_bwd_dq_sm90", "_attn_bwd_dkdv_sm90", "_decode_fwd"} <= names
+    # the fused backward's SEGMENTS (its last parameter) as this store's Triton chooses it for warmup's GQA
+    # anchor: a store built from another release's recording keeps that release's choice (tools/store_rebuild.py)
+    from fusedattn.backends.compat import TRITON_VERSION, _version
+    from fusedattn.backends.gluon import bwd_fused_sm90
+
+    def segments_on(release):      # bwd_fused_sm90.SEGMENTS's rule, checked against it for this Triton below
+        return release >= (3, 9)
+
+    assert bwd_fused_sm90.SEGMENTS == segments_on(TRITON_VERSION)
+    segments = {ast.literal_eval(e["specs"])[-2] for e in index["kernels"].values()
+                if e["name"] == "_attn_bwd_fused_sm90"}
+    want = "True" if segments_on(_version(version)) else "False"
+    assert want in segments and segments <= {want, "False"}, (
+        f"{store.name}: the fused backward's SEGMENTS values {sorted(segments)}, Triton {version} launches "
+        f"the GQA anchor with {want}: record this store on a GPU or build it from a recording of a release "
+        f"that chooses the same")
 
 
 def test_a_kernel_the_driver_refuses_falls_back_to_the_jit(recorded, monkeypatch):

@@ -24,6 +24,9 @@ until the next ``warmup --record``; entries whose kernel or constants no longer 
 A recording on one Triton serves the others: ``--launches-from`` takes the launches of another store's index
 (the specs do not depend on the Triton release: the same warmup specializes the same way on each; session 23
 built 3.7.1, 3.8.0 and 3.9.0 from a 3.6.0 recording, bench/NOTES.md 62) and replaces this store's entries.
+Not where a switch depends on the release: the fused backward's ``SEGMENTS`` (GQA, Triton 3.9+) is recorded
+as the recording's Triton chose it, so a 3.9 store built from a 3.6 recording would lack its GQA launch (a
+miss and a JIT compile on the first GQA backward): take 3.9's launches from a 3.9 recording (bench/NOTES.md 64).
 """
 import argparse
 import ast
