@@ -61,7 +61,13 @@ in the first and third, 3.9.0 in the second), TFLOP/s / the contiguous default:
     varlen, pages of 16   0.968   0.980    0.954   0.928    0.940   0.949
     varlen, pages of 64   0.982   0.979    0.971   0.966    0.973   0.982
 
-Predicted +2-5% at pages of 16; measured +1.2 to +3.4% there (0.949-0.955 -> 0.957-0.987), within +-1% at pages
+Session 25 (bench/NOTES.md 64), ``--pages 0,16,64,256 --variants default,one_load_warp,tile_n128/s2 --rep 100``,
+Triton 3.9.0 then 3.6.0 in one call, / the contiguous default: pages of 16 V warp 0.884 / one warp 0.915 / one-tile
+grid 0.928 on 3.9 against 0.945 / 0.960 / 0.796 on 3.6; pages of 64 0.885 / 0.960 / 0.936 against 0.979 / 0.971
+/ 0.953; pages of 256 0.950 / 0.950 / 0.998 against 0.983 / 0.969 / 0.982. Two more V warp / one warp rounds on
+3.9.0: one warp +2.4 / +3.7% at 16, +3.4 / +3.2% at 64. So ``PAGED_V_WARP`` is off from Triton 3.9.
+
+Session 24: predicted +2-5% at pages of 16; measured +1.2 to +3.4% there (0.949-0.955 -> 0.957-0.987), within +-1% at pages
 of 64, mixed for the packed varlen rows (-1.2% to +2.8%). Every output bit-identical (max diff 0). Taken as the
 default for pages smaller than a tile on the persistent grid.
 """
@@ -132,7 +138,8 @@ def main() -> None:
             call = functools.partial(fusedattn.attention_with_kvcache, inp.q, inp.k, inp.v, causal=True,
                                      validate=False)
         ref = None
-        for name in args.variants.split(","):
+        # '_' stands for ' ' in variant names (run_device.sh passes $PAGED_TILES_ARGS unquoted)
+        for name in (v.replace("_", " ") for v in args.variants.split(",")):
             launched = []
 
             def patched(p, *a, _kw=VARIANTS[name], **kw):

@@ -16,6 +16,20 @@ and the host time of one call (enqueue, no sync; ``overhead.host_ms``), how the 
 (200 calls).
 
     PYTHONPATH=$PWD python bench/prefill_host_probe.py [--profile]
+
+Measured (session 25, H100 80GB HBM3, torch 2.11, Triton 3.9.0 with its shipped store; bench/NOTES.md 64):
+
+    config                   bench   graph    loop   host ms  GPU ms
+    contiguous               634.2   615.9   634.9     0.145   0.418
+    pages of 16              564.3   583.8   541.1     0.169   0.441
+    pages of 64              544.4   596.5   565.4     0.191   0.432
+    pages of 256             589.3   613.3   601.8     0.165   0.420
+    packed, pages of 16      564.3   576.9   559.8     0.206   0.447
+    packed, pages of 64      555.8   594.3   558.0     0.204   0.434
+
+Host time stays under half the GPU time: the rows are not host-bound. The graph column is another kernel: a
+capture has no tile counter, so padded problems take the one-tile grid there (``fwd_sm90._tile_counter``), which
+on 3.9 beats the persistent grid's paged builds (bench/paged_tiles.py, session 25).
 """
 import argparse
 import cProfile

@@ -261,7 +261,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...plan import interpreting
-from ..compat import cta_barrier, smem_reinterpret, tma_load, tma_store
+from ..compat import TRITON_VERSION, cta_barrier, smem_reinterpret, tma_load, tma_store
 from ..triton.launch import _current_raw_stream, jit_launch
 from . import dropout
 from .launch import Tma, launch
@@ -317,8 +317,10 @@ CONSUMER_REGS = 240   # per thread, each consumer warpgroup (setmaxnreg)
 # ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``) assumes it
 FP8_PROMOTE_K = 32
 PRODUCER_REGS = 24    # the load warp
-# pages smaller than a key tile on the persistent grid: a second load warp copies V ([Note] paged K/V)
-PAGED_V_WARP = True
+# pages smaller than a key tile on the persistent grid: a second load warp copies V ([Note] paged K/V); up to
+# Triton 3.8: on 3.9 one load warp read +2.4..+3.7% at pages of 16 and +3.2..+3.4% at 64 (two A/B rounds in
+# one process, H100; bench/NOTES.md 64), while on 3.6 the second warp gains 1-3% there
+PAGED_V_WARP = TRITON_VERSION < (3, 9)
 
 
 @gluon.jit
