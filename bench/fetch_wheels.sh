@@ -10,21 +10,20 @@
 # for nvidia-cutlass-dsl[cu13]; `import cudnn` and its pygraph SDPA work without it against
 # the machine's own cuDNN (ANCHORS.md), so it is left out: it is over 100 MB.
 #
-# FlashAttention-4 (too big for one call; NOT fetched here). Recipe, from ANCHORS.md:
-#   1. download, with the same pip line as below, into .whl-fa4/ (also git-ignored):
-#        flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base
-#        nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 quack-kernels apache-tvm-ffi
-#        torch-c-dlpack-ext cuda-bindings cuda-pathfinder einops        (about 120 MB in all)
-#      (versions: those the ANCHORS.md run used; check each wheel's Requires-Dist with
-#       `unzip -p X.whl '*/METADATA' | grep ^Requires-Dist`, keep one version of each)
-#   2. split the 92 MB -libs-cu13 wheel: `split -b 46M NAME.whl .whl/NAME.whl.part-`
-#      and put the first half alone in .whl/ for a first device call that runs
-#      `bash bench/run_device.sh stash` (copies the parts to /tmp/whlparts on the machine);
-#   3. right after (the machine stays warm only ~30 s), a second call carries the other
-#      half plus the remaining wheels; run_device.sh joins `*.whl.part-*` from /tmp/whlparts
-#      and .whl/ with cat, installs everything with --target /tmp/site and adds that folder
-#      with site.addsitedir (FA4 finds its DSL through a .pth file).
-#   Each call carries at most 64 MiB in all (the working tree counts too).
+# FlashAttention-4 (too big for one call: about 107 MB of wheels):
+#
+#   bash bench/fetch_wheels.sh fa4
+#
+# downloads FA4 4.0.0b36 and its CuTe DSL (the versions ANCHORS.md's run used) into .whl-fa4/ (git-ignored) and
+# stages them for three device calls made back to back (the machine stays warm ~30 s between calls):
+#   .whl-fa4/stage1/  the first 55 MB of the -libs-cu13 wheel
+#   .whl-fa4/stage2/  its other 37 MB and every other FA4 wheel, each renamed NAME.whl.part-aa (one part)
+# Call 1: copy stage1 into .whl/ and run `bash bench/run_device.sh stash` carrying .whl; call 2: the same with
+# stage2; call 3: .whl/ back to the cuDNN frontend wheels (this script with no argument) and the real parts.
+# run_device.sh's install_wheels joins every NAME.whl.part-* kept in /tmp/whlparts and installs them into
+# /tmp/site; fusedattn.bench adds that folder as a site dir (FA4 finds its DSL through a .pth file). Each call
+# carries at most 64 MiB with the working tree: drop the shipped stores the call does not need from the index
+# first (bench/NOTES.md 64 has the session that did this).
 set -euo pipefail
 
 cd "$(git rev-parse --show-toplevel)"
@@ -37,6 +36,30 @@ if ! git check-ignore -q "$DEST/x.whl"; then
     echo "/$DEST/" >> .git/info/exclude
 fi
 mkdir -p "$DEST"
+
+PLATFORMS_FA4=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+               --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+if [ "${1:-}" = fa4 ]; then
+    FA4=.whl-fa4
+    rm -rf "$FA4" && mkdir -p "$FA4/wheels" "$FA4/stage1" "$FA4/stage2"
+    # versions of the 2026-11-22 anchors run; apache-tvm-ffi comes with the cuDNN frontend wheels above
+    "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        "${PLATFORMS_FA4[@]}" --platform any -d "$FA4/wheels" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 \
+        nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
+        quack-kernels==0.6.5 torch-c-dlpack-ext==0.1.5 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 einops==0.8.2
+    for w in "$FA4"/wheels/*.whl; do
+        name=$(basename "$w")
+        case "$name" in
+            nvidia_cutlass_dsl_libs_cu13-*)
+                split -b 55M "$w" "$FA4/stage1/$name.part-"
+                mv "$FA4"/stage1/"$name".part-a[b-z] "$FA4/stage2/" ;;
+            *) cp "$w" "$FA4/stage2/$name.part-aa" ;;
+        esac
+    done
+    du -sh "$FA4/stage1" "$FA4/stage2"
+    echo "stage1 then stage2 into .whl/, each with: bash bench/run_device.sh stash (carry .whl); then the run"
+    exit 0
+fi
 
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
