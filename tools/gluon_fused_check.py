@@ -5,6 +5,7 @@
                                       [defer|nodefer] [atomic|tma] [rotate] [d64] [m128]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag,
              ... 0 fp16 - d64 (head dim 64; default 128), ... 0 fp16 - d64 m128 (128-row query tiles)
+    python tools/gluon_fused_check.py survey    # spills of the builds the anchors launch (below)
 
 Prints shared memory, registers/spills (ptxas -v on the PTX, with its warnings, e.g. C7514 wgmma
 serialization), and for each inner loop of the SASS its instruction count, MUFU.EX2 count, local-memory
@@ -66,7 +67,28 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
 SHOW_F = SHOW + ("UBLKRED", "UTMAREDG", "RED", "ATOM")
 
 
+def survey():
+    """Spills of the builds the d=128 anchors launch, as the JIT specializes them: a group of one folds to a
+    constant (MHA), a larger group is a runtime argument (GQA; with and without ``SEGMENTS``). Per build: spill
+    bytes (ptxas), local-memory accesses in the SASS, and per inner loop (instructions, local accesses); the
+    mask-free loops (the shortest large ones) are where the steps run. Session 25 found Triton 3.9's GQA build
+    spilling 2-3x more per step than 3.6's this way (bench/NOTES.md 64)."""
+    print(f"Triton {triton.__version__}")
+    for causal in (True, False):
+        for label, over in (("MHA", {"GROUP": 1}), ("GQA", {}), ("GQA segments", {"SEGMENTS": True})):
+            k = compile_fused(causal, "bf16", **over)
+            rep = ptxas_report(k)
+            m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", rep)
+            text = sass(k)
+            loops = [(n, sum(("LDL" in b or "STL" in b) for b in body)) for _, n, body in inner_loops(text)]
+            local = sum(("LDL" in b or "STL" in b) for b in text.splitlines())
+            print(f"{'causal' if causal else 'no mask'} {label:13s} spill {m.group(1)}/{m.group(2)} B, {local} local "
+                  f"accesses, loops {loops}", flush=True)
+
+
 def main():
+    if sys.argv[1:2] == ["survey"]:
+        return survey()
     causal = bool(int(sys.argv[1])) if len(sys.argv) > 1 else True
     dtype = sys.argv[2] if len(sys.argv) > 2 else "bf16"
     stages = int(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None

@@ -119,7 +119,10 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
   (``tools/gluon_fused_check.py``), 3.9's runtime-group build spills 544 / 896 bytes (424 local accesses in
   the SASS, 31-54 per step) against 3.6's 340 / 396 (173), and the segment-major one 192 / 156 (277, 1-39
   per step). On 3.6, 3.7 and 3.8 the segment-major build spills more than the head loop (259 / 260 / 249
-  local accesses against 173 / 171 / 121): so on from Triton 3.9 only (bench/NOTES.md 64).
+  local accesses against 173 / 171 / 121): so on from Triton 3.9 only (bench/NOTES.md 64), and by default
+  under a causal mask only: without one, 3.9's head loop folds its empty masked runs away and spills less
+  (87 local accesses, mask-free loops with 1 each) than the segment-major build (139; 7-10 per step; static,
+  ``tools/gluon_fused_check.py survey``, not timed).
 * Host (``out=``): delta and the dq_acc zeroing in one kernel (``_delta_zero``) instead of the delta pass
   and torch's zero_: the same bytes, one launch fewer; measured even (runs 1-3, -1..+2%, within noise).
 
@@ -192,9 +195,9 @@ HEAVY_FIRST = {False: False, True: True}  # causal -> heavy first
 # each CTA's mask-free query tiles start at its key block's index into their order and wrap around, so the CTAs
 # of a head reduce into different dQ tiles at a time (docstring, "Switches": Rotate)
 ROTATE = {False: False, True: False}     # causal -> rotate
-# GQA / MQA: each run of query tiles over every head of the group in one loop instead of a loop over the
-# group's heads around the runs (docstring, "Switches": Segments); by Triton release, as their register
-# allocation differs (bench/NOTES.md 64)
+# GQA / MQA under a causal mask: each run of query tiles over every head of the group in one loop instead of a
+# loop over the group's heads around the runs (docstring, "Switches": Segments); by Triton release, as their
+# register allocation differs (bench/NOTES.md 64)
 SEGMENTS = TRITON_VERSION >= (3, 9)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
@@ -782,8 +785,9 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         DQ_ATOMIC=DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic,
         ROTATE=ROTATE[causal] if rotate is None else rotate, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS,
-        # one head per group: the same order either way, and the per-head loop folds away (group 1 is a constant)
-        SEGMENTS=bool(SEGMENTS if segments is None else segments) and p.group > 1, num_warps=4,
+        # one head per group: the same order either way, and the per-head loop folds away (group 1 is a constant);
+        # by default under a causal mask only (docstring, "Switches": Segments)
+        SEGMENTS=bool(SEGMENTS and causal if segments is None else segments) and p.group > 1, num_warps=4,
     )
 
 
