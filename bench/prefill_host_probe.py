@@ -9,7 +9,8 @@ releases. For each prefill config this prints, in TFLOP/s (``bench.fwd_flops``):
 
 * ``bench``: what the bench reads (``bench.time_gpu_ms``, quick, eager);
 * ``graph``: CUDA-graph replays of the same call (the kernel alone);
-* ``loop``: 100 calls back to back between two events, no flush (a serving loop: max(host, GPU) per call);
+* ``loop``: 100 calls back to back between two events, no flush (``decode_overhead.gpu_ms``; a serving loop:
+  max(host, GPU) per call);
 
 and the host time of one call (enqueue, no sync; ``overhead.host_ms``), how the Gluon launches went
 (:func:`launch_paths`), and with ``--profile`` a cProfile of each config's Python
@@ -40,21 +41,8 @@ import torch
 
 from fusedattn import bench
 from fusedattn.backends import compat
+from decode_overhead import gpu_ms    # bench/decode_overhead.py: ms per call of n calls back to back
 from overhead import host_ms    # bench/overhead.py
-
-
-def loop_ms(fn, n=100) -> float:
-    """ms per call of ``n`` calls enqueued back to back (no flush, no sync between them)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def launch_paths() -> str:
@@ -83,7 +71,7 @@ def main() -> None:
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
         eager = bench.time_gpu_ms([fn], quick=True, graphs=False)
         graph = bench.time_gpu_ms([fn], quick=True, graphs=True)
-        loop = loop_ms(fn)
+        loop = gpu_ms(fn, n=100)
         host = host_ms(fn, n=200)
         print(f"{cfg.name:48s} {tf(eager):7.1f} {tf(graph):7.1f} {tf(loop):7.1f}  {host:8.3f} {graph:7.3f}  "
               f"{launch_paths()}", flush=True)
