@@ -1,7 +1,7 @@
 """Time the experimental single-pass Gluon backward (bwd_fused_sm90) against the two-pass Gluon backward
 (bwd_dq_sm90 + bwd_dkdv_sm90) on the d128 anchor configs.
 
-    python3 bench/gluon_fused_sweep.py [--quick] [--variants[=a,b,...]] [--order] [--baseline=MODULE]
+    python3 bench/gluon_fused_sweep.py [--quick] [--gqa] [--variants[=a,b,...]] [--order] [--baseline=MODULE]
 
 TFLOP/s of the whole backward: 2.5x the forward's 4*b*h_q*s_q*s_kv*d flops, halved when causal.
 Columns (medians of triton.testing.do_bench, ms -> TFLOP/s):
@@ -15,8 +15,9 @@ Columns (medians of triton.testing.do_bench, ms -> TFLOP/s):
           pass and torch's zero_ as two launches, dqfst / dqlast = the dQ product issued before / after dK
           (``DQ_FIRST``), lin = the grid's own CTA order (``HEAVY_FIRST`` off), defer = ``DEFER_DK`` on,
           st2 / st3 = a 2- / 3-deep Q/dO ring, flat = unswizzled dQ staging, atom = dQ by vector atomics
-          (``DQ_ATOMIC``), atom3 = atomics and a 3-deep ring), and with --order also the other query-tile
-          order (``REVERSE``); --variants=a,b times only those
+          (``DQ_ATOMIC``), atom3 = atomics and a 3-deep ring, seg / noseg = ``SEGMENTS`` on / off: GQA only),
+          and with --order also the other query-tile order (``REVERSE``); --variants=a,b times only those
+  --gqa: only the GQA config (where ``SEGMENTS`` matters)
   --baseline=MODULE: also fusedattn/backends/gluon/MODULE.py, another copy of bwd_fused_sm90 (e.g. the
           previous commit's, copied there for the run), with its defaults, as column "base:"
 Every kernel is compiled first in parallel processes (small inputs of the same specialization), so the
@@ -54,7 +55,7 @@ def bench(fn, rep=250):
 VARIANTS = {"sepz": dict(sepz=True), "dqfst": dict(dq_first=True), "dqlast": dict(dq_first=False),
             "lin": dict(heavy_first=False), "defer": dict(defer_dk=True, dq_first=True), "st2": dict(stages=2), "st3": dict(stages=3), "flat": dict(flat=True),
             "atom": dict(dq_atomic=True), "atom3": dict(dq_atomic=True, stages=3), "rot": dict(rotate=True),
-            "order": "flip"}
+            "seg": dict(segments=True), "noseg": dict(segments=False), "order": "flip"}
 
 
 def _variant_kw(name, causal):
@@ -123,6 +124,8 @@ def main():
             f"{'kTF':>6s}")
     d = 128
     configs = CONFIGS[:2] if quick else CONFIGS
+    if "--gqa" in sys.argv:
+        configs = [c for c in CONFIGS if c[1] != c[2]]
     names = picked[0] if picked else [n for n in VARIANTS if n != "order" or "--order" in sys.argv] if variants else []
     names += [f"base:{b}" for b in base]
     if names:
