@@ -65,11 +65,14 @@ def launch_cost(q, k, v, causal):
         ("plan", lambda: plan(p)),
         ("Launcher (key + direct)", lambda: launcher(key, grid, *args, **kwargs)),
         ("JIT launch", lambda: launcher.kernel[grid](*jit_args, **kwargs)),
-        ("compiled launcher only", lambda: compiled.run(g[0], g[1], g[2], stream, compiled.function,
-                                                        compiled.packed_metadata, None, None, None,
-                                                        *args, *tail)),
         ("torch.empty_like(q)", lambda: torch.empty_like(q)),
     ]
+    if hasattr(compiled, "run"):           # Triton's compiled kernel: its own launcher
+        steps.insert(-1, ("compiled launcher only", lambda: compiled.run(
+            g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)))
+    else:                                  # a shipped kernel (backends.prebuilt): its driver launch
+        go = compiled.bound(tail)
+        steps.insert(-1, ("prebuilt launch only", lambda: go(g[0], g[1], g[2], stream, args)))
     if launcher.jit_arg is not None:       # a Gluon launch: its key is built on every call
         steps.insert(4, ("signature key only", lambda: launch_mod_key(args, kwargs)))
     print(f"forward kernel: {launcher.kernel.fn.__name__}, {len(args)} positional arguments", flush=True)
