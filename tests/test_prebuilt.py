@@ -381,6 +381,74 @@ def test_shipped_store_is_intact_and_current(store):
         f"that chooses the same")
 
 
+class _FakeDescriptor:
+    """What ``values()`` reads of a launch's TMA descriptor (``backends.gluon.launch.Tma``)."""
+
+    def __init__(self, base, rank, padding):
+        self.base, self.padding = base, padding
+        self.shape = tuple(3 + i for i in range(rank))
+        self.strides = tuple(7 * (rank - i) for i in range(rank))
+
+
+@pytest.mark.parametrize("store", STORES, ids=[p.name for p in STORES])
+def test_generated_parameter_packing_equals_the_loop(store):
+    """``PrebuiltKernel.packer`` (one generated list display per kernel and tail) gives the per-argument loop's
+    values (``pack_loop``) for every shipped entry: pointers (None as 0), scalars, each descriptor as its
+    encoded bytes (once per base / shape / strides / padding / slot) then its shape and strides, constexprs
+    dropped, the tail's parameters included, then the two scratch zeros; an argument count the code was not
+    generated for takes the loop."""
+    from fusedattn.backends import prebuilt
+    index = json.loads((store / "index.json").read_text())
+    encoded = []
+
+    def fake_encode(base, host_dtype, elem_size, swizzle, shape, strides, box, nan):
+        encoded.append(1)
+        return repr((base, host_dtype, elem_size, swizzle, list(shape), list(strides), list(box), nan)).encode()
+
+    from fusedattn.backends import cuda_driver
+    real = cuda_driver.encode_tiled
+    cuda_driver.encode_tiled = fake_encode
+    try:
+        tensors = [torch.empty(8) for _ in range(3)]
+        for n, (key, entry) in enumerate(index["kernels"].items()):
+            kernel = prebuilt.PrebuiltKernel(entry, b"")
+            args, slot = [], 0
+            for i, kind in enumerate(kernel.params):
+                if kind == "constexpr":
+                    args.append(("constexpr", i))        # never read
+                elif kind == "ptr":
+                    args.append(None if (i + n) % 5 == 0 else tensors[i % 3])
+                elif kind == "desc":
+                    rank = len(kernel.descriptors[slot]["block_size"])
+                    slot += 1
+                    args.append(_FakeDescriptor(tensors[i % 3], rank, "nan" if i % 2 else "zero"))
+                else:
+                    args.append(1.25 * i if kind.startswith("fp") else 1000 + i)
+            for cut in sorted({0, min(3, len(args))}):
+                head, tail = args[:len(args) - cut], tuple(args[len(args) - cut:])
+                blobs = {}
+
+                def blob(a, s):
+                    k = (a.base.data_ptr(), a.shape, a.strides, a.padding, s)
+                    if k not in blobs:
+                        meta = kernel.descriptors[s - 1]
+                        blobs[k] = fake_encode(a.base.data_ptr(), meta["host_dtype"], meta["elem_size"],
+                                               meta["swizzle"], a.shape, a.strides, meta["block_size"],
+                                               a.padding == "nan")
+                    return blobs[k]
+                expected = kernel.pack_loop(tail, blob)(head)
+                values = kernel.packer(tail)
+                assert values(head) == expected, (store.name, entry["name"], cut)
+                assert values(head) == expected            # the second call from the encoded descriptors
+                # as many values as the parameter layout has slots
+                assert len(expected) == len(kernel.param_ptrs), entry["name"]
+                # an argument count the code was not generated for: the loop (zip stops at the signature)
+                assert values(head + [0]) == kernel.pack_loop(tail, blob)(head + [0])
+        assert encoded, "no descriptor was encoded: the Gluon entries are missing"
+    finally:
+        cuda_driver.encode_tiled = real
+
+
 def test_a_kernel_the_driver_refuses_falls_back_to_the_jit(recorded, monkeypatch):
     """A cubin the driver will not load (an old driver, say) is not launched: ``_loads`` warns once and
     says no, and ``find`` then answers None (the JIT compiles the kernel, as without a store)."""

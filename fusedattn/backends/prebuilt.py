@@ -383,18 +383,65 @@ class PrebuiltKernel:
             go = self._bound[tail] = self.bind(tail)
         return go
 
-    def bind(self, tail: tuple):
-        """``go(grid_x, grid_y, grid_z, stream, args)`` launching with ``args`` and the trailing parameters
-        ``tail`` (as ``backends.triton.launch.Launcher``'s fast path takes them); TMA descriptors are
-        encoded once per (base pointer, shape, strides)."""
-        from . import cuda_driver
-        kinds = self.params
-        descriptors = self.descriptors
+    def packer(self, tail: tuple):
+        """``values(args)``: the flat parameter values of one launch with ``args`` and the trailing parameters
+        ``tail``, in :meth:`_layout`'s order (constexprs dropped, a pointer as its address or 0 for None, a
+        descriptor as its encoded ``CUtensorMap`` then its shape and strides, then the two null scratch
+        pointers). Generated as one list display per (kernel, tail), since an eager d=64 call is host-bound
+        (bench/NOTES.md 65): on the 2-core development machine the per-argument loop (:meth:`pack_loop`, kept
+        for argument counts the code was not made for) took 4.8-6.9 us for the portable kernels' 84-91
+        parameters and the generated code 1.7-2.4 us; for the Gluon kernels (34-63 parameters, 4-7
+        descriptors, whose keys dominate) 3-7 us either way. ``tests/test_prebuilt.py`` checks that the two
+        agree on every shipped entry."""
         encoded: dict = {}
-        threads = 32 * self.num_warps
-        shared = self.shared
-        fmt, buffer, base, params = self.format, self.buffer, self.base, self.param_ptrs
-        lock = self.lock
+        descriptors = self.descriptors
+
+        def blob(a, slot):
+            # ``slot`` counts descriptors from 1, as the key of the loop before this one did
+            key = (a.base.data_ptr(), tuple(a.shape), tuple(a.strides), a.padding, slot)
+            out = encoded.get(key)
+            if out is None:
+                from . import cuda_driver
+                if len(encoded) >= 64:
+                    encoded.clear()
+                meta = descriptors[slot - 1]
+                out = encoded[key] = cuda_driver.encode_tiled(
+                    a.base.data_ptr(), meta["host_dtype"], meta["elem_size"], meta["swizzle"], a.shape, a.strides,
+                    meta["block_size"], a.padding == "nan")
+            return out
+
+        n_args = len(self.params) - len(tail)
+        items, slot = [], 0
+        for i, kind in enumerate(self.params):
+            if kind == "constexpr":
+                continue
+            if kind == "ptr":
+                items.append(f"(a{i}.data_ptr() if a{i} is not None else 0)")
+            elif kind == "desc":
+                slot += 1
+                items += [f"_blob(a{i}, {slot})", f"*a{i}.shape", f"*a{i}.strides"]
+            else:
+                items.append(f"a{i}")
+        items += ["0", "0"]             # Triton's global and profile scratch pointers: none
+        lines = ["def values(args):"]
+        if n_args > 0:
+            lines.append(f"    {', '.join(f'a{i}' for i in range(n_args))}, = args")
+        if len(tail) > 0:
+            lines.append(f"    {', '.join(f'a{n_args + j}' for j in range(len(tail)))}, = _tail")
+        lines.append(f"    return [{', '.join(items)}]")
+        env = {"_blob": blob, "_tail": tuple(tail)}
+        exec(compile("\n".join(lines), f"<fusedattn prebuilt {self.name}>", "exec"), env)
+        generated = env["values"]
+        loop = self.pack_loop(tail, blob)
+
+        def values(args):
+            return generated(args) if len(args) == n_args else loop(args)
+        return values
+
+    def pack_loop(self, tail: tuple, blob):
+        """:meth:`packer`'s values, one argument at a time (any argument count: ``zip`` stops at the
+        signature's end); ``blob(descriptor, slot)`` encodes a descriptor."""
+        kinds = self.params
 
         def values(args):
             out = []
@@ -405,17 +452,8 @@ class PrebuiltKernel:
                 if kind == "ptr":
                     out.append(a.data_ptr() if a is not None else 0)
                 elif kind == "desc":
-                    meta = descriptors[slot]
                     slot += 1
-                    key = (a.base.data_ptr(), tuple(a.shape), tuple(a.strides), a.padding, slot)
-                    blob = encoded.get(key)
-                    if blob is None:
-                        if len(encoded) >= 64:
-                            encoded.clear()
-                        blob = encoded[key] = cuda_driver.encode_tiled(
-                            a.base.data_ptr(), meta["host_dtype"], meta["elem_size"], meta["swizzle"], a.shape,
-                            a.strides, meta["block_size"], a.padding == "nan")
-                    out.append(blob)
+                    out.append(blob(a, slot))
                     out.extend(a.shape)
                     out.extend(a.strides)
                 else:
@@ -423,6 +461,18 @@ class PrebuiltKernel:
             out.append(0)
             out.append(0)
             return out
+        return values
+
+    def bind(self, tail: tuple):
+        """``go(grid_x, grid_y, grid_z, stream, args)`` launching with ``args`` and the trailing parameters
+        ``tail`` (as ``backends.triton.launch.Launcher``'s fast path takes them); TMA descriptors are
+        encoded once per (base pointer, shape, strides)."""
+        from . import cuda_driver
+        threads = 32 * self.num_warps
+        shared = self.shared
+        fmt, buffer, base, params = self.format, self.buffer, self.base, self.param_ptrs
+        lock = self.lock
+        values = self.packer(tail)
 
         def go(grid_x, grid_y, grid_z, stream, args):
             device = torch.cuda.current_device()
