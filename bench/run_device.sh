@@ -20,6 +20,9 @@
 #                  flash_attn.cute imports: carry .whl), bench/profile_bwd.py; the report in $OUT/ncu-bwd/ (bwd.ncu-rep,
 #                  details.txt, raw.csv). NCU_BWD_CONFIGS narrows it (e.g. d64,2kc), NCU_BWD_ARGS adds arguments,
 #                  NCU_BWD_SOURCE=0 drops the SourceCounters section (per-instruction stalls; the slowest one)
+#   ncu-paged      Nsight Compute on one paged-prefill forward per cache (bench/profile_paged.py; NCU_PAGED_ARGS, e.g.
+#                  "--pages 0,16 --varlen"): $OUT/ncu-paged-$TRITON_PACK/ (report, details, raw, per-SASS-line source
+#                  counters): run once per Triton (TRITON_PACK=native, then 3.9.0) to compare the releases (issue 25)
 #   route-probe    bench/prefill_route_probe.py: the packed prefill's route, GPU and host time per call (issue 25)
 #   paged-tiles    bench/paged_tiles.py $PAGED_TILES_ARGS: the paged forward's variants A/B in one process (issue 25)
 #   prefill-host   bench/prefill_host_probe.py --profile: each prefill row eager (as bench), under CUDA graphs and
@@ -259,6 +262,17 @@ for part in "${PARTS[@]}"; do
                            ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd/raw.csv" 2>&1
                            grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" \
                                "$OUT/ncu-bwd/details.txt" | tee -a "$LOG"
+                       fi ;;
+        ncu-paged)     ncu_dir="$OUT/ncu-paged-${TRITON_PACK:-default}"; mkdir -p "$ncu_dir"
+                       run_part ncu-paged ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+                           --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+                           --section SourceCounters -f -o "$ncu_dir/paged" python3 bench/profile_paged.py ${NCU_PAGED_ARGS:-}
+                       if [ -f "$ncu_dir/paged.ncu-rep" ]; then
+                           ncu --import "$ncu_dir/paged.ncu-rep" --page details > "$ncu_dir/details.txt" 2>&1
+                           ncu --import "$ncu_dir/paged.ncu-rep" --page raw --csv > "$ncu_dir/raw.csv" 2>&1
+                           ncu --import "$ncu_dir/paged.ncu-rep" --page source --csv --print-source sass > "$ncu_dir/source.csv" 2>&1
+                           grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible" \
+                               "$ncu_dir/details.txt" | tee -a "$LOG"
                        fi ;;
         route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
         paged-tiles)   run_part paged-tiles python3 bench/paged_tiles.py ${PAGED_TILES_ARGS:-} ;;
