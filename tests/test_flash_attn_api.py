@@ -548,6 +548,15 @@ def test_refusals_name_the_argument():
     with pytest.raises(NotSupportedError, match="headdim 260: fusedattn supports any head dim from 1 to 256"):
         flash_attn_func(q, k, v)
     q, k, v = _qkv()
+    # a mistyped scale or flag is refused by its FlashAttention name, not converted (float("x"), bool("no"))
+    with pytest.raises(TypeError, match=r"softmax_scale must be a float .*got 'x'"):
+        flash_attn_func(q, k, v, softmax_scale="x")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got 'no'"):
+        flash_attn_func(q, k, v, causal="no")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got 'no'"):
+        flash_attn_with_kvcache(q, torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), cache_seqlens=4, causal="no")
+    with pytest.raises(ValueError, match=r"softmax_scale must be finite and > 0, got -1.0"):
+        flash_attn_func(q, k, v, softmax_scale=-1)
     with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[nheads\] = \[2\] or \[batch_size"):
         flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(3, 2))
     with pytest.raises(NotSupportedError, match="alibi_slopes without causal"):
