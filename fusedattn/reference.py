@@ -69,13 +69,14 @@ def attention_reference(q, k, v, *, attn_scale=None, causal=False, causal_alignm
 
 def masked_softmax(s: torch.Tensor):
     """Softmax over the last dim of scores ``s`` whose masked entries are -inf, and its log-sum-exp
-    (keepdim): a row with no finite score gets probabilities 0 and lse -inf (the library's convention for
-    a row that sees no key), never NaN."""
+    (keepdim): a row whose every score is -inf gets probabilities 0 and lse -inf (the library's convention
+    for a row that sees no key), never NaN; a row with a NaN score, or an inf one, gets NaN (as ``softmax``:
+    its sum is NaN, which is not an empty row)."""
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
     l = e.sum(-1, keepdim=True)
-    nonempty = l > 0
+    nonempty = l != 0
     prob = e / torch.where(nonempty, l, torch.ones_like(l))
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
                       torch.full_like(l, float("-inf")))

@@ -224,7 +224,7 @@ def forward(p, q, k, v, extras, out, lse):
             m = m_new
         if p.has_sink:
             acc, m, l = _add_sink(p, ch, extras["sink"], acc, m, l, i0, i1)
-        ok = l > 0
+        ok = l != 0           # 0: no key (output 0, lse -inf); NaN (a NaN or inf score) stays NaN, as softmax
         o = torch.where(ok[..., None], acc * (scale_out / torch.where(ok, l, 1.0))[..., None], 0.0)
         out[:, :, i0:i1].copy_(o.flatten(1, 2))
         if lse is not None:

@@ -1055,7 +1055,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
     l_o = gl.convert_layout(l_i, row_o)
-    ok = l_o > 0.0
+    ok = l_o != 0.0       # empty rows (0) write 0; a NaN sum (a NaN or inf score) stays NaN, as softmax
     if HAS_SEQ_Q:
         ok = ok & (gl.convert_layout(rows, row_o) < len_q)
     inv_l = gl.where(ok, 1.0 / gl.where(ok, l_o, 1.0), 0.0)
@@ -1080,7 +1080,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
         tma_store(o_desc, [batch, head, row0, 0], stage)
     if WRITE_LSE:
         # natural-log log-sum-exp of the scaled scores; -inf for empty rows and rows >= len_q
-        ok_s = l_i > 0.0
+        ok_s = l_i != 0.0
         if HAS_SEQ_Q:
             ok_s = ok_s & (rows < len_q)
         lse2 = m_i + gl.log2(gl.where(ok_s, l_i, 1.0))

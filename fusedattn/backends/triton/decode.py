@@ -229,7 +229,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
         first = (rows * 0 + split) == 0
         sink2 = tl.load(SINK + head, mask=row_ok & first, other=float("-inf")) * 1.4426950408889634
         acc, m_i, l_i = fold_sink(acc, m_i, l_i, sink2)
-    nonempty = l_i > 0.0
+    nonempty = l_i != 0.0     # a NaN sum (a NaN or inf score) is not empty: NaN out, as softmax
     if HAS_SEQ_Q:
         nonempty = nonempty & (tok < len_q)
     out = acc * tl.where(nonempty, descale_v / tl.where(nonempty, l_i, 1.0), 0.0)[:, None]
@@ -276,7 +276,7 @@ def _decode_combine(O_PART, LSE_PART, O, LSE,
                     mask=r_ok[:, None] & dv_ok[None, :], other=0.0)
         den += w
         acc += w[:, None] * o
-    nonempty = den > 0.0
+    nonempty = den != 0.0     # as above: a NaN partial stays NaN
     out = acc * tl.where(nonempty, 1.0 / tl.where(nonempty, den, 1.0), 0.0)[:, None]
     batch = (rows // (H_Q * S_Q)).to(tl.int64)
     head = ((rows // S_Q) % H_Q).to(tl.int64)

@@ -15,7 +15,10 @@ length are never touched.
 [Note] empty rows: a row with no key to attend to (band, padding, a -inf bias)
 has m_i = -inf and l_i = 0. Exponents use ``m_safe`` (0 where m is -inf) so no
 inf - inf arises; the row writes output 0 and stats (log-sum-exp) -inf, the log of
-its empty sum, never NaN (rows past seq_len_q too). Merging (out, lse) pairs of split
+its empty sum, never NaN (rows past seq_len_q too). A row whose sum is NaN (a NaN or inf
+in a score it sees) is not empty: it writes NaN, as softmax gives (``l_i != 0``, not ``> 0``,
+which read NaN as empty and wrote lse -inf beside an output the NaN had reached through the
+accumulator). Merging (out, lse) pairs of split
 work then gives an empty part weight exp(-inf) = 0; the backward reads -inf as +inf
 (``common.backward_lse``) so such a row's P is 0.
 
@@ -275,8 +278,8 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         if HAS_ALIBI:
             sink2 += slope * (offs_m - start_m).to(tl.float32)     # into the loop's per-row shifted frame
         acc, m_i, l_i = fold_sink(acc, m_i, l_i, sink2)
-    # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0
-    row_ok = l_i > 0.0
+    # epilogue: normalize; empty rows (l_i == 0) give 0, rows past the sequence give 0; a NaN sum stays NaN
+    row_ok = l_i != 0.0
     if HAS_SEQ_Q:
         row_ok = row_ok & (offs_m < len_q)
     inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
