@@ -180,6 +180,15 @@ def _plan_cached(static_key, backend: str, d: int, d_v: int, dtype: torch.dtype,
         return Plan("cpu", None, None, None)
     if dtype == torch.float64:
         raise NotSupportedError("float64 runs on the CPU path only (backend='cpu')")
+    if dtype == torch.bfloat16 and interpreting():
+        import triton
+
+        from .backends.interpreter_check import bf16_dot_ok
+        if not bf16_dot_ok():
+            raise NotSupportedError(
+                f"bfloat16 under Triton's interpreter (TRITON_INTERPRET=1): Triton {triton.__version__}'s interpreter "
+                "multiplies bfloat16 tiles wrongly in tl.dot (backends/interpreter_check.py), so the kernels would "
+                "return garbage; use backend='cpu' (the same semantics in PyTorch), float16 or float32, or a GPU")
     if interpreting() or device_type == "cpu":
         return Plan("triton", _INTERPRET, _INTERPRET, _INTERPRET)
     key = (_bucket(max(d, d_v)), 4 if dtype == torch.float32 else 2)

@@ -80,6 +80,26 @@ def test_float64_only_on_cpu_path():
         fusedattn.attention(q, k, v, backend="triton")
 
 
+def test_bfloat16_under_the_interpreter_is_right_or_refused():
+    """Triton's interpreter multiplies bfloat16 tiles wrongly in tl.dot (3.6-3.9: results ~1e8 off, no
+    error; ``backends/interpreter_check.py``): fusedattn refuses bfloat16 there, naming the ways out, while
+    the probe finds it wrong, and on an interpreter that gets it right computes what the CPU path computes.
+    Never a silent wrong answer."""
+    from conftest import INTERPRET
+    if not INTERPRET:
+        pytest.skip("Triton interpreter off (TRITON_INTERPRET unset)")
+    from fusedattn.backends.interpreter_check import bf16_dot_ok
+    q, k, v = qkv(dtype=torch.bfloat16)
+    if bf16_dot_ok():
+        got = fusedattn.attention(q, k, v, backend="triton")
+        torch.testing.assert_close(got, fusedattn.attention(q, k, v, backend="cpu"), atol=2e-2, rtol=2e-2)
+    else:
+        with pytest.raises(fusedattn.NotSupportedError, match=r"bfloat16 under Triton's interpreter.*backend='cpu'"):
+            fusedattn.attention(q, k, v, backend="triton")
+    # float16 is unaffected: the interpreter runs it
+    assert fusedattn.attention(*qkv(dtype=torch.float16), backend="triton").dtype == torch.float16
+
+
 def test_zero_length_sequences():
     q, k, v = qkv(s=8)
     out = fusedattn.attention(q, k[:, :, :0], v[:, :, :0])
