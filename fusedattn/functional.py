@@ -35,7 +35,9 @@ def _like_layout(t: torch.Tensor, shape, dtype) -> torch.Tensor:
     return torch.empty((b, h, s, d), dtype=dtype, device=t.device)
 
 
-def _check_out(name, t, shape, dtype, device):
+def _check_out(name, t, shape, dtype, device, reads=()):
+    """A caller's output buffer: a tensor of this shape, dtype and device, one memory location per element,
+    and sharing no memory with the ``reads`` ((name, tensor) pairs the call reads while it writes ``t``)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape):
@@ -48,6 +50,34 @@ def _check_out(name, t, shape, dtype, device):
         raise InvalidArgumentError(
             f"{name} has overlapping memory (strides {tuple(t.stride())} for shape {list(t.shape)}, e.g. an "
             f".expand()ed tensor): an output needs one element per memory location; pass a fresh tensor")
+    if reads:
+        # tensors of different storages share no memory (the common case: one storage lookup each); in one
+        # storage, their address spans decide
+        storage = t.untyped_storage().data_ptr()
+        for read_name, read in reads:
+            if read is not None and read.untyped_storage().data_ptr() == storage and _meets(_span(t), read):
+                raise InvalidArgumentError(
+                    f"{name} shares memory with {read_name}: the kernels read {read_name} while they write {name} "
+                    f"(other rows' reads would see written values); pass a separate buffer for {name}")
+
+
+def _span(t: torch.Tensor):
+    """(first, last) byte address of ``t``'s elements; None when it has none."""
+    if t.numel() == 0:
+        return None
+    first = t.data_ptr()
+    last = 0
+    for size, stride in zip(t.shape, t.stride()):
+        last += (size - 1) * stride
+    return first, first + (last + 1) * t.element_size() - 1
+
+
+def _meets(span, b: torch.Tensor) -> bool:
+    """Whether ``b``'s address span meets ``span`` (views of one storage): without that they share no
+    memory. (Views that interleave in one buffer, e.g. the q and out slots of one [b, s, 4, h, d] tensor, meet
+    without sharing an element and count as sharing: the check stays a few integer operations.)"""
+    other = _span(b)
+    return span is not None and other is not None and span[0] <= other[1] and other[0] <= span[1]
 
 
 def _overlaps(t: torch.Tensor) -> bool:
@@ -64,13 +94,14 @@ def _overlaps(t: torch.Tensor) -> bool:
     return False
 
 
-def _stats_view(stats, p, device, name="stats"):
-    """Accept stats as [b,h_q,s_q,1] or [b,h_q,s_q] fp32; return the [b,h_q,s_q] view."""
+def _stats_view(stats, p, device, name="stats", reads=()):
+    """Accept stats as [b,h_q,s_q,1] or [b,h_q,s_q] fp32; return the [b,h_q,s_q] view (``reads``: as
+    ``_check_out``'s, for a stats buffer the call writes)."""
     if not isinstance(stats, torch.Tensor):
         raise InvalidTypeError(f"{name} must be a float32 torch.Tensor [b, h_q, s_q, 1], got {type(stats).__name__}")
     if stats.dim() == 4 and stats.shape[-1] == 1:
         stats = stats[..., 0]
-    _check_out(name, stats, (p.b, p.h_q, p.s_q), torch.float32, device)
+    _check_out(name, stats, (p.b, p.h_q, p.s_q), torch.float32, device, reads)
     return stats
 
 
@@ -259,7 +290,8 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
 
     Returns ``(out, stats)``: out [b,h_q,s_q,d_v] in q.dtype (written into ``out`` when
     given), stats fp32 [b,h_q,s_q,1] natural-log log-sum-exp (None unless
-    ``return_stats`` or ``stats_out``).
+    ``return_stats`` or ``stats_out``). ``out`` / ``stats_out`` must not share memory with q, k or v
+    (refused by name: every row reads K and V while rows of the output are written).
     """
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
@@ -275,9 +307,9 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
     if out is None:
         out = _like_layout(q, shape_o, q.dtype)
     else:
-        _check_out("out", out, shape_o, q.dtype, q.device)
+        _check_out("out", out, shape_o, q.dtype, q.device, reads=(("q", q), ("k", k), ("v", v)))
     if stats_out is not None:
-        lse = _stats_view(stats_out, p, q.device, "stats_out")
+        lse = _stats_view(stats_out, p, q.device, "stats_out", reads=(("q", q), ("k", k), ("v", v), ("out", out)))
         stats = stats_out
     elif return_stats:
         stats = torch.empty((p.b, p.h_q, p.s_q, 1), dtype=torch.float32, device=q.device)
@@ -338,15 +370,17 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
     _check_out("out", out, shape_o, q.dtype, q.device)
     _check_out("grad_out", grad_out, shape_o, q.dtype, q.device)
     lse = _stats_view(stats, p, q.device)
+    reads = (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("stats", lse),
+             ("attn_bias", attn_bias if isinstance(attn_bias, torch.Tensor) else None))
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if given is not None:
-            _check_out(name, given, like.shape, like.dtype, like.device)
+            _check_out(name, given, like.shape, like.dtype, like.device, reads)
     if not p.has_sink:
         return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic)
     if dsink is None:
         dsink = torch.empty((p.h_q,), dtype=torch.float32, device=q.device)
     else:
-        _check_out("dsink", dsink, (p.h_q,), torch.float32, q.device)
+        _check_out("dsink", dsink, (p.h_q,), torch.float32, q.device, reads)
     return _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, need_dbias, deterministic,
                          dsink) + (dsink,)
 

@@ -33,6 +33,11 @@ PAD_PACKED_MAX_WASTE = 0.25
 _FULL_ROWS = object()       # run_triton's seq_len_q: no query lengths (every row of q is computed)
 
 
+def _reads(q, k_cache, v_cache, k_new, v_new):
+    """What a cache call reads while it writes its output (``functional._check_out``'s reads)."""
+    return (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new))
+
+
 def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=None, k_new=None, v_new=None,
                            seq_len_q=None, cu_seqlens_q=None, max_seqlen_q=None,
                            attn_scale=None, causal=True, window=None, alibi=False, softcap=0.0,
@@ -155,7 +160,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
         if out is None:
             out = q_packed.new_empty(shape_o)
         else:
-            _check_out("out", out, shape_o, q.dtype, q.device)
+            _check_out("out", out, shape_o, q.dtype, q.device, _reads(q, k_cache, v_cache, k_new, v_new))
         stats = torch.empty((c.h_q, q.shape[2]), dtype=torch.float32, device=q.device) if return_stats else None
         if validate:
             c.validate()
@@ -165,7 +170,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, page_table=None, seq_len_kv=N
     if out is None:
         out = _like_layout(q, shape_o, q.dtype)
     else:
-        _check_out("out", out, shape_o, q.dtype, q.device)
+        _check_out("out", out, shape_o, q.dtype, q.device, _reads(q, k_cache, v_cache, k_new, v_new))
     stats = torch.empty((c.b, c.h_q, c.s_q, 1), dtype=torch.float32, device=q.device) if return_stats else None
     lse = stats[..., 0] if stats is not None else None
 

@@ -100,6 +100,33 @@ def test_bfloat16_under_the_interpreter_is_right_or_refused():
     assert fusedattn.attention(*qkv(dtype=torch.float16), backend="triton").dtype == torch.float16
 
 
+def test_output_buffers_sharing_memory_with_inputs_are_refused():
+    """An ``out=`` (``dq=`` / ``dk=`` / ``dv=``, a cache call's ``out=``) that shares memory with a tensor the
+    call reads is refused by name: the kernels read K/V for every row while they write rows of the output,
+    so out=k gave errors of 0.86 on the Triton path, and out=q would hand autograd overwritten inputs. A
+    slice of the same buffer that shares nothing with them is accepted and right."""
+    q, k, v = qkv(h_kv=4, s=40, d=16, d_v=16)
+    with pytest.raises(ValueError, match="out shares memory with k"):
+        fusedattn.attention_forward(q, k, v, out=k)
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        fusedattn.attention_forward(q, k, v, out=q)
+    with pytest.raises(ValueError, match="out shares memory with v"):
+        fusedattn.attention_forward(q, k, v, out=v.view(v.shape))
+    out, stats = fusedattn.attention_forward(q, k, v, return_stats=True)
+    do = torch.randn_like(out)
+    with pytest.raises(ValueError, match="dq shares memory with grad_out"):
+        fusedattn.attention_backward(q, k, v, out, do, stats, dq=do)
+    with pytest.raises(ValueError, match="dk shares memory with v"):
+        fusedattn.attention_backward(q, k, v, out, do, stats, dk=v)
+    with pytest.raises(ValueError, match="out shares memory with k_cache"):
+        fusedattn.attention_with_kvcache(q, k, v, out=k)
+    # disjoint parts of one buffer: accepted, and the same answer as fresh buffers
+    buf = torch.empty(2, *q.shape)
+    buf[0] = q
+    got, _ = fusedattn.attention_forward(buf[0], k, v, out=buf[1])
+    torch.testing.assert_close(got, fusedattn.attention(q, k, v))
+
+
 def test_zero_length_sequences():
     q, k, v = qkv(s=8)
     out = fusedattn.attention(q, k[:, :, :0], v[:, :, :0])
