@@ -327,8 +327,10 @@ CASES = [
     ("fa-dropout-1", lambda be: fa_func(be, dropout_p=1.0), IAE, ["dropout_p must be in [0, 1)"]),
     ("fa-dropout-nan", lambda be: fa_func(be, dropout_p=float("nan")), IAE, ["dropout_p"]),
     ("fa-softcap-neg", lambda be: fa_func(be, softcap=-1.0), IAE, ["softcap"]),
-    ("fa-scale-nan", lambda be: fa_func(be, softmax_scale=float("nan")), IAE, ["attn_scale"]),
-    ("fa-scale-neg", lambda be: fa_func(be, softmax_scale=-0.5), IAE, ["attn_scale"]),
+    ("fa-scale-nan", lambda be: fa_func(be, softmax_scale=float("nan")), IAE, ["softmax_scale", "nan"]),
+    ("fa-scale-neg", lambda be: fa_func(be, softmax_scale=-0.5), IAE, ["softmax_scale", "> 0"]),
+    ("fa-scale-str", lambda be: fa_func(be, softmax_scale="x"), ITE, ["softmax_scale must be a float"]),  # fixed
+    ("fa-causal-str", lambda be: fa_func(be, causal="no"), ITE, ["causal must be a bool"]),               # fixed
     ("fa-alibi-shape", lambda be: fa_func(be, causal=True, alibi_slopes=t(H + 1)), IAE, ["alibi_slopes must have shape"]),
     ("fa-sink-shape", lambda be: fa_func(be, learnable_sink=t(H + 1)), IAE, ["sink must be a float tensor"]),
     ("fa-mixed-dtype", lambda be: fa_func(be, k=t(B, S, HK, D, dtype=torch.float16)), ITE, ["share a dtype"]),
