@@ -109,7 +109,7 @@ from .fp8 import _scale as _fp8_scale, is_fp8
 from .functional import attention
 from .kvcache import attention_with_kvcache
 from .kvcache_fp8 import quantize_for_cache
-from .problem import MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError, _is_flag
+from .problem import MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError, check_scale
 from .varlen import attention_varlen
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -194,26 +194,8 @@ def _fa_lse(lse, empty, slopes, off, sink=None):
 
 
 def _scale(softmax_scale, d):
-    """``softmax_scale`` as a float, finite and > 0 (default 1 / sqrt(headdim))."""
-    if softmax_scale is None:
-        return d ** -0.5
-    try:
-        if isinstance(softmax_scale, bool):
-            raise TypeError
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        raise InvalidTypeError(f"softmax_scale must be a float (or None for 1 / sqrt(headdim)), got "
-                               f"{softmax_scale!r}") from None
-    if not math.isfinite(scale) or scale <= 0:
-        raise InvalidArgumentError(f"softmax_scale must be finite and > 0, got {scale}")
-    return scale
-
-
-def _causal(causal):
-    """``causal`` as a bool: True / False (or 0 / 1, numpy's bool), not a string or a list by mistake."""
-    if _is_flag(causal):
-        return bool(causal)
-    raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
+    """``softmax_scale`` as a float, finite and > 0 (default 1 / sqrt(headdim)), checked by its name."""
+    return check_scale(softmax_scale, d, "softmax_scale")
 
 
 def _dropout(dropout_p):
@@ -276,7 +258,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         fp8_kw = {f"descale_{n}": _fa3_descale(f"{n}_descale", x, q.shape[0], k.shape[2], g if n == "q" else 1)
                   for n, x in (("q", q_descale), ("k", k_descale), ("v", v_descale))}
     out, stats = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           attn_scale=_scale(softmax_scale, q.shape[-1]), causal=_causal(causal),
+                           attn_scale=_scale(softmax_scale, q.shape[-1]), causal=causal,
                            causal_alignment="bottom_right", window=window,
                            alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
                            dropout_p=_dropout(dropout_p), deterministic=bool(deterministic), return_stats=True,
@@ -379,7 +361,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         out, stats = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, _max_len("max_seqlen_q", max_seqlen_q),
                                       _max_len("max_seqlen_k", max_seqlen_k),
-                                      attn_scale=_scale(softmax_scale, q.shape[-1]), causal=_causal(causal),
+                                      attn_scale=_scale(softmax_scale, q.shape[-1]), causal=causal,
                                       causal_alignment="bottom_right", window=window,
                                       alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0),
                                       dropout_p=_dropout(dropout_p), return_stats=True, validate=validate,
@@ -430,7 +412,7 @@ def _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                    f"({block_table.shape[-1]} blocks x page_block_size {k.shape[1]})")
     return attention_with_kvcache(
         q, k, v, page_table=block_table, seq_len_kv=lens_k, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-        attn_scale=_scale(softmax_scale, q.shape[-1]), causal=_causal(causal), window=window,
+        attn_scale=_scale(softmax_scale, q.shape[-1]), causal=causal, window=window,
         alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
         return_stats=True, validate=validate, backend=backend)
 
@@ -646,7 +628,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     out, stats = attention_with_kvcache(
         q.transpose(1, 2), k_cache, v_cache, page_table=page_table, seq_len_kv=seq_len_kv, k_new=k_new, v_new=v_new,
-        attn_scale=_scale(softmax_scale, d), causal=_causal(causal), window=window,
+        attn_scale=_scale(softmax_scale, d), causal=causal, window=window,
         alibi=slopes if slopes is not None else False, softcap=float(softcap or 0.0), cache_layout="bshd",
         return_stats=True, validate=validate, backend=backend, sink=learnable_sink, descale_k=descale_k,
         descale_v=descale_v)

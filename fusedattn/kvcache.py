@@ -19,7 +19,7 @@ from .functional import _check_out, _fill_sink_lse, _like_layout, attention_forw
 from .kvcache_fp8 import cache_descales, dequantize_cache, quantize_for_cache
 from .plan import choose_backend, large_head_dim_plan
 from .problem import (IO_DTYPES, MAX_HEAD_DIM, InvalidArgumentError, InvalidTypeError, NotSupportedError,
-                      alibi_slopes, alibi_slopes_2d, check_head_dims, make_band, sink_logits)
+                      _is_flag, alibi_slopes, alibi_slopes_2d, check_head_dims, make_band, sink_logits)
 
 __all__ = ["attention_with_kvcache"]
 
@@ -301,6 +301,8 @@ class _Call:
         if not math.isfinite(softcap) or softcap < 0:
             raise InvalidArgumentError(f"softcap must be >= 0 (0 = off), got {softcap}")
         self.scale, self.softcap = attn_scale, softcap
+        if not _is_flag(causal):        # bool("no") is True: a mistyped flag must not read as a mask
+            raise InvalidTypeError(f"causal must be a bool, got {causal!r}")
         self.causal, self.window, self.alibi = bool(causal), window, alibi
         self.band = make_band(self.causal, "bottom_right", window, self.s_q, self.cap)
         self.slopes = None

@@ -241,6 +241,22 @@ def check_deterministic(deterministic) -> None:
         raise InvalidTypeError(f"deterministic must be None, True or False, got {deterministic!r}")
 
 
+def check_scale(scale, d: int, name: str = "attn_scale") -> float:
+    """The scores' scale as a float, finite and > 0; None gives 1 / sqrt(d). Errors name the argument as
+    the calling door spells it (FlashAttention's ``softmax_scale``)."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    try:
+        if isinstance(scale, bool):
+            raise TypeError
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise InvalidTypeError(f"{name} must be a float, got {scale!r}") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise InvalidArgumentError(f"{name} must be finite and > 0, got {scale}")
+    return scale
+
+
 def _is_flag(x) -> bool:
     """A bool-like option (bool, 0 / 1, None for off, numpy's bool): not a string or a list by mistake."""
     return x is None or (isinstance(x, (bool, int)) and x in (0, 1)) or type(x).__name__ in ("bool_", "bool")
@@ -425,16 +441,7 @@ def _make_problem(q, k, v, *, attn_scale, causal, causal_alignment, window, seq_
         # b == 0 is valid (an empty output, as SDPA gives); the GQA mapping needs heads
         raise InvalidArgumentError(f"q has no heads (h_q = 0): shape {tuple(q.shape)}")
 
-    if attn_scale is None:
-        attn_scale = 1.0 / math.sqrt(d)
-    if isinstance(attn_scale, bool):
-        raise InvalidTypeError(f"attn_scale must be a float, got {attn_scale!r}")
-    try:
-        attn_scale = float(attn_scale)
-    except (TypeError, ValueError):
-        raise InvalidTypeError(f"attn_scale must be a float, got {attn_scale!r}") from None
-    if not math.isfinite(attn_scale) or attn_scale <= 0:
-        raise InvalidArgumentError(f"attn_scale must be finite and > 0, got {attn_scale}")
+    attn_scale = check_scale(attn_scale, d)
 
     if not _is_flag(causal):
         raise InvalidTypeError(f"causal must be a bool, got {causal!r}")

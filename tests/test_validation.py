@@ -120,6 +120,9 @@ def test_output_buffers_sharing_memory_with_inputs_are_refused():
         fusedattn.attention_backward(q, k, v, out, do, stats, dk=v)
     with pytest.raises(ValueError, match="out shares memory with k_cache"):
         fusedattn.attention_with_kvcache(q, k, v, out=k)
+    # the cache door checks its flag as make_problem does (bool("no") is True)
+    with pytest.raises(TypeError, match="causal must be a bool, got 'no'"):
+        fusedattn.attention_with_kvcache(q, k, v, causal="no")
     # disjoint parts of one buffer: accepted, and the same answer as fresh buffers
     buf = torch.empty(2, *q.shape)
     buf[0] = q
