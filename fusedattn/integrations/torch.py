@@ -269,9 +269,9 @@ def _flash_backward(original, grad_out, query, key, value, out, logsumexp, cum_s
                         dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    # dq / dk / dv: attention_backward allocates them like query / key / value (empty_like, as aten does)
     dq, dk, dv, _ = attention_backward(query, key, value, out, grad_out, logsumexp, attn_scale=scale,
-                                       causal=is_causal, dq=torch.empty_like(query), dk=torch.empty_like(key),
-                                       dv=torch.empty_like(value))
+                                       causal=is_causal)
     return dq, dk, dv
 
 
