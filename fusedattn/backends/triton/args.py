@@ -4,6 +4,7 @@ import functools
 import torch
 import triton
 
+from ..compat import TRITON_VERSION
 from ..cpu import dropout_threshold
 from .launch import pow2
 
@@ -33,6 +34,21 @@ def block_dim(d: int) -> int:
     return max(16, pow2(d))
 
 
+def head_blocks(p) -> tuple:
+    """(BLOCK_D, BLOCK_DV): the forward's and backward's tile widths over d and d_v.
+
+    Each is :func:`block_dim` of its dim, except with a bias (float or bool) before Triton 3.9: both are
+    the wider of the two. Triton 3.6 compiles the forward with a bias wrongly when d_v pads to a narrower
+    tile than d and neither is a power of two (H100, session 27: d 24 / d_v 8 gave NaN, d 40 / 8 an illegal
+    address; d 24 / 24, 24 / 16 and 32 / 8 were right, and 3.9.0 is right at 24 / 8); one width for both
+    is the d 24 / 24 kernel, masked to the true d_v. 3.7 and 3.8 are not measured: widened too.
+    """
+    block_d, block_dv = block_dim(p.d), block_dim(p.d_v)
+    if p.bias is not None and TRITON_VERSION < (3, 9):
+        block_d = block_dv = max(block_d, block_dv)
+    return block_d, block_dv
+
+
 @functools.lru_cache(maxsize=256)
 def _static_scalars(p):
     """The part of kernel_scalars that depends on the problem alone (cached: ~15 us of host time)."""
@@ -41,7 +57,10 @@ def _static_scalars(p):
     has_right = band is not None and band.right is not None
     softcap = p.softcap > 0.0
     qk_scale = p.scale / p.softcap if softcap else p.scale * LOG2E_PY
+    block_d, block_dv = head_blocks(p)
     return {
+        "block_d": block_d,
+        "block_dv": block_dv,
         "qk_scale": qk_scale,
         "win_left": band.left if has_left else 0,
         "win_right": band.right if has_right else 0,
@@ -56,7 +75,7 @@ def _static_scalars(p):
             HAS_ALIBI=p.alibi is not None, SOFTCAP=softcap, DROPOUT=p.has_dropout,
             DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
             # head dims that are not powers of two (40, 96, 224) or below 16 pad the tile and mask loads
-            EVEN_D=block_dim(p.d) == p.d, EVEN_DV=block_dim(p.d_v) == p.d_v,
+            EVEN_D=block_d == p.d, EVEN_DV=block_dv == p.d_v,
         ),
     }
 

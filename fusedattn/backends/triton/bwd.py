@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .args import aligned, aligned_output, block_dim, extras_key, is_plain as _is_plain, kernel_scalars
+from .args import aligned, aligned_output, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
 from .common import (FP8_PROMOTE_K, LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_range, load_bias,
                      load_tile, q_block_range, scores_base2, softcap_tanh, to_fp8, to_out)
@@ -528,7 +528,7 @@ def launch_bwd(problem, plan, q, k, v, out, grad_out, lse, extras, dq, dk, dv, n
     if bias is not None and bias.dtype == torch.bool:
         bias = bias.view(torch.uint8)
     bias_arg = bias if bias is not None else q
-    block_d, block_dv = block_dim(p.d), block_dim(p.d_v)
+    block_d, block_dv = args["block_d"], args["block_dv"]
 
     passes = ((_DQ, "dq"), (_DKDV, "dkdv"))
     if delta is None:

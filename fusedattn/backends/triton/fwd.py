@@ -359,7 +359,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
            p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, num_blocks,
            args["qk_scale"], p.softcap, args["win_left"], args["win_right"],
            p.dropout_seed, p.dropout_offset, args["dropout_threshold"], args["dropout_rescale"])
-    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=block_dim(p.d), BLOCK_DV=block_dim(p.d_v),
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=args["block_d"], BLOCK_DV=args["block_dv"],
                   WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
                   USE_TMA=use_tma, WARP_SPECIALIZE=use_tma and tiles.warp_specialize,
                   PAGED=p.paged, PAGE_SIZE=p.page_size if p.paged else 1, VARLEN=p.varlen,
