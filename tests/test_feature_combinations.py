@@ -108,21 +108,27 @@ def test_random_feature_combination(seed, target):
             assert_error_within(got.detach().cpu().to(g_ref.dtype), g_ref, b_ref, msg=f"{name}. {rep}")
 
 
-@pytest.mark.parametrize("kind", ["float", "bool"])
+@pytest.mark.parametrize("kind", ["float", "bool", "dropout", "seq_len_q"])
 @pytest.mark.parametrize("d, d_v", [(24, 8), (40, 8), (72, 24), (8, 40)])
-def test_bias_with_unequal_head_dims(d, d_v, kind, target):
-    """A bias with d_v padded to a narrower tile than d: seed 34 above (d 24 / d_v 8, a (b, 1, 1, s_kv) bias)
-    gave NaN on Triton 3.6's GPU forward, and d 40 / 8 an illegal address (session 27), while the interpreter
-    and 3.9 were right; ``backends/triton/args.head_blocks`` now gives both dims one tile width there.
-    Forward and the three gradients against float64, FlashAttention's rule."""
+def test_unequal_head_dims_neither_a_power_of_two(d, d_v, kind, target):
+    """d and d_v that both pad their tiles, to different widths: seeds 34, 153, 262, 281 and 291 above (d 24
+    or 40, d_v 8, with a bias, dropout or per-batch query lengths) were wrong on Triton 3.6's GPU kernels
+    (NaN, errors of 0.3-1.4, an illegal address; session 27) while the interpreter and 3.9 were right;
+    ``backends/triton/args.head_blocks`` now gives both dims one tile width there. Forward and the three
+    gradients against float64, FlashAttention's rule (dropout: the same mask in the reference)."""
     device, backend = target
     gen = torch.Generator().manual_seed(d * 100 + d_v)
     b, h, s_q, s_kv = 2, 2, 37, 45
     q, k, v, do = (torch.randn(*shape, generator=gen).to(device, torch.float16)
                    for shape in ((b, h, s_q, d), (b, h, s_kv, d), (b, h, s_kv, d_v), (b, h, s_q, d_v)))
-    bias = (torch.randn(b, 1, 1, s_kv, generator=gen) if kind == "float" else
-            torch.rand(b, h, s_q, s_kv, generator=gen) > 0.2)
-    kw = {"attn_bias": bias.to(device, torch.float16) if kind == "float" else bias.to(device)}
+    if kind == "float":
+        kw = {"attn_bias": torch.randn(b, 1, 1, s_kv, generator=gen).to(device, torch.float16)}
+    elif kind == "bool":
+        kw = {"attn_bias": (torch.rand(b, h, s_q, s_kv, generator=gen) > 0.2).to(device)}
+    elif kind == "dropout":
+        kw = {"dropout_p": 0.2, "dropout_seed": d, "dropout_offset": d_v}
+    else:
+        kw = {"seq_len_q": torch.tensor([s_q - 5, 3], dtype=torch.int32).to(device)}
     rep = f"repro: pytest tests/test_feature_combinations.py -k 'unequal and {d}-{d_v} and {kind}'"
     gold = reference(q, k, v, do, kw, torch.float64)
     base = reference(q, k, v, do, kw, q.dtype)

@@ -37,14 +37,16 @@ def block_dim(d: int) -> int:
 def head_blocks(p) -> tuple:
     """(BLOCK_D, BLOCK_DV): the forward's and backward's tile widths over d and d_v.
 
-    Each is :func:`block_dim` of its dim, except with a bias (float or bool) before Triton 3.9: both are
-    the wider of the two. Triton 3.6 compiles the forward with a bias wrongly when d_v pads to a narrower
-    tile than d and neither is a power of two (H100, session 27: d 24 / d_v 8 gave NaN, d 40 / 8 an illegal
-    address; d 24 / 24, 24 / 16 and 32 / 8 were right, and 3.9.0 is right at 24 / 8); one width for both
-    is the d 24 / 24 kernel, masked to the true d_v. 3.7 and 3.8 are not measured: widened too.
+    Each is :func:`block_dim` of its dim, except before Triton 3.9 where neither dim fills its tile and
+    the two tiles differ: then both take the wider one. Triton 3.6 compiles those kernels wrongly (H100,
+    session 27, fuzzing: d 24 / d_v 8 with a bias or dropout gave NaN or errors of 0.3-1.4, with per-batch
+    query lengths an illegal address; d 40 / 8 likewise), while d 24 / 24, 24 / 16, 32 / 8 and 64 / 8 were
+    right, as was 3.9.0 at 24 / 8. One width for both is the d 24 / 24 kernel, masked to the true d_v.
+    3.7 and 3.8 are not measured: treated as 3.6. Power-of-two dims (MLA's 192 / 128 has d_v 128) keep
+    their own widths.
     """
     block_d, block_dv = block_dim(p.d), block_dim(p.d_v)
-    if p.bias is not None and TRITON_VERSION < (3, 9):
+    if block_d != p.d and block_dv != p.d_v and TRITON_VERSION < (3, 9):
         block_d = block_dv = max(block_d, block_dv)
     return block_d, block_dv
 
