@@ -67,3 +67,8 @@ def pytest_report_collectionfinish(config, start_path, items):
     every = os.environ.get("FUSEDATTN_TEST_SAMPLE")
     if every and every != "1":
         return f"fusedattn: FUSEDATTN_TEST_SAMPLE={every}: every {every}-th test of each file"
+
+
+def target_id(target) -> str:
+    """The id pytest gives a (device, backend) target ("cpu", "interp", "gpu"): what a repro line's -k names."""
+    return {("cpu", "cpu"): "cpu", ("cpu", "triton"): "interp", ("cuda", "triton"): "gpu"}[tuple(target)]

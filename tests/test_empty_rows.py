@@ -28,6 +28,8 @@ from fusedattn.kvcache import attention_with_kvcache
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within, assert_lse_close
 
+from conftest import target_id
+
 NEG_INF = float("-inf")
 
 
@@ -114,7 +116,7 @@ def test_empty_rows_forward_backward(kind, target):
     attention_forward / attention_backward writing into NaN-filled buffers."""
     device, backend = target
     rep = f"repro: pytest tests/test_empty_rows.py -k 'test_empty_rows_forward_backward and {kind} and " \
-          f"{'gpu' if device == 'cuda' else backend}'"
+          f"{target_id(target)}'"
     q, k, v, do, kw = make_case(kind, device)
     bias = kw.get("attn_bias")
     float_bias = bias is not None and bias.is_floating_point()
@@ -192,7 +194,7 @@ def test_halves_merge_to_whole(kind, target):
     device, backend = target
     b, h_q, h_kv, s_q, s_kv, d, dt = geometry(device, "causal_br")
     rep = f"repro: pytest tests/test_empty_rows.py -k 'test_halves_merge_to_whole and {kind} and " \
-          f"{'gpu' if device == 'cuda' else backend}'"
+          f"{target_id(target)}'"
     gen = torch.Generator().manual_seed(2400 + len(kind))
     q, k, v = (torch.randn(b, h, s, d, generator=gen).to(device, dt) for h, s in ((h_q, s_q), (h_kv, s_kv), (h_kv, s_kv)))
     m = s_kv // 2 + 1
@@ -254,7 +256,7 @@ def test_decode_splits_empty(splits, target):
     gold, gold_lse = attention_reference(q.cpu(), k.cpu(), v.cpu(), causal=True, causal_alignment="bottom_right",
                                          window=(4, 0), seq_len_kv=lens.cpu())
     rep = f"repro: pytest tests/test_empty_rows.py -k 'test_decode_splits_empty and {splits} and " \
-          f"{'gpu' if device == 'cuda' else backend}'"
+          f"{target_id(target)}'"
     assert_lse_close(lse, gold_lse, tol=2e-3, msg=rep)
     assert (gold_lse[1, :, :2] == NEG_INF).all() and (gold_lse[2] == NEG_INF).all()
     assert (out.cpu()[gold_lse[..., 0] == NEG_INF] == 0).all(), f"rows with no key must give output 0. {rep}"

@@ -18,6 +18,8 @@ import fusedattn
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
 
+from conftest import target_id
+
 # FUSEDATTN_FUZZ_SEEDS=N draws N cases instead (a longer hunt on a GPU; the default is CI's)
 SEEDS = range(int(os.environ.get("FUSEDATTN_FUZZ_SEEDS", "48")))
 
@@ -86,7 +88,7 @@ def test_random_feature_combination(seed, target):
     device, backend = target
     q, k, v, do, kw, described = draw(seed, device)
     rep = (f"repro: pytest tests/test_feature_combinations.py -k 'test_random_feature_combination and "
-           f"{'gpu' if device == 'cuda' else backend}-{seed}]' ; {described}")
+           f"{target_id(target)}-{seed}]' ; {described}")
     gold = reference(q, k, v, do, kw, torch.float64)
     base = reference(q, k, v, do, kw, q.dtype)
 

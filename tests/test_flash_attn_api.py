@@ -23,7 +23,7 @@ from fusedattn.problem import NotSupportedError
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
 
-from conftest import INTERPRET
+from conftest import INTERPRET, target_id
 
 
 # ----------------------------------------------------------------------------- reference (FlashAttention semantics)
@@ -680,12 +680,11 @@ def test_bad_cache_metadata_names_the_argument(target):
 # varlen; learnable_sink on varlen and with_kvcache; deterministic; the packed functions' returns and options;
 # the remaining refusals; validate=False reading nothing back to the host.
 
-_TARGET_IDS = {("cpu", "cpu"): "cpu", ("cpu", "triton"): "interp", ("cuda", "triton"): "gpu"}
 
 
 def _repro(test, target=None, case=None):
     """The one-line command that reruns one case of a test."""
-    words = [test] + [w for w in (case, _TARGET_IDS.get(tuple(target)) if target else None) if w]
+    words = [test] + [w for w in (case, target_id(target) if target else None) if w]
     return f"repro: pytest tests/test_flash_attn_api.py -k '{' and '.join(words)}'"
 
 

@@ -19,6 +19,8 @@ import fusedattn
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
 
+from conftest import target_id
+
 # FUSEDATTN_FUZZ_SEEDS=N draws N cases instead (a longer hunt on a GPU; the default is CI's)
 SEEDS = range(int(os.environ.get("FUSEDATTN_FUZZ_SEEDS", "32")))
 
@@ -75,7 +77,7 @@ def caches(c):
 def test_random_cache_call(seed, target):
     device, backend = target
     c = draw(seed, device)
-    rep = (f"repro: pytest tests/test_kvcache_combinations.py -k '{'gpu' if device == 'cuda' else backend}-{seed}]'"
+    rep = (f"repro: pytest tests/test_kvcache_combinations.py -k '{target_id(target)}-{seed}]'"
            f" ; b{c['b']} h{c['h_q']}/{c['h_kv']} s_q{c['s_q']} d{c['d']} {str(c['dtype'])[6:]} pages of "
            f"{c['block'] or '-'} append {c['new'][0] is not None} lens {c['lens']} seq_len_q {c['lq']} {c['kw']}")
     k, v, table = caches(c)

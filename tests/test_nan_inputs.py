@@ -19,6 +19,8 @@ import fusedattn
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
 
+from conftest import target_id
+
 CASES = ["q_nan", "k_nan", "q_inf", "k_nan_causal", "v_nan"]
 # the interpreter's numpy warns on every NaN it computes with: expected here
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -53,7 +55,7 @@ def test_nan_reaches_exactly_what_softmax_says(case, target):
     lse NaN on rows whose scores hold the NaN and finite elsewhere, and every other element within 2x
     PyTorch's same-precision error of the reference."""
     device, backend = target
-    rep = f"repro: pytest tests/test_nan_inputs.py -k '{case} and {'gpu' if device == 'cuda' else backend}'"
+    rep = f"repro: pytest tests/test_nan_inputs.py -k '{case} and {target_id(target)}'"
     q, k, v, kw = make_case(case, device)
     gold_out, gold_lse = attention_reference(*(t.cpu() for t in (q, k, v)), dtype=torch.float64, **kw)
     # PyTorch's same-precision error on the inputs' device: the GPU machine's torch 2.11 CPU bf16 matmul
@@ -96,7 +98,7 @@ def test_nan_in_the_kv_cache_reaches_the_decode_rows_that_read_it(case, target):
     """The split-KV decode path (one query row against a cache; ``attention_with_kvcache``): the NaN
     reaches the sequences that read the poisoned key, through the split combine, and no other."""
     device, backend = target
-    rep = f"repro: pytest tests/test_nan_inputs.py -k 'decode and {case} and {'gpu' if device == 'cuda' else backend}'"
+    rep = f"repro: pytest tests/test_nan_inputs.py -k 'decode and {case} and {target_id(target)}'"
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(670 + (case == "v_nan"))
     b, h_q, h_kv, s_kv, d = 3, 8, 2, 700, 64
