@@ -72,3 +72,13 @@ def pytest_report_collectionfinish(config, start_path, items):
 def target_id(target) -> str:
     """The id pytest gives a (device, backend) target ("cpu", "interp", "gpu"): what a repro line's -k names."""
     return {("cpu", "cpu"): "cpu", ("cpu", "triton"): "interp", ("cuda", "triton"): "gpu"}[tuple(target)]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_faults_stay_with_their_test():
+    """A device-wide synchronize after every test on a CUDA machine: an illegal address in a kernel the test
+    launched is reported at that test's teardown, not at the first CUDA call of the next test on the same
+    worker (the 300-seed fuzz of session 27 lost its culprit that way: every later test of the worker failed)."""
+    yield
+    if HAS_CUDA and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
