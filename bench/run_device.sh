@@ -27,6 +27,8 @@
 #   paged-tiles    bench/paged_tiles.py $PAGED_TILES_ARGS: the paged forward's variants A/B in one process (issue 25)
 #   prefill-host   bench/prefill_host_probe.py --profile: each prefill row eager (as bench), under CUDA graphs and
 #                  back to back, with the call's host time and a cProfile (issue 25)
+#   odd-dims       bench/odd_dims_probe.py $ODD_DIMS_ARGS: the portable kernels at head dims padding to different tile
+#                  widths (d 24 / d_v 8 ...) under each feature, fp16 and bf16 (Triton 3.6's miscompile, NOTES 66)
 #   d64-tiles      bench/d64_dkdv_tiles.py: the d=64 dK/dV pass's candidate tiles and register caps, timed (issue 28)
 #   fp8-bwd-tiles  bench/fp8_bwd_tiles.py $FP8_BWD_TILES_ARGS: the FP8 backward's tile pairs, timed and case-checked
 #   bwd-time       bench/profile_bwd.py --time 20 --fa4: the same backwards timed, ours beside FA4 in one process
@@ -277,6 +279,7 @@ for part in "${PARTS[@]}"; do
         route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
         paged-tiles)   run_part paged-tiles python3 bench/paged_tiles.py ${PAGED_TILES_ARGS:-} ;;
         prefill-host)  run_part prefill-host python3 bench/prefill_host_probe.py --profile ;;
+        odd-dims)      run_part odd-dims python3 bench/odd_dims_probe.py ${ODD_DIMS_ARGS:-} ;;
         d64-tiles)     run_part d64-tiles python3 bench/d64_dkdv_tiles.py ;;
         fp8-bwd-tiles) run_part fp8-bwd-tiles python3 bench/fp8_bwd_tiles.py ${FP8_BWD_TILES_ARGS:-} ;;
         bwd-time)      run_part bwd-time python3 bench/profile_bwd.py --time 20 --fa4 \
