@@ -81,7 +81,7 @@ def compile_dkdv(tile, causal, maxnreg):
     """Compile the d=64 dK/dV pass; returns (registers, spill-store bytes, shared memory)."""
     bm, bn, warps, stages = tile
     c = dict(aot_check.BASE_SWITCHES, HAS_RIGHT=causal, BLOCK_D=64, BLOCK_DV=64, EVEN_D=True, EVEN_DV=True,
-             FP8_SCALES=None, AMAX=None, FP8=False, FP8_INTERP=False, BLOCK_M=bm, BLOCK_N=bn, WRITE_DBIAS=False,
+             FP8_SCALES=None, AMAX=None, FP8=False, FP8_INTERP=False, FP8_MMA16=False, BLOCK_M=bm, BLOCK_N=bn, WRITE_DBIAS=False,
              VARLEN=False)
     ptr = "*bf16"
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32",

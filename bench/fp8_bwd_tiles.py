@@ -224,7 +224,7 @@ def fp8_bwd_spec(d, causal):
     from aot_check import BASE_SWITCHES
     bd = max(32, triton.next_power_of_2(d))
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, VARLEN=False, FP8=True,
-             FP8_INTERP=False, HAS_RIGHT=causal)
+             FP8_INTERP=False, FP8_MMA16=False, HAS_RIGHT=causal)
     e4 = "*fp8e4nv"
     ptrs = dict(Q=e4, K=e4, V=e4, O=e4, DO="*fp8e5", LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16",
                 DBIAS="*fp32", DQ="*bf16", SEQ_Q="*i32", SEQ_KV="*i32", BIAS=e4, SLOPES="*fp32", CU_Q="*i32",
@@ -459,7 +459,12 @@ CANDIDATES = {
     128: [((64, 32, 8, 1), (128, 32, 8, 2)), ((32, 128, 8, 1), (64, 64, 8, 3)), ((32, 128, 8, 1), (128, 32, 8, 3)),
           ((32, 64, 8, 1), (64, 64, 8, 3)), ((32, 64, 8, 1), (128, 32, 8, 3)),
           # Triton 3.9's best dK/dV tile (no spill in its loops there; 3.6: 464 bytes, 18 LDL/STL in them)
-          ((32, 128, 8, 3), (128, 32, 8, 3))],
+          ((32, 128, 8, 3), (128, 32, 8, 3)),
+          # fp16 MMAs on the FP8 values (plan.FP8_BWD_MMA16, session 27, not yet timed). ptxas sm_90a, Triton 3.6,
+          # causal: dK/dV 32x128/8/2 436 bytes of spill stores (64x64/4/2 3096, 64x128/8/2 2064), dQ 128x32/8/3
+          # 212 registers and 64x64/4/2 236, no spill; every dot a wgmma
+          ((32, 128, 8, 2), (128, 32, 8, 3), "mma16"), ((32, 128, 8, 2), (64, 64, 4, 2), "mma16"),
+          ((64, 64, 4, 2), (64, 64, 4, 2), "mma16")],
     256: [((32, 32, 8, 1), (32, 32, 8, 1)), ((32, 64, 8, 1), (64, 32, 8, 3)), ((32, 64, 8, 1), (64, 64, 8, 2)),
           ((64, 64, 8, 1), (64, 32, 8, 3)), ((64, 64, 8, 1), (64, 64, 8, 2))],
 }
@@ -482,15 +487,36 @@ def bucket(d):
 
 
 def patched_tiles(d, pair):
-    """A copy of plan._BWD_FP8_SM90 with bucket ``d``'s tiles replaced by ``pair`` (two 4-tuples)."""
+    """A copy of plan's FP8 backward tiles (the fp16-MMA table for an ``mma16`` candidate) with bucket ``d``'s
+    tiles replaced by ``pair`` (two 4-tuples, and "mma16" as a third item for the FP8_MMA16 switch)."""
     from fusedattn import plan
-    table = dict(plan._BWD_FP8_SM90)
-    table[d] = tuple(plan.Tiles(*t) for t in pair)
+    table = dict(plan._BWD_FP8_MMA16_SM90 if is_mma16(pair) else plan._BWD_FP8_SM90)
+    table[d] = tuple(plan.Tiles(*t) for t in pair[:2])
     return table
 
 
+def is_mma16(pair):
+    return len(pair) > 2 and pair[2] == "mma16"
+
+
+def use_candidate(d, pair):
+    """Route bucket ``d``'s FP8 backward to ``pair`` (plan's table and its FP8_BWD_MMA16 switch); returns the
+    function that puts plan back."""
+    from fusedattn import plan
+    saved = plan._BWD_FP8_SM90, plan._BWD_FP8_MMA16_SM90, plan.FP8_BWD_MMA16
+    plan.FP8_BWD_MMA16 = is_mma16(pair)
+    if is_mma16(pair):
+        plan._BWD_FP8_MMA16_SM90 = patched_tiles(d, pair)
+    else:
+        plan._BWD_FP8_SM90 = patched_tiles(d, pair)
+
+    def restore():
+        plan._BWD_FP8_SM90, plan._BWD_FP8_MMA16_SM90, plan.FP8_BWD_MMA16 = saved
+    return restore
+
+
 def pair_name(pair):
-    return f"dkdv {tile_name(pair[0])} dq {tile_name(pair[1])}"
+    return f"dkdv {tile_name(pair[0])} dq {tile_name(pair[1])}" + (" fp16 MMAs" if is_mma16(pair) else "")
 
 
 def dry_run(args):
@@ -525,20 +551,21 @@ def prepare(cfg):
 
 def compile_ahead(preps, cands):
     """Compile every (config, candidate)'s kernels on the compile threads; prints failures and goes on."""
-    from fusedattn import plan
     from fusedattn.backends.triton import launch
-    t0, real = time.time(), plan._BWD_FP8_SM90
+    t0 = time.time()
     errors = 0
     try:
         with launch.compiling_ahead() as ahead:
             for cfg, (bwd, _) in preps:
                 for pair in cands[bucket(cfg.d)]:
-                    plan._BWD_FP8_SM90 = patched_tiles(bucket(cfg.d), pair)
+                    restore = use_candidate(bucket(cfg.d), pair)
                     try:
                         bwd()
                     except Exception as exc:
                         errors += 1
                         print(f"  ahead {cfg.name} {pair_name(pair)}: {type(exc).__name__}: {exc}", flush=True)
+                    finally:
+                        restore()
         for future in ahead.futures:
             try:
                 future.result()
@@ -547,8 +574,6 @@ def compile_ahead(preps, cands):
                 print(f"  compile error: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     except Exception as exc:     # the facility itself failing only costs time: the timings compile on first call
         print(f"  compile ahead failed ({type(exc).__name__}: {exc}); compiling on first call", flush=True)
-    finally:
-        plan._BWD_FP8_SM90 = real
     print(f"compiled ahead in {time.time() - t0:.0f} s ({errors} errors)", flush=True)
 
 
@@ -556,10 +581,9 @@ def time_config(cfg, bwd, flops, pairs, rep):
     """Time each candidate of one config (the default first: the reference) and check it against it."""
     import torch
     from triton.testing import do_bench
-    from fusedattn import plan
-    real, ref, base = plan._BWD_FP8_SM90, None, None
+    ref, base = None, None
     for i, pair in enumerate(pairs):
-        plan._BWD_FP8_SM90 = patched_tiles(bucket(cfg.d), pair)
+        restore = use_candidate(bucket(cfg.d), pair)
         try:
             out = [t.clone() for t in bwd()]      # dQ, dK, dV, amax dQ / dK / dV / dP
             torch.cuda.synchronize()
@@ -580,7 +604,7 @@ def time_config(cfg, bwd, flops, pairs, rep):
             print(f"  {'default' if i == 0 else 'cand   '} {pair_name(pair)}: FAILED {type(exc).__name__}: "
                   f"{str(exc).strip()[:300]}", flush=True)
         finally:
-            plan._BWD_FP8_SM90 = real
+            restore()
 
 
 def case_check(cands, device="cuda", runs=3, only=None):
@@ -591,10 +615,9 @@ def case_check(cands, device="cuda", runs=3, only=None):
     d128) that no bench config has; session 23 saw it with other 1-stage dK/dV tiles, in some runs only: a
     race, so a verdict needs many runs (``--case-runs``)."""
     import torch
-    from fusedattn import fp8, plan
+    from fusedattn import fp8
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import test_fp8_bwd_kernel as cases
-    real = plan._BWD_FP8_SM90
     for name, (shape, _mask, _dt, _do, _o, g_dtype, _bshd) in cases.CASES.items():
         if only and only not in name:
             continue
@@ -604,7 +627,7 @@ def case_check(cands, device="cuda", runs=3, only=None):
         lens = [fp8._lengths(mask.get(n), n, b, s, device) if n in mask else None
                 for n, s in (("seq_len_q", s_q), ("seq_len_kv", s_kv))]
         for pair in cands[bucket(max(d, d_v))]:
-            plan._BWD_FP8_SM90 = patched_tiles(bucket(max(d, d_v)), pair)
+            restore = use_candidate(bucket(max(d, d_v)), pair)
             try:
                 first, bad, same = None, [], True
                 for _ in range(runs):
@@ -625,7 +648,7 @@ def case_check(cands, device="cuda", runs=3, only=None):
             except Exception as exc:
                 verdict = f"FAILED {type(exc).__name__}: {str(exc).strip()[:200]}"
             finally:
-                plan._BWD_FP8_SM90 = real
+                restore()
             print(f"  case {name:28s} {pair_name(pair)}: {verdict}", flush=True)
 
 

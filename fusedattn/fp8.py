@@ -572,7 +572,7 @@ def _backward_kernel(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opt
     int64 ``[b]`` clamped lengths or None. dq_out / dk_out / dv_out: buffers to write (tests pass NaN-filled
     ones: every element must be written), default new ones. Returns what :func:`sdpa_fp8_backward` returns."""
     from .backends.triton.bwd import FP8_BWD_SCALE_NAMES, launch_bwd_fp8
-    from .plan import fp8_bwd_tiles
+    from .plan import fp8_bwd_mma16, fp8_bwd_tiles
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device
@@ -584,7 +584,8 @@ def _backward_kernel(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opt
     buf = torch.cat([scales[n].reshape(1).to(device=dev, dtype=torch.float32) for n in FP8_BWD_SCALE_NAMES])
     amax = torch.zeros(4, dtype=torch.float32, device=dev)     # dQ, dK, dV, dP: the kernels max into them
     tiles_dkdv, tiles_dq = fp8_bwd_tiles(d, d_v)
-    launch_bwd_fp8(p, tiles_dkdv, tiles_dq, q, k, v, o, dO, stats[..., 0], extras, buf, amax, dq, dk, dv)
+    launch_bwd_fp8(p, tiles_dkdv, tiles_dq, q, k, v, o, dO, stats[..., 0], extras, buf, amax, dq, dk, dv,
+                   mma16=fp8_bwd_mma16(d, d_v))
     a = [amax[i].reshape(1, 1, 1, 1) for i in range(4)]
     return dq, dk, dv, a[0], a[1], a[2], a[3]
 

@@ -132,9 +132,31 @@ _BWD_FP8_SM90 = {64: (Tiles(32, 64, 4, 2), Tiles(64, 64, 4, 2)), 128: (Tiles(32,
                  256: (Tiles(32, 32, 8, 1), Tiles(32, 32, 8, 1))}
 
 
+# The FP8 backward's products as fp16 MMAs on the FP8 values (bwd.py ``FP8_MMA16``, ``common.fp8_dot``: exact, the
+# same rounding points): the FP8 MMAs above run 125 TFLOP/s at b4 h32 2k d128 causal against cuDNN's FP8 backward
+# 234 and our 16-bit Triton backward's ~300-400, so 16-bit MMAs on the 8-bit loads may be the faster pass. Tiles
+# start from the 16-bit backward's (_BWD_SM90, _BWD_DQ_SM90), d128 by ptxas (sm_90a, Triton 3.6, causal: dK/dV
+# 32x128/8/2 436 bytes of spill stores against 3096 at 64x64/4/2, dQ 128x32/8/3 212 registers, no spill, every dot a
+# wgmma). Written without device time (session 27): off until bench/fp8_bwd_tiles.py times them (its "mma16"
+# candidates), so the GPU keeps the measured FP8 route.
+FP8_BWD_MMA16 = False
+_BWD_FP8_MMA16_SM90 = {64: (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+                       128: (Tiles(32, 128, 8, 2), Tiles(128, 32, 8, 3)),
+                       256: (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))}
+
+
+def fp8_bwd_mma16(d: int, d_v: int) -> bool:
+    """Whether the FP8 backward of head dims d, d_v runs its products as fp16 MMAs (``FP8_BWD_MMA16``)."""
+    return FP8_BWD_MMA16
+
+
 def fp8_bwd_tiles(d: int, d_v: int):
-    """``(dK/dV tiles, dQ tiles)`` of the FP8 backward for head dims d, d_v <= 256."""
-    return (_INTERPRET_FP8, _INTERPRET_FP8) if interpreting() else _BWD_FP8_SM90[_bucket(max(d, d_v))]
+    """``(dK/dV tiles, dQ tiles)`` of the FP8 backward for head dims d, d_v <= 256 (the fp16-MMA tiles when
+    :func:`fp8_bwd_mma16`)."""
+    if interpreting():
+        return _INTERPRET_FP8, _INTERPRET_FP8
+    table = _BWD_FP8_MMA16_SM90 if fp8_bwd_mma16(d, d_v) else _BWD_FP8_SM90
+    return table[_bucket(max(d, d_v))]
 
 
 def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:

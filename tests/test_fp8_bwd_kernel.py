@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TARGETS
-from fusedattn import fp8
+from fusedattn import fp8, plan
 from fusedattn.backends.triton import bwd as triton_bwd
 from fusedattn.problem import make_band
 from fusedattn.reference_fp8 import fp8_backward_bound
@@ -108,11 +108,19 @@ def kernel_target(request):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["mma8", "mma16"])
+def mma16(request, monkeypatch):
+    """The products as FP8 MMAs (mma8) or as fp16 MMAs on the same FP8 values (mma16, plan.FP8_BWD_MMA16,
+    ``common.fp8_dot``): the same rounding points, so every check below holds for both."""
+    monkeypatch.setattr(plan, "FP8_BWD_MMA16", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp8_bwd_kernel_within_bound_and_matches_emulation(case, kernel_target):
+def test_fp8_bwd_kernel_within_bound_and_matches_emulation(case, kernel_target, mma16):
     shape, mask_spec, dtype, do_dtype, o_dtype, g_dtype, bshd = CASES[case]
     device, backend = kernel_target
-    rep = _repro(case, device)
+    rep = _repro(f"{case} and {'mma16' if mma16 else 'mma8'}", device)
     b, h_q, h_kv, s_q, s_kv, d, d_v = shape
     q8, k8, v8, o, do8, stats, sc, mask = _problem(case, device, backend)
     if bshd:
@@ -179,12 +187,13 @@ def _small_ints(g, shape, lo, hi, dtype):
 
 
 @pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["do_e4m3", "do_e5m2"])
-def test_fp8_bwd_kernel_exact_problem_equals_emulation(do_dtype, kernel_target):
+def test_fp8_bwd_kernel_exact_problem_equals_emulation(do_dtype, kernel_target, mma16):
     """One key per row (seq_len_kv = 1), small integers, power-of-two scales and stats = S: every product, sum
     and scale is exact in fp32 and P = 1 exactly (exp2(S * log2e - S * log2e) in the kernel, exp(S - S) in the
     emulation), so the kernel and the emulation agree bit for bit: gradients and all four amaxes."""
     device, backend = kernel_target
-    rep = _repro(f"exact_problem and {'do_e4m3' if do_dtype == E4M3 else 'do_e5m2'}", device)
+    rep = _repro(f"exact_problem and {'do_e4m3' if do_dtype == E4M3 else 'do_e5m2'} and "
+                 f"{'mma16' if mma16 else 'mma8'}", device)
     b, h_q, h_kv, s_q, s_kv, d = 2, 4, 2, 19, 45, 64
     g = torch.Generator().manual_seed(11)
     q8 = _small_ints(g, (b, h_q, s_q, d), -2, 2, E4M3)

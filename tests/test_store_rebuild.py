@@ -36,3 +36,28 @@ def test_recompiled_store_entries_have_the_recorded_sass(name, tmp_path):
                           str(STORE)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "have the recorded SASS" in run.stdout and "DIFFERENT" not in run.stdout, run.stdout
+
+
+def test_a_switch_added_since_the_recording_takes_its_default():
+    """A compile-time parameter a kernel gains after the recording (a new switch with a default, after the
+    recorded parameters) must not drop the recorded launches: they ran without it, so they rebuild with its
+    default, under specs that name it as the JIT's lookup will (session 27: the FP8 backward's FP8_MMA16
+    dropped all eight backward entries of every store until the tool filled defaults)."""
+    import inspect
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "tools"))
+    import store_rebuild
+
+    def param(name, constexpr, default=inspect.Parameter.empty):
+        return SimpleNamespace(name=name, is_constexpr=constexpr, default=default)
+
+    kernel = SimpleNamespace(params=[param("X", False), param("BLOCK", True), param("NEW_SWITCH", True, False)])
+    recorded = (("i", True, False, True), "64", (("num_warps", "4"),))
+    args, kwargs, specs = store_rebuild.launch_of(kernel, recorded)
+    assert args == [1, 64, False] and kwargs == {"num_warps": 4}
+    assert specs == (("i", True, False, True), "64", "False", (("num_warps", "4"),))
+    # a recording without launch options, and a new parameter without a default: refused by name
+    assert store_rebuild.launch_of(kernel, recorded[:2])[2] == (("i", True, False, True), "64", "False")
+    kernel.params.append(param("NO_DEFAULT", True))
+    with pytest.raises(ValueError, match="NO_DEFAULT"):
+        store_rebuild.launch_of(kernel, recorded)

@@ -96,7 +96,7 @@ def bwd_variants(d, tk, tq, dtype="bf16", **sw):
     bd = max(16, triton.next_power_of_2(d))     # args.block_dim: tl.dot needs 16 at least
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d)
     # the 16-bit launch leaves the FP8 parameters at their defaults (None pointers: constexpr)
-    c.update(FP8_SCALES=None, AMAX=None, FP8=False, FP8_INTERP=False)
+    c.update(FP8_SCALES=None, AMAX=None, FP8=False, FP8_INTERP=False, FP8_MMA16=False)
     c.update(sw)
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=ptr, DO=ptr, LSE="*fp32", DELTA="*fp32", DK=ptr, DV=ptr, DBIAS="*fp32", DQ=ptr,
                 SEQ_Q="*i32", SEQ_KV="*i32", BIAS=ptr, SLOPES="*fp32", CU_Q="*i32", CU_KV="*i32")
@@ -112,7 +112,7 @@ def bwd_fp8_variants(d, tk, tq, dtype="fp8e4nv", do="fp8e5", o="fp8e4nv", grad="
     'smem=... regs=[...] spill_stores=[...]'."""
     bd = max(32, triton.next_power_of_2(d))
     c = dict(BASE_SWITCHES, BLOCK_D=bd, BLOCK_DV=bd, EVEN_D=bd == d, EVEN_DV=bd == d, VARLEN=False, FP8=True,
-             FP8_INTERP=False)
+             FP8_INTERP=False, FP8_MMA16=False)
     c.update(sw)
     ptr = f"*{dtype}"
     ptrs = dict(Q=ptr, K=ptr, V=ptr, O=f"*{o}", DO=f"*{do}", LSE="*fp32", DELTA="*fp32", DK=f"*{grad}",

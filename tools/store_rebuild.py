@@ -32,6 +32,7 @@ import argparse
 import ast
 import hashlib
 import importlib
+import inspect
 import json
 import lzma
 import os
@@ -104,15 +105,34 @@ def _constant(text):
         return eval(text, {"torch": torch, "triton": triton, "tl": triton.language})
 
 
+def _is_options(spec) -> bool:
+    """Whether a specs item is the trailing launch options (a tuple of (name, repr) pairs), not a parameter's
+    spec (a constexpr's repr string, or a runtime argument's tuple led by its kind)."""
+    return isinstance(spec, tuple) and all(isinstance(x, tuple) and len(x) == 2 for x in spec)
+
+
 def launch_of(kernel, specs):
-    """(args, kwargs) with ``specs``' specialization: positional arguments for every parameter, then the
-    launch options."""
-    n = len(kernel.params)
-    args = []
-    for param, spec in zip(kernel.params, specs[:n]):
-        args.append(_constant(spec) if param.is_constexpr else _argument(kernel, spec))
-    kwargs = {k: _constant(v) for k, v in (specs[n] if len(specs) > n else ())}
-    return args, kwargs
+    """(args, kwargs, specs as the current sources give them) with ``specs``' specialization: positional
+    arguments for every parameter, then the launch options. A compile-time parameter the kernel gained
+    since the recording (a new switch, after the recorded ones) takes its default: the launches recorded
+    then did not pass it, so they run with the default now (bench/NOTES.md 66: the FP8 backward's FP8_MMA16
+    dropped every backward entry before this)."""
+    options = specs[-1] if specs and _is_options(specs[-1]) else None
+    recorded = specs[:-1] if options is not None else specs
+    args, current = [], list(recorded)
+    for i, param in enumerate(kernel.params):
+        if i < len(recorded):
+            spec = recorded[i]
+            args.append(_constant(spec) if param.is_constexpr else _argument(kernel, spec))
+        elif param.is_constexpr and param.default is not inspect.Parameter.empty:
+            args.append(param.default)
+            current.append(repr(param.default))
+        else:
+            raise ValueError(f"parameter {param.name} is not in the recorded launch and has no default")
+    kwargs = {k: _constant(v) for k, v in (options or ())}
+    if options is not None:
+        current.append(options)
+    return args, kwargs, tuple(current)
 
 
 def compile_launch(kernel, args, kwargs):
@@ -157,8 +177,7 @@ def build_entry(entry):
     from fusedattn.backends import prebuilt
     try:
         kernel = _kernel(entry["kernel"])
-        specs = ast.literal_eval(entry["specs"])
-        call_args, call_kwargs = launch_of(kernel, specs)
+        call_args, call_kwargs, specs = launch_of(kernel, ast.literal_eval(entry["specs"]))
         compiled = compile_launch(kernel, call_args, call_kwargs)
     except Exception as exc:          # a kernel or constant the sources no longer have
         return None, None, f"not rebuilt ({type(exc).__name__}: {str(exc)[:160]})"
@@ -168,7 +187,7 @@ def build_entry(entry):
     fields = dict(kernel=f"{entry['kernel'].split(':', 1)[0]}:{prebuilt.kernel_sources_digest()}",
                   sha256=hashlib.sha256(cubin).hexdigest(), shared=compiled.metadata.shared,
                   num_warps=compiled.metadata.num_warps, params=prebuilt.expand_params(kernel, compiled),
-                  descriptors=prebuilt._descriptor_entries(compiled))
+                  descriptors=prebuilt._descriptor_entries(compiled), specs=repr(specs))
     return cubin, prebuilt.launch_key(kernel, tuple(call_args), call_kwargs, ARCH), fields
 
 

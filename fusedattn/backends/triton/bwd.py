@@ -41,7 +41,9 @@ the host). The rounding points are the emulation's, in its order:
 * each gradient: amax of the descaled fp32 tile (rows / keys inside the sequence), then * scale_dX in
   its type (``common.to_out``: FP8 saturating).
 All five products are FP8 MMAs on sm_90 with ``max_num_imprecise_acc=FP8_PROMOTE_K`` (the forward's;
-the unit ``fusedattn.fp8.MMA_UNIT_FP8`` enters the bound, ``reference_fp8.fp8_backward_bound(mma_unit=)``).
+the unit ``fusedattn.fp8.MMA_UNIT_FP8`` enters the bound, ``reference_fp8.fp8_backward_bound(mma_unit=)``),
+or with ``FP8_MMA16`` fp16 MMAs on the same FP8 values (``common.fp8_dot``: exact conversion, so the same
+products and rounding points; the 16-bit tiles and rate, for the shapes where FP8 MMAs do not pay: plan.py).
 The products dot(P8^T, dO8), dot(dS8^T, q8) and dot(dS8, k8) sum over the row / key axis, which is not
 innermost in dO, q and K: an FP8 wgmma wants both operands K-major, so Triton transposes those tiles on
 the way to shared memory (the forward's V, bench/NOTES.md 57); staging transposed copies is the speed step
@@ -55,8 +57,8 @@ import triton.language as tl
 
 from .args import aligned, aligned_output, extras_key, is_plain as _is_plain, kernel_scalars
 from .launch import Launcher, cdiv, pow2
-from .common import (FP8_PROMOTE_K, LOG2E, backward_lse, batch_rows, dropout_keep, kv_block_range, load_bias,
-                     load_tile, q_block_range, scores_base2, softcap_tanh, to_fp8, to_out)
+from .common import (LOG2E, backward_lse, batch_rows, dropout_keep, fp8_dot, kv_block_range, load_bias, load_tile,
+                     q_block_range, scores_base2, softcap_tanh, to_fp8, to_out)
 from ...plan import interpreting
 
 
@@ -117,7 +119,8 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
                           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                           BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                           WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          amax_ds=0.0, fp8_scales=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
+                          amax_ds=0.0, fp8_scales=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False,
+                          FP8_MMA16: tl.constexpr = False):
     """Accumulate dK, dV [keys, d] of one key block over query rows [start, end) of one head.
 
     FP8 (module docstring, [Note] FP8): ``fp8_scales`` = (scale_s, descale_dO, descale_v, attn_scale,
@@ -132,7 +135,7 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
         q = load_tile(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                       offs_m, offs_d, row_end, D, MASKED, not EVEN_D)
         if FP8:
-            qk_t = tl.dot(k, tl.trans(q), max_num_imprecise_acc=FP8_PROMOTE_K)
+            qk_t = fp8_dot(k, tl.trans(q), None, FP8_MMA16)
         else:
             qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         bias = 0.0
@@ -153,11 +156,11 @@ def _attn_bwd_dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, b
             scale_s, descale_do, descale_v, attn_scale, scale_dp = fp8_scales
             # cuDNN's order: dP = (dO8 V8^T) * descale_dO * descale_v; dV += P8^T dO8 (descaled at the end);
             # dS = (dP - D) * P * attn_scale, amax_dP = max |dS|; dK += dS8^T q8 with dS8 in dO's type
-            dp_t = tl.dot(v, tl.trans(do), max_num_imprecise_acc=FP8_PROMOTE_K) * descale_do * descale_v
-            dv = tl.dot(to_fp8(p_t * scale_s, q.dtype, FP8_INTERP), do, dv, max_num_imprecise_acc=FP8_PROMOTE_K)
+            dp_t = fp8_dot(v, tl.trans(do), None, FP8_MMA16) * descale_do * descale_v
+            dv = fp8_dot(to_fp8(p_t * scale_s, q.dtype, FP8_INTERP), do, dv, FP8_MMA16)
             ds_t = (dp_t - delta[None, :]) * p_t * attn_scale
             amax_ds = tl.maximum(amax_ds, tl.max(tl.max(tl.abs(ds_t), 1), 0))
-            dk = tl.dot(to_fp8(ds_t * scale_dp, do.dtype, FP8_INTERP), q, dk, max_num_imprecise_acc=FP8_PROMOTE_K)
+            dk = fp8_dot(to_fp8(ds_t * scale_dp, do.dtype, FP8_INTERP), q, dk, FP8_MMA16)
         else:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             if DROPOUT:
@@ -198,7 +201,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
                    BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
                    DROPOUT: tl.constexpr, WRITE_DBIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    VARLEN: tl.constexpr, FP8_SCALES=None, AMAX=None, FP8: tl.constexpr = False,
-                   FP8_INTERP: tl.constexpr = False):
+                   FP8_INTERP: tl.constexpr = False, FP8_MMA16: tl.constexpr = False):
     pid_n = tl.program_id(0)
     bhkv = tl.program_id(1)
     batch = bhkv // H_KV
@@ -224,6 +227,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
                   offs_n, offs_d, col_end, D, True, not EVEN_D)
     v = load_tile(V + v_off + kvh64 * stride_vh + offs_n[:, None] * stride_vn
                   + offs_dv[None, :] * stride_vd, offs_n, offs_dv, col_end, D_V, True, not EVEN_DV)
+    if FP8_MMA16:
+        # the program's K and V once as fp16 (exact: common.fp8_dot), not once per query tile
+        k, v = k.to(tl.float16), v.to(tl.float16)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, full_lo, full_hi, hi = q_block_range(start_n, len_q, len_kv, diag, win_left, win_right,
@@ -259,7 +265,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP)
+            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP, FP8_MMA16)
         dk, dv, amax_ds = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh, row_end,
@@ -267,7 +273,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             False, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP)
+            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP, FP8_MMA16)
         dk, dv, amax_ds = _attn_bwd_dkdv_blocks(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, bias_base, dbias_base, slope,
             offs_n, offs_m0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh, row_end,
@@ -275,7 +281,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, DBIAS, SEQ_Q, SEQ_KV, BIAS, 
             S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
             dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
             True, BLOCK_M, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP)
+            WRITE_DBIAS, DOT_PRECISION, amax_ds, fp8_scales, FP8, FP8_INTERP, FP8_MMA16)
     if FP8:
         # the group's query heads are summed (the loop above) before the descales: matmul_fp8's gqa_c;
         # attn_scale is inside dS already. Keys past the sequence hold 0 (their P is 0).
@@ -303,7 +309,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                         BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, fp8_scales=None, FP8: tl.constexpr = False,
-                        FP8_INTERP: tl.constexpr = False):
+                        FP8_INTERP: tl.constexpr = False, FP8_MMA16: tl.constexpr = False):
     """Accumulate dQ [rows, d] of one query tile over key blocks [start, end).
 
     FP8: ``fp8_scales`` = (descale_dO, descale_v, attn_scale, scale_dP); ``qk_scale`` holds descale_q *
@@ -319,7 +325,7 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
         v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                       offs_n, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         if FP8:
-            qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
+            qk = fp8_dot(q, tl.trans(k), None, FP8_MMA16)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         bias = 0.0
@@ -331,9 +337,9 @@ def _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope
         if FP8:
             descale_do, descale_v, attn_scale, scale_dp = fp8_scales
             # the dK/dV pass's dS (same order), quantized to dO's type with scale_dP
-            dp = tl.dot(do, tl.trans(v), max_num_imprecise_acc=FP8_PROMOTE_K) * descale_do * descale_v
+            dp = fp8_dot(do, tl.trans(v), None, FP8_MMA16) * descale_do * descale_v
             ds = (dp - delta[:, None]) * p * attn_scale
-            dq = tl.dot(to_fp8(ds * scale_dp, do.dtype, FP8_INTERP), k, dq, max_num_imprecise_acc=FP8_PROMOTE_K)
+            dq = fp8_dot(to_fp8(ds * scale_dp, do.dtype, FP8_INTERP), k, dq, FP8_MMA16)
         else:
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             if DROPOUT:
@@ -368,7 +374,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
                  BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr,
                  DROPOUT: tl.constexpr, REVERSE_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  VARLEN: tl.constexpr, WRITE_DELTA: tl.constexpr, FP8_SCALES=None, AMAX=None,
-                 FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
+                 FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False, FP8_MMA16: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -395,6 +401,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
     kvh64 = kv_head.to(tl.int64)
     q = load_tile(Q + q_off + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                   offs_m, offs_d, row_end, D, True, not EVEN_D)
+    if FP8_MMA16:
+        q = q.to(tl.float16)        # once per program (exact: common.fp8_dot); dO keeps its type, dS8's
     do = load_tile(DO + do_off + h64 * stride_doh + offs_m[:, None] * stride_dom
                    + offs_dv[None, :] * stride_dod, offs_m, offs_dv, row_end, D_V, True, not EVEN_DV)
     # rows that saw no key (lse -inf) read +inf: their P is exactly 0 (common.backward_lse)
@@ -434,21 +442,21 @@ def _attn_bwd_dq(Q, K, V, O, DO, LSE, DELTA, DQ, SEQ_Q, SEQ_KV, BIAS, SLOPES, CU
                              S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                              True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
-                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP)
+                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP, FP8_MMA16)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
                              offs_m, offs_n0, offs_d, offs_dv, full_lo, full_hi, len_q, len_kv, diag, bh,
                              stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
                              S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                              False, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
-                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP)
+                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP, FP8_MMA16)
     dq = _attn_bwd_dq_blocks(dq, q, do, lse2, delta, k_base, v_base, bias_base, slope,
                              offs_m, offs_n0, offs_d, offs_dv, full_hi, hi, len_q, len_kv, diag, bh,
                              stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn,
                              S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
                              dropout_seed, dropout_offset, dropout_threshold, dropout_rescale,
                              True, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI,
-                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP)
+                             DROPOUT, DOT_PRECISION, fp8_scales, FP8, FP8_INTERP, FP8_MMA16)
     # rows past the sequence get no gradient (their unmasked full blocks computed garbage)
     if FP8:
         # dQ = (dS8 k8) * descale_dP * descale_k (attn_scale is inside dS); amax, then scale_dQ
@@ -586,7 +594,8 @@ FP8_BWD_SCALE_NAMES = ("descale_q", "descale_k", "descale_v", "descale_o", "desc
 FP8_BWD_AMAX_NAMES = ("dQ", "dK", "dV", "dP")
 
 
-def launch_bwd_fp8(problem, tiles_dkdv, tiles_dq, q8, k8, v8, out, grad_out, lse, extras, scales, amax, dq, dk, dv):
+def launch_bwd_fp8(problem, tiles_dkdv, tiles_dq, q8, k8, v8, out, grad_out, lse, extras, scales, amax, dq, dk, dv,
+                   mma16=False):
     """The FP8 backward (module docstring, [Note] FP8): the dQ pass (which writes delta) and the dK/dV pass.
 
     q8 [b,h_q,s_q,d], k8 [b,h_kv,s_kv,d], v8 [b,h_kv,s_kv,d_v]: one float8 type; grad_out (dO) float8 (e4m3 or
@@ -595,7 +604,8 @@ def launch_bwd_fp8(problem, tiles_dkdv, tiles_dq, q8, k8, v8, out, grad_out, lse
     order (read by the kernels: CUDA graphs replay new values). amax: fp32 contiguous [4] (dQ, dK, dV, dP),
     zeroed by the caller, maxed into. dq / dk / dv: outputs (float8 / bf16 / fp16 / fp32), any strides.
     problem: shapes and the mask (masks, padding and GQA only; fusedattn.fp8 routes the rest to its
-    emulation). Always through the JIT's dispatch (key None), as ``fwd.launch_fwd_fp8``.
+    emulation). mma16: the products as fp16 MMAs on the FP8 values (``common.fp8_dot``). Always through the
+    JIT's dispatch (key None), as ``fwd.launch_fwd_fp8``.
     """
     from .fwd import fp8_block_dim
     p = problem
@@ -607,7 +617,7 @@ def launch_bwd_fp8(problem, tiles_dkdv, tiles_dq, q8, k8, v8, out, grad_out, lse
     delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q8.device)
     no_bias, no_slopes = (0, 0, 0, 0), 0
     common = (p.scale, args["qk_scale"], 0.0, args["win_left"], args["win_right"], 0, 0, 0, 1.0)
-    fp8_kw = dict(FP8_SCALES=scales, AMAX=amax, FP8=True, FP8_INTERP=interpreting())
+    fp8_kw = dict(FP8_SCALES=scales, AMAX=amax, FP8=True, FP8_INTERP=interpreting(), FP8_MMA16=bool(mma16))
     t = tiles_dq
     _DQ(None, (cdiv(p.s_q, t.block_m), p.b * p.h_q),
         q8, k8, v8, out, grad_out, lse, delta, dq, args["seq_q"], args["seq_kv"], q8, args["slopes"], q8, q8,

@@ -288,6 +288,19 @@ _ROUND_INT = tl.constexpr(12582912.0)     # 1.5 * 2^23: x + it - it rounds |x| <
 
 
 @triton.jit
+def fp8_dot(a, b, acc, MMA16: tl.constexpr):
+    """``a @ b`` (plus ``acc`` when given) of float8 tiles, fp32 sums: FP8 MMAs with every K-step promoted
+    (``FP8_PROMOTE_K``), or with MMA16 fp16 MMAs on the same values. Every e4m3 and e5m2 value is an fp16
+    value (e4m3: 3 mantissa bits, 2^-9 .. 448; e5m2: 2 bits, 2^-16 .. 57344; fp16: 10 bits, 2^-24 .. 65504),
+    so the conversion is exact and each product is the FP8 product; only the MMA rate and the accumulation
+    differ (a 16-bit wgmma adds in fp32, tighter than the FP8 MMA's unit that the bound assumes)."""
+    if MMA16:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+    else:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
+
+
+@triton.jit
 def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     """fp32 ``x`` (any shape) rounded to the nearest value of an FP8 grid, ties to even, in fp32
     arithmetic: ``MANT_BITS`` stored mantissa bits, ``MIN_EXP`` the smallest normal exponent (its
