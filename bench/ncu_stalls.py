@@ -1,0 +1,89 @@
+"""Lab script: per-SASS-line stall samples from an Nsight Compute source page (no GPU: reads the CSV).
+
+``run_device.sh ncu-paged`` (and the other ncu parts) write ``source.csv``: ``ncu --import REPORT --page source
+--csv --print-source sass``, one block per profiled kernel, one row per SASS instruction with its warp-state
+samples. This reads it and prints, per kernel:
+
+    python bench/ncu_stalls.py SOURCE.csv [--top N]      # the N hottest instructions, their main stall reason
+    python bench/ncu_stalls.py SOURCE.csv --waits        # every mbarrier wait (SYNCS.PHASECHK) and its samples
+
+``--waits`` is what told the paged prefill's load warp from its consumers (bench/NOTES.md 66): a wait executed
+once per key tile by one warp (the count of the load loop's iterations) is the load warp waiting for a free ring
+slot (``k_empty`` / ``v_empty``: the consumers are behind); one executed by the consumer warps is a consumer
+waiting for data (``k_ready`` / ``v_ready``: the copies are behind). The samples of a wait land on the branch
+after it, so each wait's count sums its own line and the next two.
+
+Measured (H100, session 27, prefill b8 h32/8 q512 over 4096 keys d128 causal; kernels: contiguous, pages of 16,
+pages of 64): Triton 3.9.0 pages of 16, load warp's empty waits 361 + 1198 samples against 160 + 2762 contiguous;
+first consumer's V-ready wait 1368 against 310; Triton 3.6.0 (two load warps) 2128 + 2131 and 506.
+"""
+import argparse
+import csv
+
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def kernels(path):
+    """[(kernel name, [row dict per SASS instruction])] in the file's order."""
+    out, hdr = [], None
+    with open(path) as f:
+        for row in csv.reader(f):
+            if row and row[0] == "Kernel Name":
+                out.append((row[1], []))
+                hdr = None
+            elif row and row[0] == "Address":
+                hdr = row
+            elif hdr and out and len(row) == len(hdr):
+                out[-1][1].append(dict(zip(hdr, row)))
+    return out
+
+
+def num(text):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def stall_columns(rows):
+    return [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+
+
+def top(rows, n):
+    total = sum(num(r[SAMPLES]) for r in rows) or 1.0
+    cols = stall_columns(rows)
+    shares = {c[6:]: sum(num(r[c]) for r in rows) / total * 100 for c in cols}
+    ranked = sorted(shares.items(), key=lambda x: -x[1])[:8]
+    print("  stalls (% of samples):", ", ".join(f"{k} {v:.1f}" for k, v in ranked))
+    hot = sorted(range(len(rows)), key=lambda i: -num(rows[i][SAMPLES]))[:n]
+    for i in sorted(hot):
+        r = rows[i]
+        reason = max(cols, key=lambda c: num(r[c]))[6:]
+        print(f"  {i:5d} {num(r[SAMPLES]) / total * 100:5.1f}% {reason:14s} x{r['Instructions Executed']:>9s} "
+              f"{r['Source'][:90]}")
+
+
+def waits(rows):
+    for i, r in enumerate(rows):
+        if "SYNCS.PHASECHK" in r["Source"]:
+            barrier = r["Source"].split("[")[1].split("]")[0]
+            samples = sum(num(rows[j][SAMPLES]) for j in range(i, min(i + 3, len(rows))))
+            print(f"  {i:5d} {barrier:18s} {int(samples):7d} samples, executed x{r['Instructions Executed']}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source_csv")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--waits", action="store_true")
+    a = ap.parse_args()
+    for i, (name, rows) in enumerate(kernels(a.source_csv)):
+        print(f"kernel {i}: {name}, {len(rows)} instructions, {int(sum(num(r[SAMPLES]) for r in rows))} samples")
+        if rows and a.waits:
+            waits(rows)
+        elif rows:
+            top(rows, a.top)
+
+
+if __name__ == "__main__":
+    main()
