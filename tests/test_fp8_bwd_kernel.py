@@ -41,17 +41,9 @@ CASES = {
 def _drawn_case(seed):
     """A random CASES entry (the same fields): shapes, mask, the five tensor types and the memory layout."""
     import random
+    from test_fp8_kernel import drawn_shape_and_mask
     rng = random.Random(2700 + seed)
-    h_kv = rng.choice([1, 2])
-    d = rng.choice([16, 32, 40, 64])
-    shape = (rng.choice([1, 2]), h_kv * rng.choice([1, 2, 4]), h_kv, rng.choice([1, 9, 33]), rng.choice([7, 40, 65]),
-             d, d if rng.random() < 0.7 else rng.choice([16, 32]))
-    b, s_q, s_kv = shape[0], shape[3], shape[4]
-    mask = rng.choice([{}, dict(causal=True), dict(causal=True, causal_alignment="bottom_right"),
-                       dict(window=(rng.choice([0, 4]), rng.choice([0, 3])))])
-    if rng.random() < 0.35:
-        mask = dict(mask, seq_len_q=[rng.randint(0, s_q) for _ in range(b)],
-                    seq_len_kv=[rng.randint(0, s_kv) for _ in range(b)])
+    shape, mask = drawn_shape_and_mask(rng)
     fp8_types = [E4M3, E5M2]
     return (shape, mask, rng.choice(fp8_types), rng.choice(fp8_types), rng.choice(fp8_types + [BF16, F32]),
             rng.choice([F32, BF16, F16, E4M3, E5M2]), rng.random() < 0.5)

@@ -36,10 +36,9 @@ CASES = {
 }
 
 
-def _drawn_case(seed):
-    """A random CASES entry (the same fields): shapes, mask, input and output types, scale_o, memory layout."""
-    import random
-    rng = random.Random(2800 + seed)
+def drawn_shape_and_mask(rng):
+    """A random (b, h_q, h_kv, s_q, s_kv, d, d_v) and mask spec (causal either alignment, a window, padding with
+    empty sequences) for the FP8 kernels' drawn cases (this file's and test_fp8_bwd_kernel.py's)."""
     h_kv = rng.choice([1, 2])
     d = rng.choice([16, 32, 40, 64])
     shape = (rng.choice([1, 2]), h_kv * rng.choice([1, 2, 4]), h_kv, rng.choice([1, 9, 33]), rng.choice([7, 40, 65]),
@@ -50,6 +49,14 @@ def _drawn_case(seed):
     if rng.random() < 0.35:
         mask = dict(mask, seq_len_q=[rng.randint(0, s_q) for _ in range(b)],
                     seq_len_kv=[rng.randint(0, s_kv) for _ in range(b)])
+    return shape, mask
+
+
+def _drawn_case(seed):
+    """A random CASES entry (the same fields): shapes, mask, input and output types, scale_o, memory layout."""
+    import random
+    rng = random.Random(2800 + seed)
+    shape, mask = drawn_shape_and_mask(rng)
     o_dtype = rng.choice([E4M3, E5M2, torch.bfloat16, torch.float16, torch.float32])
     scale_o = rng.choice([4.0, 8.0]) if o_dtype in (E4M3, E5M2) else 1.0
     return shape, mask, rng.choice([E4M3, E5M2]), o_dtype, scale_o, rng.random() < 0.5
