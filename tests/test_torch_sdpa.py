@@ -8,6 +8,7 @@ alignment, scale or GQA mapping, moves them by more than 1e-2); torch.compile(fu
 with aot_eager; the flash-slot kernels registered on the CPU key. GPU (marked gpu): a model in bf16 with
 and without activate(), the fallbacks, torch.compile with inductor, a CUDA graph, the flash slot.
 """
+import os
 import threading
 
 import pytest
@@ -164,6 +165,62 @@ def test_activate_runs_fusedattn_and_matches_torch(name, cpu_routing):
     assert len(got_grads) == len(want_grads)
     for got, want in zip(got_grads, want_grads):
         _assert_close(got, want, 1e-6)
+
+
+def _drawn_call(seed):
+    """(args, kwargs, description) of a random SDPA call as models make them (float64 CPU tensors): GQA with
+    enable_gqa, d_v != d, odd lengths, strided (BSHD) q, is_causal (PyTorch's top-left) or a bool / float mask
+    of a broadcast shape (every row keeps a key: an empty row is test_fully_masked_rows_give_zero's), a scale."""
+    import random
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    b, h_kv = rng.choice([1, 2, 3]), rng.choice([1, 2])
+    h_q = h_kv * rng.choice([1, 2, 4])
+    s_q, s_kv = rng.choice([1, 5, 17, 40]), rng.choice([1, 6, 23, 40])
+    d = rng.choice([8, 16, 20, 40, 64])
+    d_v = d if rng.random() < 0.7 else rng.choice([8, 24, 32])
+    mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)      # noqa: E731
+    q = mk(b, s_q, h_q, d).transpose(1, 2) if rng.random() < 0.5 else mk(b, h_q, s_q, d)
+    k, v = mk(b, h_kv, s_kv, d), mk(b, h_kv, s_kv, d_v)
+    kwargs = {"enable_gqa": True} if h_q != h_kv else {}
+    r = rng.random()
+    if r < 0.3:
+        kwargs["is_causal"] = True
+    elif r < 0.7:
+        shape = rng.choice([(s_q, s_kv), (1, s_kv), (b, 1, s_q, s_kv), (1, h_q, s_q, s_kv), (b, h_q, s_q, s_kv),
+                            (b, h_q, 1, s_kv)])
+        if rng.random() < 0.5:
+            mask = torch.rand(*shape, generator=g) > 0.3
+            mask[..., 0] = True             # every row keeps a key
+        else:
+            mask = mk(*shape)
+        kwargs["attn_mask"] = mask
+    if rng.random() < 0.3:
+        kwargs["scale"] = rng.choice([0.05, 0.5, 2.0])
+    described = (f"b{b} h{h_q}/{h_kv} s{s_q}x{s_kv} d{d}/{d_v} "
+                 + ", ".join(f"{n}={tuple(x.shape) if isinstance(x, torch.Tensor) else x}" for n, x in kwargs.items()))
+    return (q, k, v), kwargs, described
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUSEDATTN_FUZZ_SEEDS", "40"))))
+def test_random_sdpa_call_matches_torch(seed, cpu_routing):
+    """Seeded random SDPA calls (``_drawn_call``) under activate(): fusedattn takes each one, and its output
+    and every gradient (q, k, v, a float mask) equal PyTorch's math in float64 (as the named cases above)."""
+    args, kwargs, described = _drawn_call(seed)
+    rep = f"repro: pytest tests/test_torch_sdpa.py -k 'test_random_sdpa_call_matches_torch and [{seed}]' ; {described}"
+    why = fa_torch.unsupported_reason(*args, **kwargs)
+    assert why is None, f"{why}. {rep}"
+    want_out, want_grads = _run_with_grads(args, kwargs)
+    with fa_torch.enabled():
+        got_out, got_grads = _run_with_grads(args, kwargs)
+    assert len(cpu_routing) == 1, rep
+    torch.testing.assert_close(got_out, want_out, rtol=1e-10, atol=1e-10, msg=lambda m: f"{m}. {rep}")
+    for i, (got, want) in enumerate(zip(got_grads, want_grads)):
+        # 1e-5: the float32 log-sum-exp the backward keeps is off by |lse| * 2^-24, which large scores (scale 2,
+        # d 64: |lse| ~ 30) lift to ~3e-6; a semantic slip moves gradients by > 1e-2. Plus a float64 round-off
+        # floor: with one key (s_kv 1, or a causal first row) dQ is 0 up to ~1e-15
+        err, scale = (got - want).abs().max().item(), want.abs().max().item()
+        assert err <= 1e-5 * scale + 1e-12, f"gradient {'qkvm'[i]}: error {err:.3g} of {scale:.3g}. {rep}"
 
 
 def test_fully_masked_rows_give_zero(cpu_routing):
