@@ -279,6 +279,11 @@ def _cache_reference(q, k_dense, v_dense, lens_after, **kw):
     outs, lses = [], []
     for i in range(q.shape[0]):
         n = int(lens_after[i])
+        if n == 0:          # an empty cache: FlashAttention writes 0 and softmax_lse +inf
+            dt = kw.get("dtype", torch.float64)
+            outs.append(torch.zeros(1, q.shape[1], q.shape[2], v_dense.shape[-1], dtype=dt))
+            lses.append(torch.full((1, q.shape[2], q.shape[1]), float("inf"), dtype=torch.float64))
+            continue
         o, l = fa_reference(q[i:i + 1], k_dense[i:i + 1, :n], v_dense[i:i + 1, :n], **kw)
         outs.append(o)
         lses.append(l)
@@ -317,9 +322,63 @@ KVC = [
 ]
 
 
-@pytest.mark.parametrize("c", KVC, ids=lambda c: c["name"])
+def _drawn_kvc(seed):
+    """A random KVC entry: contiguous or paged caches, cache_batch_idx, appends of snew tokens (snew may differ from
+    sq, or be 0), cache_seqlens up to the capacity left, causal / window, softcap, ALiBi (where the door takes it),
+    rotary (interleaved or not, part or all of d) on appends, odd head dims."""
+    import random
+    rng = random.Random(4100 + seed)
+    hk = rng.choice([1, 2])
+    c = dict(name=f"drawn{seed}", b=rng.choice([1, 2, 3]), sq=rng.choice([1, 2, 3]), h=hk * rng.choice([1, 2]), hk=hk,
+             d=rng.choice([16, 24, 32]))
+    c["snew"] = rng.choice([0, c["sq"], 1, 3])
+    if rng.random() < 0.35:
+        c.update(page=rng.choice([4, 8]), smax=0)
+        capacity = 3 * c["page"]             # the test's three pages per sequence
+    else:
+        c["smax"] = capacity = rng.choice([8, 16, 24])
+        if rng.random() < 0.3:
+            c["batch_idx"] = rng.sample(range(c["b"] + 1), c["b"])
+    c["lens"] = [rng.randint(0, capacity - c["snew"]) for _ in range(c["b"])]
+    if c["snew"] == 0 and "page" not in c and rng.random() < 0.2:
+        c["lens"] = None
+    r = rng.random()
+    if r < 0.5:
+        c["causal"] = True
+    elif r < 0.75:
+        c["window"] = (rng.choice([-1, 3]), rng.choice([-1, 0]))
+    if rng.random() < 0.25:
+        c["softcap"] = 4.0
+    if rng.random() < 0.25 and (c.get("causal") or c.get("window", (-1, -1))[1] == 0):
+        c["alibi"] = True
+    if c["snew"] and rng.random() < 0.35:
+        c.update(rotary=rng.choice([16, c["d"] - c["d"] % 4]), interleaved=rng.random() < 0.5)
+    return c
+
+
+# FUSEDATTN_FUZZ_SEEDS=N draws N cases (``_drawn_kvc``) beside the named ones; CI draws 16
+KVC_DRAWN = [_drawn_kvc(i) for i in range(int(os.environ.get("FUSEDATTN_FUZZ_SEEDS", "16")))]
+
+
+@pytest.mark.parametrize("c", KVC + KVC_DRAWN, ids=lambda c: c["name"])
 def test_kvcache_matches_reference(c):
-    g = torch.Generator().manual_seed(hash(c["name"]) % 1000)
+    _check_kvcache_case(c, "auto")
+
+
+@pytest.mark.parametrize("c", KVC_DRAWN[:8], ids=lambda c: c["name"])
+def test_kvcache_drawn_on_the_kernels(c, target):
+    """The first drawn cases on every target (the Triton kernels under the interpreter, and on the GPU)."""
+    device, backend = target
+    if device == "cuda":
+        pytest.skip("the drawn cache cases build CPU caches (the GPU's are tests/test_kvcache_combinations.py's)")
+    _check_kvcache_case(c, backend)
+
+
+def _check_kvcache_case(c, backend):
+    """One KVC case through flash_attn_with_kvcache on CPU tensors: the appended caches (rotated k at
+    cache_seqlens before the append) and the output and softmax_lse against float64, FlashAttention's rule."""
+    # a seed from the name's bytes (hash() of a str changes with every process: the case would too)
+    g = torch.Generator().manual_seed(sum(c["name"].encode()) * 7 % 1000)
     b, sq, snew, h, hk, d = c["b"], c["sq"], c["snew"], c["h"], c["hk"], c["d"]
     lens = torch.tensor(c["lens"], dtype=torch.int32) if c["lens"] is not None else None
     q = torch.randn(b, sq, h, d, generator=g)
@@ -335,7 +394,8 @@ def test_kvcache_matches_reference(c):
 
     page, bidx, table = c.get("page"), c.get("batch_idx"), None
     if page:
-        n_blocks, per_seq = 7, 3
+        per_seq = 3
+        n_blocks = max(7, b * per_seq + 1)
         k_cache = torch.randn(n_blocks, page, hk, d, generator=g)
         v_cache = torch.randn(n_blocks, page, hk, d, generator=g)
         table = torch.randperm(n_blocks, generator=g)[: b * per_seq].view(b, per_seq).to(torch.int32)
@@ -352,7 +412,7 @@ def test_kvcache_matches_reference(c):
         q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
         cache_seqlens=lens, cache_batch_idx=torch.tensor(bidx, dtype=torch.int32) if bidx else None,
         block_table=table, rotary_interleaved=c.get("interleaved", True), return_softmax_lse=True, num_splits=3,
-        **kw)
+        backend=backend, **kw)
     assert out.shape == (b, sq, h, d) and lse.shape == (b, h, sq)
 
     # the expected cache after the append: k/v (rotated) at cache_seqlens .. cache_seqlens + snew - 1
@@ -679,7 +739,6 @@ def test_bad_cache_metadata_names_the_argument(target):
 # varlen dropout; [batch_size, nheads] ALiBi and softmax_scale on the caches; window / softcap / ALiBi on paged
 # varlen; learnable_sink on varlen and with_kvcache; deterministic; the packed functions' returns and options;
 # the remaining refusals; validate=False reading nothing back to the host.
-
 
 
 def _repro(test, target=None, case=None):
