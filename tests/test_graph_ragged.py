@@ -7,6 +7,8 @@ dO/dQ/dK/dV), with ``use_padding_mask`` and seq_len tensors. Results are compare
 sequence with the float64 reference (``fusedattn.reference``) under the repo's 2x rule, the
 packed outputs living in NaN-filled buffers so an unwritten element fails.
 """
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ import fusedattn as cudnn
 from fusedattn.graph import graphs as graphs_module
 from fusedattn.reference import attention_reference
 from fusedattn.testing import assert_error_within
+
+from conftest import target_id
 
 F32 = cudnn.data_type.FLOAT
 I32 = cudnn.data_type.INT32
@@ -143,6 +147,95 @@ def test_ragged_forward(case, on_target):
     # padded Stats rows past a sequence's length see no key: -inf, as cuDNN (9.14 and later) writes
     for i in range(b):
         assert (stats_t[i, :, lens_q[i]:] == float("-inf")).all(), f"Stats rows past sequence {i}'s length"
+
+
+def _drawn_ragged(seed):
+    """(lens_q, lens_kv, h_q, h_kv, d, sdpa options, (alignment, left, right), kv start) of a random ragged graph:
+    empty sequences, GQA, odd head dims, every mask spelling of cuDNN's, a scale, offsets that do not start at 0."""
+    import random
+    rng = random.Random(5300 + seed)
+    b = rng.choice([1, 2, 3, 5])
+    lens_q = [rng.choice([0, 1, 4, 9, 17]) for _ in range(b)]
+    lens_kv = [rng.choice([1, 3, 8, 20]) if rng.random() < 0.9 else 0 for _ in range(b)]
+    h_kv = rng.choice([1, 2])
+    h_q, d = h_kv * rng.choice([1, 2, 4]), rng.choice([8, 16, 24, 40, 64])
+    sdpa_kw = {"attn_scale": rng.choice([0.1, 0.3, 1.0])}
+    band = ("top_left", None, None)
+    r = rng.random()
+    if r < 0.25:
+        sdpa_kw["use_causal_mask"] = True
+        band = ("top_left", None, 0)
+    elif r < 0.5:
+        sdpa_kw["use_causal_mask_bottom_right"] = True
+        band = ("bottom_right", None, 0)
+    elif r < 0.75:
+        left, right = rng.choice([None, 1, 4]), rng.choice([0, 2])
+        bottom = rng.random() < 0.5
+        if bottom:
+            sdpa_kw["diagonal_alignment"] = cudnn.diagonal_alignment.BOTTOM_RIGHT
+        sdpa_kw["diagonal_band_right_bound"] = right
+        if left is not None:
+            sdpa_kw["diagonal_band_left_bound"] = left
+        band = ("bottom_right" if bottom else "top_left", left, right)
+    return lens_q, lens_kv, h_q, h_kv, d, sdpa_kw, band, rng.choice([0, 3])
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUSEDATTN_FUZZ_SEEDS", "12"))))
+def test_ragged_forward_drawn(seed, on_target):
+    """Random ragged forward graphs (``_drawn_ragged``) as cuDNN's samples build them, sequence by sequence
+    against float64 with cuDNN's own mask definitions (test_graph.cudnn_keep_mask on each sequence's lengths);
+    O in a NaN-filled buffer past the packed tokens, Stats -inf on padded rows."""
+    from test_graph import cudnn_keep_mask
+    device, _ = on_target
+    lens_q, lens_kv, h_q, h_kv, d, sdpa_kw, band, kv_start = _drawn_ragged(seed)
+    rep = (f"repro: pytest tests/test_graph_ragged.py -k 'drawn and {target_id(on_target)}-{seed}]' ; lens_q "
+           f"{lens_q} lens_kv {lens_kv} h{h_q}/{h_kv} d{d} {sdpa_kw} band {band} kv start {kv_start}")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    b = len(lens_q)
+    s_q, s_kv = max(lens_q) + 1, max(lens_kv) + 2
+    cu_q, cu_kv = cumulative(lens_q), cumulative(lens_kv)
+    tq, tkv = cu_q[-1], cu_kv[-1]
+    gen = torch.Generator().manual_seed(seed)
+    graph, g = ragged_fwd_graph(b, h_q, h_kv, s_q, s_kv, d, cudnn.data_type.HALF if dtype == torch.float16
+                                else F32, **sdpa_kw)
+    q_t = rand(max(tq, 1), h_q, d, dtype=dtype, device=device, gen=gen)
+    kv_flat = [nan_buffer((kv_start + tkv + 2) * h_kv * d, dtype, device) for _ in range(2)]
+    k_t, v_t = (f[kv_start * h_kv * d:(kv_start + tkv) * h_kv * d].view(tkv, h_kv, d) for f in kv_flat)
+    k_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
+    v_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
+    o_flat = nan_buffer(b * s_q * h_q * d, dtype, device)
+    o_t = o_flat.as_strided((b, h_q, s_q, d), bshd(b, h_q, s_q, d))
+    stats_t = torch.full((b, h_q, s_q, 1), float("nan"), device=device)
+    graph.execute({g["q"]: q_t, g["k"]: kv_flat[0], g["v"]: kv_flat[1], g["o"]: o_t, g["stats"]: stats_t,
+                   g["ragged_q"]: offsets(cu_q, h_q * d, device),
+                   g["ragged_kv"]: offsets(cu_kv, h_kv * d, device, start=kv_start),
+                   g["seq_len_q"]: lengths(lens_q, device), g["seq_len_kv"]: lengths(lens_kv, device)},
+                  torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8))
+    out = o_flat[:tq * h_q * d].view(tq, h_q, d)
+    assert torch.isnan(o_flat[tq * h_q * d:]).all(), f"O written past the packed tokens. {rep}"
+    for i in range(b):
+        assert (stats_t[i, :, lens_q[i]:] == float("-inf")).all(), f"Stats rows past sequence {i}'s length. {rep}"
+        if lens_q[i] == 0:
+            continue
+        keep = cudnn_keep_mask(1, lens_q[i], lens_kv[i], *band)
+        if lens_kv[i] == 0 or not keep.any(-1).all():
+            # rows that keep no key: O 0 and Stats -inf (cuDNN 9.14+); the kept rows below
+            rows = ~keep.any(-1)[0, 0] if lens_kv[i] else torch.ones(lens_q[i], dtype=torch.bool)
+            got = seq(out, cu_q, i)[0][:, rows]
+            assert (got == 0).all(), f"sequence {i}: rows with no key must be 0. {rep}"
+            assert (stats_t[i, :, :lens_q[i]][:, rows] == float("-inf")).all(), f"sequence {i}: Stats. {rep}"
+            if lens_kv[i] == 0:
+                continue
+        args = (seq(q_t, cu_q, i), seq(k_t, cu_kv, i), seq(v_t, cu_kv, i))
+        scale = sdpa_kw["attn_scale"]
+        gold, gold_lse = attention_reference(*args, attn_scale=scale, attn_bias=keep)
+        base, _ = attention_reference(*args, attn_scale=scale, attn_bias=keep, dtype=dtype)
+        assert_error_within(seq(out, cu_q, i), gold, base, msg=f"O of sequence {i}. {rep}")
+        got_lse = stats_t[i:i + 1, :, :lens_q[i]].cpu().double()
+        fin = torch.isfinite(gold_lse)
+        assert torch.equal(torch.isfinite(got_lse), fin), f"Stats -inf rows of sequence {i}. {rep}"
+        torch.testing.assert_close(got_lse[fin], gold_lse.double()[fin], atol=2e-3, rtol=2e-3,
+                                   msg=lambda m: f"Stats {i}: {m}. {rep}")
 
 
 def test_override_shapes_reuse_one_graph(on_target):
