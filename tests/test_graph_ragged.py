@@ -93,6 +93,30 @@ def ragged_fwd_graph(b, h_q, h_kv, s_q, s_kv, d, dtype, *, generate_stats=True, 
                        seq_len_q=seq_len_q, seq_len_kv=seq_len_kv)
 
 
+def run_ragged_fwd(graph, g, lens_q, lens_kv, h_q, h_kv, s_q, d, dtype, device, gen, kv_start):
+    """Execute a ``ragged_fwd_graph`` on random packed inputs, bound three ways: q as [total, h, d]; k and v
+    flat with ``kv_start`` tokens before the first sequence (offsets that do not start at 0, NaN there and
+    past the end); O as the declared padded [b, h, s, d] (BSHD) view of a NaN-filled buffer. Returns
+    (q [total_q, h_q, d], k, v [total_kv, h_kv, d], out [total_q, h_q, d], the flat O and K buffers, Stats)."""
+    b = len(lens_q)
+    cu_q, cu_kv = cumulative(lens_q), cumulative(lens_kv)
+    tq, tkv = cu_q[-1], cu_kv[-1]
+    q_t = rand(max(tq, 1), h_q, d, dtype=dtype, device=device, gen=gen)
+    kv_flat = [nan_buffer((kv_start + tkv + 2) * h_kv * d, dtype, device) for _ in range(2)]
+    k_t, v_t = (f[kv_start * h_kv * d:(kv_start + tkv) * h_kv * d].view(tkv, h_kv, d) for f in kv_flat)
+    k_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
+    v_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
+    o_flat = nan_buffer(b * s_q * h_q * d, dtype, device)
+    o_t = o_flat.as_strided((b, h_q, s_q, d), bshd(b, h_q, s_q, d))
+    stats_t = torch.full((b, h_q, s_q, 1), float("nan"), device=device)
+    graph.execute({g["q"]: q_t, g["k"]: kv_flat[0], g["v"]: kv_flat[1], g["o"]: o_t, g["stats"]: stats_t,
+                   g["ragged_q"]: offsets(cu_q, h_q * d, device),
+                   g["ragged_kv"]: offsets(cu_kv, h_kv * d, device, start=kv_start),
+                   g["seq_len_q"]: lengths(lens_q, device), g["seq_len_kv"]: lengths(lens_kv, device)},
+                  torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8))
+    return q_t, k_t, v_t, o_flat[:tq * h_q * d].view(tq, h_q, d), o_flat, kv_flat[0], stats_t
+
+
 # (lens_q, lens_kv, sdpa options, reference options, kv start): lengths 1 and 0, GQA 4/2
 CASES = [
     ((5, 1, 9), (7, 3, 12), dict(attn_scale=0.3), dict(attn_scale=0.3), 0),
@@ -111,30 +135,14 @@ def test_ragged_forward(case, on_target):
     b, h_q, h_kv, d = len(lens_q), 4, 2, 16
     s_q, s_kv = max(lens_q) + 2, max(lens_kv) + 1          # padded maxima above every length
     cu_q, cu_kv = cumulative(lens_q), cumulative(lens_kv)
-    tq, tkv = cu_q[-1], cu_kv[-1]
+    tq = cu_q[-1]
     gen = torch.Generator().manual_seed(case)
     graph, g = ragged_fwd_graph(b, h_q, h_kv, s_q, s_kv, d, cudnn.data_type.HALF if dtype == torch.float16
                                 else F32, **sdpa_kw)
-
-    # three ways to bind a packed buffer: [total, h, d]; flat with kv_start tokens before the first
-    # sequence (offsets that do not start at 0); the declared padded [b, h, s, d] (BSHD) view
-    q_t = rand(tq, h_q, d, dtype=dtype, device=device, gen=gen)
-    kv_flat = [nan_buffer((kv_start + tkv + 2) * h_kv * d, dtype, device) for _ in range(2)]
-    k_t, v_t = (f[kv_start * h_kv * d:(kv_start + tkv) * h_kv * d].view(tkv, h_kv, d) for f in kv_flat)
-    k_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
-    v_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
-    o_flat = nan_buffer(b * s_q * h_q * d, dtype, device)
-    o_t = o_flat.as_strided((b, h_q, s_q, d), bshd(b, h_q, s_q, d))
-    stats_t = torch.full((b, h_q, s_q, 1), float("nan"), device=device)
-    graph.execute({g["q"]: q_t, g["k"]: kv_flat[0], g["v"]: kv_flat[1], g["o"]: o_t, g["stats"]: stats_t,
-                   g["ragged_q"]: offsets(cu_q, h_q * d, device),
-                   g["ragged_kv"]: offsets(cu_kv, h_kv * d, device, start=kv_start),
-                   g["seq_len_q"]: lengths(lens_q, device), g["seq_len_kv"]: lengths(lens_kv, device)},
-                  torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8))
-
-    out = o_flat[:tq * h_q * d].view(tq, h_q, d)
+    q_t, k_t, v_t, out, o_flat, k_flat, stats_t = run_ragged_fwd(graph, g, lens_q, lens_kv, h_q, h_kv, s_q, d,
+                                                                 dtype, device, gen, kv_start)
     assert torch.isnan(o_flat[tq * h_q * d:]).all(), "O written past the packed tokens"
-    assert torch.isnan(kv_flat[0][:kv_start * h_kv * d]).all()
+    assert torch.isnan(k_flat[:kv_start * h_kv * d]).all()
     for i in range(b):
         if lens_q[i] == 0:
             continue
@@ -194,24 +202,12 @@ def test_ragged_forward_drawn(seed, on_target):
     b = len(lens_q)
     s_q, s_kv = max(lens_q) + 1, max(lens_kv) + 2
     cu_q, cu_kv = cumulative(lens_q), cumulative(lens_kv)
-    tq, tkv = cu_q[-1], cu_kv[-1]
+    tq = cu_q[-1]
     gen = torch.Generator().manual_seed(seed)
     graph, g = ragged_fwd_graph(b, h_q, h_kv, s_q, s_kv, d, cudnn.data_type.HALF if dtype == torch.float16
                                 else F32, **sdpa_kw)
-    q_t = rand(max(tq, 1), h_q, d, dtype=dtype, device=device, gen=gen)
-    kv_flat = [nan_buffer((kv_start + tkv + 2) * h_kv * d, dtype, device) for _ in range(2)]
-    k_t, v_t = (f[kv_start * h_kv * d:(kv_start + tkv) * h_kv * d].view(tkv, h_kv, d) for f in kv_flat)
-    k_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
-    v_t.copy_(rand(tkv, h_kv, d, dtype=dtype, device=device, gen=gen))
-    o_flat = nan_buffer(b * s_q * h_q * d, dtype, device)
-    o_t = o_flat.as_strided((b, h_q, s_q, d), bshd(b, h_q, s_q, d))
-    stats_t = torch.full((b, h_q, s_q, 1), float("nan"), device=device)
-    graph.execute({g["q"]: q_t, g["k"]: kv_flat[0], g["v"]: kv_flat[1], g["o"]: o_t, g["stats"]: stats_t,
-                   g["ragged_q"]: offsets(cu_q, h_q * d, device),
-                   g["ragged_kv"]: offsets(cu_kv, h_kv * d, device, start=kv_start),
-                   g["seq_len_q"]: lengths(lens_q, device), g["seq_len_kv"]: lengths(lens_kv, device)},
-                  torch.empty(graph.get_workspace_size(), device=device, dtype=torch.uint8))
-    out = o_flat[:tq * h_q * d].view(tq, h_q, d)
+    q_t, k_t, v_t, out, o_flat, _, stats_t = run_ragged_fwd(graph, g, lens_q, lens_kv, h_q, h_kv, s_q, d, dtype,
+                                                            device, gen, kv_start)
     assert torch.isnan(o_flat[tq * h_q * d:]).all(), f"O written past the packed tokens. {rep}"
     for i in range(b):
         assert (stats_t[i, :, lens_q[i]:] == float("-inf")).all(), f"Stats rows past sequence {i}'s length. {rep}"
