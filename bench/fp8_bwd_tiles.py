@@ -451,22 +451,21 @@ def sass_main(args):
 # ------------------------------------------------------------------------------------------------- GPU mode
 
 # The GPU run's tiles per head-dim bucket: (dK/dV, dQ) 4-tuples (block_m, block_n, warps, stages), the
-# default (plan._BWD_FP8_SM90) first, then the static survey's shortlist (``--sass`` prints it: the best two
+# default (plan's route) first, then the static survey's shortlist (``--sass`` prints it: the best two
 # all-wgmma, fitting, least-spilling tiles of each pass, crossed). Triton 3.6, 2026-11-26.
 CANDIDATES = {
     64: [((32, 64, 4, 2), (64, 64, 4, 2)), ((32, 128, 8, 1), (128, 64, 8, 3)), ((32, 128, 8, 1), (64, 128, 8, 3)),
          ((32, 64, 4, 2), (128, 64, 8, 3)), ((32, 64, 4, 2), (64, 128, 8, 3))],       # no d64 config: not timed
-    128: [((64, 32, 8, 1), (128, 32, 8, 2)), ((32, 128, 8, 1), (64, 64, 8, 3)), ((32, 128, 8, 1), (128, 32, 8, 3)),
-          ((32, 64, 8, 1), (64, 64, 8, 3)), ((32, 64, 8, 1), (128, 32, 8, 3)),
-          # Triton 3.9's best dK/dV tile (no spill in its loops there; 3.6: 464 bytes, 18 LDL/STL in them)
-          ((32, 128, 8, 3), (128, 32, 8, 3)),
-          # fp16 MMAs on the FP8 values (plan.FP8_BWD_MMA16, session 27, not yet timed). ptxas sm_90a, Triton 3.6,
-          # causal: dK/dV 32x128/8/2 436 bytes of spill stores (64x64/4/2 3096, 64x128/8/2 2064), dQ 128x32/8/3
-          # 212 registers and 64x64/4/2 236, no spill; every dot a wgmma
-          ((32, 128, 8, 2), (128, 32, 8, 3), "mma16"), ((32, 128, 8, 2), (64, 64, 4, 2), "mma16"),
-          ((64, 64, 4, 2), (64, 64, 4, 2), "mma16")],
+    # d128, session 28: plan's route first (fp16 MMAs, 64x64/4/2 both: 167 / 199 / 199 TFLOP/s on Triton 3.6 against
+    # the FP8 MMAs' best, next, 125 / 148 / 153), then fp16-MMA neighbours of the 16-bit backward's tiles
+    128: [((64, 64, 4, 2), (64, 64, 4, 2), "mma16"), ((32, 128, 8, 3), (128, 32, 8, 3)),
+          ((32, 128, 8, 2), (64, 64, 4, 2), "mma16"), ((64, 64, 4, 3), (64, 64, 4, 3), "mma16"),
+          ((64, 128, 8, 2), (64, 64, 4, 2), "mma16"), ((64, 64, 4, 2), (128, 64, 8, 2), "mma16")],
     256: [((32, 32, 8, 1), (32, 32, 8, 1)), ((32, 64, 8, 1), (64, 32, 8, 3)), ((32, 64, 8, 1), (64, 64, 8, 2)),
-          ((64, 64, 8, 1), (64, 32, 8, 3)), ((64, 64, 8, 1), (64, 64, 8, 2))],
+          ((64, 64, 8, 1), (64, 32, 8, 3)), ((64, 64, 8, 1), (64, 64, 8, 2)),
+          # fp16 MMAs (session 28, untimed): the 16-bit backward's d256 tiles and two wider ones
+          ((32, 32, 4, 2), (32, 32, 4, 2), "mma16"), ((32, 64, 4, 2), (64, 32, 4, 2), "mma16"),
+          ((64, 32, 8, 2), (32, 64, 8, 2), "mma16")],
 }
 
 

@@ -133,21 +133,26 @@ _BWD_FP8_SM90 = {64: (Tiles(32, 64, 4, 2), Tiles(64, 64, 4, 2)), 128: (Tiles(32,
 
 
 # The FP8 backward's products as fp16 MMAs on the FP8 values (bwd.py ``FP8_MMA16``, ``common.fp8_dot``: exact, the
-# same rounding points): the FP8 MMAs above run 125 TFLOP/s at b4 h32 2k d128 causal against cuDNN's FP8 backward
-# 234 and our 16-bit Triton backward's ~300-400, so 16-bit MMAs on the 8-bit loads may be the faster pass. Tiles
-# start from the 16-bit backward's (_BWD_SM90, _BWD_DQ_SM90), d128 by ptxas (sm_90a, Triton 3.6, causal: dK/dV
-# 32x128/8/2 436 bytes of spill stores against 3096 at 64x64/4/2, dQ 128x32/8/3 212 registers, no spill, every dot a
-# wgmma). Written without device time (session 27): off until bench/fp8_bwd_tiles.py times them (its "mma16"
-# candidates), so the GPU keeps the measured FP8 route.
-FP8_BWD_MMA16 = False
+# same rounding points; only the MMA rate and the accumulation, fp32 in a 16-bit wgmma, differ). Timed on an H100
+# (bench/fp8_bwd_tiles.py, Triton 3.6, session 28, TFLOP/s, b4 h32 2k causal / b2 h16 8k / b1 h32 16k causal,
+# d128): the best FP8-MMA pair (dK/dV 32x128/8/3, dQ 128x32/8/3) 125 / 148 / 153; fp16 MMAs with dK/dV and dQ
+# 64x64/4/2 167 / 199 / 199, 32x128/8/2 + 64x64/4/2 164 / 196 / 202, 32x128/8/2 + 128x32/8/3 154 / 186 / 192;
+# every candidate clean on the test shapes (NaN-filled outputs, 3 runs each, bit-equal). So d128 takes them;
+# d64 and d256 keep the FP8 MMAs until timed (no d64 FP8 config; d224 / 256 not in the candidates).
+# FP8_BWD_MMA16 True / False forces one route at every head dim (tests, bench/fp8_bwd_tiles.py).
+FP8_BWD_MMA16 = None
+_FP8_BWD_MMA16_BUCKETS = (128,)
 _BWD_FP8_MMA16_SM90 = {64: (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
-                       128: (Tiles(32, 128, 8, 2), Tiles(128, 32, 8, 3)),
+                       128: (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
                        256: (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))}
 
 
 def fp8_bwd_mma16(d: int, d_v: int) -> bool:
-    """Whether the FP8 backward of head dims d, d_v runs its products as fp16 MMAs (``FP8_BWD_MMA16``)."""
-    return FP8_BWD_MMA16
+    """Whether the FP8 backward of head dims d, d_v runs its products as fp16 MMAs on the FP8 values (the
+    head-dim buckets where they were timed faster, unless ``FP8_BWD_MMA16`` forces a route)."""
+    if FP8_BWD_MMA16 is not None:
+        return FP8_BWD_MMA16
+    return _bucket(max(d, d_v)) in _FP8_BWD_MMA16_BUCKETS
 
 
 def fp8_bwd_tiles(d: int, d_v: int):
