@@ -390,7 +390,7 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
     clamped lengths or None. out / stats_out: buffers to write (tests pass NaN-filled ones: every element
     must be written), default new ones. Returns what :func:`sdpa_fp8_forward` returns."""
     from .backends.triton.fwd import launch_fwd_fp8
-    from .plan import fp8_fwd_tiles
+    from .plan import fp8_fwd_mma16, fp8_fwd_tiles
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     dev = q.device
@@ -400,13 +400,16 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
     amax = torch.zeros(2, dtype=torch.float32, device=dev)      # [amax_s, amax_o]: the kernel maxes into them
     if dev.type == "cuda" and _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras):
         return o, stats, amax[0].reshape(1, 1, 1, 1), amax[1].reshape(1, 1, 1, 1)
-    if s_kv > 1 and v.stride(2) != 1:
+    mma16 = fp8_fwd_mma16(d, d_v)
+    if s_kv > 1 and v.stride(2) != 1 and not mma16:
         # FP8 MMAs read both operands K-major from shared memory, and P8 @ V's K is the key: V with its
         # keys innermost lets the kernel prefetch V's tiles as it does K's. With d innermost each V tile is
         # loaded synchronously and transposed through registers (bench/fp8_v_layout.py: 100 TFLOP/s on an
-        # H100 at b4 h32 s2k d128). One copy of V per call, a few percent of the forward's time.
+        # H100 at b4 h32 s2k d128). One copy of V per call, a few percent of the forward's time. (fp16 MMAs
+        # take V either way: no copy.)
         v = v.transpose(2, 3).contiguous().transpose(2, 3)
-    launch_fwd_fp8(p, fp8_fwd_tiles(d, d_v), q, k, v, o, stats[..., 0], extras, scales, amax[0:1], amax[1:2])
+    launch_fwd_fp8(p, fp8_fwd_tiles(d, d_v), q, k, v, o, stats[..., 0], extras, scales, amax[0:1], amax[1:2],
+                   mma16=mma16)
     return o, stats, amax[0].reshape(1, 1, 1, 1), amax[1].reshape(1, 1, 1, 1)
 
 

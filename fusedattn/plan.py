@@ -148,9 +148,30 @@ _BWD_FP8_MMA16_SM90 = {64: (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
                        256: (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))}
 
 
+def fp8_mma16_compiles_right(d: int, d_v: int) -> bool:
+    """Whether the fp16-MMA switch of the portable FP8 kernels is trusted at head dims d, d_v on this Triton.
+
+    Triton 3.6 (H100, session 28) faults with it where d pads its FP8 tile (``fwd.fp8_block_dim``) to another
+    width than d_v's: d 48 / d_v 32 and 40 / 32 gave an illegal address (forward, window) or a dK that differs
+    between two runs of the same call (backward), and a forward error 107x its bound (causal); every pair of
+    one width passed (16, 24, 40, 64, 128 with d_v = d; the bench's 128, 224, 256), and 3.9.0 passed them all.
+    So before 3.9 the switch needs one tile width for both (the FP8 MMAs, which those cases pass, run the
+    rest); the interpreter takes it everywhere."""
+    if interpreting():
+        return True
+    from .backends.compat import TRITON_VERSION
+
+    def width(x):
+        return max(32, 1 << (x - 1).bit_length())
+    return TRITON_VERSION >= (3, 9) or width(d) == width(d_v)
+
+
 def fp8_bwd_mma16(d: int, d_v: int) -> bool:
     """Whether the FP8 backward of head dims d, d_v runs its products as fp16 MMAs on the FP8 values (the
-    head-dim buckets where they were timed faster, unless ``FP8_BWD_MMA16`` forces a route)."""
+    head-dim buckets where they were timed faster, unless ``FP8_BWD_MMA16`` forces a route; never where
+    :func:`fp8_mma16_compiles_right` says no)."""
+    if not fp8_mma16_compiles_right(d, d_v):
+        return False
     if FP8_BWD_MMA16 is not None:
         return FP8_BWD_MMA16
     return _bucket(max(d, d_v)) in _FP8_BWD_MMA16_BUCKETS
@@ -165,9 +186,33 @@ def fp8_bwd_tiles(d: int, d_v: int):
     return table[_bucket(max(d, d_v))]
 
 
+# The portable FP8 forward's products as fp16 MMAs on the FP8 values (fwd.py ``FP8_MMA16``, as the backward's
+# above), V as it comes (no keys-innermost copy). H100, Triton 3.6, session 28 (bench/fp8_v_layout.py --mma16,
+# TFLOP/s, b4 h16 4k d256 causal / b32 h32 2k d224): FP8 MMAs 64x64/8/2 (V keys inner) 259 / 244; fp16 MMAs
+# 128x64/8/3 326 / 307 (V d inner; 330 / 324 keys inner), 128x64/8/2 302 / 291, 64x64/4/2 308 / 283, 128x32/8/3
+# 271 / 257, 64x128/8/2 214 / 198, 64x64/8/2 178 / 166. d64 / d128 run on the Gluon FP8 forward on an H100; their
+# portable route keeps the FP8 MMAs (not timed). FP8_FWD_MMA16 True / False forces a route (tests, the probe).
+FP8_FWD_MMA16 = None
+_FP8_FWD_MMA16_BUCKETS = (256,)
+_FWD_FP8_MMA16_SM90 = {64: Tiles(64, 64, 4, 3), 128: Tiles(128, 64, 8, 3), 256: Tiles(128, 64, 8, 3)}
+
+
+def fp8_fwd_mma16(d: int, d_v: int) -> bool:
+    """Whether the portable FP8 forward of head dims d, d_v runs its products as fp16 MMAs on the FP8 values
+    (as :func:`fp8_bwd_mma16`)."""
+    if not fp8_mma16_compiles_right(d, d_v):
+        return False
+    if FP8_FWD_MMA16 is not None:
+        return FP8_FWD_MMA16
+    return _bucket(max(d, d_v)) in _FP8_FWD_MMA16_BUCKETS
+
+
 def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:
-    """Tiles of the FP8 forward (backends/triton/fwd.py ``launch_fwd_fp8``) for head dims d, d_v <= 256."""
-    return _INTERPRET_FP8 if interpreting() else _FWD_FP8_SM90[_bucket(max(d, d_v))]
+    """Tiles of the FP8 forward (backends/triton/fwd.py ``launch_fwd_fp8``) for head dims d, d_v <= 256 (the
+    fp16-MMA tiles when :func:`fp8_fwd_mma16`)."""
+    if interpreting():
+        return _INTERPRET_FP8
+    return (_FWD_FP8_MMA16_SM90 if fp8_fwd_mma16(d, d_v) else _FWD_FP8_SM90)[_bucket(max(d, d_v))]
 
 
 # The Gluon sm_90 forward's FP8 switch (backends/gluon/fwd_sm90.py [Note] FP8) takes these head dims (d = d_v)

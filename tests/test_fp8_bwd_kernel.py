@@ -287,3 +287,27 @@ def test_fp8_bwd_routing(kernel_target, kernel_calls):
     assert len(kernel_calls) == n, "a bf16 dO must run the emulation"
     for x, y in zip(a[:3], e[:3]):
         assert (x.float() - y.float()).abs().max().item() <= 0.1 * y.float().abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("version", [(3, 6, 0), (3, 9, 0)], ids=["3.6", "3.9"])
+def test_fp16_mma_switch_routes_around_triton_36_fault(version, monkeypatch):
+    """plan.fp8_mma16_compiles_right: before Triton 3.9 the fp16-MMA switch (forward and backward) runs only
+    where d and d_v take one FP8 tile width (3.6 faulted at 48 / 32 and 40 / 32 on an H100, session 28); forcing
+    the switch does not override that; the default buckets (d128 backward, d256 both) take it where allowed."""
+    from fusedattn.backends import compat
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(compat, "TRITON_VERSION", version)
+    old = version < (3, 9)
+    for d, d_v in ((48, 32), (40, 32), (64, 16)):
+        assert plan.fp8_mma16_compiles_right(d, d_v) is not old
+        for forced in ("FP8_BWD_MMA16", "FP8_FWD_MMA16"):
+            monkeypatch.setattr(plan, forced, True)
+        assert plan.fp8_bwd_mma16(d, d_v) is not old and plan.fp8_fwd_mma16(d, d_v) is not old
+        for forced in ("FP8_BWD_MMA16", "FP8_FWD_MMA16"):
+            monkeypatch.setattr(plan, forced, None)
+    for d in (24, 40, 128, 224, 256):
+        assert plan.fp8_mma16_compiles_right(d, d)
+    assert plan.fp8_bwd_mma16(128, 128) and plan.fp8_bwd_mma16(224, 224) and not plan.fp8_bwd_mma16(64, 64)
+    assert plan.fp8_fwd_mma16(256, 256) and not plan.fp8_fwd_mma16(128, 128)
+    assert plan.fp8_bwd_tiles(128, 128) == plan._BWD_FP8_MMA16_SM90[128]
+    assert plan.fp8_fwd_tiles(224, 224) == plan._FWD_FP8_MMA16_SM90[256]

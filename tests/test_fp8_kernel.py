@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from conftest import TARGETS
-from fusedattn import fp8
+from fusedattn import fp8, plan
 from fusedattn.backends.triton import fwd as triton_fwd
 from fusedattn.backends.triton.common import to_fp8
 from fusedattn.problem import make_band
@@ -116,11 +116,19 @@ def _portable_only(monkeypatch):
     monkeypatch.setattr(fp8, "_run_gluon_fp8", lambda *args, **kwargs: False)
 
 
+@pytest.fixture(params=[False, True], ids=["mma8", "mma16"])
+def mma16(request, monkeypatch):
+    """The products as FP8 MMAs (mma8) or as fp16 MMAs on the same FP8 values (mma16, plan.FP8_FWD_MMA16,
+    ``common.fp8_dot``): the same rounding points, so every check below holds for both."""
+    monkeypatch.setattr(plan, "FP8_FWD_MMA16", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_fp8_kernel_within_bound_and_matches_emulation(case, kernel_target):
+def test_fp8_kernel_within_bound_and_matches_emulation(case, kernel_target, mma16):
     shape, mask_spec, dtype, o_dtype, scale_o, bshd = CASES[case]
     device, backend = kernel_target
-    rep = _repro(case, device)
+    rep = _repro(f"{case} and {'mma16' if mma16 else 'mma8'}", device)
     b, h_q, h_kv, s_q, s_kv, d, d_v = shape
     q8, k8, v8, sc = _inputs(shape, dtype, bshd, seed=len(case))
     s_s = fp8.DEFAULT_SCALE_S[dtype]

@@ -46,7 +46,9 @@ fp32 rounding per key tile, inside the bound's doubled fp32 terms.
 sm_90: both products run on 8-bit MMAs; ``max_num_imprecise_acc=FP8_PROMOTE_K`` moves their partial
 sums to fp32 after every 32-wide K-step (Triton's sm_90 default never does, and the tensor cores add
 with fewer bits than fp32 in between). Within a step the hardware's sum keeps about 14 bits: the
-bound's ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``, measured by bench/fp8_mma_probe.py).
+bound's ``u_mma`` (``fusedattn.fp8.MMA_UNIT_FP8``, measured by bench/fp8_mma_probe.py). ``FP8_MMA16``
+runs both products as fp16 MMAs on the same FP8 values instead (exact conversions, fp32 sums: the bound
+holds a fortiori), where plan times them faster (``plan.fp8_fwd_mma16``).
 Interpreter (``FP8_INTERP``): Triton's interpreter (3.6, 3.9) casts fp32 to float8 wrongly but loads
 FP8, casts on-grid values exactly and runs FP8 dots as fp16 operands (exact) with fp32 sums, so
 ``to_fp8`` rounds in fp32 arithmetic first (``common.round_to_fp8_grid``), then casts; everything
@@ -60,7 +62,7 @@ from .args import (aligned, aligned_output, block_dim, extras_key, is_plain as _
                    set_descriptor_allocator, tma_ok)
 from .launch import Launcher, cdiv
 from ...plan import interpreting
-from .common import (FP8_PROMOTE_K, LN2, batch_rows, dropout_keep, fold_sink, kv_block_range, kv_row_offsets,
+from .common import (LN2, batch_rows, dropout_keep, fold_sink, fp8_dot, kv_block_range, kv_row_offsets,
                      load_bias, load_tile, scores_base2, to_fp8, to_out)
 
 
@@ -77,14 +79,16 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                      BIAS_KIND: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                     FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
+                     FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False,
+                     FP8_MMA16: tl.constexpr = False):
     """Online-softmax update of one query tile over key blocks [start, end).
 
     USE_TMA loads K/V tiles through tensor descriptors (Hopper's bulk copy engine; rows
     past the tensor and head-dim padding arrive as zeros, the score mask does the rest).
     FP8 (module docstring, [Note] FP8): q, K, V are float8; ``qk_scale`` already holds
     descale_q * descale_k; P enters the second product as fp8(p * scale_s) (``scale_s``
-    is read only then), and both products accumulate in fp32.
+    is read only then), and both products accumulate in fp32: FP8 MMAs, or with FP8_MMA16 fp16 MMAs on the
+    same values (``common.fp8_dot``: exact conversions, the same rounding points).
     """
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
@@ -99,7 +103,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
         if FP8:
             # FP8 MMA; the partial sums move to the fp32 tile after every K-step of 32 (sm_90 wgmma
             # otherwise adds all of d with fewer bits than fp32: Triton's max_num_imprecise_acc)
-            qk = tl.dot(q, tl.trans(k), max_num_imprecise_acc=FP8_PROMOTE_K)
+            qk = fp8_dot(q, tl.trans(k), None, FP8_MMA16)
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED or SOFTCAP or BIAS_KIND != 0 or HAS_ALIBI:
@@ -139,7 +143,7 @@ def _attn_fwd_blocks(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, 
                           cols, offs_dv, len_kv, D_V, MASKED, not EVEN_DV)
         if FP8:
             # P8 = fp8(p * scale_s) of the unnormalized p <= 1 (the row sum l_i keeps the fp32 p)
-            acc = tl.dot(to_fp8(p * scale_s, v.dtype, FP8_INTERP), v, acc, max_num_imprecise_acc=FP8_PROMOTE_K)
+            acc = fp8_dot(to_fp8(p * scale_s, v.dtype, FP8_INTERP), v, acc, FP8_MMA16)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
@@ -183,7 +187,8 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINK: tl.constexpr = False,
               DESCALE_Q=None, DESCALE_K=None, DESCALE_V=None, DESCALE_S=None, SCALE_S=None, SCALE_O=None,
-              AMAX_S=None, AMAX_O=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False):
+              AMAX_S=None, AMAX_O=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False,
+              FP8_MMA16: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -255,7 +260,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP)
+        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP, FP8_MMA16)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
@@ -263,7 +268,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         False, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE, FP8, FP8_INTERP)
+        DOT_PRECISION, USE_TMA, WARP_SPECIALIZE, FP8, FP8_INTERP, FP8_MMA16)
     acc, m_i, l_i = _attn_fwd_blocks(
         acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_table, v_table, stride_tkn, stride_tvn, NUM_BLOCKS, bias_base, slope,
         offs_m, offs_n, offs_d, offs_dv, start_m,
@@ -271,7 +276,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
         S_Q, S_KV, D, D_V, qk_scale, softcap, win_left, win_right,
         dropout_seed, dropout_offset, dropout_threshold, bh, scale_s,
         True, PAGED, PAGE_SIZE, BLOCK_N, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, BIAS_KIND, HAS_ALIBI, DROPOUT,
-        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP)
+        DOT_PRECISION, USE_TMA, False, FP8, FP8_INTERP, FP8_MMA16)
 
     if HAS_SINK:
         sink2 = tl.load(SINK + head) * 1.4426950408889634 + tl.zeros([BLOCK_M], tl.float32)   # fp32 [h_q]
@@ -375,7 +380,7 @@ def launch_fwd(problem, tiles, q, k, v, out, lse, extras):
             target.copy_(buf)
 
 
-def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s, amax_o):
+def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s, amax_o, mma16=False):
     """Launch the forward kernel with the FP8 switch (module docstring, [Note] FP8).
 
     q8 [b,h_q,s_q,d], k8 [b,h_kv,s_kv,d], v8 [b,h_kv,s_kv,d_v]: one float8 type, any strides.
@@ -384,8 +389,9 @@ def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s,
     scale_s, scale_o): read by the kernel, so a CUDA graph replays with new values. amax_s, amax_o:
     one-element fp32 tensors, zeroed by the caller, maxed into by every program.
     problem: the mask and shapes (dtype: q8's); only masks, padding and GQA (fusedattn.fp8 routes the rest
-    to its emulation). Always through the JIT's dispatch (key None): the scale and amax pointers are
-    trailing parameters, which a Launcher cache entry would keep from its first call.
+    to its emulation). mma16: the products as fp16 MMAs on the FP8 values (``common.fp8_dot``). Always
+    through the JIT's dispatch (key None): the scale and amax pointers are trailing parameters, which a
+    Launcher cache entry would keep from its first call.
     """
     p = problem
     q8, k8, v8 = aligned(q8), aligned(k8), aligned(v8)
@@ -408,8 +414,8 @@ def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s,
                   BLOCK_DV=fp8_block_dim(p.d_v), WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
                   USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1, VARLEN=False, HAS_SINK=False,
                   **{name.upper(): scales[name] for name in FP8_SCALE_NAMES}, AMAX_S=amax_s, AMAX_O=amax_o,
-                  FP8=True, FP8_INTERP=interpreting(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                  **switches)
+                  FP8=True, FP8_INTERP=interpreting(), FP8_MMA16=bool(mma16), num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages, **switches)
     _FWD(None, grid, *pos, **kwargs)
     for buf, target in ((out, out_target), (lse, lse_target)):
         if target is not None:
