@@ -3,10 +3,14 @@ FP8 caches (KV_FP8: e4m3 / e5m2 bytes widened to q's type), contiguous and paged
 (16 x 128, 4 warps, 2 stages). Prints shared memory, registers / spills (ptxas) and the TTGIR's async copies
 (pipelined K / V loads).
 
-    python tools/decode_aot_check.py
+    python tools/decode_aot_check.py [--loops]      # --loops: each loop's SASS instruction count and top opcodes
 
 Session 18 (Triton 3.6): bf16 cache 208-220 regs, 72 KB; e4m3 cache 168-255 regs (contiguous bf16 q: 16
 bytes of spill), 40 KB; 12 async copies in every variant.
+
+Session 28 (Triton 3.6, --loops, the unmasked step): bf16 cache 553 instructions; e4m3 cache with bf16 queries
+1344 (256 F2F + 128 PRMT: e4m3 -> f16 -> f32 -> bf16), with fp16 queries 953 (bench/NOTES.md 67;
+bench/pending/fp8-decode-fp16-operands.patch: bf16 queries 968).
 """
 import sys
 sys.path.insert(0, "tools")
@@ -15,7 +19,7 @@ from triton.compiler import ASTSource
 import aot_check as a
 from fusedattn.backends.triton import decode
 
-def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128):
+def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False):
     k = decode._decode_fwd
     ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V=f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32", SEQ_KV="*i32",
                 SLOPES="*fp32", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", SINK="*fp32",
@@ -36,8 +40,13 @@ def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128):
     kk = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=a.TARGET,
                         options=dict(num_warps=w, num_stages=st))
     t = kk.asm["ttgir"]
-    return f"smem={kk.metadata.shared} {a.ptxas_report(kk)} async_copies={t.count('async_copy_global_to_local')}"
+    line = f"smem={kk.metadata.shared} {a.ptxas_report(kk)} async_copies={t.count('async_copy_global_to_local')}"
+    if loops:
+        from sass_loops import loop_stats, sass
+        line += "".join(f"\n    loop {label}: {n} instructions, {top[:8]}" for label, n, top in loop_stats(sass(kk))
+                        if n > 1)
+    return line
 
 for dtype, kv, fp8 in (("bf16", "bf16", False), ("bf16", "fp8e4nv", True), ("fp16", "fp8e4nv", True), ("bf16", "fp8e5", True)):
     for paged in (False, True):
-        print(dtype, kv, "paged" if paged else "contig", variant(dtype, kv, fp8, paged))
+        print(dtype, kv, "paged" if paged else "contig", variant(dtype, kv, fp8, paged, loops="--loops" in sys.argv))
