@@ -24,7 +24,7 @@ compiled for the tiles whose causal one is all-wgmma and fits, and its spill is 
 Results are kept in a JSON file (``--json``) so a second run only prints. Without ``--full`` each table
 keeps the all-wgmma tiles that fit (``--top N``: the best N) and the default; ``--full`` prints every tile.
 
-GPU mode (default): for the FP8 bench configs (``fusedattn.bench.fp8_configs``, table "fp8": the five above)
+GPU mode (default): for the FP8 bench configs (``fusedattn.bench.fp8_configs``, table "fp8": the five above, and a d64 one of its own, index 5)
 times ``fusedattn.fp8.sdpa_fp8_backward`` as ``bench --configs fp8`` does for "ours" (``bench.
 prepare_ours_fp8``: e4m3 q/k/v/dO, our forward's e4m3 o and stats, e4m3 gradients, the group's scales) with
 ``plan._BWD_FP8_SM90`` patched in-process to each candidate (:data:`CANDIDATES`, the default first);
@@ -479,8 +479,11 @@ def candidate_tiles(args):
 
 
 def fp8_configs(args):
+    """The bench's five FP8 configs, then this probe's own (index 5: d64, which the bench's ANCHORS-derived
+    group has none of, so the d64 candidates get timed)."""
     from fusedattn import bench
     cfgs = [c for c in bench.fp8_configs() if c.table == "fp8"]
+    cfgs.append(bench.Config("fp8", 8, 16, 16, 4096, 4096, 64, "e4m3", causal=True))
     return [c for i, c in enumerate(cfgs) if args.configs is None or i in args.configs]
 
 
