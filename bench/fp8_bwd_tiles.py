@@ -27,8 +27,8 @@ keeps the all-wgmma tiles that fit (``--top N``: the best N) and the default; ``
 GPU mode (default): for the FP8 bench configs (``fusedattn.bench.fp8_configs``, table "fp8": the five above,
 and a d64 one of its own, index 5) times ``fusedattn.fp8.sdpa_fp8_backward`` as ``bench --configs fp8`` does
 for "ours" (``bench.prepare_ours_fp8``: e4m3 q/k/v/dO, our forward's e4m3 o and stats, e4m3 gradients, the
-group's scales) with ``plan._BWD_FP8_SM90`` patched in-process to each candidate (:data:`CANDIDATES`, the default first);
-``triton.testing.do_bench`` median, TFLOP/s = 2.5 x ``bench.fwd_flops`` (4 b h s^2 d, halved causal).
+group's scales) with ``plan._BWD_FP8_SM90`` patched in-process to each candidate (:data:`CANDIDATES`, the
+default first); ``triton.testing.do_bench`` median, TFLOP/s = 2.5 x ``bench.fwd_flops`` (4 b h s^2 d, halved causal).
 Every candidate's kernels compile first, side by side (``launch.compiling_ahead``), so the run stays well
 inside one 10-minute device call. Each candidate's dQ / dK / dV (e4m3) and four amaxes are checked against
 the default tiles' on the same inputs: max |x - x_default| / max |x_default| (one e4m3 step at the maximum
