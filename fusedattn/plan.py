@@ -160,10 +160,8 @@ def fp8_mma16_compiles_right(d: int, d_v: int) -> bool:
     if interpreting():
         return True
     from .backends.compat import TRITON_VERSION
-
-    def width(x):
-        return max(32, 1 << (x - 1).bit_length())
-    return TRITON_VERSION >= (3, 9) or width(d) == width(d_v)
+    from .backends.triton.fwd import fp8_block_dim          # late: the backends import plan
+    return TRITON_VERSION >= (3, 9) or fp8_block_dim(d) == fp8_block_dim(d_v)
 
 
 def fp8_bwd_mma16(d: int, d_v: int) -> bool:
