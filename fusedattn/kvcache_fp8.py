@@ -47,9 +47,10 @@ fp32 terms are those of :mod:`fusedattn.fp8`'s bound (relative ``2 (d + 3) eps A
 rounding grows with the logits' size (``E_i ~ u8 * attn_scale * sum_c |q_c| |K_c|``). Random data lands far
 inside (the roundings' signs cancel: the worst element at 4-16% of its bound in the tests); values placed
 just below a rounding midpoint, read with uniform P, reach over 90% of it (``tests/test_fp8_kvcache.py``).
-The decode kernel (below) rounds its unnormalized probabilities ``p <= 1`` to q's 16-bit type before
-``P @ V``: that adds ``u_16 * sum_j P |V'| + a_16 * sum_{j kept} |V'|`` (bf16 ``2^-8``, fp16 ``2^-11`` and
-``2^-25``; the row sum is at least 1), ``fp8_kvcache_bound(p_dtype=)``.
+The decode kernel (below) rounds its unnormalized probabilities ``p <= 1`` to fp16 before ``P @ V`` (bf16
+queries too: their products run on fp16 operands, the rows moved into fp16 exactly by a power of two each):
+that adds ``u_16 * sum_j P |V'| + a_16 * sum_{j kept} |V'|`` (fp16 ``2^-11`` and ``2^-25``; the row sum is at
+least 1), ``fp8_kvcache_bound(p_dtype=torch.float16)``.
 
 Execution. Decode (a few query rows per kv head, ``backends.triton.decode.decode_rows_fit``) with fp16 /
 bf16 queries runs the split-KV decode kernel on the cache's bytes (``KV_FP8``; [Note] FP8 caches there):

@@ -262,7 +262,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...plan import interpreting
 from ..compat import TRITON_VERSION, cta_barrier, smem_reinterpret, tma_load, tma_store
-from ..triton.launch import _current_raw_stream, jit_launch
+from ..triton.launch import _current_raw_stream
 from . import dropout
 from .launch import Tma, launch
 
@@ -2243,8 +2243,10 @@ def transposed_v(v) -> torch.Tensor:
     vt = torch.empty((b, h, d, pad), dtype=torch.uint8, device=v.device)
     v8 = v.view(torch.uint8)
     block_s = 128
-    jit_launch(_transpose_v_keys, (triton.cdiv(pad, block_s), b * h), v8, vt, h, s, pad, d, *v8.stride(),
-               *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+    # through a Launcher (``launch``): a repeat signature skips Triton's dispatch (jit_launch took ~90 us of
+    # host per 2k causal FP8 forward under cProfile, H100 host, session 28, where the whole call is ~0.3 ms)
+    launch(_transpose_v_keys, (triton.cdiv(pad, block_s), b * h), v8, vt, h, s, pad, d, *v8.stride(),
+           *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
     return vt.view(v.dtype)
 
 
