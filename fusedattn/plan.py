@@ -138,11 +138,12 @@ _BWD_FP8_SM90 = {64: (Tiles(32, 64, 4, 2), Tiles(64, 64, 4, 2)), 128: (Tiles(32,
 # d128): the best FP8-MMA pair (dK/dV 32x128/8/3, dQ 128x32/8/3) 125 / 148 / 153; fp16 MMAs with dK/dV and dQ
 # 64x64/4/2 167 / 199 / 199, 32x128/8/2 + 64x64/4/2 164 / 196 / 202, 32x128/8/2 + 128x32/8/3 154 / 186 / 192;
 # every candidate clean on the test shapes (NaN-filled outputs, 3 runs each, bit-equal). So d128 takes them. d256
-# (b4 h16 4k causal): FP8 MMAs 32x32/8/1 58 TFLOP/s, fp16 MMAs 32x32/4/2 both passes 100. d64 keeps the FP8 MMAs
-# (no d64 FP8 config to time).
+# (b4 h16 4k causal): FP8 MMAs 32x32/8/1 58 TFLOP/s, fp16 MMAs 32x32/4/2 both passes 100. d64 (b8 h16 4k causal,
+# session 29, `--configs 5`): FP8 MMAs 32x64/4/2 + 64x64/4/2 130, fp16 MMAs 64x64/4/3 both passes 197, 64x64/4/2
+# 186, 32x64/4/2 + 64x64/4/2 159; clean on the test shapes.
 # FP8_BWD_MMA16 True / False forces one route at every head dim (tests, bench/fp8_bwd_tiles.py).
 FP8_BWD_MMA16 = None
-_FP8_BWD_MMA16_BUCKETS = (128, 256)
+_FP8_BWD_MMA16_BUCKETS = (64, 128, 256)
 _BWD_FP8_MMA16_SM90 = {64: (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
                        128: (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
                        256: (Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2))}
