@@ -414,6 +414,22 @@ def test_gpu_fp8_cache_within_derived_bound(geom):
     c.check(out, stats, kernel=True)        # every geometry here is decode-sized: the kernel on FP8 bytes
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+@pytest.mark.parametrize("dims", [(32, 24), (128, 128)], ids=["d32_dv24", "d128"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_fp8_cache_each_format(fp8_dtype, dtype, paged, dims):
+    """The decode kernel on FP8 bytes for both formats, both query types (bf16 queries run on fp16 operands,
+    ``decode._fp16_rows``), contiguous and paged, padded (d 32 / d_v 24) and full head dims: within the derived
+    bound (the other GPU cases are e4m3 with bf16 queries only)."""
+    c = Cache(device="cuda", paged=paged, dtype=dtype, fp8_dtype=fp8_dtype, d=dims[0], d_v=dims[1], per_head=True,
+              seed=29)
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
+    c.check(out, stats, kernel=True)
+
+
 @triton.jit
 def _fp16_rows_kernel(Q, Q16, INV, M: tl.constexpr, D: tl.constexpr):
     rows, cols = tl.arange(0, M), tl.arange(0, D)
