@@ -10,6 +10,19 @@ fp8: 0.72 / 0.56 / 0.74 of the copy; the issue asks 0.9). An FP8 tile carries ha
 --fp8 candidates double the bytes in flight (256-key tiles, or 4 stages) and use 8 warps, where ptxas
 (tools/decode_aot_check.py, Triton 3.6, bf16 q) reports no spill: 128/8w/2st 242 regs, 128/8w/4st
 178, 256/8w/2st 249, 256/8w/3st 248 (the 4-warp tiles spill 16-48 bytes contiguous).
+
+Session 29 (H100, Triton 3.6.0, after the fp16-operand change of bench/NOTES.md 67-68), --fp8, splits=None, TB/s,
+b64 h32/8 kv4k contiguous / pages of 16 / 64, then b8 h32 kv16k contiguous / 16 / 64:
+128/4w/2st (decode_tiles' choice) 2.55 / 2.20 / 2.33, 2.69 / 2.36 / 2.46; 128/8w/4st 2.17 / 1.39 / 1.44, 2.40 /
+1.47 / 1.48; 256/8w/3st 2.11 / 1.40 / 1.43, 2.41 / 1.43 / 1.45; 64/8w/4st 2.25 / 1.66 / 1.69,
+2.42 / 1.75 / 1.77; 128/8w/2st and 256/8w/2st 1.3-1.7. Splits 2 / 4 lower everywhere. Every 8-warp tile loses
+(a 16-row tile split over 8 warps reduces its softmax rows across warps). Not yet timed: 4-warp tiles with
+fewer registers, so that 3 programs fit an SM instead of 2 (ptxas, Triton 3.6, bf16 q, e4m3: 128/4w/2st
+contiguous 255 registers, paged 208; 64/4w/3st and 64/4w/4st contiguous 168, no spill; 64/4w/2st paged 150;
+32/4w/4st 166; 128/4w/2st capped at 168 (Triton's maxnreg, the fourth --tiles field) 68 bytes of spill,
+outside the unmasked step: 980 instructions against 968):
+
+    python bench/decode_sweep.py --fp8 --splits none --tiles 128/4/2,128/4/2/168,64/4/2,64/4/3,64/4/4,32/4/4
 """
 import argparse
 
@@ -26,19 +39,28 @@ FP8_TILES = ((128, 4, 2), (128, 8, 2), (128, 8, 4), (256, 8, 2), (256, 8, 3), (6
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="e4m3 caches (descale 1) instead of bf16")
+    ap.add_argument("--tiles", help="BLOCK_N/WARPS/STAGES[/MAX_REGS],... instead of the list (e.g. "
+                    "64/4/3,128/4/2/168: a fourth field caps ptxas's registers, DecodeTiles.max_regs)")
+    ap.add_argument("--splits", default="none,2,4", help="split counts to time (none: the heuristic's)")
+    ap.add_argument("--pages", default="0,16,64", help="page sizes (0: contiguous)")
+    ap.add_argument("--configs", default="0,1", help="0: b64 h32/8 kv4k, 1: b8 h32/32 kv16k")
     args = ap.parse_args()
     dev, bf = "cuda", torch.bfloat16
     cache_dtype = torch.float8_e4m3fn if args.fp8 else bf
     tiles = FP8_TILES if args.fp8 else BF16_TILES
+    if args.tiles:
+        tiles = tuple(tuple(int(x) for x in t.split("/")) for t in args.tiles.split(","))
+    splits = [None if x == "none" else int(x) for x in args.splits.split(",")]
+    configs = [((64, 32, 8, 4096), (8, 32, 32, 16384))[int(i)] for i in args.configs.split(",")]
     fp8_kw = dict(descale_k=torch.ones(1, device=dev), descale_v=torch.ones(1, device=dev)) if args.fp8 else {}
     orig = decode.decode_tiles
-    for b, hq, hkv, s in ((64, 32, 8, 4096), (8, 32, 32, 16384)):
+    for b, hq, hkv, s in configs:
         q = torch.randn(b, 1, hq, 128, device=dev, dtype=bf).transpose(1, 2)
         k = torch.randn(b, s, hkv, 128, device=dev, dtype=bf).to(cache_dtype).transpose(1, 2)
         v = torch.randn(b, s, hkv, 128, device=dev, dtype=bf).to(cache_dtype).transpose(1, 2)
         nbytes = 2 * k.numel() * k.element_size()
         lens = torch.full((b,), s, dtype=torch.int32, device=dev)
-        for page in (0, 16, 64):
+        for page in (int(x) for x in args.pages.split(",")):
             if page:
                 per = s // page
                 pt = torch.randperm(b * per, device=dev).to(torch.int32).view(b, per)
@@ -49,13 +71,16 @@ def main() -> None:
                 call, kw = (q, kc.transpose(1, 2), vc.transpose(1, 2)), dict(page_table=pt, seq_len_kv=lens)
             else:
                 call, kw = (q, k, v), {}
-            for bn, w, st in tiles:
-                decode.decode_tiles = lambda rows, d, dt, i, t=(bn, w, st): decode.DecodeTiles(max(16, rows), *t)
-                for ns in (None, 2, 4):
+            for tile in tiles:
+                decode.decode_tiles = lambda rows, d, dt, i, t=tile: decode.DecodeTiles(max(16, rows), *t)
+                bn, w, st = tile[:3]
+                cap = f"/{tile[3]}regs" if len(tile) > 3 else ""
+                for ns in splits:
                     ms = do_bench(lambda: attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns, validate=False),
                                   warmup=25, rep=100, return_mode="median")
-                    print(f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} tile{bn}/{w}w/{st}st "
-                          f"splits={ns}: {ms:.4f} ms {nbytes / ms / 1e9:.3f} TB/s", flush=True)
+                    print(f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} "
+                          f"tile{bn}/{w}w/{st}st{cap} splits={ns}: {ms:.4f} ms {nbytes / ms / 1e9:.3f} TB/s",
+                          flush=True)
             decode.decode_tiles = orig
 
 

@@ -409,6 +409,7 @@ class DecodeTiles:
     block_n: int      # keys per tile (independent of the page size)
     num_warps: int
     num_stages: int
+    max_regs: int = 0  # ptxas's register cap per thread (Triton's ``maxnreg``), 0: the compiler's choice
 
 
 H100_SMS = 132
@@ -559,6 +560,8 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
                   BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
                   SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
+    if tiles.max_regs:
+        kwargs["maxnreg"] = tiles.max_regs
     # decode is host-bound (a few microseconds of GPU work per layer): a repeat signature launches the
     # compiled kernel directly instead of through Triton's dispatcher (launch.Launcher; bench/NOTES.md 54)
     _DECODE(signature_key(args, kwargs), grid, *args, **kwargs)
