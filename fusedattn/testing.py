@@ -78,6 +78,29 @@ def assert_error_within(got, gold, base, *, factor=2.0, floor=None, msg=""):
         f"error {e_got:.3e} > {factor} x PyTorch's same-precision error {e_base:.3e} + {floor:.1e}. {msg}")
 
 
+def delta_convention_floors(q, k, out, gold_out, do, probs, scale):
+    """Floors (dQ, dK) for the part of the gradients' error that FlashAttention's convention adds.
+
+    FlashAttention's backward takes D_i = rowsum(dO_i * O_i) from the output as stored (the FlashAttention-2
+    paper's Algorithm 2, line 4; ``flash_bwd_preprocess`` reads the 16-bit O), and so do our kernels and the
+    CPU path. So D_i is off by e_i = sum_c dO_ic (O_ic - gold O_ic), which dS_ij = P_ij (dP_ij - D_i) carries
+    into dQ_i = scale sum_j dS_ij K_j and dK_j = scale sum_i dS_ij Q_i (a softcap's tanh' <= 1 only shrinks
+    it). PyTorch's softmax backward has no such term: where P is one-hot (one key) its same-precision dS is
+    exactly 0, so its error bounds nothing of this one (tests/test_feature_combinations.py, one key with
+    dropout: O = V / (1 - p) rounds). The e_i are the call's own (``out``: the output it returned, itself
+    checked against the reference), so the floor follows that output's rounding, not a worst case.
+
+    q [b, h_q, s_q, d], k [b, h_kv, s_kv, d], out / gold_out / do [b, h_q, s_q, d_v], probs [b, h_q, s_q,
+    s_kv] the float64 softmax before dropout; returns the max-norm floors (dq_floor, dk_floor)."""
+    q, k, out, gold_out, do, probs = (t.detach().cpu().double() for t in (q, k, out, gold_out, do, probs))
+    g = q.shape[1] // k.shape[1]
+    e = (do * (out - gold_out)).sum(-1, keepdim=True).abs()                               # [b, h_q, s_q, 1]
+    dq = scale * e * (probs @ k.repeat_interleave(g, dim=1).abs())                         # [b, h_q, s_q, d]
+    dk = scale * (probs * e).transpose(-1, -2) @ q.abs()                                   # [b, h_q, s_kv, d]
+    dk = dk.unflatten(1, (k.shape[1], g)).sum(2)                                           # the group's heads
+    return dq.max().item() if dq.numel() else 0.0, dk.max().item() if dk.numel() else 0.0
+
+
 def assert_lse_close(got, gold, *, tol=1e-3, msg=""):
     """Stats against the reference's log-sum-exp: -inf on exactly the rows that see no key (the
     package's convention), finite elsewhere and within ``tol * (1 + max |gold|)``; NaN or +inf
