@@ -6,6 +6,7 @@
     or ... 128 1 bf16 plain - persistent
     python tools/gluon_check.py spills     # spill bytes of every persistent variant (one-tile grid beside)
     python tools/gluon_check.py paged PAGE [D] [persistent] [v_warp]   # the load warps' loops over a paged K/V cache
+    python tools/gluon_check.py releases PAGE [D]   # where the consumer loops wait for and release K/V slots
     python tools/gluon_check.py 128 1 e4m3 [plain|pingpong] [BLOCK_N|-] [window] [seq_q] [seq_kv]
                                 [persistent] [out=e4m3|bf16|fp16|fp32] [promote=0|32]   # the FP8 switch
     python tools/gluon_check.py 128 1 bf16 plain - varlen seq_kv bottom_right page=16 persistent   # packed queries
@@ -298,7 +299,26 @@ def paged_loads(page, d=128, persistent=False, v_warp=False):
             print(f"    {pos:4d} {i}{note}")
 
 
+def consumer_releases(page, d=128):
+    """The consumer loops of the persistent bottom-right causal kernel over pages of PAGE keys (0: contiguous):
+    per loop, its instruction count and where its slot waits (TRYWAIT), wgmma waits (DEPBAR), warpgroup
+    barriers and slot releases (SYNCS.ARRIVE: K's empty barrier, then V's) stand. Session 29 (bench/NOTES.md
+    68): the unmasked loop releases K right after QK^T's wgmma completes (189 of 495 instructions, 3.6.0 and
+    3.9.0); the masked loop near its end (3.9.0 pages of 16: 723 of 769)."""
+    k = compile_fwd(d, True, "bf16", bottom_right=True, seq_kv=True, persistent=True, page=page)
+    print(f"page {page} d{d} persistent (one load warp)")
+    for label, n, body in inner_loops(sass(k)):
+        ins = _ins(body)
+        if not any("GMMA" in i for i in ins):
+            continue
+        marks = [f"{pos} {i.split()[0] if not i.startswith('@') else i.split()[1]}" for pos, i in enumerate(ins)
+                 if re.search(r"TRYWAIT|DEPBAR|BAR\.SYNC|SYNCS\.ARRIVE", i)]
+        print(f"  loop {label}: {n} instructions: " + ", ".join(marks))
+
+
 def main():
+    if sys.argv[1:2] == ["releases"]:
+        return consumer_releases(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 128)
     if sys.argv[1:2] == ["spills"]:
         return spill_survey()
     if sys.argv[1:2] == ["fp8"]:
