@@ -293,7 +293,8 @@ def test_fp8_bwd_routing(kernel_target, kernel_calls):
 def test_fp16_mma_switch_routes_around_triton_36_fault(version, monkeypatch):
     """plan.fp8_mma16_compiles_right: before Triton 3.9 the fp16-MMA switch (forward and backward) runs only
     where d and d_v take one FP8 tile width (3.6 faulted at 48 / 32 and 40 / 32 on an H100, session 28); forcing
-    the switch does not override that; the default buckets (d128 backward, d256 both) take it where allowed."""
+    the switch does not override that; the default buckets (every backward bucket since session 29, the forward's
+    d256) take it where allowed."""
     from fusedattn.backends import compat
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(compat, "TRITON_VERSION", version)
@@ -307,7 +308,9 @@ def test_fp16_mma_switch_routes_around_triton_36_fault(version, monkeypatch):
             monkeypatch.setattr(plan, forced, None)
     for d in (24, 40, 128, 224, 256):
         assert plan.fp8_mma16_compiles_right(d, d)
-    assert plan.fp8_bwd_mma16(128, 128) and plan.fp8_bwd_mma16(224, 224) and not plan.fp8_bwd_mma16(64, 64)
+    assert plan.fp8_bwd_mma16(128, 128) and plan.fp8_bwd_mma16(224, 224) and plan.fp8_bwd_mma16(64, 64)
+    assert plan.fp8_bwd_mma16(64, 16) is not old            # d64's bucket, unforced: 3.6 keeps the FP8 MMAs
+    assert plan.fp8_bwd_tiles(64, 64) == plan._BWD_FP8_MMA16_SM90[64]
     assert plan.fp8_fwd_mma16(256, 256) and not plan.fp8_fwd_mma16(128, 128)
     assert plan.fp8_bwd_tiles(128, 128) == plan._BWD_FP8_MMA16_SM90[128]
     assert plan.fp8_fwd_tiles(224, 224) == plan._FWD_FP8_MMA16_SM90[256]
