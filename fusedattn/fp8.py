@@ -83,7 +83,8 @@ this module obeys, per element (i, c), to first order in the fp32 unit ``eps = 2
   is off by at most ``32 * 2^-13`` of its largest product; bench/fp8_mma_probe.py measured 2^-9.4 at
   worst on an H100 (one large product among small ones) and 2^-13 on random operands. Where the portable
   kernels run their products as fp16 MMAs on the same FP8 values instead (``plan.fp8_fwd_mma16`` /
-  ``plan.fp8_bwd_mma16``: the d256 forward, every backward head dim on sm_90), the conversions are exact
+  ``plan.fp8_bwd_mma16``: the d256 forward and the backward on sm_90, where ``plan.fp8_mma16_compiles_right``
+  allows), the conversions are exact
   and a 16-bit MMA sums in fp32, so the same ``u_mma`` over-covers them;
 * ``u_o, a_o``: the output type's unit roundoff and half-subnormal (bf16 ``2^-8``, fp16 ``2^-11``
   and ``2^-25``, FP8 as above, fp32 0).
