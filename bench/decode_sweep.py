@@ -72,7 +72,7 @@ def main() -> None:
             else:
                 call, kw = (q, k, v), {}
             for tile in tiles:
-                decode.decode_tiles = lambda rows, d, dt, i, *_, t=tile: decode.DecodeTiles(max(16, rows), *t)
+                decode.decode_tiles = lambda rows, d, dt, i, t=tile: decode.DecodeTiles(max(16, rows), *t)
                 bn, w, st = tile[:3]
                 cap = f"/{tile[3]}regs" if len(tile) > 3 else ""
                 for ns in splits:

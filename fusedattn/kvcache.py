@@ -596,8 +596,7 @@ class _Call:
                 validate=False)             # lengths: checked by self.validate(), or clamped (validate=False)
             return
         tiles, splits = decode.plan_decode(self.b, self.h_kv, self.g, self.s_q, self.d, self.d_v, self.q.dtype,
-                                           self.cap, self.q.device, self.num_splits,
-                                           fp8_contiguous=self.fp8 and not self.paged)
+                                           self.cap, self.q.device, self.num_splits)
         o_buf, o_target = aligned_output(out)
         l_buf, l_target = aligned_output(lse) if lse is not None else (None, None)
         decode.launch_decode(

@@ -194,27 +194,6 @@ def test_fp8_cache_on_each_target(geom, target, monkeypatch):
     c.check(out, stats, kernel=kernel)
 
 
-@pytest.mark.parametrize("geom", ["decode_contig", "decode_paged"])
-def test_fp8_gpu_tiles_under_interpreter(geom, target, monkeypatch):
-    """The sm90 tile table for FP8 caches, run by the interpreter: a contiguous FP8 cache takes its own
-    64-key tile (3 programs per SM, ``decode_tiles``), a paged one the 16-bit cache's 128-key tile; both
-    within the bound."""
-    from fusedattn.backends.triton import decode
-    device, backend = target
-    if (device, backend) != ("cpu", "triton"):
-        pytest.skip("interpreter only (the GPU runs these tiles anyway)")
-    original = decode.decode_tiles
-    monkeypatch.setattr(decode, "decode_tiles", lambda rows, d, dt, interpret, *rest: original(rows, d, dt, False,
-                                                                                                *rest))
-    tiles = []
-    real = decode.launch_decode
-    monkeypatch.setattr(decode, "launch_decode", lambda *a, **kw: (tiles.append(kw["tiles"]), real(*a, **kw))[1])
-    c = Cache(device=device, dtype=torch.float16, **GEOMS[geom])
-    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend=backend, **c.kwargs())
-    assert [t.block_n for t in tiles] == [128 if GEOMS[geom]["paged"] else 64], tiles
-    c.check(out, stats, kernel=True)
-
-
 def test_packed_queries():
     """cu_seqlens_q: packed new tokens against a paged FP8 cache equal the padded call, row for row."""
     lens_q = (4, 1, 0)

@@ -419,9 +419,8 @@ CTAS_PER_SM = 2
 MAX_SPLITS = 64
 
 
-def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool, fp8_contiguous: bool = False) -> DecodeTiles:
-    """Tiles for ``rows = g * s_q`` packed query rows at head dim ``d`` (max of d, d_v);
-    ``fp8_contiguous``: the cache is FP8 (e4m3 / e5m2) and not paged.
+def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> DecodeTiles:
+    """Tiles for ``rows = g * s_q`` packed query rows at head dim ``d`` (max of d, d_v).
 
     Decode is memory-bound: the tile is as short in M as tl.dot allows (16) and long enough in N
     to keep bytes in flight. Starting points for sm90, not yet measured: the comments give the
@@ -440,12 +439,6 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool, fp8_con
             return DecodeTiles(bm, 16, 8, 2)                     # 64-210 regs, 26-54 KB
         if d > 128:
             return DecodeTiles(bm, 32, 8, 2)                     # 127-184 regs, 42-98 KB
-        if bm == 16 and fp8_contiguous:
-            # an FP8 step is bound by its dependent chain (loads, the byte-wise widening of V, MMAs), not by
-            # bytes: 64 keys / 3 stages take 168 registers (the 128-key tile 255), 3 programs per SM instead
-            # of 2. bench/decode_sweep.py --fp8 (H200, Triton 3.6): b64 h32/8 kv4k 2.71 TB/s against 2.54,
-            # b8 h32 kv16k 2.88 against 2.92; paged it loses (1.85-1.98 against 2.32-2.57: the row gather)
-            return DecodeTiles(16, 64, 4, 3)
         if bm == 16:
             # H100 sweep (bench/decode_sweep.py): 128-key tiles, 4 warps, 2 stages read K/V at
             # 2.80-3.02 TB/s contiguous and 2.87-2.98 TB/s paged (16/64), vs 2.33-2.34 paged with
@@ -508,10 +501,9 @@ def _switches(dtype, d, d_v, band, softcap, has_alibi):
     ), (band.left if has_left else 0), (band.right if has_right else 0)
 
 
-def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None, fp8_contiguous=False):
-    """(tiles, splits) of one decode launch: the tile table, then the split heuristic unless forced.
-    ``fp8_contiguous``: an FP8 cache, not paged (its own tile, ``decode_tiles``)."""
-    tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda", fp8_contiguous)
+def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None):
+    """(tiles, splits) of one decode launch: the tile table, then the split heuristic unless forced."""
+    tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda")
     if num_splits is None:
         m_tiles = triton.cdiv(g * s_q, tiles.block_m)
         num_splits = num_splits_heuristic(b * h_kv * m_tiles, triton.cdiv(cap, tiles.block_n), num_sms(device))
