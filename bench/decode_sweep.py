@@ -23,6 +23,15 @@ contiguous 255 registers, paged 208; 64/4w/3st and 64/4w/4st contiguous 168, no 
 outside the unmasked step: 980 instructions against 968):
 
     python bench/decode_sweep.py --fp8 --splits none --tiles 128/4/2,128/4/2/168,64/4/2,64/4/3,64/4/4,32/4/4
+
+Session 30 ran it, TB/s, b64 h32/8 kv4k contiguous / pages of 16 / 64, then b8 h32 kv16k the same. On an H200
+(Triton 3.6.0): 128/4w/2st 2.54 / 2.32 / 2.44, 2.92 / 2.48 / 2.57; capped at 168 registers 2.48 / 2.08 / 2.11,
+2.88 / 2.33 / 2.35; 64/4w/2st 2.10 / 1.78 / 1.78, 2.19 / 1.85 / 1.90; 64/4w/3st 2.71 / 1.85 / 1.89, 2.88 /
+1.96 / 1.98; 64/4w/4st 2.67 / 1.85 / 1.89, 2.90 / 1.96 / 1.98; 32/4w/4st 2.68 / 1.24 / 1.25, 2.17 / 1.33 / 1.34.
+On an H100 (3.6.0, contiguous only; splits none / 2): 128/4w/2st 2.54 / 2.39, 2.69 / 2.62; 64/4w/3st 1.98 / 2.37,
+2.79 / 2.05; 64/4w/4st 2.35 / 2.42, 2.82 / 2.44. So the 64-key tiles' third program per SM pays on the H200 at b64
+(+7%) and loses on the H100 (-8 to -22%); paged, every 64-key tile loses by 20-25% (the row gather costs per key,
+not per byte). The 128-key tile stays (bench/NOTES.md 69).
 """
 import argparse
 
