@@ -14,6 +14,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .fp8 import FP8_MAX, ROUNDING
@@ -96,7 +98,10 @@ def fp8_forward_bound(q8, k8, v8, *, o_dtype, attn_scale=None, causal=False, cau
     uo, ao = ROUNDING[o_dtype]
     o_ref = p @ v
     A = ((q.abs() @ k.abs().transpose(-1, -2)) * abs(scale)).masked_fill(~keep, 0).amax(-1, keepdim=True)
-    delta = 2 * (d + 3) * EPS32 * A + 2 * mma_unit * A + (s_kv + 6) * EPS32
+    # the Gluon kernel's p comes out scaled, exp2(S - (m - log2 scale_s)), and l / scale_s at the end: the
+    # shifted base's rounding moves p by |log2 scale_s| eps more, the division by one eps
+    shift = (abs(math.log2(ss)) + 1) * EPS32
+    delta = 2 * (d + 3) * EPS32 * A + 2 * mma_unit * A + (s_kv + 6) * EPS32 + shift
     gamma = (s_kv + 4) * EPS32 + mma_unit        # P8 @ V's sum: fp32, or the FP8 MMA's
     b1 = (u8 + delta * (1 + u8) + gamma) * (p @ v.abs()) + a8 * ds * (1 + gamma) * (keep.double() @ v.abs())
     b1 = 2 * b1 - u8 * (p @ v.abs())          # fp32 terms doubled for second-order effects; u8 once
