@@ -20,6 +20,8 @@
 #                  flash_attn.cute imports: carry .whl), bench/profile_bwd.py; the report in $OUT/ncu-bwd/ (bwd.ncu-rep,
 #                  details.txt, raw.csv). NCU_BWD_CONFIGS narrows it (e.g. d64,2kc), NCU_BWD_ARGS adds arguments,
 #                  NCU_BWD_SOURCE=0 drops the SourceCounters section (per-instruction stalls; the slowest one)
+#   ncu-fp8        Nsight Compute on one Gluon FP8 forward and one bf16 forward of the same d=128 problem
+#                  (bench/profile_fp8_fwd.py; NCU_FP8_ARGS=--causal: the 16k causal config): $OUT/ncu-fp8/ (issue 27)
 #   ncu-paged      Nsight Compute on one paged-prefill forward per cache (bench/profile_paged.py; NCU_PAGED_ARGS, e.g.
 #                  "--pages 0,16 --varlen"): $OUT/ncu-paged-$TRITON_PACK/ (report, details, raw, per-SASS-line source
 #                  counters): run once per Triton (TRITON_PACK=native, then 3.9.0) to compare the releases (issue 25)
@@ -264,6 +266,19 @@ for part in "${PARTS[@]}"; do
                            ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd/raw.csv" 2>&1
                            grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" \
                                "$OUT/ncu-bwd/details.txt" | tee -a "$LOG"
+                       fi ;;
+        ncu-fp8)       mkdir -p "$OUT/ncu-fp8"
+                       run_part ncu-fp8 ncu --profile-from-start off --clock-control none --kernel-name regex:_attn_fwd_sm90 \
+                           --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+                           --section WarpStateStats --section SchedulerStats --section SourceCounters \
+                           -f -o "$OUT/ncu-fp8/fwd" python3 bench/profile_fp8_fwd.py ${NCU_FP8_ARGS:-}
+                       if [ -f "$OUT/ncu-fp8/fwd.ncu-rep" ]; then
+                           ncu --import "$OUT/ncu-fp8/fwd.ncu-rep" --page details > "$OUT/ncu-fp8/details.txt" 2>&1
+                           ncu --import "$OUT/ncu-fp8/fwd.ncu-rep" --page raw --csv > "$OUT/ncu-fp8/raw.csv" 2>&1
+                           ncu --import "$OUT/ncu-fp8/fwd.ncu-rep" --page source --csv --print-source sass \
+                               > "$OUT/ncu-fp8/source.csv" 2>&1
+                           grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Pipe" \
+                               "$OUT/ncu-fp8/details.txt" | tee -a "$LOG"
                        fi ;;
         ncu-paged)     ncu_dir="$OUT/ncu-paged-${TRITON_PACK:-default}"; mkdir -p "$ncu_dir"
                        run_part ncu-paged ncu --profile-from-start off --clock-control none --section SpeedOfLight \
