@@ -73,8 +73,9 @@ this module obeys, per element (i, c), to first order in the fp32 unit ``eps = 2
   e5m2 ``2^-3, 2^-17`` (rounding P * scale_s moves it by at most ``u8 |x| + a8``; it assumes
   ``scale_s <= FP8_MAX``, so that P <= 1 never saturates);
 * ``delta_i = 2 * (d + 3) * eps * A_i + 2 * u_mma * A_i + (s_kv + 4) * eps (+ (|log2 scale_s| + 1) eps
-  where the Gluon forward computes p * scale_s as one exponential)``: the relative error of P in row i, ``A_i = max_j attn_scale * descale_q * descale_k * sum_k |q8_ik k8_jk|`` (bmm1's products
-  of two FP8 values are exact in fp32, its sum of d terms and the three muls round), doubled to cover
+  where the Gluon forward computes p * scale_s as one exponential)``: the relative error of P in row i,
+  ``A_i = max_j attn_scale * descale_q * descale_k * sum_k |q8_ik k8_jk|`` (bmm1's products of two FP8
+  values are exact in fp32, its sum of d terms and the three muls round), doubled to cover
   the row's log-sum-exp; the stats (natural-log lse) are within ``2 * delta_i`` of float64's;
 * ``u_mma`` (:func:`mma_unit`): 0 where the products are summed in fp32 (this emulation, Triton's
   interpreter); on a GPU's FP8 MMAs :data:`MMA_UNIT_FP8` = ``2^-8``, and it joins the ``(s_kv + 4) eps``
