@@ -497,8 +497,12 @@ def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v,
             sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)):
         len_q = _lengths(seq_len_q, "seq_len_q", b, s_q, dev) if seq_len_q is not None else None
         len_kv = _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev) if seq_len_kv is not None else None
-        return _backward_kernel(q, k, v, o, dO, stats, dict(sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s),
-                                scale, band, len_q, len_kv, grad_dtype)
+        scales = dict(sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)
+        if len_q is None and len_kv is None:
+            done = _backward_gluon(q, k, v, o, dO, stats, scales, scale, band, grad_dtype)
+            if done is not None:
+                return done
+        return _backward_kernel(q, k, v, o, dO, stats, scales, scale, band, len_q, len_kv, grad_dtype)
     len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
     kf, vf = _group(k, g), _group(v, g)
     p_dtype, ds_dtype = q.dtype, dO.dtype
@@ -571,6 +575,33 @@ def _kernel_problem(q, k, v, attn_scale: float, band: Optional[Band], len_q, len
     extras = dict(seq_len_q=None if len_q is None else len_q.to(torch.int32),
                   seq_len_kv=None if len_kv is None else len_kv.to(torch.int32), slopes=None, sink=None)
     return p, extras
+
+
+def _backward_gluon(q, k, v, o, dO, stats, scales, attn_scale: float, band: Optional[Band], grad_dtype,
+                    dq_out=None, dk_out=None, dv_out=None):
+    """:func:`sdpa_fp8_backward` on the Gluon sm_90 single-pass backward's FP8 switch (bwd_fused_sm90 [Note] FP8:
+    the same rounding points as the emulation, its products as fp16 wgmmas on the FP8 values) where it runs the
+    call (``plan.FP8_BWD_GLUON``, ``bwd_fused_sm90.supports_fp8``: sm_90, d = d_v in 64 / 128, no mask or causal,
+    no lengths), else None. Arguments as :func:`_backward_kernel`'s; returns what it returns."""
+    from . import plan
+    if not plan.FP8_BWD_GLUON or not q.is_cuda:
+        return None
+    from .backends.gluon import bwd_fused_sm90
+    from .backends.triton.bwd import FP8_BWD_SCALE_NAMES
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    p, _ = _kernel_problem(q, k, v, attn_scale, band, None, None)
+    dq = torch.empty((b, h_q, s_q, d), dtype=grad_dtype, device=dev) if dq_out is None else dq_out
+    dk = torch.empty((b, h_kv, s_kv, d), dtype=grad_dtype, device=dev) if dk_out is None else dk_out
+    dv = torch.empty((b, h_kv, s_kv, d_v), dtype=grad_dtype, device=dev) if dv_out is None else dv_out
+    if not bwd_fused_sm90.supports_fp8(p, q, k, v, o, dO, dq, dk, dv):
+        return None
+    buf = torch.cat([scales[n].reshape(1).to(device=dev, dtype=torch.float32) for n in FP8_BWD_SCALE_NAMES])
+    amax = torch.zeros(4, dtype=torch.float32, device=dev)     # dQ, dK, dV, dP: the kernels max into them
+    bwd_fused_sm90.launch_bwd_fused_fp8(p, q, k, v, o, dO, stats[..., 0], buf, amax, dq, dk, dv)
+    a = [amax[i].reshape(1, 1, 1, 1) for i in range(4)]
+    return dq, dk, dv, a[0], a[1], a[2], a[3]
 
 
 def _backward_kernel(q, k, v, o, dO, stats, scales, attn_scale: float, band: Optional[Band], len_q, len_kv,

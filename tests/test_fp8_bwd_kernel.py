@@ -90,10 +90,11 @@ def _pow2_scale(amax, dtype):
     return 1.0 if a == 0 else 2.0 ** math.floor(math.log2(fp8.FP8_MAX[dtype] / a))
 
 
-def _problem(case, device, backend):
+def _problem(case, device, backend, spec=None):
     """q8, k8, v8, o, dO8, stats on ``device`` (the forward run on the target's backend) and the twelve scales:
-    scale_dP and the FP8 gradients' scales from an emulated first pass (delayed scaling, powers of two)."""
-    shape, mask_spec, dtype, do_dtype, o_dtype, g_dtype, bshd = CASES[case]
+    scale_dP and the FP8 gradients' scales from an emulated first pass (delayed scaling, powers of two).
+    spec: the case's CASES-style entry (default ``CASES[case]``)."""
+    shape, mask_spec, dtype, do_dtype, o_dtype, g_dtype, bshd = spec or CASES[case]
     b, h_q, h_kv, s_q, s_kv, d, d_v = shape
     g = torch.Generator().manual_seed(len(case))
     q8, dq = _quantized(g, (b, h_q, s_q, d), dtype, bshd)
@@ -124,6 +125,13 @@ def _ratio(err, bound):
     sequence) demands a zero error."""
     safe = torch.where(bound > 0, bound, torch.ones_like(bound))
     return torch.where(bound > 0, err / safe, torch.where(err > 0, float("inf"), 0.0)).max().item()
+
+
+@pytest.fixture(autouse=True)
+def portable_kernel(monkeypatch):
+    """This file tests the portable kernel: the door's FP8 backward stays on it where the Gluon switch could run
+    the call (``plan.FP8_BWD_GLUON``; tests/test_gluon_fp8_bwd.py tests that one)."""
+    monkeypatch.setattr(plan, "FP8_BWD_GLUON", False)
 
 
 @pytest.fixture(params=KERNEL_TARGETS)
@@ -164,10 +172,18 @@ def test_fp8_bwd_kernel_within_bound_and_matches_emulation(case, kernel_target, 
     res2 = fp8.sdpa_fp8_backward(q8, k8, v8, o, do8, stats, **dev_sc, **mask, grad_dtype=g_dtype, backend=backend)
     for name, x, y in zip(GRADS + ("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), res, res2):
         assert torch.equal(x.float(), y.cpu().float()), f"{name}: the door differs from the kernel; {rep}"
+    check_against_bound(CASES[case], res, sc, (q8, k8, v8, o, do8, stats), fp8.mma_unit(device), case, rep)
 
-    q8, k8, v8, o, do8, stats = (x.cpu() for x in (q8, k8, v8, o, do8, stats))
+
+def check_against_bound(spec, res, sc, inputs, u_mma, case, rep):
+    """An FP8 backward's result ``res`` (dQ, dK, dV, and the four amaxes, on the CPU) of the CASES-style entry
+    ``spec`` with scales ``sc``, against float64 gradients of the dequantized inputs within
+    reference_fp8.fp8_backward_bound (u_mma: the MMAs' accumulation unit) and against the emulation; the
+    amaxes exact (the max of the kernel's own unscaled gradients) and within the bound of float64's. ``case``:
+    its name (a drawn case may have too few terms for the bound to be tight)."""
+    shape, mask_spec, dtype, do_dtype, o_dtype, g_dtype, bshd = spec
+    q8, k8, v8, o, do8, stats = (x.cpu() for x in inputs)
     rmask = _ref_mask(mask_spec)
-    u_mma = fp8.mma_unit(device)
     refs, bounds, (ds_ref, ds_bound) = fp8_backward_bound(q8, k8, v8, o, do8, grad_dtype=g_dtype, mma_unit=u_mma,
                                                           with_ds=True, **rmask, **sc)
     _, bounds_fp32_sums = fp8_backward_bound(q8, k8, v8, o, do8, grad_dtype=g_dtype, **rmask, **sc)

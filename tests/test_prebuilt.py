@@ -363,8 +363,8 @@ def test_shipped_store_is_intact_and_current(store):
     # the cold-start call's kernels are there (bench --cold-start loaded 3 on the H100, Triton 3.6)
     names = {e["name"] for e in index["kernels"].values()}
     assert {"_attn_fwd_sm90", "_attn_bwd_dq_sm90", "_attn_bwd_dkdv_sm90", "_decode_fwd"} <= names
-    # the fused backward's SEGMENTS (its last parameter) as this store's Triton chooses it for warmup's GQA
-    # anchor: a store built from another release's recording keeps that release's choice (tools/store_rebuild.py)
+    # the fused backward's SEGMENTS as this store's Triton chooses it for warmup's GQA anchor: a store built from
+    # another release's recording keeps that release's choice (tools/store_rebuild.py)
     from fusedattn.backends.compat import TRITON_VERSION, _version
     from fusedattn.backends.gluon import bwd_fused_sm90
 
@@ -372,7 +372,8 @@ def test_shipped_store_is_intact_and_current(store):
         return release >= (3, 9)
 
     assert bwd_fused_sm90.SEGMENTS == segments_on(TRITON_VERSION)
-    segments = {ast.literal_eval(e["specs"])[-2] for e in index["kernels"].values()
+    at = [p.name for p in bwd_fused_sm90._attn_bwd_fused_sm90.params].index("SEGMENTS")
+    segments = {ast.literal_eval(e["specs"])[at] for e in index["kernels"].values()
                 if e["name"] == "_attn_bwd_fused_sm90"}
     want = "True" if segments_on(_version(version)) else "False"
     assert want in segments and segments <= {want, "False"}, (

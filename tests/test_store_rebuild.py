@@ -61,3 +61,31 @@ def test_a_switch_added_since_the_recording_takes_its_default():
     kernel.params.append(param("NO_DEFAULT", True))
     with pytest.raises(ValueError, match="NO_DEFAULT"):
         store_rebuild.launch_of(kernel, recorded)
+
+
+def test_a_runtime_argument_added_since_the_recording_takes_its_default():
+    """A runtime parameter a kernel gains with a default (None or 0: an FP8 switch's pointers and strides, session
+    31's bwd_fused_sm90) rebuilds the recorded launches with that default, under the specs the store's lookup
+    computes for a launch that does not pass it (``prebuilt._specs``: the default's runtime spec)."""
+    import inspect
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "tools"))
+    import store_rebuild
+    from fusedattn.backends import prebuilt
+
+    def param(name, constexpr, default=inspect.Parameter.empty):
+        return SimpleNamespace(name=name, is_constexpr=constexpr, default=default)
+
+    kernel = SimpleNamespace(params=[param("X", False), param("PTR", False, None), param("STRIDE", False, 0),
+                                     param("ON", True, False)])
+    recorded = (("i", True, False, True), (("num_warps", "4"),))
+    args, kwargs, specs = store_rebuild.launch_of(kernel, recorded)
+    assert args == [1, None, 0, False] and kwargs == {"num_warps": 4}
+    assert specs == (("i", True, False, True), ("none", ), ("i", False, True, True), "False", (("num_warps", "4"),))
+    # the store's own key of a launch that passes only X (and the launch option) names the same specs
+
+    class Lookup:            # hashable, as the store's per-kernel cache needs
+        params = kernel.params
+
+    want = (("i", False, False, True), ("none", ), ("i", False, True, True), "False")
+    assert prebuilt._specs(Lookup, (7,), {"num_warps": 4})[:4] == want

@@ -127,6 +127,12 @@ def launch_of(kernel, specs):
         elif param.is_constexpr and param.default is not inspect.Parameter.empty:
             args.append(param.default)
             current.append(repr(param.default))
+        elif param.default is not inspect.Parameter.empty:
+            # a runtime parameter the kernel gained with a default (None, 0: an FP8 switch's pointers and strides,
+            # bwd_fused_sm90): launches that do not pass it run with the default, keyed as the store keys it
+            from fusedattn.backends.prebuilt import _runtime_spec
+            args.append(param.default)
+            current.append(_runtime_spec(param.default))
         else:
             raise ValueError(f"parameter {param.name} is not in the recorded launch and has no default")
     kwargs = {k: _constant(v) for k, v in (options or ())}

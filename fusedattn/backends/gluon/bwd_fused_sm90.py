@@ -126,6 +126,32 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
 * Host (``out=``): delta and the dq_acc zeroing in one kernel (``_delta_zero``) instead of the delta pass
   and torch's zero_: the same bytes, one launch fewer; measured even (runs 1-3, -1..+2%, within noise).
 
+[Note] FP8 (``FP8_EMU``; ``launch_bwd_fused_fp8``, routed by ``fusedattn.fp8._backward_gluon`` where
+``plan.FP8_BWD_GLUON`` is on): cuDNN's ``sdpa_fp8_backward`` with the rounding points of ``fusedattn.fp8``'s
+emulation, its products as fp16 wgmmas on the FP8 values (every e4m3 / e5m2 value is exact in fp16; the host
+widens q, k, v and dO once per call) instead of FP8 wgmmas, which read both operands K-major: dV += P^T dO and
+dK += dS^T Q would need transposed copies of dO and Q per tile (why cuDNN's Hopper FP8 backward takes d = 128
+only). Per step, on the raw values (S_raw = Q8 K8^T, dP_raw = dO8 V8^T, delta_raw = rowsum(dO8 o)):
+
+    P * scale_s = exp2(S_raw * scale * log2 e * descale_q * descale_k - (lse2 - log2 scale_s))
+    P8          = fp8(P * scale_s) in q's type, as fp16          -> dV += P8^T dO8
+    dS * scale_dP = (P * scale_s) (dP_raw a - delta_raw b)   a = descale_dO descale_v scale scale_dP / scale_s,
+                                                             b = descale_dO descale_o scale scale_dP / scale_s
+    dS8         = fp8(dS * scale_dP) in dO's type, as fp16   -> dK += dS8^T Q8, dQ += dS8 K8 (the reduce)
+
+(``_fp8_round16``: cvt.rn.satfinite to FP8, then to f16x2: nearest even, saturating, as ``fp8.quantize``). Each
+warpgroup keeps max |dS * scale_dP| per key over its steps (a [64] vector, two registers); the epilogue maxes it
+over the keys < s_kv (keys past s_kv are not masked in the steps: their P is exp2(-lse2), their dS lands only in
+rows no store writes) into amax_dP / scale_dP, then dV * descale_s * descale_dO and dK * descale_dP * descale_q
+(the emulation's order) give amax_dV / amax_dK over keys < s_kv and are stored from registers in the gradients'
+type, times scale_dV / scale_dK (``_fp8_grad_write``; no TMA staging, so any gradient type). dQ:
+``_dq_convert_fp8`` (dq_acc * descale_dP * descale_k, amax_dQ, times scale_dQ). The scales are read on the device
+(one fp32 [12] buffer, ``triton.bwd.FP8_BWD_SCALE_NAMES``), so a CUDA graph replays new values. No-GPU compile
+(tools/gluon_fused_check.py's builder, Triton 3.6, sm_90a): d=128 mask-free loop 557 SASS instructions against
+the 16-bit kernel's 423 (32 more F2FP for the two roundings, 36 FMNMX for the key maxima, 16 FMUL for delta b,
+21 more local accesses: 184 / 224 bytes of spill, 148 / 120 before); d=64 448 against 357, no spills. The
+16-bit builds' SASS is unchanged (the switch's values are stand-ins the compiler removes).
+
 [Note] status (H100, bench/gluon_fused_sweep.py; whole backward TFLOP/s = 2.5x forward flops, /2 causal,
 including delta, the dq_acc zeroing and the conversion). GPU tests: tests/test_gluon_bwd_fused.py, 107 pass
 (float64 reference and the two-pass Gluon backward). Last sweep (run4, final defaults; "before" = the
@@ -165,10 +191,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..compat import TRITON_VERSION, tma_reduce_add, tma_store
+from ..triton.bwd import fp8_grad_out
 from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first
-from .fwd_sm90 import LOG2E, _desc, _is_sm90, _tma_ready
+from .fwd_sm90 import LOG2E, _desc, _is_sm90, _to_fp8, _tma_ready
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA
@@ -201,6 +228,47 @@ ROTATE = {False: False, True: False}     # causal -> rotate
 SEGMENTS = TRITON_VERSION >= (3, 9)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+
+
+@gluon.jit
+def _fp8_round16(x, E5M2: gl.constexpr):
+    """fp32 ``x`` rounded to the nearest FP8 value (e4m3, or e5m2 where E5M2; nearest even, saturating: the
+    semantics' ``fp8.quantize``), as fp16, where every FP8 value is exact ([Note] FP8: the 16-bit MMAs take it):
+    two conversions per pair of values."""
+    if E5M2:
+        y = gl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, $2, $1; cvt.rn.f16x2.e5m2x2 $0, t; }", "=r,r,r", [x],
+            dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        y = gl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r,r", [x],
+            dtype=gl.float16, is_pure=True, pack=2)
+    return y
+
+
+@gluon.jit
+def _fp8_grad_write(x, key0, S_KV, grad_out, batch, kv_head, SCALE, AMAX):
+    """An FP8 backward's dK or dV tile (fp32 [64 keys, d] registers, descaled) as the portable kernel's
+    ``fp8_grad_out``: max |x| over keys < S_KV into AMAX (a float atomic max; every value >= 0, where the float
+    order is the integer one; the host zeroed it), then x * SCALE in the output's type (FP8 saturating) by
+    masked stores. Keys [key0, key0 + 64); grad_out = (pointer, batch, head and key strides); the head dim is
+    unit-stride."""
+    layout: gl.constexpr = x.type.layout
+    WG_N: gl.constexpr = x.shape[0]
+    HEAD_D: gl.constexpr = x.shape[1]
+    OUT, stride_b, stride_h, stride_m = grad_out
+    keys = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, layout))
+    key_in = keys < S_KV
+    gl.atomic_max(AMAX, gl.max(gl.max(gl.where(key_in[:, None], gl.abs(x), 0.0), 1), 0))
+    x = x * gl.load(SCALE)
+    OUT_TY: gl.constexpr = OUT.dtype.element_ty
+    if OUT_TY.is_fp8():
+        val = _to_fp8(x, OUT_TY)
+    else:
+        val = x.to(OUT_TY)
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    base = OUT + batch.to(gl.int64) * stride_b + kv_head.to(gl.int64) * stride_h
+    gl.store(base + keys.to(gl.int64)[:, None] * stride_m + cols[None, :], val, mask=key_in[:, None])
 
 
 @gluon.jit
@@ -261,7 +329,8 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
                 dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
                 keys, band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr,
-                DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+                DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, fp8=None, kmax=None,
+                FP8_EMU: gl.constexpr = False):
     """One query tile (rows [t * 64, +64) of one head) in warpgroup WG: dV += P^T dO, dK += dS^T Q, and
     this warpgroup's 64 columns of dQ_i = dS_i K reduced into the fp32 accumulator; under LAG (warpgroup 1,
     ``LAG``) those of the previous tile instead (prev_head, prev_row; prev_row = S_Q before the first).
@@ -270,7 +339,10 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     flight (dk an accumulator token) until S^T of the next step is done, so the tensor core has work at the
     step boundary; that step releases this one's Q/dO slot and dS buffer. ds_keep: zeros in a_layout,
     passed through (the operand of the 0 * K_WG wgmma that starts a deferred dk).
-    Returns dk, dv, ds_keep and the (head, row) whose dQ the next LAG step reduces."""
+    FP8_EMU ([Note] FP8): fp8 = (lse shift, dP factor, delta factor, P's type is e5m2, dS's type is e5m2); P
+    comes out scaled by scale_s and rounded to FP8 for dV, dS scaled by scale_dP and rounded to FP8 for dK and
+    dQ, and kmax [64 keys] keeps max |dS * scale_dP| over the rows so far.
+    Returns dk, dv, ds_keep, the (head, row) whose dQ the next LAG step reduces, and kmax."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
@@ -292,6 +364,8 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     dp_tok = warpgroup_mma(v_view, do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(l_ready.index(slot), phase)
     lse2 = lse_smem.index(slot).load(col_layout)
+    if FP8_EMU:
+        lse2 = lse2 - fp8[0]        # P * scale_s = exp2(S - (lse2 - log2 scale_s)): the scale in the exponent
     # groups retire in order: one left in flight means S^T is done (dP^T runs on)
     if DEFER_DK:
         # ... and so is the previous step's dK (issued before S^T), the last reader of its Q/dO slot and of
@@ -302,7 +376,10 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
     p = _pt_tile(s, qk_scale, lse2, t, keys, band, 0.0, MASKED, False, HAS_RIGHT, False)
-    pb = p.to(dtype)
+    if FP8_EMU:
+        pb = _fp8_round16(p, fp8[3])       # P8 = fp8(P * scale_s), exact in fp16
+    else:
+        pb = p.to(dtype)
     p16 = gl.convert_layout(pb, a_layout)
     if P16_DS:
         # dS from the 16-bit P (the dV operand): the fp32 P dies here (``P16_DS``)
@@ -311,7 +388,14 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     delta = delta_smem.index(slot).load(col_layout)
     # dP^T done, dV += P^T dO runs on under the dS arithmetic
     dp = warpgroup_mma_wait(1, deps=(dp_tok, ))
-    ds = (p * (dp - delta[None, :])).to(dtype)
+    if FP8_EMU:
+        # dS * scale_dP = (P * scale_s) (dP_raw * a - delta_raw * b): a and b hold the descales, the softmax
+        # scale, scale_dP and 1 / scale_s
+        x = p * (dp * fp8[1] - (delta * fp8[2])[None, :])
+        kmax = gl.maximum(kmax, gl.max(gl.abs(x), axis=1))
+        ds = _fp8_round16(x, fp8[4])       # dS8 = fp8(dS * scale_dP), exact in fp16
+    else:
+        ds = (p * (dp - delta[None, :])).to(dtype)
     if DEFER_DK:
         ds16 = ds_keep      # dK reads dS^T from the exchange buffer
     else:
@@ -360,7 +444,7 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
         mbarrier.arrive(empty.index(slot))
         _release_ds(ds_empty, rb, it, LAG)
         _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC)
-    return dk, dv, ds_keep, head, t * BLOCK_M
+    return dk, dv, ds_keep, head, t * BLOCK_M, kmax
 
 
 @gluon.jit
@@ -378,7 +462,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr,
                DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr = False,
-               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1):
+               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1, fp8=None, kmax=None, FP8_EMU: gl.constexpr = False):
     """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE); ROTATE: starting ``rot``
     tiles into that order and wrapping around (the producer's order, ``_dkdv_producer``). SEGMENTS: the same
     tiles of GROUP heads, head after head, in one loop (head and dq_out: the first head's; "Switches":
@@ -402,11 +486,11 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                 if j >= n:
                     j = j - n
             t = hi - 1 - j if REVERSE else lo + j
-            dk, dv, ds_keep, prev_head, prev_row = _fused_step(
+            dk, dv, ds_keep, prev_head, prev_row, kmax = _fused_step(
                 it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, (dq_desc, dq_first + g * head_elems, S_Q), dk, dv,
                 ds_keep, zero_s, zero_q, keys, band, qk_scale, batch, head + g, prev_head, prev_row, MASKED, HAS_RIGHT,
-                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC)
+                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC, fp8, kmax, FP8_EMU)
             it += 1
             i += 1
             if i == n:
@@ -420,13 +504,13 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                 if j >= n:
                     j = j - n
             t = hi - 1 - j if REVERSE else lo + j
-            dk, dv, ds_keep, prev_head, prev_row = _fused_step(
+            dk, dv, ds_keep, prev_head, prev_row, kmax = _fused_step(
                 it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band,
                 qk_scale, batch, head, prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                DQ_ATOMIC)
+                DQ_ATOMIC, fp8, kmax, FP8_EMU)
             it += 1
-    return it, dk, dv, ds_keep, prev_head, prev_row
+    return it, dk, dv, ds_keep, prev_head, prev_row, kmax
 
 
 @gluon.jit
@@ -434,7 +518,8 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
           dq_lo, dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
           keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
           P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr, DQ_FIRST: gl.constexpr,
-          DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, GROUP):
+          DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, GROUP,
+          fp8=None, kmax=None, FP8_EMU: gl.constexpr = False):
     """The CTA's query tiles of one head (or under SEGMENTS of GROUP heads from ``head`` on): masked [lo0, hi0),
     mask-free [t_a, t_b), masked [lo2, hi2): the band's left edge first, or with REVERSE the last query tile
     first (module docstring, "Switches": Order)."""
@@ -444,23 +529,23 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
     # [t_b, t_hi) is masked only under a left window bound, which this kernel never has (``_q_tiles`` with
     # HAS_LEFT off leaves it empty, but not provably so): that run is not compiled
     if not REVERSE:
-        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+        it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
             lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP)
-    it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
+    it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
         t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
         q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
         band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP)
+        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
     if REVERSE:
-        it, dk, dv, ds_keep, prev_head, prev_row = _tile_loop(
+        it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
             lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP)
-    return it, dk, dv, ds_keep, prev_head, prev_row
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
+    return it, dk, dv, ds_keep, prev_head, prev_row, kmax
 
 
 @gluon.jit
@@ -469,9 +554,11 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles, qk_scale, sm_scale,
                     HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, REVERSE: gl.constexpr, P16_DS: gl.constexpr,
                     LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr,
-                    ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr):
+                    ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, fp8_io=None, FP8_EMU: gl.constexpr = False,
+                    P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
-    (LAG: each one a tile late, the last one after the loop)."""
+    (LAG: each one a tile late, the last one after the loop). FP8_EMU ([Note] FP8): fp8_io = (SCALES, AMAX,
+    dK's output, dV's output, S_KV); P's and dS's FP8 types e5m2 where P_E5M2 / DS_E5M2, else e4m3."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -503,6 +590,19 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         # wgmma wait
         dk = warpgroup_mma(ds_keep, k_view, dk, use_acc=False, is_async=True)
 
+    fp8 = None
+    # FP8_EMU: max |dS * scale_dP| per key (loop-carried; unchanged, and folded away, in the 16-bit kernel)
+    kmax = gl.zeros([WG_N], gl.float32, gl.SliceLayout(1, s_layout))
+    if FP8_EMU:
+        gl.static_assert(not (LAG or DEFER_DK or P16_DS), "FP8_EMU: the default order only")
+        SCALES = fp8_io[0]
+        # SCALES: fusedattn.backends.triton.bwd.FP8_BWD_SCALE_NAMES' order
+        d_q, d_k, d_v, d_o, d_do = gl.load(SCALES), gl.load(SCALES + 1), gl.load(SCALES + 2), gl.load(SCALES + 3), \
+            gl.load(SCALES + 4)
+        scale_s, scale_dp = gl.load(SCALES + 7), gl.load(SCALES + 11)
+        qk_scale = qk_scale * d_q * d_k
+        ds_unit = sm_scale * scale_dp / scale_s
+        fp8 = (gl.log2(scale_s), d_do * d_v * ds_unit, d_do * d_o * ds_unit, P_E5M2, DS_E5M2)
     t_lo, t_a, t_b, t_hi = tiles
     it = 0
     prev_head = kv_head * GROUP
@@ -513,20 +613,20 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     if SEGMENTS:
         head = kv_head * GROUP
         dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
-        it, dk, dv, ds_keep, prev_head, prev_row = _runs(
+        it, dk, dv, ds_keep, prev_head, prev_row, kmax = _runs(
             t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
             dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
             keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP, fp8, kmax, FP8_EMU)
     else:
         for g in range(GROUP):
             head = kv_head * GROUP + g
             dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
-            it, dk, dv, ds_keep, prev_head, prev_row = _runs(
+            it, dk, dv, ds_keep, prev_head, prev_row, kmax = _runs(
                 t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
                 dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
                 keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1)
+                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1, fp8, kmax, FP8_EMU)
     if DEFER_DK:
         # the last step's dK (its Q/dO slot and dS buffer are not released: nothing is loaded or stored
         # into them again)
@@ -539,17 +639,30 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
         _dq_stage(dq, dq_lo, dq_hi, (dq_desc, DQ_ACC, S_Q), batch, prev_head, prev_row, WG, DQ_ATOMIC)
 
-    # dV through this warpgroup's V tile (only it reads V_WG); TMA clips keys >= S_KV
-    v_view.store(dv.to(dtype))
-    fence_async_shared()
-    tma_store(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
-    # dK through its K tile once the other warpgroup's dQ products (they read both K tiles) are done
-    mbarrier.arrive(done)
-    mbarrier.wait(done, 0)
-    k_view.store((dk * sm_scale).to(dtype))
-    fence_async_shared()
-    tma_store(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
-    tma.store_wait(0)
+    if FP8_EMU:
+        # [Note] FP8: amax_dP = max |dS| over the keys inside the sequence; dV, dK descaled in the emulation's
+        # order (matmul_fp8's: descale A, then B) and written from registers in the gradients' own type
+        SCALES, AMAX, dk_out, dv_out, S_KV = fp8_io
+        key0 = n0 + WG * WG_N
+        key_in = keys < S_KV
+        gl.atomic_max(AMAX + 3, gl.max(gl.where(key_in, kmax, 0.0), 0) / gl.load(SCALES + 11))
+        _fp8_grad_write(dv * gl.load(SCALES + 5) * gl.load(SCALES + 4), key0, S_KV, dv_out, batch, kv_head,
+                        SCALES + 10, AMAX + 2)
+        _fp8_grad_write(dk * gl.load(SCALES + 6) * gl.load(SCALES), key0, S_KV, dk_out, batch, kv_head, SCALES + 9,
+                        AMAX + 1)
+        tma.store_wait(0)       # the last dQ reduce has read its staging tile before the CTA exits
+    else:
+        # dV through this warpgroup's V tile (only it reads V_WG); TMA clips keys >= S_KV
+        v_view.store(dv.to(dtype))
+        fence_async_shared()
+        tma_store(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
+        # dK through its K tile once the other warpgroup's dQ products (they read both K tiles) are done
+        mbarrier.arrive(done)
+        mbarrier.wait(done, 0)
+        k_view.store((dk * sm_scale).to(dtype))
+        fence_async_shared()
+        tma_store(dk_desc, [batch, kv_head, n0 + WG * WG_N, 0], k_smem.index(WG))
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -558,7 +671,10 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                          STAGES: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, REVERSE: gl.constexpr,
                          P16_DS: gl.constexpr, LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr,
                          DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, SEGMENTS: gl.constexpr = False):
+                         PRODUCER_REGS: gl.constexpr, SEGMENTS: gl.constexpr = False, SCALES=None, AMAX=None,
+                         DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None, stride_dvb=0,
+                         stride_dvh=0, stride_dvm=0, FP8_EMU: gl.constexpr = False, P_E5M2: gl.constexpr = False,
+                         DS_E5M2: gl.constexpr = False):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -617,17 +733,23 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
 
+    if FP8_EMU:
+        fp8_io = (SCALES, AMAX, (DK_OUT, stride_dkb, stride_dkh, stride_dkm),
+                  (DV_OUT, stride_dvb, stride_dvh, stride_dvm), S_KV)
+    else:
+        # stand-ins of the same structure (warp_specialize takes typed values only), never read
+        fp8_io = (DELTA, DELTA, (DELTA, S_KV, S_KV, S_KV), (DELTA, S_KV, S_KV, S_KV), S_KV)
     gl.warp_specialize([
         (_fused_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
         (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
         # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
@@ -672,6 +794,24 @@ def _dq_convert(ACC, DQ, stride_b, stride_h, stride_m, H_Q, S_Q, ACC_ROWS, scale
     base = DQ + (bh // H_Q).to(tl.int64) * stride_b + (bh % H_Q).to(tl.int64) * stride_h
     tl.store(base + rows.to(tl.int64)[:, None] * stride_m + cols[None, :], (acc * scale).to(DQ.dtype.element_ty),
              mask=(rows < S_Q)[:, None])
+
+
+@triton.jit
+def _dq_convert_fp8(ACC, DQ, stride_b, stride_h, stride_m, H_Q, S_Q, ACC_ROWS, SCALES, AMAX, BLOCK: tl.constexpr,
+                    D: tl.constexpr):
+    """The FP8 backward's dq ([Note] FP8): dq_acc * descale_dP * descale_k (the emulation's order), its amax
+    into AMAX[0] and dq = that * scale_dQ in dq's type (``triton.bwd.fp8_grad_out``: FP8 saturating)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    row_in = rows < S_Q
+    acc = tl.load(ACC + (bh.to(tl.int64) * ACC_ROWS + rows)[:, None] * D + cols[None, :], mask=row_in[:, None],
+                  other=0.0)
+    val = fp8_grad_out(acc * tl.load(SCALES + 6) * tl.load(SCALES + 1), row_in, SCALES + 8, AMAX,
+                       DQ.dtype.element_ty, False)
+    base = DQ + (bh // H_Q).to(tl.int64) * stride_b + (bh % H_Q).to(tl.int64) * stride_h
+    tl.store(base + rows.to(tl.int64)[:, None] * stride_m + cols[None, :], val, mask=row_in[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -761,9 +901,11 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
                   p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None,
-                  segments=None):
+                  segments=None, fp8=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
-    [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch)."""
+    [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch). fp8 ([Note] FP8): (scales, amax, P's type is e5m2,
+    dS's type is e5m2); q, k, v, grad_out then hold the FP8 values in fp16, dk / dv are the gradients in their own
+    type (any strides, unit last), and dq_acc receives the raw sums dS8 K8."""
     band = p.band
     causal = band is not None
     stages = stages or STAGES[causal]
@@ -778,6 +920,13 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     dq_desc = TensorDescriptor(dq_acc, [p.b, p.h_q, p.s_q, p.d], list(dq_acc.stride()), [1, 1, BLOCK_M, box],
                                layout)
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
+    fp8_kw = {}
+    if fp8 is not None:
+        scales, amax, p_e5m2, ds_e5m2 = fp8
+        fp8_kw = dict(SCALES=scales, AMAX=amax, DK_OUT=dk, stride_dkb=dk.stride(0), stride_dkh=dk.stride(1),
+                      stride_dkm=dk.stride(2), DV_OUT=dv, stride_dvb=dv.stride(0), stride_dvh=dv.stride(1),
+                      stride_dvm=dv.stride(2), FP8_EMU=True, P_E5M2=bool(p_e5m2), DS_E5M2=bool(ds_e5m2))
+        dk, dv = k, v        # the descriptors' stand-ins: the FP8 epilogue stores from registers
     jit_launch(_attn_bwd_fused_sm90, grid,
         _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
         _desc(dv, WG_N), dq_desc, dq_acc, lse, *lse.stride(), delta,
@@ -792,6 +941,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         # one head per group: the same order either way, and the per-head loop folds away (group 1 is a constant);
         # by default under a causal mask only (docstring, "Switches": Segments)
         SEGMENTS=bool(SEGMENTS and causal if segments is None else segments) and p.group > 1, num_warps=4,
+        **fp8_kw,
     )
 
 
@@ -801,3 +951,42 @@ def launch_convert(p, dq_acc, dq):
     jit_launch(_dq_convert, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
         D=p.d, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# the FP8 switch ([Note] FP8)
+
+def supports_fp8(p, q8, k8, v8, o, do8, dq, dk, dv) -> bool:
+    """True when the fused kernel's FP8 switch runs this ``fusedattn.fp8.sdpa_fp8_backward`` call: sm_90, the
+    problem as :func:`supports` takes it (d = d_v in ``HEAD_DIMS``, no mask or causal, no lengths), q / k / v of
+    one float8 type, dO float8, o any type ``_delta_zero`` loads, gradients with a unit last stride."""
+    import dataclasses
+    import fusedattn.fp8 as fp8
+    p16 = dataclasses.replace(p, dtype=torch.float16)       # the kernel's 16-bit MMAs on the FP8 values
+    if not (isinstance(q8, torch.Tensor) and q8.is_cuda and _is_sm90(q8.device.index) and _problem_ok(p16)):
+        return False
+    if not (fp8.is_fp8(q8) and k8.dtype == q8.dtype and v8.dtype == q8.dtype and fp8.is_fp8(do8)):
+        return False
+    return all(t.stride(-1) == 1 for t in (q8, k8, v8, o, do8, dq, dk, dv))
+
+
+def launch_bwd_fused_fp8(p, q8, k8, v8, o, do8, lse, scales, amax, dq, dk, dv):
+    """``fusedattn.fp8.sdpa_fp8_backward`` on the fused kernel ([Note] FP8), written in place.
+
+    q8 [b,h_q,s_q,d], k8 / v8 [b,h_kv,s_kv,d]: one float8 type; do8 [b,h_q,s_q,d] float8 (e4m3 or e5m2); o the
+    forward's output (float8 or any float); lse fp32 [b,h_q,s_q] view (natural log). scales: fp32 contiguous
+    [12] on the device in ``triton.bwd.FP8_BWD_SCALE_NAMES``' order; amax: fp32 [4] (dQ, dK, dV, dP), zeroed
+    by the caller. dq / dk / dv: the gradients in any of the FP8 door's types (any strides, unit last)."""
+    import dataclasses
+    p = dataclasses.replace(p, dtype=torch.float16)
+    to16 = lambda t: t if t.dtype == torch.float16 else t.to(torch.float16)      # noqa: E731 (exact for FP8)
+    q, k, v, grad_out = to16(q8), to16(k8), to16(v8), to16(do8)
+    dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=q8.device)
+    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q8.device)
+    launch_delta_zero(p, o, do8, delta, dq_acc)      # rowsum(dO8 * o), the raw values: the kernel scales it
+    launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv,
+                  fp8=(scales, amax, q8.dtype == torch.float8_e5m2, do8.dtype == torch.float8_e5m2))
+    block = 64
+    jit_launch(_dq_convert_fp8, (triton.cdiv(p.s_q, block), p.b * p.h_q), dq_acc, dq, dq.stride(0), dq.stride(1),
+               dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), scales, amax, BLOCK=block, D=p.d, num_warps=4)
+    return dq, dk, dv

@@ -1,0 +1,52 @@
+"""Lab probe (issue 27): the FP8 backward on the Gluon single-pass kernel's FP8 switch against the portable kernel.
+
+``fusedattn.fp8.sdpa_fp8_backward`` runs the portable Triton kernel's FP8 backward (164-199 TFLOP/s at d=128 on an
+H100, bench/NOTES.md 68, against cuDNN frontend's 633-691) unless ``plan.FP8_BWD_GLUON`` routes it to the Gluon
+sm_90 single-pass backward's FP8 switch (``bwd_fused_sm90`` [Note] FP8: the emulation's rounding points, fp16
+wgmmas on the FP8 values; d = d_v in 64 / 128, no mask or causal). This times both routes in one process on
+``bench``'s FP8 configs (e4m3 in, e4m3 gradients, the bench's scales and its own forward's O and stats), and
+checks that the two routes' gradients agree within a few FP8 steps (they round at the same points; dQ's
+reduce-adds sum in another order):
+
+    PYTHONPATH=$PWD python3 bench/fp8_bwd_gluon_ab.py [--rep MS] [--only NAME,...]
+
+Prediction (session 31, no GPU): the switch adds ~30% SASS instructions per step to the 16-bit kernel's (two
+roundings, the per-key dS maximum), so 0.75-0.9x our bf16 backward: 2.5-3x the portable kernel's FP8 backward,
+0.7-0.85x cuDNN's. Not yet measured.
+"""
+import argparse
+
+import torch
+import triton
+
+from fusedattn import bench, plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--only", default="", help="comma-separated substrings of config names")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
+    print(f"{'config':48s} {'portable':>9s} {'gluon':>9s} {'ratio':>6s} {'max |diff| / max |g|':>22s}")
+    for cfg in bench.fp8_configs():
+        if args.only and not any(s in cfg.name for s in args.only.split(",")):
+            continue
+        inp = bench.make_fp8_inputs(cfg, "cuda")
+        make_bwd = bench.prepare_ours_fp8(cfg, True)(inp).make_bwd
+        flops = bench.fwd_flops(cfg) * 2.5
+        tf, outs = {}, {}
+        for route in (False, True):
+            plan.FP8_BWD_GLUON = route
+            call = make_bwd()
+            outs[route] = [x.float() for x in call()[:3]]
+            torch.cuda.synchronize()
+            tf[route] = flops / triton.testing.do_bench(call, warmup=10, rep=args.rep) / 1e9
+        plan.FP8_BWD_GLUON = False
+        diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                   for a, b in zip(outs[True], outs[False]))
+        print(f"{cfg.name:48s} {tf[False]:9.1f} {tf[True]:9.1f} {tf[True] / tf[False]:6.2f} {diff:22.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

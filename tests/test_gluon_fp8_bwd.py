@@ -1,0 +1,110 @@
+"""FP8 backward on the Gluon sm_90 single-pass kernel's FP8 switch (issue 27; bwd_fused_sm90 [Note] FP8): the same
+checks as tests/test_fp8_bwd_kernel.py's portable kernel (``check_against_bound``: within fusedattn.reference_fp8's
+derived bound of float64 gradients of the dequantized inputs, against fusedattn.fp8's emulation, amaxes exact) on
+the shapes the switch runs (d = d_v in 64 / 128, no mask or causal of either alignment, GQA / MQA, odd lengths,
+BSHD, e4m3 / e5m2 inputs and dO, every gradient type), written into NaN-filled buffers; the routing
+(``plan.FP8_BWD_GLUON``, ``bwd_fused_sm90.supports_fp8``). GPU only (Gluon has no interpreter): skips visibly
+without CUDA."""
+import pytest
+import torch
+
+from conftest import TARGETS
+from fusedattn import fp8, plan
+from fusedattn.backends.gluon import bwd_fused_sm90
+from fusedattn.backends.triton import bwd as triton_bwd
+from test_fp8_bwd_kernel import GRADS, _problem, check_against_bound
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+GPU = TARGETS[2]
+
+# name -> (b, h_q, h_kv, s_q, s_kv, d, d_v), mask, q/k/v type, dO type, o type, gradient type, BSHD memory
+CASES = {
+    "d128_gqa_g_e4m3": ((2, 4, 2, 200, 333, 128, 128), {}, E4M3, E4M3, E4M3, E4M3, False),
+    "d128_causal_bshd_do_e5m2_g_bf16": ((1, 4, 4, 190, 190, 128, 128), dict(causal=True), E4M3, E5M2, E4M3, BF16,
+                                        True),
+    "d128_causal_br_mqa_o_bf16_g_f32": ((2, 2, 1, 77, 300, 128, 128),
+                                        dict(causal=True, causal_alignment="bottom_right"), E4M3, E4M3, BF16, F32,
+                                        False),
+    "d128_one_row_causal_br": ((3, 8, 2, 1, 100, 128, 128), dict(causal=True, causal_alignment="bottom_right"), E4M3,
+                               E5M2, E4M3, BF16, False),
+    "d64_e5m2_g_f16": ((2, 3, 3, 129, 65, 64, 64), {}, E5M2, E5M2, E5M2, F16, False),
+    "d64_causal_gqa_bshd_g_e5m2": ((1, 6, 2, 100, 100, 64, 64), dict(causal=True), E4M3, E4M3, E4M3, E5M2, True),
+}
+
+
+def _repro(case):
+    return f"repro: pytest tests/test_gluon_fp8_bwd.py -k '{case}'"
+
+
+@pytest.fixture
+def gluon_on(monkeypatch):
+    monkeypatch.setattr(plan, "FP8_BWD_GLUON", True)
+
+
+@pytest.mark.parametrize("target", [GPU])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_fp8_bwd_within_bound_and_matches_emulation(case, target, gluon_on):
+    spec = CASES[case]
+    shape, mask_spec, dtype, do_dtype, o_dtype, g_dtype, bshd = spec
+    device, backend = target
+    rep = _repro(case)
+    b, h_q, h_kv, s_q, s_kv, d, d_v = shape
+    q8, k8, v8, o, do8, stats, sc, mask = _problem(case, device, backend, spec)
+    if bshd:
+        assert q8.stride(1) == d and q8.stride(2) == h_q * d, rep        # BSHD memory reaches the kernel
+    dev_sc = {n: torch.tensor([x], dtype=F32, device=device) for n, x in sc.items()}
+    bufs = [torch.full(s, float("nan"), dtype=g_dtype, device=device)
+            for s in ((b, h_q, s_q, d), (b, h_kv, s_kv, d), (b, h_kv, s_kv, d_v))]
+    res = fp8._backward_gluon(q8, k8, v8, o, do8, stats, dev_sc, d ** -0.5, mask["band"], g_dtype, *bufs)
+    assert res is not None, f"the Gluon FP8 backward refused a case it runs; {rep}"
+    assert all(r is buf for r, buf in zip(res, bufs)), rep
+    res = [x.cpu() for x in res]
+    for name, x in zip(GRADS, res):
+        assert not x.float().isnan().any(), f"{name} elements left unwritten (NaN); {rep}"
+    # the public door routes here: dK, dV and the amaxes of dK / dV bit for bit (each CTA sums its keys in a
+    # fixed order); dQ's reduce-adds arrive in any order, so dQ and amax_dQ / amax_dP only within the bound below
+    res2 = fp8.sdpa_fp8_backward(q8, k8, v8, o, do8, stats, **dev_sc, **mask, grad_dtype=g_dtype, backend=backend)
+    for i in (1, 2, 4, 5):
+        assert torch.equal(res[i].float(), res2[i].cpu().float()), f"output {i}: the door differs; {rep}"
+    check_against_bound(spec, res, sc, (q8, k8, v8, o, do8, stats), fp8.mma_unit(device), case, rep)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the Gluon FP8 backward's and the portable kernel's launches."""
+    seen = {"gluon": 0, "portable": 0}
+    real_g, real_p = bwd_fused_sm90.launch_bwd_fused_fp8, triton_bwd.launch_bwd_fp8
+
+    def gluon(*a, **kw):
+        seen["gluon"] += 1
+        return real_g(*a, **kw)
+
+    def portable(*a, **kw):
+        seen["portable"] += 1
+        return real_p(*a, **kw)
+    monkeypatch.setattr(bwd_fused_sm90, "launch_bwd_fused_fp8", gluon)
+    monkeypatch.setattr(triton_bwd, "launch_bwd_fp8", portable)
+    return seen
+
+
+@pytest.mark.parametrize("target", [GPU])
+def test_gluon_fp8_bwd_routing(target, calls, monkeypatch):
+    """With ``plan.FP8_BWD_GLUON`` on, the Graph door's FP8 backward runs the Gluon switch where it can (d = d_v =
+    128, causal) and the portable kernel where it cannot (query lengths, d = 32); off, the portable kernel
+    always."""
+    device, backend = target
+    spec = CASES["d128_causal_bshd_do_e5m2_g_bf16"]
+    q8, k8, v8, o, do8, stats, sc, mask = _problem("routing", device, backend, spec)
+    monkeypatch.setattr(plan, "FP8_BWD_GLUON", True)
+    fp8.sdpa_fp8_backward(q8, k8, v8, o, do8, stats, **sc, **mask)
+    assert calls == {"gluon": 1, "portable": 0}
+    lens = torch.full((q8.shape[0],), q8.shape[2] - 3, dtype=torch.int32, device=device)
+    fp8.sdpa_fp8_backward(q8, k8, v8, o, do8, stats, **sc, **mask, seq_len_q=lens)
+    assert calls == {"gluon": 1, "portable": 1}, "query lengths: the portable kernel"
+    narrow = [x[..., :32].contiguous() for x in (q8, k8, v8, o, do8)]
+    fp8.sdpa_fp8_backward(*narrow, stats, **sc, **mask)
+    assert calls == {"gluon": 1, "portable": 2}, "d = 32: the portable kernel"
+    monkeypatch.setattr(plan, "FP8_BWD_GLUON", False)
+    fp8.sdpa_fp8_backward(q8, k8, v8, o, do8, stats, **sc, **mask)
+    assert calls == {"gluon": 1, "portable": 3}, "FP8_BWD_GLUON off: the portable kernel"
