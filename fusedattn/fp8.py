@@ -587,21 +587,34 @@ def _backward_gluon(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opti
     if not plan.FP8_BWD_GLUON or not q.is_cuda:
         return None
     from .backends.gluon import bwd_fused_sm90
-    from .backends.triton.bwd import FP8_BWD_SCALE_NAMES
-    b, h_q, s_q, d = q.shape
-    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
-    dev = q.device
     p, _ = _kernel_problem(q, k, v, attn_scale, band, None, None)
-    dq = torch.empty((b, h_q, s_q, d), dtype=grad_dtype, device=dev) if dq_out is None else dq_out
-    dk = torch.empty((b, h_kv, s_kv, d), dtype=grad_dtype, device=dev) if dk_out is None else dk_out
-    dv = torch.empty((b, h_kv, s_kv, d_v), dtype=grad_dtype, device=dev) if dv_out is None else dv_out
+    dq, dk, dv = _grad_buffers(q, k, v, grad_dtype, dq_out, dk_out, dv_out)
     if not bwd_fused_sm90.supports_fp8(p, q, k, v, o, dO, dq, dk, dv):
         return None
-    buf = torch.cat([scales[n].reshape(1).to(device=dev, dtype=torch.float32) for n in FP8_BWD_SCALE_NAMES])
-    amax = torch.zeros(4, dtype=torch.float32, device=dev)     # dQ, dK, dV, dP: the kernels max into them
+    buf, amax = _bwd_scale_buffers(scales, q.device)
     bwd_fused_sm90.launch_bwd_fused_fp8(p, q, k, v, o, dO, stats[..., 0], buf, amax, dq, dk, dv)
     a = [amax[i].reshape(1, 1, 1, 1) for i in range(4)]
     return dq, dk, dv, a[0], a[1], a[2], a[3]
+
+
+def _grad_buffers(q, k, v, grad_dtype, dq_out=None, dk_out=None, dv_out=None):
+    """The FP8 backward kernels' dQ, dK, dV: the caller's buffers, or new ones shaped like q, k, v (d_v for dV)
+    in ``grad_dtype``."""
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    dev = q.device
+    dq = torch.empty((b, h_q, s_q, d), dtype=grad_dtype, device=dev) if dq_out is None else dq_out
+    dk = torch.empty((b, h_kv, s_kv, d), dtype=grad_dtype, device=dev) if dk_out is None else dk_out
+    dv = torch.empty((b, h_kv, s_kv, d_v), dtype=grad_dtype, device=dev) if dv_out is None else dv_out
+    return dq, dk, dv
+
+
+def _bwd_scale_buffers(scales, dev):
+    """(the twelve scales as one fp32 [12] buffer the kernels read, in ``FP8_BWD_SCALE_NAMES``' order: a device-side
+    copy, so a CUDA graph replays the callers' new values; a zeroed fp32 [4] the kernels max dQ, dK, dV, dP into)."""
+    from .backends.triton.bwd import FP8_BWD_SCALE_NAMES
+    buf = torch.cat([scales[n].reshape(1).to(device=dev, dtype=torch.float32) for n in FP8_BWD_SCALE_NAMES])
+    return buf, torch.zeros(4, dtype=torch.float32, device=dev)
 
 
 def _backward_kernel(q, k, v, o, dO, stats, scales, attn_scale: float, band: Optional[Band], len_q, len_kv,
@@ -610,18 +623,12 @@ def _backward_kernel(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opt
     ``launch_bwd_fp8``). scales: the twelve one-element fp32 tensors on q's device, by name; len_q / len_kv:
     int64 ``[b]`` clamped lengths or None. dq_out / dk_out / dv_out: buffers to write (tests pass NaN-filled
     ones: every element must be written), default new ones. Returns what :func:`sdpa_fp8_backward` returns."""
-    from .backends.triton.bwd import FP8_BWD_SCALE_NAMES, launch_bwd_fp8
+    from .backends.triton.bwd import launch_bwd_fp8
     from .plan import fp8_bwd_mma16, fp8_bwd_tiles
-    b, h_q, s_q, d = q.shape
-    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
-    dev = q.device
+    d, d_v = q.shape[3], v.shape[3]
     p, extras = _kernel_problem(q, k, v, attn_scale, band, len_q, len_kv)
-    dq = torch.empty((b, h_q, s_q, d), dtype=grad_dtype, device=dev) if dq_out is None else dq_out
-    dk = torch.empty((b, h_kv, s_kv, d), dtype=grad_dtype, device=dev) if dk_out is None else dk_out
-    dv = torch.empty((b, h_kv, s_kv, d_v), dtype=grad_dtype, device=dev) if dv_out is None else dv_out
-    # one fp32 [12] buffer the kernels read (a device-side copy: a CUDA graph replays the callers' new values)
-    buf = torch.cat([scales[n].reshape(1).to(device=dev, dtype=torch.float32) for n in FP8_BWD_SCALE_NAMES])
-    amax = torch.zeros(4, dtype=torch.float32, device=dev)     # dQ, dK, dV, dP: the kernels max into them
+    dq, dk, dv = _grad_buffers(q, k, v, grad_dtype, dq_out, dk_out, dv_out)
+    buf, amax = _bwd_scale_buffers(scales, q.device)
     tiles_dkdv, tiles_dq = fp8_bwd_tiles(d, d_v)
     launch_bwd_fp8(p, tiles_dkdv, tiles_dq, q, k, v, o, dO, stats[..., 0], extras, buf, amax, dq, dk, dv,
                    mma16=fp8_bwd_mma16(d, d_v))

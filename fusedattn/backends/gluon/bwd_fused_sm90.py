@@ -195,7 +195,7 @@ from ..triton.bwd import fp8_grad_out
 from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first
-from .fwd_sm90 import LOG2E, _desc, _is_sm90, _to_fp8, _tma_ready
+from .fwd_sm90 import LOG2E, _desc, _is_sm90, _store_as, _tma_ready
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA
@@ -260,15 +260,9 @@ def _fp8_grad_write(x, key0, S_KV, grad_out, batch, kv_head, SCALE, AMAX):
     keys = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, layout))
     key_in = keys < S_KV
     gl.atomic_max(AMAX, gl.max(gl.max(gl.where(key_in[:, None], gl.abs(x), 0.0), 1), 0))
-    x = x * gl.load(SCALE)
-    OUT_TY: gl.constexpr = OUT.dtype.element_ty
-    if OUT_TY.is_fp8():
-        val = _to_fp8(x, OUT_TY)
-    else:
-        val = x.to(OUT_TY)
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
     base = OUT + batch.to(gl.int64) * stride_b + kv_head.to(gl.int64) * stride_h
-    gl.store(base + keys.to(gl.int64)[:, None] * stride_m + cols[None, :], val, mask=key_in[:, None])
+    _store_as(base + keys.to(gl.int64)[:, None] * stride_m + cols[None, :], x * gl.load(SCALE), key_in[:, None])
 
 
 @gluon.jit

@@ -1150,15 +1150,21 @@ def _fp8_write(out, inv_l, rows, batch, head, S_Q, len_q, fp8_out):
     gl.atomic_max(AMAX, gl.max(gl.where(row_in, inv_l, 0.0), 0))
     gl.atomic_max(AMAX + 1, gl.max(gl.max(gl.where(row_in[:, None], gl.abs(out), 0.0), 1), 0))
     out = out * gl.load(SCALES + 5)
-    OUT_TY: gl.constexpr = O.dtype.element_ty
-    if OUT_TY.is_fp8():
-        val = _to_fp8(out, OUT_TY)
-    else:
-        val = out.to(OUT_TY)
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
     base = O + batch.to(gl.int64) * fp8_out[1] + head.to(gl.int64) * fp8_out[2]
     ptrs = base + rows.to(gl.int64)[:, None] * fp8_out[3] + cols[None, :]
-    gl.store(ptrs, val, mask=(rows < S_Q)[:, None] & (cols < fp8_out[4])[None, :])
+    _store_as(ptrs, out, (rows < S_Q)[:, None] & (cols < fp8_out[4])[None, :])
+
+
+@gluon.jit
+def _store_as(ptrs, x, mask):
+    """fp32 ``x`` stored at ``ptrs`` (masked) in their element type: FP8 saturating (``_to_fp8``), else a cast."""
+    OUT_TY: gl.constexpr = ptrs.dtype.element_ty
+    if OUT_TY.is_fp8():
+        val = _to_fp8(x, OUT_TY)
+    else:
+        val = x.to(OUT_TY)
+    gl.store(ptrs, val, mask=mask)
 
 
 @gluon.jit
