@@ -29,8 +29,13 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
 def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, reverse=None, flat=None, p16_ds=None,
-                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, d=128, block_m=None, **over):
+                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, d=128, block_m=None, fp8_grad=None, **over):
+    """The fused backward for sm_90 as the JIT specializes it. fp8_grad: the FP8 switch (``FP8_EMU``, module
+    [Note] FP8) with gradients of this Triton type name ("fp8e4nv", "bf16", "fp32", ...): the 16-bit operands are
+    then fp16, and P_E5M2 / DS_E5M2 may come in ``over``."""
     import torch
+    if fp8_grad is not None:
+        dtype = "fp16"
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     block_m = block_m or m.BLOCK_M
     stages = stages or m.STAGES[causal]
@@ -54,6 +59,14 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
                  DEFER_DK=m.DEFER_DK[causal] if defer_dk is None else defer_dk,
                  DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic, ROTATE=m.ROTATE[causal],
                  CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, SEGMENTS=False)
+    if fp8_grad is not None:
+        sig.update({"SCALES": "*fp32", "AMAX": "*fp32", "DK_OUT": "*" + fp8_grad, "stride_dkb": "i32",
+                    "stride_dkh": "i32", "stride_dkm": "i32", "DV_OUT": "*" + fp8_grad, "stride_dvb": "i32",
+                    "stride_dvh": "i32", "stride_dvm": "i32"})
+        const.update(FP8_EMU=True, P_E5M2=False, DS_E5M2=False)
+    else:       # launches without the FP8 switch leave its parameters at their defaults
+        const.update(SCALES=None, AMAX=None, DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None,
+                     stride_dvb=0, stride_dvh=0, stride_dvm=0, FP8_EMU=False, P_E5M2=False, DS_E5M2=False)
     const.update(over)
     for k in const:
         sig[k] = "constexpr"
