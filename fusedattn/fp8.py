@@ -498,11 +498,12 @@ def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v,
         len_q = _lengths(seq_len_q, "seq_len_q", b, s_q, dev) if seq_len_q is not None else None
         len_kv = _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev) if seq_len_kv is not None else None
         scales = dict(sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)
+        dq, dk, dv = _grad_buffers(q, k, v, grad_dtype)      # one set, whichever kernel takes the call
         if len_q is None and len_kv is None:
-            done = _backward_gluon(q, k, v, o, dO, stats, scales, scale, band, grad_dtype)
+            done = _backward_gluon(q, k, v, o, dO, stats, scales, scale, band, grad_dtype, dq, dk, dv)
             if done is not None:
                 return done
-        return _backward_kernel(q, k, v, o, dO, stats, scales, scale, band, len_q, len_kv, grad_dtype)
+        return _backward_kernel(q, k, v, o, dO, stats, scales, scale, band, len_q, len_kv, grad_dtype, dq, dk, dv)
     len_q, len_kv = _lengths(seq_len_q, "seq_len_q", b, s_q, dev), _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev)
     kf, vf = _group(k, g), _group(v, g)
     p_dtype, ds_dtype = q.dtype, dO.dtype
