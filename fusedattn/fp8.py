@@ -424,7 +424,8 @@ _GLUON_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", 
 
 def _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras) -> bool:
     """The forward on the Gluon sm_90 kernel's FP8 switch when it takes the call (``fwd_sm90.supports_fp8``:
-    sm_90, head dims 64 / 128, TMA-ready q and k); False (nothing launched, or a failed launch on a Triton
+    sm_90, head dims 64 / 128, TMA-ready q and k), or at d = 224 / 256 on its 16-bit MMAs (``supports_fp8_16``,
+    [Note] FP8 on 16-bit MMAs); False (nothing launched, or a failed launch on a Triton
     we do not support, whose amaxes are zeroed again) lets the portable kernel run it. The Gluon modules come
     through the functional door's loader, so an unsupported Triton turns them off once, with a warning."""
     from .functional import _gluon_kernels, _gluon_ran      # late: functional dispatches here
@@ -436,12 +437,17 @@ def _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras) -> bool:
         return False
     fwd = gluon[0]
     lens = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
-    if not fwd.supports_fp8(p, q, k, v, o, **lens):
+    if fwd.supports_fp8(p, q, k, v, o, **lens):
+        def launch(sc):
+            fwd.launch_fwd_sm90_fp8(p, q, k, fwd.transposed_v(v), o, stats[..., 0], sc, amax, **lens)
+    elif fwd.supports_fp8_16(p, q, k, v, o, **lens):
+        def launch(sc):
+            fwd.launch_fwd_sm90_fp8_16(p, q, k, v, o, stats[..., 0], sc, amax, **lens)
+    else:
         return False
 
     def go():
-        sc = torch.cat([scales[name].reshape(1) for name in _GLUON_SCALES])
-        fwd.launch_fwd_sm90_fp8(p, q, k, fwd.transposed_v(v), o, stats[..., 0], sc, amax, **lens)
+        launch(torch.cat([scales[name].reshape(1) for name in _GLUON_SCALES]))
         return True
 
     if _gluon_ran("fp8-forward", go):

@@ -222,9 +222,10 @@ def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:
 
 # The Gluon sm_90 forward's FP8 switch (backends/gluon/fwd_sm90.py [Note] FP8) takes these head dims (d = d_v)
 # ahead of the portable kernel on an H100; its tiles are fwd_sm90.FP8_TILES (64-key tiles in 4 stages at
-# d128, 128-key in 3 at d64: chosen by registers, tools/gluon_check.py fp8; not yet timed). d224 / 256 stay
-# on the portable kernel (the switch's per-tile accumulator does not fit beside a [64, 256] O).
-_GLUON_FP8_FWD_DIMS = (64, 128)
+# d128, 128-key in 3 at d64: chosen by registers, tools/gluon_check.py fp8; not yet timed). d224 / 256 run the
+# 16-bit kernel's MMAs on the FP8 values (fwd_sm90 [Note] FP8 on 16-bit MMAs, FP8_16_DIMS: the switch's per-tile
+# accumulator does not fit beside a [64, 256] O).
+_GLUON_FP8_FWD_DIMS = (64, 128, 224, 256)
 
 
 def gluon_fp8_fwd(d: int, d_v: int) -> bool:

@@ -7,9 +7,11 @@ Gluon kernel ran, the portable one did not), checked against float64 attention o
 within ``reference_fp8.fp8_forward_bound`` with the existing ``fp8.mma_unit(device)``, and with the kernel's
 accumulation chain (``fwd_sm90.fp8_mma_chain``), against the emulation within the sum of the bounds, the stats
 within 2 delta_i, amax_o exact against the output (fp32, scale_o 1) and both amaxes against the emulation's;
-a second call gives the same bits. Head dims the switch does not take (224 / 256, d != d_v, per-head
-descales) go to the portable kernel. CPU: the host's copy of V (``transposed_v``) against the key order that
-``_pack_p8`` and ``_zero_cols_from`` assume. Every failure message carries a one-line repro."""
+a second call gives the same bits. Head dims 224 / 256 run the same semantics on the 16-bit kernel's MMAs
+(``launch_fwd_sm90_fp8_16``, [Note] FP8 on 16-bit MMAs), checked the same way; head dims neither takes (96,
+d != d_v) and per-head descales go to the portable kernel. CPU: the host's copy of V (``transposed_v``) against
+the key order that ``_pack_p8`` and ``_zero_cols_from`` assume; the fp16 copies of ``widened_fp16``; the FP8_EMU
+build compiled for sm_90. Every failure message carries a one-line repro."""
 import pytest
 import torch
 
@@ -42,12 +44,18 @@ CASES = {
                                   False),
     "d128_decode_rows_o_bf16": ((3, 8, 2, 1, 1000, 128), dict(causal=True, causal_alignment="bottom_right"), E4M3,
                                 torch.bfloat16, 1.0, False),
+    # the 16-bit MMAs (fwd_sm90.FP8_16_DIMS)
+    "d256_causal_gqa_o_bf16": ((2, 4, 2, 300, 300, 256), dict(causal=True), E4M3, torch.bfloat16, 1.0, False),
+    "d224_plain_odd_bshd_o_f32": ((1, 4, 4, 77, 517, 224), {}, E4M3, torch.float32, 1.0, True),
+    "d256_padding_e5m2_o_e5m2": ((2, 2, 1, 130, 200, 256), dict(seq_len_q=[130, 5], seq_len_kv=[0, 199]), E5M2,
+                                 E5M2, 8.0, False),
+    "d256_window_br_o_e4m3": ((1, 4, 4, 129, 257, 256), dict(window=(100, 17), causal_alignment="bottom_right"),
+                              E4M3, E4M3, 4.0, False),
 }
 # calls the switch does not take: the portable kernel runs them
 PORTABLE = {
-    "d256": ((1, 2, 2, 65, 129, 256), {}),
-    "d224_causal": ((1, 2, 1, 65, 129, 224), dict(causal=True)),
     "d96": ((1, 2, 2, 65, 129, 96), {}),
+    "d96_causal_gqa": ((1, 4, 1, 65, 129, 96), dict(causal=True)),
 }
 
 
@@ -76,12 +84,15 @@ def _mask(spec, device):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Which kernels ran: 'gluon' (fwd_sm90.launch_fwd_sm90_fp8), 'portable' (triton/fwd.launch_fwd_fp8)."""
+    """Which kernels ran: 'gluon' (fwd_sm90.launch_fwd_sm90_fp8), 'gluon16' (its 16-bit MMAs,
+    launch_fwd_sm90_fp8_16), 'portable' (triton/fwd.launch_fwd_fp8)."""
     from fusedattn.backends.gluon import fwd_sm90
     from fusedattn.backends.triton import fwd as triton_fwd
     calls = []
-    real_g, real_t = fwd_sm90.launch_fwd_sm90_fp8, triton_fwd.launch_fwd_fp8
+    real_g, real_g16, real_t = fwd_sm90.launch_fwd_sm90_fp8, fwd_sm90.launch_fwd_sm90_fp8_16, triton_fwd.launch_fwd_fp8
     monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90_fp8", lambda *a, **kw: (calls.append("gluon"), real_g(*a, **kw))[1])
+    monkeypatch.setattr(fwd_sm90, "launch_fwd_sm90_fp8_16",
+                        lambda *a, **kw: (calls.append("gluon16"), real_g16(*a, **kw))[1])
     monkeypatch.setattr(triton_fwd, "launch_fwd_fp8", lambda *a, **kw: (calls.append("portable"), real_t(*a, **kw))[1])
     return calls
 
@@ -113,7 +124,8 @@ def test_gluon_fp8_within_bound(case, _, launches):
     s_s = fp8.DEFAULT_SCALE_S[dtype]
     sc.update(descale_s=1 / s_s, scale_s=s_s, scale_o=scale_o)
     o, stats, amax_s, amax_o = _run(q8, k8, v8, sc, mask_spec, o_dtype)
-    assert launches == ["gluon"], f"expected the Gluon FP8 kernel alone, ran {launches}; {rep}"
+    kernel = "gluon16" if d in fwd_sm90.FP8_16_DIMS else "gluon"
+    assert launches == [kernel], f"expected the Gluon FP8 kernel ({kernel}) alone, ran {launches}; {rep}"
     assert not o.float().isnan().any(), f"output elements left unwritten (NaN); {rep}"
     assert not stats.isnan().any(), f"stats left unwritten (NaN); {rep}"
     again = _run(q8, k8, v8, sc, mask_spec, o_dtype)
@@ -170,7 +182,7 @@ def test_gluon_fp8_within_bound(case, _, launches):
 @pytest.mark.parametrize("case", list(PORTABLE))
 @pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
 def test_gluon_fp8_refuses_to_portable(case, _, launches):
-    """Head dims outside fwd_sm90.FP8_DIMS run the portable kernel (same results as forcing it)."""
+    """Head dims outside fwd_sm90.FP8_DIMS and FP8_16_DIMS run the portable kernel."""
     shape, mask_spec = PORTABLE[case]
     q8, k8, v8, sc = _inputs(shape, E4M3, False, seed=5)
     sc.update(descale_s=1 / 256, scale_s=256.0, scale_o=1.0)
@@ -252,6 +264,43 @@ def test_transposed_v_kernel_equals_torch(device):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), rep
 
 
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(
+        not INTERPRET, reason="Triton interpreter off (TRITON_INTERPRET unset)")),
+    pytest.param("cuda", id="gpu", marks=gpu[:2])])
+def test_widened_fp16_kernel_is_exact(device):
+    """The FP8 forward's fp16 copies on the 16-bit MMAs (``widened_fp16``, ``_widen_fp8``) hold every FP8 value
+    exactly (PyTorch's conversion, bit for bit; NaN where it is NaN: every one of the 256 byte patterns), for BSHD and
+    strided views, odd lengths and head dims, one row, e4m3 and e5m2, contiguous [b, h, s, d] out."""
+    from fusedattn.backends.gluon.fwd_sm90 import widened_fp16
+    for (b, h, s, d), layout, dtype in (((2, 3, 37, 40), "bshd", E4M3), ((1, 2, 1, 64), "bhsd", E5M2),
+                                        ((2, 1, 300, 224), "strided", E5M2), ((1, 2, 129, 256), "bshd", E4M3)):
+        g = torch.Generator().manual_seed(s + d)
+        n = (2 * d if layout == "strided" else d)
+        raw = torch.randint(0, 256, (b, s, h, n), generator=g, dtype=torch.uint8)
+        m = min(raw.numel(), 256)
+        raw.view(-1)[:m] = torch.arange(256, dtype=torch.uint8)[-m:]     # every byte pattern (the NaNs in all)
+        x8 = raw.view(dtype).to(device)
+        x8 = (x8[..., ::2] if layout == "strided" else x8).transpose(1, 2)
+        if layout == "bhsd":
+            x8 = x8.contiguous()
+        got = widened_fp16(x8)
+        want = x8.cpu().to(torch.float16)
+        rep = f"repro: python -m pytest -q tests/test_gluon_fp8.py -k widened  # {(b, h, s, d)} {layout} {dtype}"
+        assert got.dtype == torch.float16 and got.is_contiguous() and got.shape == want.shape, rep
+        got = got.cpu()
+        # NaN in the same places (the GPU's cvt and PyTorch give NaNs of other payloads), every other value's bits
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (want.isnan() & got.isnan())
+        if device == "cpu":
+            # Triton's interpreter converts e4m3's NaN (0x7F / 0xFF) to +-480, e5m2's subnormals to other values and
+            # its NaN payloads to others; the GPU's cvt is exact. The kernel runs on the GPU only (the Gluon
+            # forward): here the interpreter checks its indexing on every other value
+            same |= want.isnan() | (want.abs() < 2 ** -14)
+        bad = (~same).nonzero()
+        assert not len(bad), (f"{len(bad)} values differ, first at {bad[0].tolist()}: "
+                              f"{got[tuple(bad[0])].item()!r} for {want[tuple(bad[0])].item()!r}; {rep}")
+
+
 @pytest.mark.parametrize("spec", [dict(), dict(causal=True), dict(seq_len_q=[100, 3], seq_len_kv=[77, 300])],
                          ids=["plain", "causal", "padded"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -283,3 +332,37 @@ def test_gluon_fp8_persistent_grid_bit_identical(spec, d, _):
     for got in outs[1:]:
         assert all(torch.equal(x, y) for x, y in zip(outs[0], got)), f"persistent grid differs; {rep}"
     assert not outs[0][0].isnan().any(), rep
+
+
+def test_fp8_on_16bit_mmas_compiles_for_sm90():
+    """No GPU needed: the FP8 forward on the 16-bit MMAs (``FP8_EMU``, d=256, no mask, e5m2 P8, e4m3 output)
+    compiles for sm_90 with this Triton's compiler and ptxas (``tools/gluon_check.compile_fwd``; a child
+    process, since Triton's interpreter, which CI turns on, compiles nothing), without spills, and each of its
+    step loops holds the 16-bit build's exponentials with twice its conversions (P8's rounding, then fp16)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    child = (
+        "import sys; sys.path[:0] = ['tools', '.']\n"
+        "import re\n"
+        "from gluon_check import compile_fwd, inner_loops, ptxas_report, sass\n"
+        "for emu in (2, 0):\n"
+        "    k = compile_fwd(d=256, causal=False, dtype='fp16', out='fp8e4nv' if emu else 'fp16', fp8_emu=emu)\n"
+        "    print('SPILL', emu, sum(int(x) for x in re.findall(r'(\\d+) bytes spill', ptxas_report(k))))\n"
+        "    for _, n, body in inner_loops(sass(k)):\n"
+        "        print('LOOP', emu, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run([sys.executable, "-c", child], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line.split() for line in run.stdout.splitlines()]
+    spills = {int(w[1]): int(w[2]) for w in lines if w[0] == "SPILL"}
+    assert spills.get(2) == 0, f"the FP8_EMU build spills: {spills}"
+    loops = {emu: sorted((int(w[2]), int(w[3])) for w in lines if w[0] == "LOOP" and int(w[1]) == emu and int(w[2]))
+             for emu in (0, 2)}
+    assert loops[2] and len(loops[2]) == len(loops[0]), f"step loops differ from the 16-bit build's: {loops}"
+    for (ex_emu, cvt_emu), (ex16, cvt16) in zip(loops[2], loops[0]):
+        assert ex_emu == ex16 and cvt_emu == 2 * cvt16, f"FP8_EMU loops {loops[2]} vs 16-bit {loops[0]}"

@@ -51,7 +51,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
                 persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None,
-                varlen=False, packed_kv=False, v_warp=False):
+                varlen=False, packed_kv=False, v_warp=False, fp8_emu=0):
+    """fp8_emu 1 / 2 (dtype fp16): the FP8 forward on the 16-bit MMAs, P8 in e4m3 / e5m2 (``FP8_EMU``), output
+    in ``out``'s type."""
     import torch
     fp8 = dtype in FP8_TYPES
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
@@ -87,7 +89,7 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
                  CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
                  HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote,
-                 PACKED_Q=varlen, PACKED_KV=packed_kv, V_WARP=v_warp)
+                 PACKED_Q=varlen, PACKED_KV=packed_kv, V_WARP=v_warp, FP8_EMU=fp8_emu)
     if varlen or packed_kv:
         sig["O"] = "*" + ty     # packed queries: the 16-bit output's masked stores (_store_rows)
     for k in const:

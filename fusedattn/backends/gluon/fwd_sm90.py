@@ -241,6 +241,17 @@ type, stored from registers (``_fp8_write``: any output type, so no TMA staging 
   (``FP8_PERSISTENT``, measured). V's transposed copy is one small Triton kernel per call
   (``transposed_v``).
 
+[Note] FP8 on 16-bit MMAs (``FP8_EMU``; ``launch_fwd_sm90_fp8_16``, head dims ``FP8_16_DIMS`` = 224 / 256):
+there the FP8 switch's per-tile accumulator does not fit beside the [64, 256] fp32 O, and the portable kernel
+ran the FP8 forward at half our own bf16 speed (bench/NOTES.md 70). So the 16-bit kernel runs it unchanged
+in form (its tiles, layouts, persistent choice) on q, k, v widened to fp16 once per call (every e4m3 / e5m2
+value is exact in fp16, and a 16-bit wgmma sums exact products in fp32: no promotion question), with the FP8
+switch's semantics turned on by the constexpr FP8_EMU (1: P8 in e4m3, 2: in e5m2): the descales in the
+score scale, p * scale_s as one exponential, P8 = fp8(p * scale_s) rounded and widened back to fp16 in the
+registers the PV wgmma reads (``_pack_p8_16``: one more cvt per pair than the 16-bit pack), l / scale_s
+after the last tile and the FP8 epilogue (``_fp8_write``). FP8_EMU = 0 leaves the 16-bit kernel as it was
+(``_fp8_semantics``).
+
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
 d=224 runs the d=256 kernel on 256-wide boxes (TMA zero-fills columns 224..255 on loads and
@@ -600,16 +611,42 @@ def _to_fp8(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _p_carry(p, dtype: gl.constexpr, o_layout: gl.constexpr):
+def _p_carry(p, dtype: gl.constexpr, o_layout: gl.constexpr, FP8_EMU: gl.constexpr = 0):
     """P of a step in the form the loop carries to the next step's PV wgmma: 16-bit pairs packed in int32
     (``_pack_p``), or for FP8 P8 = fp8(p) (p scaled by scale_s already: ``_softmax_tile``'s SCALED_P) in the
     A operand's register layout ([Note] FP8: the layout change is a shuffle within each quad of threads, done
-    here under the PV wgmma)."""
+    here under the PV wgmma); FP8_EMU ([Note] FP8 on 16-bit MMAs): P8 as fp16 pairs (``_pack_p8_16``)."""
     if _is_fp8(dtype):
         pk = _pack_p8(p, dtype)
+    elif _fp8_semantics(gl.float16, FP8_EMU):
+        pk = _pack_p8_16(p, FP8_EMU == 2)
     else:
         pk = _pack_p(p, dtype)
     return pk
+
+
+@gluon.jit
+def _pack_p8_16(p, E5M2: gl.constexpr):
+    """``_pack_p``'s fp16 pairs of P8 = fp8(p) (e4m3, or e5m2 where E5M2; nearest even, saturating, as
+    ``fp8.quantize``): every FP8 value is exact in fp16, so the 16-bit PV wgmma multiplies the FP8 values
+    ([Note] FP8 on 16-bit MMAs). Two conversions per pair."""
+    lo, hi = p.reshape([p.shape[0], p.shape[1] // 2, 2]).split()
+    if E5M2:
+        pk = gl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, $2, $1; cvt.rn.f16x2.e5m2x2 $0, t; }", "=r,r,r",
+            [lo, hi], dtype=gl.int32, is_pure=True, pack=1)
+    else:
+        pk = gl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r,r",
+            [lo, hi], dtype=gl.int32, is_pure=True, pack=1)
+    return pk
+
+
+@gluon.constexpr_function
+def _fp8_semantics(dtype, FP8_EMU):
+    """The FP8 forward's semantics (scaled P, P8, the FP8 epilogue): FP8 inputs, or 16-bit ones that hold FP8
+    values (FP8_EMU, [Note] FP8 on 16-bit MMAs)."""
+    return dtype.is_fp8() or bool(FP8_EMU)       # (None: a build that predates the switch, tools' compiles)
 
 
 @gluon.jit
@@ -785,7 +822,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
               turn0,
               drop, WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
-              DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PROMOTE: gl.constexpr = 32):
+              DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PROMOTE: gl.constexpr = 32,
+              FP8_EMU: gl.constexpr = 0):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
     overlapped with this tile's softmax.
 
@@ -836,7 +874,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     mbarrier.arrive(k_empty.index(slot))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right,
                                            alibi_col, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA,
-                                           _is_fp8(q_view.dtype), p_shift)
+                                           _fp8_semantics(q_view.dtype, FP8_EMU), p_shift)
     # l depends on every exponential of the tile: storing it orders them all before the wait
     pin.store(l_i)
     if DROPOUT:
@@ -847,7 +885,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         o = _pv_wait(o_tok, p)
     mbarrier.arrive(v_empty.index(prev))
     # 16-bit P packed in the registers of the PV wgmma's A operand, or FP8 P8 = fp8(p), p scaled already, there
-    return o, _p_carry(p_new, q_view.dtype, o_layout), alpha, m_i, l_i
+    return o, _p_carry(p_new, q_view.dtype, o_layout, FP8_EMU), alpha, m_i, l_i
 
 
 @gluon.jit
@@ -917,7 +955,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 win_right, slope2, qk_scale, drop, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, scale_s=1.0,
-                PROMOTE: gl.constexpr = 32):
+                PROMOTE: gl.constexpr = 32, FP8_EMU: gl.constexpr = 0):
     """The online softmax of one consumer warpgroup's 64 query rows (``rows``, first ``row0``, Q in
     ``q_view`` [64, HEAD_D]) over key tiles [t_lo, t_hi) (``_kv_range``); key tile t_lo + j sits in
     ring slot (ring0 + j) % STAGES (ring0: the K/V tiles of earlier work tiles; 0 on the one-tile
@@ -977,14 +1015,14 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 mbarrier.arrive(q_free)
         # FP8: p comes out of its exponential scaled by scale_s, and l sums it so ([Note] FP8)
         p_shift = 0.0
-        if _is_fp8(dtype):
+        if _fp8_semantics(dtype, FP8_EMU):
             p_shift = gl.log2(scale_s)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
                                            alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA,
-                                           _is_fp8(dtype), p_shift)
+                                           _fp8_semantics(dtype, FP8_EMU), p_shift)
         if DROPOUT:
             p = _drop(p, drop, row0, kv0)
-        pk = _p_carry(p, dtype, o_layout)
+        pk = _p_carry(p, dtype, o_layout, FP8_EMU)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
         # mask-free middle, the masked right edge. The loops run over the ring's own count, with
@@ -997,21 +1035,21 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE)
+                                              PROMOTE, FP8_EMU)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, p_shift, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE)
+                                              PROMOTE, FP8_EMU)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, p_shift, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE)
+                                              PROMOTE, FP8_EMU)
 
         # last PV product
         last = ring0 + t_hi - t_lo - 1
@@ -1037,7 +1075,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
             o_tok = _wgmma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), o, _promote_k(dtype, PROMOTE))
             o = _pv_wait(o_tok, p)
         mbarrier.arrive(v_empty.index(slot))
-        if _is_fp8(dtype):
+        if _fp8_semantics(dtype, FP8_EMU):
             # l summed the scaled p: the epilogue's l is softmax's own
             l_i = l_i / scale_s
     return o, m_i, l_i
@@ -1046,7 +1084,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
 @gluon.jit
 def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                len_q, slope2, drop, SINK, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None, q_off=0, PACKED_Q: gl.constexpr = False):
+               DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr, fp8_out=None, q_off=0, PACKED_Q: gl.constexpr = False,
+               FP8_EMU: gl.constexpr = 0):
     """Epilogue of one consumer warpgroup: normalize O (empty rows give 0, rows >= len_q too) and
     store it through ``stage`` ([1, 1, 64, HEAD_D] shared memory: the warpgroup's Q buffer, free
     once its QK^T products are done) with TMA, which clips rows >= S_Q; the LSE (natural log)
@@ -1087,7 +1126,7 @@ def _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh
     if HAS_SEQ_Q:
         # rows >= len_q ran on padding rows of Q, which may hold NaN or inf (0 * NaN is NaN)
         out = gl.where(ok[:, None], out, 0.0)
-    if _is_fp8(stage.dtype):
+    if _fp8_semantics(stage.dtype, FP8_EMU):
         _fp8_write(out, inv_l, gl.convert_layout(rows, row_o), batch, head, S_Q, len_q, fp8_out)
     elif PACKED_Q:
         if row0 + WG_M <= len_q:
@@ -1174,7 +1213,8 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, WRITE_LSE: gl.constexpr,
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
-                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, PACKED_Q: gl.constexpr = False):
+                  scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, PACKED_Q: gl.constexpr = False,
+                  FP8_EMU: gl.constexpr = 0):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
@@ -1194,9 +1234,10 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               v_empty, turn, pin, bias, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
-                              scale_s, PROMOTE)
+                              scale_s, PROMOTE, FP8_EMU)
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
-               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off, PACKED_Q)
+               len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off, PACKED_Q,
+               FP8_EMU)
     tma.store_wait(0)
 
 
@@ -1571,7 +1612,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                              QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                              scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False,
-                             PACKED_KV: gl.constexpr = False):
+                             PACKED_KV: gl.constexpr = False, FP8_EMU: gl.constexpr = 0):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -1614,7 +1655,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                                   v_ready, v_empty, turn, pin, bias, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
                                   slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
-                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE)
+                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE, FP8_EMU)
         if PADDED:
             if (QSTAGES == 2) & (i > 0) & (n_tiles == 0):
                 # an empty tile ran no QK^T, so _fwd_attend released nothing
@@ -1636,7 +1677,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         q_batch, q_off = _packed_origin(SEQ_Q, batch, PACKED_Q)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, S_Q,
                    len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off,
-                   PACKED_Q)
+                   PACKED_Q, FP8_EMU)
         if QSTAGES == 1:
             # the only Q slot holds this output until the store has read it
             tma.store_wait(0)
@@ -1660,7 +1701,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
                    DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
                    PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False, PACKED_KV: gl.constexpr = False,
-                   V_WARP: gl.constexpr = False):
+                   V_WARP: gl.constexpr = False, FP8_EMU: gl.constexpr = 0):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1687,8 +1728,10 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     dtype: gl.constexpr = q_desc.dtype
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
     FP8: gl.constexpr = _is_fp8(dtype)
+    # FP8_EMU: FP8 values in 16-bit descriptors, the FP8 semantics on 16-bit MMAs ([Note] FP8 on 16-bit MMAs)
+    FP8_SEM: gl.constexpr = _fp8_semantics(dtype, FP8_EMU)
     pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
-    if FP8:
+    if FP8_SEM:
         gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0 or PACKED_Q),
                          "the FP8 forward runs masks, padding and GQA only")
     if PACKED_Q:
@@ -1699,7 +1742,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     scale_s = 1.0
     # the FP8 epilogue's arguments (unused by the 16-bit kernel: _fwd_write decides by the type)
     fp8_out = (O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX)
-    if FP8:
+    if FP8_SEM:
         # cuDNN's bmm1 scale chain folded into the one score multiply (scale * log2 e * descales), in the
         # portable kernel's order; scale_s quantizes P (read here, so a CUDA graph replays new values)
         qk_scale = qk_scale * gl.load(SCALES) * gl.load(SCALES + 1)
@@ -1746,14 +1789,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
+                                            FP8_EMU)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                             win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
+                                            FP8_EMU)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1772,14 +1817,16 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
+                                            FP8_EMU)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
                                             win_left, win_right, DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE,
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
-                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV)),
+                                            HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
+                                            FP8_EMU)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1816,12 +1863,14 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
+                             FP8_EMU)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q)),
+                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
+                             FP8_EMU)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
@@ -2035,7 +2084,7 @@ def _persistent_default(p) -> bool:
 def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_len_kv=None, sink=None,
                     page_table_k=None, page_table_v=None, cu_seqlens_q=None, cu_seqlens_kv=None, block_n=None,
                     stages=None, pingpong=None, persistent=None, dynamic=None, head_group=None, ctas=None,
-                    v_warp=None):
+                    v_warp=None, fp8=None):
     """Attention forward on Hopper. q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], out [b,h_q,s_q,d]:
     any strides with unit last stride (``supports`` checks them); lse: fp32 [b,h_q,s_q] view
     (any strides) or None; slopes: fp32 [b, h_q] ALiBi slopes (natural units) when p.alibi;
@@ -2056,6 +2105,10 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     wave's worth, ``_work_tile``) likewise; ctas caps the persistent grid's size (tests: a few
     CTAs then run many work tiles each); v_warp (pages smaller than a key tile on the persistent grid: V's
     copies from a second load warp, default ``PAGED_V_WARP``); for tuning.
+
+    fp8 = (scales, amax, e5m2) runs the FP8 forward on the 16-bit MMAs ([Note] FP8 on 16-bit MMAs;
+    ``launch_fwd_sm90_fp8_16``): q / k / v then hold FP8 values as fp16, out is the FP8 call's output (any
+    float type, unit last stride), scales / amax as ``launch_fwd_sm90_fp8``'s, e5m2 P8's type.
     """
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
@@ -2115,18 +2168,23 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         v_warp = False
         k_tma, v_tma = _tma(k, block_n), _tma(v, block_n)
         tables = (lse_arg, lse_arg, 0, 0, 1)
+    if fp8 is not None:
+        # the FP8 epilogue writes out from registers ([Note] FP8): q's descriptor stands in for O's
+        o_tma, o_args = _tma(q, WG_M), (out, out.stride(0), out.stride(1), out.stride(2), p.d_v, fp8[0], fp8[1])
+    else:
+        # packed queries: the output for the masked stores of each sequence's last tile (_store_rows), its
+        # row count in the batch stride's place; else the FP8 switch's output, scales and amaxes (unused)
+        o_tma = _tma(out, WG_M)
+        o_args = ((out, out.shape[2], out.stride(1), out.stride(2), p.d_v) if varlen else (lse_arg, 0, 0, 0, 0)) \
+            + (lse_arg, lse_arg)
     launch(
         _attn_fwd_sm90, grid,
-        _tma(q, WG_M), k_tma, v_tma, _tma(out, WG_M), lse_arg, *lse_strides,
+        _tma(q, WG_M), k_tma, v_tma, o_tma, lse_arg, *lse_strides,
         slopes if p.alibi is not None else lse_arg, slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else lse_arg, seq_len_kv if p.has_seq_len_kv else lse_arg,
         p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, band.left if has_left else 0, band.right if has_right else 0,
         counter, n_m, n_bh, head_group,
-        *dropout.kernel_args(p), sink if p.has_sink else lse_arg, *tables,
-        # packed queries: the output for the masked stores of each sequence's last tile (_store_rows), its
-        # row count in the batch stride's place; else the FP8 switch's output, scales and amaxes (unused)
-        *((out, out.shape[2], out.stride(1), out.stride(2), p.d_v) if varlen else (lse_arg, 0, 0, 0, 0)),
-        lse_arg, lse_arg,
+        *dropout.kernel_args(p), sink if p.has_sink else lse_arg, *tables, *o_args,
         BLOCK_N=block_n, STAGES=stages, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         # a causal-like band: the longest rows (last query tiles) start first
@@ -2135,7 +2193,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
         HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, PACKED_Q=varlen, PACKED_KV=packed_kv,
-        V_WARP=v_warp, num_warps=4,
+        V_WARP=v_warp, FP8_EMU=0 if fp8 is None else 1 + bool(fp8[2]), num_warps=4,
     )
     return out, lse
 
@@ -2220,6 +2278,75 @@ def supports_fp8(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
         return False
     return (_tma_ready(q) and _tma_ready(k) and isinstance(out, torch.Tensor) and out.is_cuda
             and out.stride(-1) == 1 and tuple(out.shape) == (p.b, p.h_q, p.s_q, p.d_v))
+
+
+# head dims whose FP8 forward runs on the 16-bit MMAs ([Note] FP8 on 16-bit MMAs): where the FP8 switch's
+# per-tile accumulator does not fit (FP8_DIMS), the 16-bit kernel's own tiles with FP8 values in fp16
+FP8_16_DIMS = (224, 256)
+
+
+def supports_fp8_16(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
+    """True when ``launch_fwd_sm90_fp8_16`` computes what ``p`` asks for: q / k / v of one float8 type on an
+    sm_90 GPU, d = d_v in ``FP8_16_DIMS``, the masks, padding and GQA of the 16-bit kernel (no ALiBi, dropout,
+    sinks, pages or packed rows); out: any float type, unit last stride (q, k, v are widened to fp16, so any
+    strides)."""
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _GL_FP8 and _is_sm90(q.device.index)):
+        return False
+    if not (k.dtype == q.dtype and v.dtype == q.dtype and p.d == p.d_v and p.d in FP8_16_DIMS):
+        return False
+    if p.paged or p.varlen or p.alibi is not None or p.has_dropout or p.has_sink:
+        return False
+    if not _fwd_problem_ok(dataclasses.replace(p, dtype=torch.float16), SUPPORTED_DIMS):
+        return False
+    if (p.has_seq_len_q and not _lengths_ok(seq_len_q, p)) or (p.has_seq_len_kv and not _lengths_ok(seq_len_kv, p)):
+        return False
+    return (isinstance(out, torch.Tensor) and out.is_cuda and out.stride(-1) == 1
+            and tuple(out.shape) == (p.b, p.h_q, p.s_q, p.d_v))
+
+
+def launch_fwd_sm90_fp8_16(p, q, k, v, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, **tuning):
+    """The FP8 forward on the 16-bit kernel's MMAs ([Note] FP8 on 16-bit MMAs; ``supports_fp8_16``): q, k, v
+    (one float8 type, any strides) are widened to fp16 once, exactly, and the 16-bit kernel runs them with
+    the FP8 switch's semantics (``FP8_EMU``): scores scaled by the descales, P8 = fp8(p * scale_s) as fp16,
+    the FP8 epilogue. Arguments as ``launch_fwd_sm90_fp8``'s (v not transposed); tuning: ``launch_fwd_sm90``'s
+    keywords. Writes out, lse and amax in place."""
+    q16, k16, v16 = (widened_fp16(t) for t in (q, k, v))
+    p16 = dataclasses.replace(p, dtype=torch.float16)
+    launch_fwd_sm90(p16, q16, k16, v16, out, lse, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                    fp8=(scales, amax, q.dtype == torch.float8_e5m2), **tuning)
+    return out, lse
+
+
+@triton.jit
+def _widen_fp8(X, Y, H, S, D, stride_xb, stride_xh, stride_xs, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Y[b, h, rows, :] = X[b, h, rows, :] as fp16 (exact for e4m3 and e5m2) for BLOCK_S rows of one (batch,
+    head): ``widened_fp16``'s pass. X: any strides, unit last; Y contiguous [b, h, S, D]."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    batch = (bh // H).to(tl.int64)
+    head = (bh % H).to(tl.int64)
+    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    keep = (rows[:, None] < S) & (cols[None, :] < D)
+    x = tl.load(X + batch * stride_xb + head * stride_xh + rows.to(tl.int64)[:, None] * stride_xs + cols[None, :],
+                mask=keep)
+    tl.store(Y + (bh.to(tl.int64) * S + rows)[:, None] * D + cols[None, :], x.to(tl.float16), mask=keep)
+
+
+def widened_fp16(x) -> torch.Tensor:
+    """x [b, h, s, d] float8 (any strides, unit last) as a contiguous fp16 copy, exactly ([Note] FP8 on 16-bit
+    MMAs). One streaming kernel (``_widen_fp8``): PyTorch's own float8 -> fp16 copy took about 0.3 ms per
+    64 Mi elements on the H100 (the d=256 FP8 forward read 332 TFLOP/s with three of them against 714 for the
+    bf16 forward; bench/NOTES.md 71). On the CPU without the interpreter, PyTorch's copy."""
+    if not (x.is_cuda or interpreting()) or x.stride(-1) != 1:
+        return x.to(torch.float16, memory_format=torch.contiguous_format)
+    b, h, s, d = x.shape
+    y = torch.empty((b, h, s, d), dtype=torch.float16, device=x.device)
+    block_d = triton.next_power_of_2(d)
+    block_s = max(1, 4096 // block_d)
+    launch(_widen_fp8, (triton.cdiv(s, block_s), b * h), x, y, h, s, d, *x.stride()[:3], BLOCK_S=block_s,
+           BLOCK_D=block_d, num_warps=4)
+    return y
 
 
 _KEY_ORDERS = {}
