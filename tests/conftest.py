@@ -82,3 +82,19 @@ def _gpu_faults_stay_with_their_test():
     yield
     if HAS_CUDA and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def run_compile_child(code: str) -> str:
+    """Run ``code`` in a child Python at the repository root (tools/ and the root on sys.path) with Triton's
+    interpreter off, and return its stdout: a test that compiles a kernel for sm_90 with no GPU (CI turns the
+    interpreter on, and an interpreting Triton compiles nothing). Fails the test with the child's stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run([sys.executable, "-c", "import sys; sys.path[:0] = ['tools', '.']\n" + code], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

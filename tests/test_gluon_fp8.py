@@ -15,7 +15,7 @@ build compiled for sm_90. Every failure message carries a one-line repro."""
 import pytest
 import torch
 
-from conftest import INTERPRET
+from conftest import INTERPRET, run_compile_child
 from fusedattn import fp8
 from fusedattn.problem import make_band
 from fusedattn.reference_fp8 import EPS32, fp8_forward_bound
@@ -339,13 +339,7 @@ def test_fp8_on_16bit_mmas_compiles_for_sm90():
     compiles for sm_90 with this Triton's compiler and ptxas (``tools/gluon_check.compile_fwd``; a child
     process, since Triton's interpreter, which CI turns on, compiles nothing), without spills, and each of its
     step loops holds the 16-bit build's exponentials with twice its conversions (P8's rounding, then fp16)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).parent.parent
-    child = (
-        "import sys; sys.path[:0] = ['tools', '.']\n"
+    out = run_compile_child(
         "import re\n"
         "from gluon_check import compile_fwd, inner_loops, ptxas_report, sass\n"
         "for emu in (2, 0):\n"
@@ -353,12 +347,7 @@ def test_fp8_on_16bit_mmas_compiles_for_sm90():
         "    print('SPILL', emu, sum(int(x) for x in re.findall(r'(\\d+) bytes spill', ptxas_report(k))))\n"
         "    for _, n, body in inner_loops(sass(k)):\n"
         "        print('LOOP', emu, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    run = subprocess.run([sys.executable, "-c", child], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [line.split() for line in run.stdout.splitlines()]
+    lines = [line.split() for line in out.splitlines()]
     spills = {int(w[1]): int(w[2]) for w in lines if w[0] == "SPILL"}
     assert spills.get(2) == 0, f"the FP8_EMU build spills: {spills}"
     loops = {emu: sorted((int(w[2]), int(w[3])) for w in lines if w[0] == "LOOP" and int(w[1]) == emu and int(w[2]))

@@ -8,7 +8,7 @@ without CUDA."""
 import pytest
 import torch
 
-from conftest import TARGETS
+from conftest import TARGETS, run_compile_child
 from fusedattn import fp8, plan
 from fusedattn.backends.gluon import bwd_fused_sm90
 from fusedattn.backends.triton import bwd as triton_bwd
@@ -115,25 +115,14 @@ def test_gluon_fp8_bwd_compiles_for_sm90():
     this Triton's compiler and ptxas (``tools/gluon_fused_check.compile_fused``; a child process, since Triton's
     interpreter, which CI turns on, compiles nothing), and its step loops keep the 16-bit kernel's 32
     exponentials, with the two FP8 roundings (F2FP) in them."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).parent.parent
-    child = (
-        "import sys; sys.path[:0] = ['tools', '.']\n"
+    out = run_compile_child(
         "import gluon_fused_check as c\n"
         "from gluon_check import sass\n"
         "from gluon_bwd_check import inner_loops\n"
         "k = c.compile_fused(False, d=64, fp8_grad='fp8e4nv', DS_E5M2=True)\n"
         "for _, n, body in inner_loops(sass(k)):\n"
         "    print('LOOP', n, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root)
-    run = subprocess.run([sys.executable, "-c", child], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    loops = [tuple(int(x) for x in line.split()[1:]) for line in run.stdout.splitlines() if line.startswith("LOOP")]
+    loops = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("LOOP")]
     steps = [loop for loop in loops if loop[1] == 32]
     assert steps, f"no step loop with the 32 exponentials: {loops}"
     assert all(f2fp >= 32 for _, _, f2fp in steps), f"the FP8 roundings are missing from a step loop: {steps}"
