@@ -1,12 +1,15 @@
-"""Lab probe (issue 27): the FP8 backward on the Gluon single-pass kernel's FP8 switch against the portable kernel.
+"""Lab probe (issue 27): the FP8 backward's routes in one process: the portable kernel, the Gluon single-pass kernel's
+FP8 switch on fp16 MMAs (the default) and on FP8 MMAs (``bwd_fused_sm90.FP8_MMA``, [Note] FP8 MMAs; session 32,
+compiled only, predicted 1.3-1.5x the fp16-MMA switch: every product at twice the rate, ~10% fewer instructions
+per step, no widening copies).
 
 ``fusedattn.fp8.sdpa_fp8_backward`` runs the portable Triton kernel's FP8 backward (164-199 TFLOP/s at d=128 on an
 H100, bench/NOTES.md 68, against cuDNN frontend's 633-691) unless ``plan.FP8_BWD_GLUON`` routes it to the Gluon
 sm_90 single-pass backward's FP8 switch (``bwd_fused_sm90`` [Note] FP8: the emulation's rounding points, fp16
-wgmmas on the FP8 values; d = d_v in 64 / 128, no mask or causal). This times both routes in one process on
+wgmmas on the FP8 values; d = d_v in 64 / 128, no mask or causal). This times each route in one process on
 ``bench``'s FP8 configs (e4m3 in, e4m3 gradients, the bench's scales and its own forward's O and stats), and
-checks that the two routes' gradients agree within a few FP8 steps (they round at the same points; dQ's
-reduce-adds sum in another order):
+checks that the Gluon routes' gradients agree with the portable kernel's within a few FP8 steps (they round at
+the same points; dQ's reduce-adds sum in another order, the FP8 MMAs' sums with ~14 bits):
 
     PYTHONPATH=$PWD python3 bench/fp8_bwd_gluon_ab.py [--rep MS] [--only NAME,...]
 
@@ -22,6 +25,10 @@ import torch
 import triton
 
 from fusedattn import bench, plan
+from fusedattn.backends.gluon import bwd_fused_sm90
+
+# route -> (plan.FP8_BWD_GLUON, bwd_fused_sm90.FP8_MMA)
+ROUTES = {"portable": (False, False), "gluon": (True, False), "gluon-fp8mma": (True, True)}
 
 
 def main() -> None:
@@ -30,24 +37,31 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings of config names")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
-    print(f"{'config':48s} {'portable':>9s} {'gluon':>9s} {'ratio':>6s} {'max |diff| / max |g|':>22s}")
+    print(f"{'config':36s} " + " ".join(f"{r:>13s}" for r in ROUTES) + f" {'max |diff| / max |g| vs portable':>34s}")
     for cfg in bench.fp8_configs():
         if args.only and not any(s in cfg.name for s in args.only.split(",")):
+            continue
+        if cfg.s_q == 1:
             continue
         inp = bench.make_fp8_inputs(cfg, "cuda")
         make_bwd = bench.prepare_ours_fp8(cfg, True)(inp).make_bwd
         flops = bench.fwd_flops(cfg) * 2.5
         tf, outs = {}, {}
-        for route in (False, True):
-            plan.FP8_BWD_GLUON = route
-            call = make_bwd()
-            outs[route] = [x.float() for x in call()[:3]]
-            torch.cuda.synchronize()
-            tf[route] = flops / triton.testing.do_bench(call, warmup=10, rep=args.rep) / 1e9
-        plan.FP8_BWD_GLUON = False
-        diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                   for a, b in zip(outs[True], outs[False]))
-        print(f"{cfg.name:48s} {tf[False]:9.1f} {tf[True]:9.1f} {tf[True] / tf[False]:6.2f} {diff:22.3g}", flush=True)
+        for route, (gluon, mma8) in ROUTES.items():
+            plan.FP8_BWD_GLUON, bwd_fused_sm90.FP8_MMA = gluon, mma8
+            try:
+                call = make_bwd()
+                outs[route] = [x.float() for x in call()[:3]]
+                torch.cuda.synchronize()
+                tf[route] = flops / triton.testing.do_bench(call, warmup=10, rep=args.rep) / 1e9
+            except Exception as e:      # a route that fails is reported, not fatal: the others still time
+                print(f"  {route}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        plan.FP8_BWD_GLUON, bwd_fused_sm90.FP8_MMA = True, False
+        base = outs.get("portable")
+        diffs = [max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(outs[r], base))
+                 if base is not None and r in outs else float("nan") for r in ROUTES if r != "portable"]
+        print(f"{cfg.name:36s} " + " ".join(f"{tf.get(r, float('nan')):13.1f}" for r in ROUTES)
+              + "   " + " / ".join(f"{x:.3g}" for x in diffs), flush=True)
 
 
 if __name__ == "__main__":

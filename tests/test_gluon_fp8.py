@@ -116,6 +116,20 @@ def _run(q8, k8, v8, sc, mask_spec, o_dtype):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
 def test_gluon_fp8_within_bound(case, _, launches):
+    _check_case(case, launches)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0][5] in (224, 256)])
+@pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
+def test_gluon_fp8_16_with_fp8_qk_within_bound(case, _, launches, monkeypatch):
+    """The 16-bit MMAs' FP8 forward with QK^T an FP8 wgmma on q and k as they are (``fwd_sm90.FP8_16_QK``),
+    checked as the other cases (its QK^T sums as the FP8 switch's: ``fp8_mma_chain``)."""
+    from fusedattn.backends.gluon import fwd_sm90
+    monkeypatch.setattr(fwd_sm90, "FP8_16_QK", True)
+    _check_case(case, launches)
+
+
+def _check_case(case, launches):
     from fusedattn.backends.gluon import fwd_sm90
     shape, mask_spec, dtype, o_dtype, scale_o, bshd = CASES[case]
     rep = _repro(case)
@@ -246,7 +260,8 @@ def test_transposed_v_key_order():
     pytest.param("cuda", id="gpu", marks=gpu[:2])])
 def test_transposed_v_kernel_equals_torch(device):
     """The V copy's kernel (``_transpose_v_keys``) writes the bytes of its PyTorch form (``_transposed_v_torch``,
-    checked against the key order above), bit for bit: BSHD and hostile strides, odd lengths, head dims that are
+    checked against the key order above; with permute=False, the FP8 backward's K^T, the plain transpose), bit for
+    bit: BSHD and hostile strides, odd lengths, head dims that are
     not powers of two, one key, more keys than one program's columns, e4m3 and e5m2, into a buffer of 0xFF."""
     from fusedattn.backends.gluon.fwd_sm90 import _transposed_v_torch, transposed_v
     for (b, h, s, d), layout, dtype in (((2, 3, 37, 40), "bshd", E4M3), ((1, 2, 1, 64), "bhsd", E5M2),
@@ -257,11 +272,17 @@ def test_transposed_v_kernel_equals_torch(device):
         v8 = fp8.quantize(x, dtype).to(device).transpose(1, 2)      # [b, h, s, d] over BSHD memory
         if layout == "bhsd":
             v8 = v8.contiguous()
-        got = transposed_v(v8)
-        want = _transposed_v_torch(v8)
         rep = f"repro: python -m pytest -q tests/test_gluon_fp8.py -k transposed_v_kernel  # {(b, h, s, d)} {layout}"
-        assert got.shape == want.shape and got.stride() == want.stride(), rep
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), rep
+        for permute in (True, False):
+            got = transposed_v(v8, permute)
+            want = _transposed_v_torch(v8, permute)
+            assert got.shape == want.shape and got.stride() == want.stride(), f"{rep} permute={permute}"
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{rep} permute={permute}"
+        # permute=False (the FP8 backward's K^T): the plain transpose, zeros past s
+        pad = want.shape[-1]
+        plain = torch.zeros((b, h, d, pad), dtype=torch.uint8)
+        plain[..., :s] = v8.cpu().view(torch.uint8).transpose(2, 3)
+        assert torch.equal(want.cpu().view(torch.uint8), plain), f"{rep} (the plain transpose)"
 
 
 @pytest.mark.parametrize("device", [
@@ -335,10 +356,11 @@ def test_gluon_fp8_persistent_grid_bit_identical(spec, d, _):
 
 
 def test_fp8_on_16bit_mmas_compiles_for_sm90():
-    """No GPU needed: the FP8 forward on the 16-bit MMAs (``FP8_EMU``, d=256, no mask, e5m2 P8, e4m3 output)
-    compiles for sm_90 with this Triton's compiler and ptxas (``tools/gluon_check.compile_fwd``; a child
-    process, since Triton's interpreter, which CI turns on, compiles nothing), without spills, and each of its
-    step loops holds the 16-bit build's exponentials with twice its conversions (P8's rounding, then fp16)."""
+    """No GPU needed: the FP8 forward on the 16-bit MMAs (``FP8_EMU``, d=256, no mask, e5m2 P8, e4m3 output; and
+    causal with QK^T in FP8, ``FP8_16_QK``) compiles for sm_90 with this Triton's compiler and ptxas
+    (``tools/gluon_check.compile_fwd``; a child process, since Triton's interpreter, which CI turns on, compiles
+    nothing), without spills, and each of its step loops holds the 16-bit build's exponentials with twice its
+    conversions (P8's rounding, then fp16)."""
     out = run_compile_child(
         "import re\n"
         "from gluon_check import compile_fwd, inner_loops, ptxas_report, sass\n"
@@ -346,10 +368,18 @@ def test_fp8_on_16bit_mmas_compiles_for_sm90():
         "    k = compile_fwd(d=256, causal=False, dtype='fp16', out='fp8e4nv' if emu else 'fp16', fp8_emu=emu)\n"
         "    print('SPILL', emu, sum(int(x) for x in re.findall(r'(\\d+) bytes spill', ptxas_report(k))))\n"
         "    for _, n, body in inner_loops(sass(k)):\n"
-        "        print('LOOP', emu, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n")
+        "        print('LOOP', emu, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n"
+        "k = compile_fwd(d=256, causal=True, dtype='e4m3', out='bf16', fp8_emu=1)\n"
+        "print('SPILL', 1, sum(int(x) for x in re.findall(r'(\\d+) bytes spill', ptxas_report(k))))\n"
+        "for _, n, body in inner_loops(sass(k)):\n"
+        "    print('QK', sum('QGMMA' in b for b in body), sum('HGMMA' in b for b in body))\n")
     lines = [line.split() for line in out.splitlines()]
+    # FP8_16_QK's build (causal, e4m3 q / k, fp16 V): per step loop 8 FP8 wgmmas of QK^T (d 256 / 32) and 4
+    # fp16 ones of P V (64 keys / 16), no spills
+    qk = [(int(w[1]), int(w[2])) for w in lines if w[0] == "QK" and (int(w[1]) or int(w[2]))]
+    assert qk and all(x == (8, 4) for x in qk), f"FP8-QK^T build's step loops (QGMMA, HGMMA): {qk}"
     spills = {int(w[1]): int(w[2]) for w in lines if w[0] == "SPILL"}
-    assert spills.get(2) == 0, f"the FP8_EMU build spills: {spills}"
+    assert spills.get(2) == 0 and spills.get(1) == 0, f"an FP8_EMU build spills: {spills}"
     loops = {emu: sorted((int(w[2]), int(w[3])) for w in lines if w[0] == "LOOP" and int(w[1]) == emu and int(w[2]))
              for emu in (0, 2)}
     assert loops[2] and len(loops[2]) == len(loops[0]), f"step loops differ from the 16-bit build's: {loops}"

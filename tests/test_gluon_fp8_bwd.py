@@ -3,8 +3,9 @@ checks as tests/test_fp8_bwd_kernel.py's portable kernel (``check_against_bound`
 derived bound of float64 gradients of the dequantized inputs, against fusedattn.fp8's emulation, amaxes exact) on
 the shapes the switch runs (d = d_v in 64 / 128, no mask or causal of either alignment, GQA / MQA, odd lengths,
 BSHD, e4m3 / e5m2 inputs and dO, every gradient type), written into NaN-filled buffers; the routing
-(``plan.FP8_BWD_GLUON``, ``bwd_fused_sm90.supports_fp8``). GPU only (Gluon has no interpreter): skips visibly
-without CUDA."""
+(``plan.FP8_BWD_GLUON``, ``bwd_fused_sm90.supports_fp8``); the same cases on its FP8 MMAs (``FP8_MMA``, [Note]
+FP8 MMAs, off by default until this runs on a GPU). GPU only (Gluon has no interpreter): skips visibly without
+CUDA; the builds are compiled for sm_90 on the CPU too."""
 import pytest
 import torch
 
@@ -45,6 +46,26 @@ def gluon_on(monkeypatch):
 @pytest.mark.parametrize("target", [GPU])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_fp8_bwd_within_bound_and_matches_emulation(case, target, gluon_on):
+    _check_case(case, target, fp8.mma_unit(target[0]))
+
+
+@pytest.mark.parametrize("target", [GPU])
+@pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec[3] == spec[2]])
+def test_gluon_fp8_bwd_fp8_mmas_within_bound(case, target, gluon_on, monkeypatch):
+    """The FP8 MMAs (bwd_fused_sm90 ``FP8_MMA``, [Note] FP8 MMAs; dO of q's type), checked as the switch on fp16
+    MMAs. dV and dK add up every query tile of the group's heads in one FP8 accumulation (Hopper's ~14-bit sums,
+    fwd_sm90 [Note] FP8): their chain is group * s_q / 32 K-steps, which ``mma_unit`` scales the bound's unit by."""
+    monkeypatch.setattr(bwd_fused_sm90, "FP8_MMA", True)
+    ran = []
+    real = bwd_fused_sm90.fp8_transposes
+    monkeypatch.setattr(bwd_fused_sm90, "fp8_transposes", lambda *a: (ran.append(1), real(*a))[1])
+    b, h_q, h_kv, s_q, s_kv, d, d_v = CASES[case][0]
+    chain = max(d // 32, h_q // h_kv * -(-s_q // 32))
+    _check_case(case, target, fp8.mma_unit(target[0], chain))
+    assert ran, f"the FP8 MMAs did not run; {_repro(case)}"
+
+
+def _check_case(case, target, u_mma):
     spec = CASES[case]
     shape, mask_spec, dtype, do_dtype, o_dtype, g_dtype, bshd = spec
     device, backend = target
@@ -67,7 +88,7 @@ def test_gluon_fp8_bwd_within_bound_and_matches_emulation(case, target, gluon_on
     res2 = fp8.sdpa_fp8_backward(q8, k8, v8, o, do8, stats, **dev_sc, **mask, grad_dtype=g_dtype, backend=backend)
     for i in (1, 2, 4, 5):
         assert torch.equal(res[i].float(), res2[i].cpu().float()), f"output {i}: the door differs; {rep}"
-    check_against_bound(spec, res, sc, (q8, k8, v8, o, do8, stats), fp8.mma_unit(device), case, rep)
+    check_against_bound(spec, res, sc, (q8, k8, v8, o, do8, stats), u_mma, case, rep)
 
 
 @pytest.fixture
@@ -121,8 +142,17 @@ def test_gluon_fp8_bwd_compiles_for_sm90():
         "from gluon_bwd_check import inner_loops\n"
         "k = c.compile_fused(False, d=64, fp8_grad='fp8e4nv', DS_E5M2=True)\n"
         "for _, n, body in inner_loops(sass(k)):\n"
-        "    print('LOOP', n, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n")
+        "    print('LOOP', n, sum('MUFU.EX2' in b for b in body), sum('F2FP' in b for b in body))\n"
+        "k = c.compile_fused(False, d=64, fp8_grad='fp8e4nv', fp8_mma=True, DS_E5M2=True)\n"
+        "for _, n, body in inner_loops(sass(k)):\n"
+        "    print('MMA8', sum('MUFU.EX2' in b for b in body), sum('QGMMA' in b for b in body),\n"
+        "          sum('HGMMA' in b for b in body))\n")
     loops = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("LOOP")]
     steps = [loop for loop in loops if loop[1] == 32]
     assert steps, f"no step loop with the 32 exponentials: {loops}"
     assert all(f2fp >= 32 for _, _, f2fp in steps), f"the FP8 roundings are missing from a step loop: {steps}"
+    # the FP8 MMAs' build ([Note] FP8 MMAs): each step loop's five products are FP8 wgmmas, d=64: S^T, dP^T 2
+    # each (K 64 / 32), dV, dK 2 each (64 rows / 32), dQ 2 x 2 (two 64-key halves)
+    mma8 = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("MMA8")]
+    mma8 = [m for m in mma8 if m[0] == 32]
+    assert mma8 and all(m[1:] == (12, 0) for m in mma8), f"FP8 MMA step loops (EX2, QGMMA, HGMMA): {mma8}"

@@ -52,15 +52,17 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
                 persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None,
                 varlen=False, packed_kv=False, v_warp=False, fp8_emu=0):
-    """fp8_emu 1 / 2 (dtype fp16): the FP8 forward on the 16-bit MMAs, P8 in e4m3 / e5m2 (``FP8_EMU``), output
-    in ``out``'s type."""
+    """fp8_emu 1 / 2: the FP8 forward on the 16-bit MMAs, P8 in e4m3 / e5m2 (``FP8_EMU``), output in ``out``'s
+    type; with dtype fp16 every product is fp16, with dtype e4m3 / e5m2 QK^T is an FP8 wgmma and V fp16
+    ([Note] FP8 on 16-bit MMAs)."""
     import torch
     fp8 = dtype in FP8_TYPES
+    v_fp8 = fp8 and not fp8_emu       # FP8_EMU: V is widened to fp16, in its natural layout
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn,
            "e5m2": torch.float8_e5m2}[dtype]
     ty = FP8_TYPES.get(dtype, dtype)     # Triton's name of the type
     d = fwd_sm90.TILE_D[d]
-    default_n, default_stages = (fwd_sm90.FP8_TILES if fp8 else fwd_sm90.TILES)[d]
+    default_n, default_stages = (fwd_sm90.FP8_TILES if v_fp8 else fwd_sm90.TILES)[d]
     block_n = block_n or default_n
     stages = stages or max(1, default_stages * default_n // block_n)
     ql = fwd_sm90._smem_layout(fwd_sm90.WG_M, d, tdt)
@@ -68,8 +70,10 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
     box = min(page, block_n) if page else block_n     # paged: TMA boxes of at most one page
     box_d = 64 if page and page < block_n else d       # ... of one 64-column block when smaller than a tile
     # FP8: V transposed, [HEAD_D, BLOCK_N] boxes (keys innermost)
-    v_sig = (f"tensordesc<{ty}[1, 1, {d}, {block_n}],{fwd_sm90._smem_layout(d, block_n, tdt)!r}>" if fp8
+    v_sig = (f"tensordesc<{ty}[1, 1, {d}, {block_n}],{fwd_sm90._smem_layout(d, block_n, tdt)!r}>" if v_fp8
              else f"tensordesc<{ty}[1, 1, {box}, {box_d}],{kl!r}>")
+    if fp8 and fp8_emu:
+        v_sig = f"tensordesc<fp16[1, 1, {block_n}, {d}],{fwd_sm90._smem_layout(block_n, d, torch.float16)!r}>"
     sig = {"q_desc": f"tensordesc<{ty}[1, 1, {fwd_sm90.WG_M}, {d}],{ql!r}>",
            "k_desc": f"tensordesc<{ty}[1, 1, {box}, {box_d}],{kl!r}>",
            "v_desc": v_sig,

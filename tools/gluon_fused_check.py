@@ -29,14 +29,16 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
 def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, reverse=None, flat=None, p16_ds=None,
-                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, d=128, block_m=None, fp8_grad=None, **over):
+                  lag=None, dq_first=None, defer_dk=None, dq_atomic=None, d=128, block_m=None, fp8_grad=None,
+                  fp8_mma=False, **over):
     """The fused backward for sm_90 as the JIT specializes it. fp8_grad: the FP8 switch (``FP8_EMU``, module
     [Note] FP8) with gradients of this Triton type name ("fp8e4nv", "bf16", "fp32", ...): the 16-bit operands are
-    then fp16, and P_E5M2 / DS_E5M2 may come in ``over``."""
+    then fp16, and P_E5M2 / DS_E5M2 may come in ``over``. fp8_mma (with fp8_grad): its FP8 MMAs ([Note] FP8
+    MMAs): e4m3 q, k, v, dO and their transposed copies' descriptors."""
     import torch
     if fp8_grad is not None:
-        dtype = "fp16"
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        dtype = "fp8e4nv" if fp8_mma else "fp16"
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn}[dtype]
     block_m = block_m or m.BLOCK_M
     stages = stages or m.STAGES[causal]
     ql = fwd_sm90._smem_layout(block_m, d, tdt)
@@ -64,9 +66,16 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
                     "stride_dkh": "i32", "stride_dkm": "i32", "DV_OUT": "*" + fp8_grad, "stride_dvb": "i32",
                     "stride_dvh": "i32", "stride_dvm": "i32"})
         const.update(FP8_EMU=True, P_E5M2=False, DS_E5M2=False)
+        if fp8_mma:
+            for name, cols in (("QT_DESC", block_m), ("DOT_DESC", block_m), ("KT_DESC", m.WG_N)):
+                sig[name] = f"tensordesc<fp8e4nv[1, 1, {d}, {cols}],{fwd_sm90._smem_layout(d, cols, tdt)!r}>"
+            const.update(FP8_EMU=2)
+        else:
+            const.update(QT_DESC=None, DOT_DESC=None, KT_DESC=None)
     else:       # launches without the FP8 switch leave its parameters at their defaults
         const.update(SCALES=None, AMAX=None, DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None,
-                     stride_dvb=0, stride_dvh=0, stride_dvm=0, FP8_EMU=False, P_E5M2=False, DS_E5M2=False)
+                     stride_dvb=0, stride_dvh=0, stride_dvm=0, FP8_EMU=False, P_E5M2=False, DS_E5M2=False,
+                     QT_DESC=None, DOT_DESC=None, KT_DESC=None)
     const.update(over)
     for k in const:
         sig[k] = "constexpr"

@@ -198,7 +198,7 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                    q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm, DELTA, SLOPES, stride_sb, batch,
                    kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi, STAGES: gl.constexpr, HAS_ALIBI: gl.constexpr,
                    HAS_SEQ_Q: gl.constexpr, REVERSE: gl.constexpr = False, ROTATE: gl.constexpr = False, t_a=0,
-                   t_b=0, rot=0, SEGMENTS: gl.constexpr = False):
+                   t_b=0, rot=0, SEGMENTS: gl.constexpr = False, t_io=None, T_LOADS: gl.constexpr = False):
     """Load warp: K and V once (every 64-key tile of the CTA), then Q_i and dO_i (TMA) and the tile's
     lse2 = lse * log2 e and delta rows (plain loads; +inf and 0 for rows >= len_q, the sequence's
     length, S_Q unpadded) of every (head of the group, query tile). REVERSE: each head's query tiles
@@ -207,10 +207,19 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
     "Switches": Rotate; ``_tile_loop`` visits them in the same order). SEGMENTS: segment-major order (the
     single-pass backward, ``bwd_fused_sm90`` "Switches": Segments): the masked run before the mask-free one of
     every head of the group, then every head's mask-free run, then every head's other masked run; each
-    head's tiles in the same order as without it, so with one head per group the order is the same."""
+    head's tiles in the same order as without it, so with one head per group the order is the same.
+    T_LOADS (the single-pass backward's FP8 MMAs, ``bwd_fused_sm90`` [Note] FP8 MMAs): t_io = (Q^T, dO^T, K^T
+    descriptors, their shared memory): K^T's tiles with K's, each tile's Q^T and dO^T with its Q and dO, under
+    the same barriers."""
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     N_KV: gl.constexpr = k_smem.shape[0]     # 64-key K/V tiles of the CTA: 2, or 1 (SPLIT)
-    mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    if T_LOADS:
+        mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                                        + t_io[2].block_type.nbytes))
+        for h in gl.static_range(N_KV):
+            tma_load(t_io[2], [batch, kv_head, 0, n0 + h * WG_N], kv_bar, t_io[5].index(h))
+    else:
+        mbarrier.expect(kv_bar, N_KV * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     for h in gl.static_range(N_KV):
         tma_load(k_desc, [batch, kv_head, n0 + h * WG_N, 0], kv_bar, k_smem.index(h))
     for h in gl.static_range(N_KV):
@@ -242,7 +251,7 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                             t = hi - 1 - j if REVERSE else lo + j
                     _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready,
                                  empty, lse_base, stride_lm, delta_base, slope2, batch, head, t, it, len_q, STAGES,
-                                 HAS_ALIBI, HAS_SEQ_Q)
+                                 HAS_ALIBI, HAS_SEQ_Q, t_io, T_LOADS)
                     it += 1
     else:
         for g in range(GROUP):
@@ -262,16 +271,17 @@ def _dkdv_producer(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_s
                         t = t_b - 1 - j if REVERSE else t_a + j
                 _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready,
                              empty, lse_base, stride_lm, delta_base, slope2, batch, head, t, it, len_q, STAGES,
-                             HAS_ALIBI, HAS_SEQ_Q)
+                             HAS_ALIBI, HAS_SEQ_Q, t_io, T_LOADS)
                 it += 1
 
 
 @gluon.jit
 def _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, l_ready, empty, lse_base,
                  stride_lm, delta_base, slope2, batch, head, t, it, len_q, STAGES: gl.constexpr,
-                 HAS_ALIBI: gl.constexpr, HAS_SEQ_Q: gl.constexpr):
+                 HAS_ALIBI: gl.constexpr, HAS_SEQ_Q: gl.constexpr, t_io=None, T_LOADS: gl.constexpr = False):
     """The load warp's work for query tile t of one head, the it-th tile of the CTA: Q and dO into ring slot
-    it % STAGES (TMA), lse2 and delta rows into their slots, then l_ready (``_dkdv_producer``)."""
+    it % STAGES (TMA), lse2 and delta rows into their slots, then l_ready (``_dkdv_producer``); T_LOADS: Q^T
+    and dO^T too, each under its untransposed tile's barrier."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -284,10 +294,18 @@ def _load_q_tile(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, q_ready
     delta = gl.load(delta_base + rows, mask=rows < len_q, other=0.0)
     # first use of a slot: the phase before a fresh barrier's first counts as complete
     mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-    tma_load(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot), q_smem.index(slot))
-    mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-    tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot), do_smem.index(slot))
+    if T_LOADS:
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + t_io[0].block_type.nbytes)
+        tma_load(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot), q_smem.index(slot))
+        tma_load(t_io[0], [batch, head, 0, t * BLOCK_M], q_ready.index(slot), t_io[3].index(slot))
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + t_io[1].block_type.nbytes)
+        tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot), do_smem.index(slot))
+        tma_load(t_io[1], [batch, head, 0, t * BLOCK_M], do_ready.index(slot), t_io[4].index(slot))
+    else:
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, head, t * BLOCK_M, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        tma_load(do_desc, [batch, head, t * BLOCK_M, 0], do_ready.index(slot), do_smem.index(slot))
     # rows that saw no key have lse -inf: +inf makes their P exactly 0, as for rows >= len_q
     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2) * LOG2E_C
     if HAS_ALIBI:

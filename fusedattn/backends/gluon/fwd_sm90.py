@@ -250,7 +250,13 @@ switch's semantics turned on by the constexpr FP8_EMU (1: P8 in e4m3, 2: in e5m2
 score scale, p * scale_s as one exponential, P8 = fp8(p * scale_s) rounded and widened back to fp16 in the
 registers the PV wgmma reads (``_pack_p8_16``: one more cvt per pair than the 16-bit pack), l / scale_s
 after the last tile and the FP8 epilogue (``_fp8_write``). FP8_EMU = 0 leaves the 16-bit kernel as it was
-(``_fp8_semantics``).
+(``_fp8_semantics``). Measured (H100, 3.6.0): d256 causal 517, d224 486 TFLOP/s, 0.72-0.80x the bf16 forward;
+the three widening copies are ~20% of the call (``widened_fp16``; PyTorch's own copy had made it 332).
+* FP8 QK^T (``FP8_16_QK``, off until its GPU run): q and K stay FP8 (descriptors of their type, QK^T an FP8
+  wgmma that reads both K-major as they are, its sums as the FP8 switch's: ``FP8_PROMOTE``, chain d / 32), V
+  alone is widened; the P V side (V's ring, P's registers, its promotion) is keyed on V's type, the rest on
+  q's. Static (3.6.0, d256): 8 QGMMA + 4 HGMMA per step, loops 387-523 SASS instructions against 418-568
+  with every product fp16, no spills in the loops.
 
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
@@ -852,20 +858,21 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         # for step j of warpgroup 0.
         mbarrier.wait(turn.index(WG), ((turn0 + j - 1) & 1) ^ (1 - WG))
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    TILE_ACC: gl.constexpr = _tile_acc(q_view.dtype, PROMOTE)
+    pv_dtype: gl.constexpr = v_smem.dtype      # the PV product's operand type ([Note] FP8 on 16-bit MMAs)
+    TILE_ACC: gl.constexpr = _tile_acc(pv_dtype, PROMOTE)
     s_tok = _qk_mma(q_view, _kv_view(k_smem, slot, BLOCK_N, HEAD_D), zero_s, bias, BY_MMA, PROMOTE)
     # O (relative to the max before tile j-1) onto tile j-1's max, while QK^T runs
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
     if not TILE_ACC:
         o = o * alpha_o[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    p = _p_operand(pk, q_view.dtype, o_layout)
+    p = _p_operand(pk, pv_dtype, o_layout)
     if TILE_ACC:
         # FP8, PROMOTE = 0: tile j-1's P V in a fresh accumulator, added to O in fp32 after the wait
         o_tok = warpgroup_mma(p, _v_operand(v_smem, prev, BLOCK_N, HEAD_D), gl.zeros_like(o), use_acc=False,
                               is_async=True)
     else:
-        o_tok = _wgmma(p, _v_operand(v_smem, prev, BLOCK_N, HEAD_D), o, _promote_k(q_view.dtype, PROMOTE))
+        o_tok = _wgmma(p, _v_operand(v_smem, prev, BLOCK_N, HEAD_D), o, _promote_k(pv_dtype, PROMOTE))
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - WG))
     # wgmma groups retire in order: one left in flight means the QK^T (issued first) is done
@@ -885,7 +892,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         o = _pv_wait(o_tok, p)
     mbarrier.arrive(v_empty.index(prev))
     # 16-bit P packed in the registers of the PV wgmma's A operand, or FP8 P8 = fp8(p), p scaled already, there
-    return o, _p_carry(p_new, q_view.dtype, o_layout, FP8_EMU), alpha, m_i, l_i
+    return o, _p_carry(p_new, pv_dtype, o_layout, FP8_EMU), alpha, m_i, l_i
 
 
 @gluon.jit
@@ -975,7 +982,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, _mma_k(dtype)])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, _mma_k(dtype)])
+                                                       instr_shape=[16, HEAD_D, _mma_k(v_smem.dtype)])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -1022,7 +1029,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                                            _fp8_semantics(dtype, FP8_EMU), p_shift)
         if DROPOUT:
             p = _drop(p, drop, row0, kv0)
-        pk = _p_carry(p, dtype, o_layout, FP8_EMU)
+        pk = _p_carry(p, v_smem.dtype, o_layout, FP8_EMU)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
         # mask-free middle, the masked right edge. The loops run over the ring's own count, with
@@ -1060,19 +1067,19 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
             # there are padding that TMA loaded (it zero-fills only past S_KV): P is 0 on them, but
             # 0 * NaN would still poison O. (Persistent grid: the producer refills this slot only
             # after both warpgroups' PV products, v_empty, so the zeros stay until both are done.)
-            if _is_fp8(dtype):
+            if _is_fp8(v_smem.dtype):
                 # V's slot is transposed ([HEAD_D, BLOCK_N], [Note] FP8): the keys are its columns
                 _zero_cols_from(v_smem.index(slot).reshape([HEAD_D, BLOCK_N]), len_kv - (t_hi - 1) * BLOCK_N)
             else:
                 _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
-        p = _p_operand(pk, dtype, o_layout)
-        if _tile_acc(dtype, PROMOTE):
+        p = _p_operand(pk, v_smem.dtype, o_layout)
+        if _tile_acc(v_smem.dtype, PROMOTE):
             o_tok = warpgroup_mma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), gl.zeros_like(o), use_acc=False,
                                   is_async=True)
             o = gl.fma(o, gl.convert_layout(alpha, row_o)[:, None], _pv_wait(o_tok, p))
         else:
             o = o * gl.convert_layout(alpha, row_o)[:, None]
-            o_tok = _wgmma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), o, _promote_k(dtype, PROMOTE))
+            o_tok = _wgmma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), o, _promote_k(v_smem.dtype, PROMOTE))
             o = _pv_wait(o_tok, p)
         mbarrier.arrive(v_empty.index(slot))
         if _fp8_semantics(dtype, FP8_EMU):
@@ -1749,11 +1756,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         scale_s = gl.load(SCALES + 4)
 
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
-    if FP8:
+    if _is_fp8(v_desc.dtype):
         # V transposed (keys innermost): FP8 wgmmas read both operands K-major ([Note] FP8)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, HEAD_D, BLOCK_N], v_desc.layout)
     else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+        # (FP8 QK^T with FP8_EMU: V widened to fp16, [Note] FP8 on 16-bit MMAs)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -2107,8 +2115,9 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     copies from a second load warp, default ``PAGED_V_WARP``); for tuning.
 
     fp8 = (scales, amax, e5m2) runs the FP8 forward on the 16-bit MMAs ([Note] FP8 on 16-bit MMAs;
-    ``launch_fwd_sm90_fp8_16``): q / k / v then hold FP8 values as fp16, out is the FP8 call's output (any
-    float type, unit last stride), scales / amax as ``launch_fwd_sm90_fp8``'s, e5m2 P8's type.
+    ``launch_fwd_sm90_fp8_16``): v then holds FP8 values as fp16, q / k too or are float8 themselves (QK^T an
+    FP8 wgmma), out is the FP8 call's output (any float type, unit last stride), scales / amax as
+    ``launch_fwd_sm90_fp8``'s, e5m2 P8's type.
     """
     td = TILE_D[p.d]
     block_n = block_n or TILES[td][0]
@@ -2193,7 +2202,9 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=bool(persistent), DYNAMIC=dynamic, QSTAGES=QSTAGES[td], DROPOUT=p.has_dropout,
         HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, PACKED_Q=varlen, PACKED_KV=packed_kv,
-        V_WARP=v_warp, FP8_EMU=0 if fp8 is None else 1 + bool(fp8[2]), num_warps=4,
+        V_WARP=v_warp, FP8_EMU=0 if fp8 is None else 1 + bool(fp8[2]),
+        # FP8 q / k (QK^T an FP8 wgmma, [Note] FP8 on 16-bit MMAs): the FP8 switch's accumulation (FP8_PROMOTE)
+        **(dict(PROMOTE=FP8_PROMOTE) if q.dtype in _GL_FP8 else {}), num_warps=4,
     )
     return out, lse
 
@@ -2283,6 +2294,10 @@ def supports_fp8(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
 # head dims whose FP8 forward runs on the 16-bit MMAs ([Note] FP8 on 16-bit MMAs): where the FP8 switch's
 # per-tile accumulator does not fit (FP8_DIMS), the 16-bit kernel's own tiles with FP8 values in fp16
 FP8_16_DIMS = (224, 256)
+# ... with QK^T an FP8 wgmma on q and k as they are (its sums promoted as the FP8 switch's, FP8_PROMOTE; only
+# V widened), else every product fp16 on widened copies. Off until its GPU run (written in session 32 with no
+# device time left; compiled, tools/gluon_check.py)
+FP8_16_QK = False
 
 
 def supports_fp8_16(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
@@ -2304,16 +2319,22 @@ def supports_fp8_16(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool
             and tuple(out.shape) == (p.b, p.h_q, p.s_q, p.d_v))
 
 
-def launch_fwd_sm90_fp8_16(p, q, k, v, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, **tuning):
-    """The FP8 forward on the 16-bit kernel's MMAs ([Note] FP8 on 16-bit MMAs; ``supports_fp8_16``): q, k, v
-    (one float8 type, any strides) are widened to fp16 once, exactly, and the 16-bit kernel runs them with
-    the FP8 switch's semantics (``FP8_EMU``): scores scaled by the descales, P8 = fp8(p * scale_s) as fp16,
-    the FP8 epilogue. Arguments as ``launch_fwd_sm90_fp8``'s (v not transposed); tuning: ``launch_fwd_sm90``'s
-    keywords. Writes out, lse and amax in place."""
-    q16, k16, v16 = (widened_fp16(t) for t in (q, k, v))
+def launch_fwd_sm90_fp8_16(p, q, k, v, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, qk_fp8=None,
+                           **tuning):
+    """The FP8 forward on the 16-bit kernel's MMAs ([Note] FP8 on 16-bit MMAs; ``supports_fp8_16``): v (one
+    float8 type with q and k, any strides) is widened to fp16 once, exactly, and the 16-bit kernel runs the
+    call with the FP8 switch's semantics (``FP8_EMU``): scores scaled by the descales, P8 = fp8(p * scale_s)
+    as fp16, the FP8 epilogue. QK^T: an FP8 wgmma on q and k as they are where ``qk_fp8`` (default
+    ``FP8_16_QK``) and TMA takes them, else fp16 on widened copies too. Arguments as
+    ``launch_fwd_sm90_fp8``'s (v not transposed); tuning: ``launch_fwd_sm90``'s keywords. Writes out, lse and
+    amax in place."""
+    if qk_fp8 is None:
+        qk_fp8 = FP8_16_QK
+    if not (qk_fp8 and _tma_ready(q) and _tma_ready(k)):
+        q, k = widened_fp16(q), widened_fp16(k)
     p16 = dataclasses.replace(p, dtype=torch.float16)
-    launch_fwd_sm90(p16, q16, k16, v16, out, lse, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                    fp8=(scales, amax, q.dtype == torch.float8_e5m2), **tuning)
+    launch_fwd_sm90(p16, q, k, widened_fp16(v), out, lse, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                    fp8=(scales, amax, v.dtype == torch.float8_e5m2), **tuning)
     return out, lse
 
 
@@ -2367,16 +2388,20 @@ def key_order(n, device) -> torch.Tensor:
 
 @triton.jit
 def _transpose_v_keys(V, VT, H, S, PAD, D, stride_vb, stride_vh, stride_vs, stride_vd, stride_tb, stride_th,
-                      stride_td, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                      stride_td, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PERMUTE: tl.constexpr = True):
     """VT[b, h, :, c] = V[b, h, key_order(c), :] (0 for keys >= S) for BLOCK_S columns c of one (batch, head):
-    ``transposed_v``'s gather, transpose and zero fill in one pass over V's bytes (uint8 views)."""
+    ``transposed_v``'s gather, transpose and zero fill in one pass over V's bytes (uint8 views); PERMUTE off:
+    key c itself."""
     pid_c = tl.program_id(0)
     bh = tl.program_id(1)
     batch = (bh // H).to(tl.int64)
     head = (bh % H).to(tl.int64)
     c = pid_c * BLOCK_S + tl.arange(0, BLOCK_S)
     # key_order's formula: column 16 g + 4 q + t holds key 16 g + 8 (t // 2) + 2 q + t % 2
-    key = (c // 16) * 16 + (c & 2) * 4 + ((c // 2) & 6) + (c & 1)
+    if PERMUTE:
+        key = (c // 16) * 16 + (c & 2) * 4 + ((c // 2) & 6) + (c & 1)
+    else:
+        key = c
     d = tl.arange(0, BLOCK_D)
     src = V + batch * stride_vb + head * stride_vh + key.to(tl.int64)[:, None] * stride_vs + d[None, :] * stride_vd
     x = tl.load(src, mask=(key[:, None] < S) & (d[None, :] < D), other=0)
@@ -2384,33 +2409,35 @@ def _transpose_v_keys(V, VT, H, S, PAD, D, stride_vb, stride_vh, stride_vs, stri
     tl.store(dst, tl.trans(x), mask=(d[:, None] < D) & (c[None, :] < PAD))
 
 
-def transposed_v(v) -> torch.Tensor:
+def transposed_v(v, permute=True) -> torch.Tensor:
     """V [b, h_kv, s_kv, d] (any strides) as the FP8 switch reads it ([Note] FP8): [b, h_kv, d, s_pad]
     contiguous with the keys innermost (FP8 wgmmas read B K-major), s_pad = s_kv rounded up to 16 (TMA's
     16-byte row stride), keys in ``key_order`` within each 16 and zeros for keys >= s_kv. One pass of one small
     kernel over uint8 views (``_transpose_v_keys``; PyTorch's gather and transposing copy of 8-bit elements
     took 0.35 ms for 32 MiB on the H100, a third of a 2k causal forward: bench/NOTES.md 59); on the CPU
-    without the interpreter, the same through PyTorch (``_transposed_v_torch``)."""
+    without the interpreter, the same through PyTorch (``_transposed_v_torch``). permute=False: the keys in
+    their own order (the FP8 backward's K^T, ``bwd_fused_sm90.fp8_transposes``)."""
     b, h, s, d = v.shape
     pad = -(-s // 16) * 16
     if not (v.is_cuda or interpreting()):
-        return _transposed_v_torch(v)
+        return _transposed_v_torch(v, permute)
     vt = torch.empty((b, h, d, pad), dtype=torch.uint8, device=v.device)
     v8 = v.view(torch.uint8)
     block_s = 128
     # through a Launcher (``launch``): a repeat signature skips Triton's dispatch (jit_launch took ~90 us of
     # host per 2k causal FP8 forward under cProfile, H100 host, session 28, where the whole call is ~0.3 ms)
     launch(_transpose_v_keys, (triton.cdiv(pad, block_s), b * h), v8, vt, h, s, pad, d, *v8.stride(),
-           *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+           *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d),
+           **({} if permute else dict(PERMUTE=False)), num_warps=4)
     return vt.view(v.dtype)
 
 
-def _transposed_v_torch(v) -> torch.Tensor:
+def _transposed_v_torch(v, permute=True) -> torch.Tensor:
     """``transposed_v`` through PyTorch: one gather and one transposing copy through uint8 views (PyTorch has
     few float8 kernels). The CPU's form, and the reference of the kernel's test."""
     b, h, s, d = v.shape
     pad = -(-s // 16) * 16
-    idx = key_order(pad, v.device)
+    idx = key_order(pad, v.device) if permute else torch.arange(pad, device=v.device)
     g = v.view(torch.uint8).index_select(2, idx.clamp(max=s - 1))
     if pad != s:
         g[:, :, idx >= s] = 0
