@@ -588,18 +588,31 @@ def _backward_gluon(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opti
                     dq_out=None, dk_out=None, dv_out=None):
     """:func:`sdpa_fp8_backward` on the Gluon sm_90 single-pass backward's FP8 switch (bwd_fused_sm90 [Note] FP8:
     the same rounding points as the emulation, its products as fp16 wgmmas on the FP8 values) where it runs the
-    call (``plan.FP8_BWD_GLUON``, ``bwd_fused_sm90.supports_fp8``: sm_90, d = d_v in 64 / 128, no mask or causal,
-    no lengths), else None. Arguments as :func:`_backward_kernel`'s; returns what it returns."""
-    from . import plan
-    if not plan.FP8_BWD_GLUON or not q.is_cuda:
+    call (``plan.gluon_fp8_bwd``, ``bwd_fused_sm90.supports_fp8``: sm_90, d = d_v in 64 / 128, no mask or causal,
+    no lengths), else None. The module comes through the functional door's loader, as the forward's
+    (:func:`_run_gluon_fp8`): on an unsupported Triton a failed import or launch turns it off once, with a
+    warning, and the portable kernel runs the call. Arguments as :func:`_backward_kernel`'s; returns what it
+    returns."""
+    from .functional import _gluon_kernels, _gluon_ran      # late: functional dispatches here
+    from .plan import gluon_fp8_bwd
+    if not (q.is_cuda and gluon_fp8_bwd(q.shape[3], v.shape[3])):
         return None
-    from .backends.gluon import bwd_fused_sm90
+    gluon = _gluon_kernels("fp8-backward", "bwd_fused_sm90")
+    if gluon is None:
+        return None
+    bwd = gluon[0]
     p, _ = _kernel_problem(q, k, v, attn_scale, band, None, None)
     dq, dk, dv = _grad_buffers(q, k, v, grad_dtype, dq_out, dk_out, dv_out)
-    if not bwd_fused_sm90.supports_fp8(p, q, k, v, o, dO, dq, dk, dv):
+    if not bwd.supports_fp8(p, q, k, v, o, dO, dq, dk, dv):
         return None
     buf, amax = _bwd_scale_buffers(scales, q.device)
-    bwd_fused_sm90.launch_bwd_fused_fp8(p, q, k, v, o, dO, stats[..., 0], buf, amax, dq, dk, dv)
+
+    def go():
+        bwd.launch_bwd_fused_fp8(p, q, k, v, o, dO, stats[..., 0], buf, amax, dq, dk, dv)
+        return True
+
+    if not _gluon_ran("fp8-backward", go):
+        return None         # the portable kernel rewrites every gradient, with amaxes of its own
     a = [amax[i].reshape(1, 1, 1, 1) for i in range(4)]
     return dq, dk, dv, a[0], a[1], a[2], a[3]
 

@@ -131,6 +131,20 @@ def test_gluon_fp8_bwd_routing(target, calls, monkeypatch):
     assert calls == {"gluon": 1, "portable": 3}, "FP8_BWD_GLUON off: the portable kernel"
 
 
+def test_gluon_fp8_bwd_gate(monkeypatch):
+    """No GPU needed: ``plan.gluon_fp8_bwd`` sends d = d_v in 64 / 128 to the Gluon FP8 backward while
+    ``FP8_BWD_GLUON`` is on and FUSEDATTN_GLUON is not 0 (the forward's switch), nothing else."""
+    monkeypatch.delenv("FUSEDATTN_GLUON", raising=False)
+    monkeypatch.setattr(plan, "FP8_BWD_GLUON", True)
+    assert plan.gluon_fp8_bwd(128, 128) and plan.gluon_fp8_bwd(64, 64)
+    assert not any(plan.gluon_fp8_bwd(d, d_v) for d, d_v in ((128, 64), (256, 256), (96, 96), (32, 32)))
+    monkeypatch.setenv("FUSEDATTN_GLUON", "0")
+    assert not plan.gluon_fp8_bwd(128, 128), "FUSEDATTN_GLUON=0 must turn the Gluon FP8 backward off"
+    monkeypatch.delenv("FUSEDATTN_GLUON")
+    monkeypatch.setattr(plan, "FP8_BWD_GLUON", False)
+    assert not plan.gluon_fp8_bwd(128, 128)
+
+
 def test_gluon_fp8_bwd_compiles_for_sm90():
     """No GPU needed: the FP8 switch's build (d=64, no mask, e4m3 P, e5m2 dS, FP8 gradients) compiles for sm_90 with
     this Triton's compiler and ptxas (``tools/gluon_fused_check.compile_fused``; a child process, since Triton's

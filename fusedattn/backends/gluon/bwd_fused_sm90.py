@@ -514,14 +514,13 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
         else:
             dk, ds16 = warpgroup_mma_wait(0, deps=(dk_tok, ds16))
             mbarrier.arrive(empty.index(slot))
-    elif FP8_MMA:
-        # Triton 3.6's wait cannot carry 8-bit values; ptxas keeps an in-flight wgmma's registers (fwd_sm90 _pv_wait)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-        mbarrier.arrive(empty.index(slot))
-        _release_ds(ds_empty, rb, it, LAG)
-        _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC)
     else:
-        dv, dk, dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p16, ds16))
+        if FP8_MMA:
+            # Triton 3.6's wait cannot carry 8-bit values; ptxas keeps an in-flight wgmma's registers (fwd_sm90
+            # _pv_wait; tools/gluon_check.py inflight_a_writes)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+        else:
+            dv, dk, dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p16, ds16))
         mbarrier.arrive(empty.index(slot))
         _release_ds(ds_empty, rb, it, LAG)
         _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC)
