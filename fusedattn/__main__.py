@@ -17,7 +17,7 @@ USAGE = """usage: fusedattn {demo,bench,warmup} [options]
   bench    time fusedattn beside PyTorch SDPA backends, FlexAttention, cuDNN frontend
            and FlashAttention-4 (see: fusedattn bench --help)
   warmup   compile the kernels of the common configurations into Triton's cache, side by side,
-           so no later process stalls on its first call (warmup [anchors masked decode prefill]);
+           so no later process stalls on its first call (warmup [anchors masked decode prefill fp8]);
            --record DIR also writes every compiled kernel to a store under DIR (fusedattn/prebuilt's format)
 """
 

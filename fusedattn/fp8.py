@@ -713,8 +713,9 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
       power-of-two scale (:func:`quantize_per_tensor`), the forward runs the FP8 semantics, and the
       backward (autograd) is fusedattn's 16-bit backward on the dequantized inputs in their dtype,
       with the FP8 forward's output and stats (straight-through quantization; the documented
-      choice: the FP8 backward kernel, :func:`sdpa_fp8_backward`, runs at 0.16-0.22x of the 16-bit
-      backward on an H100 for now, bench/NOTES.md 59).
+      choice: the FP8 backward kernel, :func:`sdpa_fp8_backward`, would add dO's and dS's e4m3 rounding
+      for little speed: on Hopper at d = 128 it runs 0.92-1.08x the 16-bit backward, elsewhere slower,
+      bench/NOTES.md 72).
 
     The semantics are cuDNN's ``sdpa_fp8`` (:mod:`fusedattn.fp8`): P is quantized with ``scale_s``
     (default 256 for e4m3, 32768 for e5m2) and dequantized with ``descale_s`` (default

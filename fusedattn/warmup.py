@@ -10,7 +10,8 @@ so processes sharing the cache never read a half-written entry (``tests/test_ker
 
 ``warmup`` runs the common configurations (the benchmark's: ``shared/ANCHORS.md``'s eight, each mask
 kind, decode and paged prefill; each one's forward alone, as inference calls it, and its forward under
-autograd with the backward; then ``bench --cold-start``'s call, two packed varlen batches and four long
+autograd with the backward; the FP8 group's forward and backward through the Graph door and its forward through
+the functional one; then ``bench --cold-start``'s call, two packed varlen batches and four long
 d=64 calls, fp16 / bf16, causal or not) at
 their real sizes (shapes decide the kernels' specializations) inside
 ``backends.triton.launch.compiling_ahead``: nothing runs on the GPU, and every kernel compiles on a pool
@@ -24,7 +25,7 @@ from typing import Iterable, Optional
 
 import torch
 
-GROUPS = ("anchors", "masked", "decode", "prefill")
+GROUPS = ("anchors", "masked", "decode", "prefill", "fp8")
 
 
 def warmup(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None, verbose: bool = False,
@@ -68,7 +69,10 @@ def calls(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None)
     device = device or torch.device("cuda", torch.cuda.current_device())
 
     def config_call(cfg):
-        runner = bench.prepare_ours(cfg, True)(bench.make_inputs(cfg, device))
+        inputs = bench.make_inputs(cfg, device)
+        if cfg.table == "fp8":
+            return _fp8_calls(cfg, inputs)
+        runner = bench.prepare_ours(cfg, True)(inputs)
         outs = [runner.fwd()]
         if runner.make_bwd is not None:
             # the forward under autograd compiles the backward's kernels ahead (functional.
@@ -87,6 +91,20 @@ def calls(groups: Iterable[str] = GROUPS, device: Optional[torch.device] = None)
             todo.append((f"d64-4k-{str(dtype)[6:]}{'-causal' if causal else ''}",
                          lambda d=dtype, c=causal: _long_d64_call(device, d, c)))
     return todo
+
+
+def _fp8_calls(cfg, inputs) -> list:
+    """One FP8 configuration of the benchmark (issue 27) as its users call it: the Graph door's ``sdpa_fp8`` /
+    ``sdpa_fp8_backward`` as ``bench`` times them (e4m3 O and gradients, cuDNN's Hopper types), then the functional
+    door's FP8 forward (``fusedattn.attention`` on the e4m3 tensors: bf16 O, no stats: builds of their own).
+    Returns [o, dq, dk, dv, o_bf16]."""
+    from .functional import attention
+    from . import bench
+    runner = bench.prepare_ours_fp8(cfg, True)(inputs)
+    outs = [runner.fwd()] + list(runner.make_bwd()()[:3])
+    descales = {f"descale_{n}": inputs.extra[f"descale_{n}"] for n in "qkv"}
+    outs.append(attention(inputs.q, inputs.k, inputs.v, causal=cfg.causal, **descales))
+    return outs
 
 
 def _first_call(device: torch.device) -> list:

@@ -121,11 +121,12 @@ def test_gluon_fp8_within_bound(case, _, launches):
 
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][0][5] in (224, 256)])
 @pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
-def test_gluon_fp8_16_with_fp8_qk_within_bound(case, _, launches, monkeypatch):
-    """The 16-bit MMAs' FP8 forward with QK^T an FP8 wgmma on q and k as they are (``fwd_sm90.FP8_16_QK``),
-    checked as the other cases (its QK^T sums as the FP8 switch's: ``fp8_mma_chain``)."""
+def test_gluon_fp8_16_with_fp16_qk_within_bound(case, _, launches, monkeypatch):
+    """The 16-bit MMAs' FP8 forward with every product fp16 on widened copies (``fwd_sm90.FP8_16_QK`` off: the
+    route where TMA refuses q or k as they are); the default cases run QK^T as an FP8 wgmma (its sums as the
+    FP8 switch's: ``fp8_mma_chain``)."""
     from fusedattn.backends.gluon import fwd_sm90
-    monkeypatch.setattr(fwd_sm90, "FP8_16_QK", True)
+    monkeypatch.setattr(fwd_sm90, "FP8_16_QK", False)
     _check_case(case, launches)
 
 

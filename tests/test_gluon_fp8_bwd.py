@@ -4,7 +4,7 @@ derived bound of float64 gradients of the dequantized inputs, against fusedattn.
 the shapes the switch runs (d = d_v in 64 / 128, no mask or causal of either alignment, GQA / MQA, odd lengths,
 BSHD, e4m3 / e5m2 inputs and dO, every gradient type), written into NaN-filled buffers; the routing
 (``plan.FP8_BWD_GLUON``, ``bwd_fused_sm90.supports_fp8``); the same cases on its FP8 MMAs (``FP8_MMA``, [Note]
-FP8 MMAs, off by default until this runs on a GPU). GPU only (Gluon has no interpreter): skips visibly without
+FP8 MMAs, the default where dO has q's type). GPU only (Gluon has no interpreter): skips visibly without
 CUDA; the builds are compiled for sm_90 on the CPU too."""
 import pytest
 import torch
@@ -45,14 +45,17 @@ def gluon_on(monkeypatch):
 
 @pytest.mark.parametrize("target", [GPU])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_fp8_bwd_within_bound_and_matches_emulation(case, target, gluon_on):
+def test_gluon_fp8_bwd_within_bound_and_matches_emulation(case, target, gluon_on, monkeypatch):
+    """The switch on fp16 MMAs (widened copies; the route where dO's type differs from q's, ``FP8_MMA`` off)."""
+    monkeypatch.setattr(bwd_fused_sm90, "FP8_MMA", False)
     _check_case(case, target, fp8.mma_unit(target[0]))
 
 
 @pytest.mark.parametrize("target", [GPU])
 @pytest.mark.parametrize("case", [c for c, spec in CASES.items() if spec[3] == spec[2]])
 def test_gluon_fp8_bwd_fp8_mmas_within_bound(case, target, gluon_on, monkeypatch):
-    """The FP8 MMAs (bwd_fused_sm90 ``FP8_MMA``, [Note] FP8 MMAs; dO of q's type), checked as the switch on fp16
+    """The FP8 MMAs (bwd_fused_sm90 ``FP8_MMA``, the default; [Note] FP8 MMAs; dO of q's type), checked as the
+    switch on fp16
     MMAs. dV and dK add up every query tile of the group's heads in one FP8 accumulation (Hopper's ~14-bit sums,
     fwd_sm90 [Note] FP8): their chain is group * s_q / 32 K-steps, which ``mma_unit`` scales the bound's unit by."""
     monkeypatch.setattr(bwd_fused_sm90, "FP8_MMA", True)

@@ -153,9 +153,9 @@ the 16-bit kernel's 423 (32 more F2FP for the two roundings, 36 FMNMX for the ke
 21 more local accesses: 184 / 224 bytes of spill, 148 / 120 before); d=64 448 against 357, no spills. The
 16-bit builds' SASS is unchanged (the switch's values are stand-ins the compiler removes).
 
-[Note] FP8 MMAs (``FP8_MMA``, off until its GPU run; ``launch_bwd_fused_fp8(mma8=)``, the kernel's FP8_EMU = 2):
-the FP8 switch with every product an FP8 wgmma (e4m3 / e5m2 operands, K steps of 32: twice the fp16 rate,
-half the shared-memory bytes per product). S^T = K8 Q8^T and dP^T = V8 dO8^T read their tiles as they are (both
+[Note] FP8 MMAs (``FP8_MMA``, on where dO has q's type; ``launch_bwd_fused_fp8(mma8=)``, the kernel's
+FP8_EMU = 2): the FP8 switch with every product an FP8 wgmma (e4m3 / e5m2 operands, K steps of 32: twice the
+fp16 rate, half the shared-memory bytes per product). S^T = K8 Q8^T and dP^T = V8 dO8^T read their tiles as they are (both
 K-major). dV += P8^T dO8 and dK += dS8^T Q8 take P8 / dS8 as 8-bit register operands built without a shuffle
 (``_fp8_operand``: fwd_sm90 ``_pack_p8``'s column order), so their B operands are transposed copies with the
 query rows innermost and in ``key_order`` within each 16 (``fp8_transposes``: Q^T and dO^T, [b, h, d, s], one
@@ -168,7 +168,8 @@ reach over group * s_q / 32 K-steps, which the tests' bound scales ``u_mma`` by 
 compile (d=128, mask-free loop, SASS instructions / local accesses): 3.6.0 493-511 / 0, 3.9.0 503-504 / 0
 (the fp16-MMA switch 557 / 25 and 532 / 0; the 16-bit kernel 423 / 4), 16 QGMMA per step, no write to an
 in-flight register operand (tools/gluon_check.py ``inflight_a_writes``), 166 KB of shared memory (3 stages,
-causal: 199 KB); the 16-bit and fp16-MMA builds' SASS unchanged.
+causal: 199 KB); the 16-bit and fp16-MMA builds' SASS unchanged. Measured (H200, 3.6.0): 1.22-1.25x the fp16
+MMAs at d=128 (2k causal 381, 8k 641, 16k causal 653 TFLOP/s; cuDNN frontend's FP8 backward 303 / 694 / 700).
 
 [Note] status (H100, bench/gluon_fused_sweep.py; whole backward TFLOP/s = 2.5x forward flops, /2 causal,
 including delta, the dq_acc zeroing and the conversion). GPU tests: tests/test_gluon_bwd_fused.py, 107 pass
@@ -1072,9 +1073,10 @@ def launch_convert(p, dq_acc, dq):
 # ----------------------------------------------------------------------------------------------
 # the FP8 switch ([Note] FP8)
 
-# [Note] FP8 MMAs: the FP8 switch with every product an FP8 wgmma. Off until its GPU run (written in session 32
-# with no device time left; compiled: tools/gluon_fused_check.py, tests/test_gluon_fp8_bwd.py)
-FP8_MMA = False
+# [Note] FP8 MMAs: the FP8 switch with every product an FP8 wgmma, where dO has q's type (else fp16 MMAs on widened
+# copies). Measured against the fp16 MMAs (H200, Triton 3.6.0, bench/fp8_bwd_gluon_ab.py, TFLOP/s): d=128 2k causal
+# 313 -> 381, 8k 512 -> 641, 16k causal 532 -> 653 (bench/NOTES.md 72)
+FP8_MMA = True
 
 
 def supports_fp8_mma(q8, k8, v8, do8) -> bool:

@@ -252,11 +252,12 @@ registers the PV wgmma reads (``_pack_p8_16``: one more cvt per pair than the 16
 after the last tile and the FP8 epilogue (``_fp8_write``). FP8_EMU = 0 leaves the 16-bit kernel as it was
 (``_fp8_semantics``). Measured (H100, 3.6.0): d256 causal 517, d224 486 TFLOP/s, 0.72-0.80x the bf16 forward;
 the three widening copies are ~20% of the call (``widened_fp16``; PyTorch's own copy had made it 332).
-* FP8 QK^T (``FP8_16_QK``, off until its GPU run): q and K stay FP8 (descriptors of their type, QK^T an FP8
-  wgmma that reads both K-major as they are, its sums as the FP8 switch's: ``FP8_PROMOTE``, chain d / 32), V
-  alone is widened; the P V side (V's ring, P's registers, its promotion) is keyed on V's type, the rest on
+* FP8 QK^T (``FP8_16_QK``, on where TMA takes q and k as they are): q and K stay FP8 (descriptors of their
+  type, QK^T an FP8 wgmma that reads both K-major as they are, its sums as the FP8 switch's: ``FP8_PROMOTE``,
+  chain d / 32), V alone is widened; the P V side (V's ring, P's registers, its promotion) is keyed on V's type, the rest on
   q's. Static (3.6.0, d256): 8 QGMMA + 4 HGMMA per step, loops 387-523 SASS instructions against 418-568
-  with every product fp16, no spills in the loops.
+  with every product fp16, no spills in the loops. Measured (H200, 3.6.0): d256 causal 543 -> 685, d224
+  501 -> 636 TFLOP/s (1.26-1.27x).
 
 Head dims: d = d_v in {64, 128, 224, 256}. d=256 uses BLOCK_N=64 (K/V tiles of 32 KB each, two
 stages) and the [64, 256] fp32 O accumulator takes 128 of the 240 registers of a consumer thread;
@@ -2295,9 +2296,9 @@ def supports_fp8(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
 # per-tile accumulator does not fit (FP8_DIMS), the 16-bit kernel's own tiles with FP8 values in fp16
 FP8_16_DIMS = (224, 256)
 # ... with QK^T an FP8 wgmma on q and k as they are (its sums promoted as the FP8 switch's, FP8_PROMOTE; only
-# V widened), else every product fp16 on widened copies. Off until its GPU run (written in session 32 with no
-# device time left; compiled, tools/gluon_check.py)
-FP8_16_QK = False
+# V widened), else every product fp16 on widened copies. Measured (H200, Triton 3.6.0, bench/fp8_16_qk_ab.py,
+# TFLOP/s): d256 4k causal 543 -> 685, d224 2k 501 -> 636 (bench/NOTES.md 72)
+FP8_16_QK = True
 
 
 def supports_fp8_16(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool:
