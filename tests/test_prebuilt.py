@@ -443,11 +443,57 @@ def test_generated_parameter_packing_equals_the_loop(store):
                 assert values(head) == expected            # the second call from the encoded descriptors
                 # as many values as the parameter layout has slots
                 assert len(expected) == len(kernel.param_ptrs), entry["name"]
-                # an argument count the code was not generated for: the loop (zip stops at the signature)
-                assert values(head + [0]) == kernel.pack_loop(tail, blob)(head + [0])
+                # an argument count the code was not generated for: the loop (zip stops at the signature). With
+                # no tail, where the extra argument falls past the signature's end (with a tail it would shift
+                # the tail onto other kinds of parameter: a descriptor's slot given an int, the FP8 backward's)
+                if not tail:
+                    assert values(head + [0]) == kernel.pack_loop(tail, blob)(head + [0])
         assert encoded, "no descriptor was encoded: the Gluon entries are missing"
     finally:
         cuda_driver.encode_tiled = real
+
+
+@pytest.mark.skipif(not STORES, reason="no shipped store in this tree")
+def test_a_tail_of_runtime_values_is_packed_with_the_arguments(monkeypatch):
+    """Trailing parameters passed by keyword are a call site's constants (switches), bound once per tail; but
+    the FP8 switches pass tensors and descriptors by keyword too (the fused backward's scales, amax, gradient
+    buffers, transposed copies: new on every call). Such a tail is packed with the arguments by the one binding
+    of the empty tail: before, each call bound (and compiled a packer for) its own tail, 0.6 ms a call on the
+    H200, and ``_bound`` kept every call's tensors alive (bench/NOTES.md 72). Checked on every store's fused
+    backward entry of the FP8 MMAs (descriptors among its last parameters) and on a tail of constexprs."""
+    import gc
+    import weakref
+
+    from fusedattn.backends import prebuilt
+    for store in STORES:
+        index = json.loads((store / "index.json").read_text())
+        entries = [prebuilt.PrebuiltKernel(e, b"") for e in index["kernels"].values()]
+        fp8 = [k for k in entries if k.name == "_attn_bwd_fused_sm90" and "desc" in k.params[-3:]]
+        assert fp8, f"{store.name}: no FP8-MMA backward entry (the warmup's fp8 group records one)"
+        kernel = fp8[0]
+        binds = []
+
+        def bind(tail, kernel=kernel):
+            binds.append(tail)
+            return lambda gx, gy, gz, stream, args: calls.append(args)
+        monkeypatch.setattr(kernel, "bind", bind)
+        calls = []
+        tails = [tuple(torch.empty(4) for _ in range(3)) for _ in range(4)]
+        watched = weakref.ref(tails[0][0])
+        for tail in tails:
+            kernel.bound(tail)(1, 1, 1, 0, ("arg",))
+        assert binds == [()], binds                       # one binding, of no tail
+        assert len(calls) == len(tails)
+        for args, tail in zip(calls, tails):
+            assert args[0] == "arg" and all(a is t for a, t in zip(args[1:], tail)) and len(args) == 4
+        del tails, calls[:]
+        gc.collect()
+        assert watched() is None, "a call's tail tensor is still referenced after the launch"
+        # a tail of compile-time constants keeps its own binding, reused
+        const = next(k for k in entries if k.params[-1] == "constexpr")
+        binds_const = []
+        monkeypatch.setattr(const, "bind", lambda tail: binds_const.append(tail) or (lambda *a: None))
+        assert const.bound((64,)) is const.bound((64,)) and binds_const == [(64,)]
 
 
 def test_a_kernel_the_driver_refuses_falls_back_to_the_jit(recorded, monkeypatch):

@@ -14,6 +14,7 @@ by ``--check`` (bench/NOTES.md 61) and by tests/test_store_rebuild.py in CI.
     python tools/store_rebuild.py --check [STORE] [--jobs N]   # recompile, compare with the recorded cubins
     python tools/store_rebuild.py [STORE] [--jobs N]           # rebuild the store in place for the current sources
     python tools/store_rebuild.py STORE --launches-from OTHER   # ... from another Triton's store's launches
+    python tools/store_rebuild.py STORE --launches-from OTHER --launches-from STORE   # ... from both
 
 STORE defaults to this Triton's store under fusedattn/prebuilt. ``--check`` is the proof the rebuild is the
 JIT's build: on the store recorded on the GPU from the same sources, every recompiled cubin should have the
@@ -26,7 +27,9 @@ A recording on one Triton serves the others: ``--launches-from`` takes the launc
 built 3.7.1, 3.8.0 and 3.9.0 from a 3.6.0 recording, bench/NOTES.md 62) and replaces this store's entries.
 Not where a switch depends on the release: the fused backward's ``SEGMENTS`` (GQA, Triton 3.9+) is recorded
 as the recording's Triton chose it, so a 3.9 store built from a 3.6 recording would lack its GQA launch (a
-miss and a JIT compile on the first GQA backward): take 3.9's launches from a 3.9 recording (bench/NOTES.md 64).
+miss and a JIT compile on the first GQA backward): take 3.9's launches from a 3.9 recording (bench/NOTES.md 64), or from the union of a 3.6 recording's and
+3.9's own earlier ones (``--launches-from`` twice: the new kernels' launches from the one, 3.9's own GQA launch
+from the other; a launch the sources no longer make is rebuilt too, and never hit).
 """
 import argparse
 import ast
@@ -197,6 +200,21 @@ def build_entry(entry):
     return cubin, prebuilt.launch_key(kernel, tuple(call_args), call_kwargs, ARCH), fields
 
 
+def launches_of(stores):
+    """The launches recorded in ``stores``' indexes, each once: (kernel, specs) already taken from an earlier
+    store is skipped (the same launch under another Triton, or under older sources' key)."""
+    launches, seen = {}, set()
+    for n, store in enumerate(stores):
+        with open(os.path.join(store, "index.json")) as f:
+            other = json.load(f)
+        for key, entry in other["kernels"].items():
+            launch = (entry["kernel"].split(":", 1)[0], entry["specs"])
+            if launch not in seen:
+                seen.add(launch)
+                launches[f"from{n}-{key}"] = {field: entry[field] for field in ("name", "kernel", "specs")}
+    return launches
+
+
 def main():
     from concurrent.futures import ProcessPoolExecutor
     from fusedattn.backends import prebuilt
@@ -205,8 +223,10 @@ def main():
     ap.add_argument("--check", action="store_true", help="compare with the recorded cubins, write nothing")
     ap.add_argument("--only", help="--check: entries whose kernel name contains this")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
-    ap.add_argument("--launches-from", metavar="OTHER", help="rebuild from the launches recorded in another store "
-                    "(e.g. another Triton's, recorded on a GPU from the current sources) instead of this one's")
+    ap.add_argument("--launches-from", metavar="OTHER", action="append",
+                    help="rebuild from the launches recorded in another store (e.g. another Triton's, recorded on a "
+                    "GPU from the current sources) instead of this one's; given more than once, from the union of "
+                    "their launches (name this store itself to keep its own)")
     args = ap.parse_args()
     if args.only and not args.check:
         raise SystemExit("--only goes with --check: a rebuild covers the whole store (one source digest)")
@@ -216,10 +236,7 @@ def main():
         index = json.load(f)
     recorded = list(index["kernels"])          # this store's cubins before the rebuild
     if args.launches_from:
-        with open(os.path.join(args.launches_from, "index.json")) as f:
-            other = json.load(f)
-        index["kernels"] = {f"from-{key}": {field: entry[field] for field in ("name", "kernel", "specs")}
-                            for key, entry in other["kernels"].items()}
+        index["kernels"] = launches_of(args.launches_from)
     if index["triton"] != triton.__version__:
         raise SystemExit(f"{args.store} is a store for Triton {index['triton']}, this is {triton.__version__}")
     kept, same, t0 = {}, 0, time.time()

@@ -316,7 +316,8 @@ class PrebuiltKernel:
         self.descriptors = entry["descriptors"]     # per "desc" parameter: swizzle, elem_size, host dtype, box
         self.cubin = cubin
         self.functions: dict = {}           # device -> CUfunction
-        self._bound: dict = {}              # tail -> launch function (bind)
+        self._bound: dict = {}              # tail -> launch function (bind); () for tails of runtime values
+        self._runtime_tails: dict = {}      # tail length -> whether it holds a runtime parameter
         self.lock = threading.Lock()
         self._layout()
 
@@ -374,7 +375,19 @@ class PrebuiltKernel:
         return fn
 
     def bound(self, tail: tuple):
-        """:meth:`bind`, kept per ``tail`` (the trailing parameters are a call site's constants)."""
+        """:meth:`bind`, kept per ``tail`` where the trailing parameters are compile-time constants (a call
+        site's switches). A tail that holds runtime values (tensors, descriptors, numbers passed by keyword:
+        the FP8 switches' scales, amax and gradient buffers, new on every call) is packed with the arguments
+        by one binding with no tail: binding per such tail compiled a packer on every call (0.6 ms, the FP8
+        backward at 2k causal host-bound: bench/NOTES.md 72) and kept every call's tensors alive."""
+        if tail and self._runtime_tail(len(tail)):
+            go_all = self._bound.get(())
+            if go_all is None:
+                go_all = self._bound[()] = self.bind(())
+
+            def go(grid_x, grid_y, grid_z, stream, args):
+                return go_all(grid_x, grid_y, grid_z, stream, (*args, *tail))
+            return go
         try:
             go = self._bound.get(tail)
         except TypeError:           # an unhashable constant: bind anew
@@ -382,6 +395,13 @@ class PrebuiltKernel:
         if go is None:
             go = self._bound[tail] = self.bind(tail)
         return go
+
+    def _runtime_tail(self, n: int) -> bool:
+        """Whether the last ``n`` parameters include one that is not a compile-time constant."""
+        runtime = self._runtime_tails.get(n)
+        if runtime is None:
+            runtime = self._runtime_tails[n] = any(kind != "constexpr" for kind in self.params[len(self.params) - n:])
+        return runtime
 
     def packer(self, tail: tuple):
         """``values(args)``: the flat parameter values of one launch with ``args`` and the trailing parameters
