@@ -89,3 +89,27 @@ def test_a_runtime_argument_added_since_the_recording_takes_its_default():
 
     want = (("i", False, False, True), ("none", ), ("i", False, True, True), "False")
     assert prebuilt._specs(Lookup, (7,), {"num_warps": 4})[:4] == want
+
+
+def test_launches_from_several_stores_are_their_union(tmp_path):
+    """``--launches-from A --launches-from B``: every launch of A, then B's that A lacks, each once; a launch is
+    (kernel, specs), whatever the store's key or the sources' digest (session 33 built 3.9.0's store from a
+    3.6.0 recording, for the new kernels, and 3.9.0's own earlier one, for its GQA SEGMENTS launch)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import store_rebuild
+
+    def store(name, entries):
+        folder = tmp_path / name
+        folder.mkdir()
+        kernels = {f"{name}{i}": dict(name=kernel.rsplit(".", 1)[1], kernel=f"{kernel}:{digest}", specs=specs,
+                                      sha256="x") for i, (kernel, digest, specs) in enumerate(entries)}
+        (folder / "index.json").write_text(json.dumps({"kernels": kernels}))
+        return str(folder)
+
+    a = store("a", [("m.fwd", "new", "('64',)"), ("m.bwd", "new", "('64',)")])
+    b = store("b", [("m.fwd", "old", "('64',)"), ("m.bwd", "old", "('64', 'True')"), ("m.fwd", "old", "('64',)")])
+    launches = store_rebuild.launches_of([a, b])
+    got = sorted((e["kernel"], e["specs"]) for e in launches.values())
+    assert got == [("m.bwd:new", "('64',)"), ("m.bwd:old", "('64', 'True')"), ("m.fwd:new", "('64',)")]
+    assert all(set(e) == {"name", "kernel", "specs"} for e in launches.values())
+    assert len(store_rebuild.launches_of([a])) == 2
