@@ -27,9 +27,10 @@ A recording on one Triton serves the others: ``--launches-from`` takes the launc
 built 3.7.1, 3.8.0 and 3.9.0 from a 3.6.0 recording, bench/NOTES.md 62) and replaces this store's entries.
 Not where a switch depends on the release: the fused backward's ``SEGMENTS`` (GQA, Triton 3.9+) is recorded
 as the recording's Triton chose it, so a 3.9 store built from a 3.6 recording would lack its GQA launch (a
-miss and a JIT compile on the first GQA backward): take 3.9's launches from a 3.9 recording (bench/NOTES.md 64), or from the union of a 3.6 recording's and
-3.9's own earlier ones (``--launches-from`` twice: the new kernels' launches from the one, 3.9's own GQA launch
-from the other; a launch the sources no longer make is rebuilt too, and never hit).
+miss and a JIT compile on the first GQA backward): take 3.9's launches from a 3.9 recording (bench/NOTES.md 64),
+or from the union of a 3.6 recording's and 3.9's own earlier ones (``--launches-from`` twice: the new kernels'
+launches from the one, 3.9's own GQA launch from the other; a launch the sources no longer make is rebuilt too,
+and never hit).
 """
 import argparse
 import ast
