@@ -120,6 +120,7 @@ each amax is exactly the max of the kernel's own unscaled values.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -353,14 +354,39 @@ def _use_kernel(backend: str, device, where: str) -> bool:
     """Whether ``backend`` asks for the Triton kernel: 'auto' and 'triton' on CUDA tensors, 'triton' on
     CPU tensors (Triton's interpreter; refused without it, as plan.choose_backend). 'cpu' (and 'auto'
     on the CPU) is the emulation, on the tensors' own device."""
-    from .plan import BACKENDS, choose_backend
+    from .plan import BACKENDS, choose_backend, fp8_kernels_run
     if backend not in BACKENDS:
         raise InvalidArgumentError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cpu":
         return False
-    if backend == "triton":
-        return choose_backend(backend, device.type) == "triton"
-    return device.type == "cuda"
+    use = choose_backend(backend, device.type) == "triton" if backend == "triton" else device.type == "cuda"
+    if use and not fp8_kernels_run(device):
+        if backend == "triton":
+            raise NotSupportedError(
+                f"{where}: backend='triton': the FP8 kernels need a GPU of compute capability 8.9 or higher "
+                f"(Triton compiles float8_e4m3fn there only); {device} is {_capability_text(device)}. "
+                f"backend='auto' runs the exact torch emulation on it")
+        _warn_emulation(device)
+        return False
+    return use
+
+
+def _capability_text(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+
+
+_WARNED_EMULATION: set = set()
+
+
+def _warn_emulation(device) -> None:
+    """Once per device: FP8 calls on a GPU the FP8 kernels do not run on take the torch emulation."""
+    key = str(device)
+    if key not in _WARNED_EMULATION:
+        _WARNED_EMULATION.add(key)
+        warnings.warn(f"fusedattn: {device} ({_capability_text(device)}) has no FP8 kernels (Triton compiles "
+                      f"float8_e4m3fn for compute capability 8.9+ only): FP8 attention runs the exact torch "
+                      f"emulation there, same results, far slower", stacklevel=4)
 
 
 def _kernel_refuses(q, k, v, scales, attn_scale: float) -> Optional[str]:

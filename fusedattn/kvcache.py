@@ -401,9 +401,12 @@ class _Call:
     def fp8_decode(self) -> bool:
         """Whether an FP8 cache's call runs the decode kernel on the cache's bytes (KV_FP8, [Note] FP8
         caches in backends/triton/decode.py): a few query rows per kv head and 16-bit queries. Prefill
-        against an FP8 cache (the tiled forward) and fp32 queries run the emulation."""
+        against an FP8 cache (the tiled forward), fp32 queries and GPUs without FP8 kernels
+        (``plan.fp8_kernels_run``) run the emulation."""
         from .backends.triton import decode
-        return self.q.dtype in (torch.float16, torch.bfloat16) and decode.decode_rows_fit(self.s_q, self.g)
+        from .plan import fp8_kernels_run
+        return (self.q.dtype in (torch.float16, torch.bfloat16) and decode.decode_rows_fit(self.s_q, self.g)
+                and fp8_kernels_run(self.q.device))
 
     def run_cpu(self, out, stats, q=None):
         """Gather the used pages into dense [b, h_kv, n, d] tensors and run the CPU forward

@@ -228,6 +228,27 @@ def fp8_fwd_tiles(d: int, d_v: int) -> Tiles:
 _GLUON_FP8_FWD_DIMS = (64, 128, 224, 256)
 
 
+# Triton types float8_e4m3fn tensors as fp8e4nv, which it compiles for CUDA GPUs of compute capability 8.9 and
+# up only (Ada, Hopper, Blackwell); below that every kernel that reads one fails to compile ("type fp8e4nv not
+# supported in this architecture", triton/language/core.py; backends/nvidia/compiler.py adds fp8e4nv at >= 89)
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_kernels_run(device: torch.device) -> bool:
+    """Whether the FP8 kernels (fusedattn.fp8's forward and backward, the FP8 K/V cache's decode) can run on
+    ``device``: a CUDA GPU of compute capability ``FP8_MIN_CAPABILITY`` or higher, or a CPU tensor's device
+    (Triton's interpreter has every FP8 type). Elsewhere the exact torch emulation runs the call."""
+    if device.type != "cuda":
+        return True
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= \
+        FP8_MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=64)
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
 def gluon_fp8_fwd(d: int, d_v: int) -> bool:
     """Whether fusedattn.fp8 tries the Gluon FP8 forward for head dims d, d_v (FUSEDATTN_GLUON=0: never)."""
     return os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v and d in _GLUON_FP8_FWD_DIMS

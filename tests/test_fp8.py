@@ -298,3 +298,40 @@ def test_cuda_matches_cpu_emulation(mask):
     ref, lse, bound = fp8_forward_bound(q8, k8, v8, o_dtype=torch.bfloat16, **MASKS[mask], **sc)
     assert ((gpu[0].cpu().double() - ref).abs() <= bound).all()
     assert abs(gpu[2].item() - cpu[2].item()) <= 1e-6
+
+
+def test_a_gpu_without_fp8_kernels_runs_the_emulation_or_refuses(monkeypatch):
+    """Triton types float8_e4m3fn as fp8e4nv and compiles it for compute capability 8.9+ only (its
+    backends/nvidia/compiler.py adds fp8e4nv at >= 89; below, language/core.py raises "type fp8e4nv not
+    supported in this architecture"). On such a GPU (an A100, say) an FP8 call must not reach a kernel:
+    backend 'auto' takes the exact emulation with one warning naming the GPU, 'triton' refuses naming the
+    capability; warmup's fp8 group is skipped there; the FP8 cache's decode kernel is not chosen. 8.9 / 9.0
+    run the kernels, and CPU tensors (the interpreter) are unaffected."""
+    import warnings
+    from types import SimpleNamespace
+
+    from fusedattn import plan, warmup
+    from fusedattn.kvcache import _Call
+    from fusedattn.problem import NotSupportedError
+    capability = [(8, 0)]
+    monkeypatch.setattr(plan, "_capability", lambda index: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(fp8, "_WARNED_EMULATION", set())
+    gpu = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="A100.*compute capability 8.0.*emulation"):
+        assert fp8._use_kernel("auto", gpu, "sdpa_fp8") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # once per device
+        assert fp8._use_kernel("auto", gpu, "sdpa_fp8") is False
+    with pytest.raises(NotSupportedError, match=r"sdpa_fp8: backend='triton'.*8\.9.*compute capability 8\.0"):
+        fp8._use_kernel("triton", gpu, "sdpa_fp8")
+    decode_call = SimpleNamespace(q=SimpleNamespace(dtype=torch.bfloat16, device=gpu), s_q=1, g=4)
+    assert not _Call.fp8_decode(decode_call)
+    names = [name for name, _ in warmup.calls(["anchors", "fp8"], gpu)]
+    assert names and not any(n.startswith("fp8:") for n in names)
+    for capability[0] in ((8, 9), (9, 0)):
+        assert fp8._use_kernel("auto", gpu, "sdpa_fp8") is True
+        assert _Call.fp8_decode(decode_call)
+        assert any(n.startswith("fp8:") for n, _ in warmup.calls(["fp8"], gpu))
+    assert plan.fp8_kernels_run(torch.device("cpu"))
