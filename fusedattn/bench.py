@@ -610,7 +610,17 @@ def _fp8_cache_kwargs(cfg: Config, inp: Inputs) -> dict:
     """attention_with_kvcache's descales for an FP8 cache config (the e4m3 bytes are in inp), else none."""
     if cfg.mask != "fp8cache":
         return {}
+    _fp8_kernels_or_skip(inp.q.device)
     return dict(descale_k=inp.extra["descale"], descale_v=inp.extra["descale"])
+
+
+def _fp8_kernels_or_skip(device) -> None:
+    """Unsupported where fusedattn's FP8 calls would run the torch emulation (a GPU below compute capability
+    8.9, ``plan.fp8_kernels_run``): a timing of that is no kernel's, and at the benchmark's sizes it would take
+    minutes."""
+    from .plan import fp8_kernels_run
+    if not fp8_kernels_run(device):
+        raise Unsupported("no FP8 kernels below compute capability 8.9 (the torch emulation would run)")
 
 
 def _ours_kwargs(cfg: Config) -> dict:
@@ -926,6 +936,7 @@ def prepare_ours_fp8(cfg: Config, need_bwd: bool):
     attn_scale = 1.0 / math.sqrt(cfg.d)
 
     def bind(inp: Inputs) -> Runner:
+        _fp8_kernels_or_skip(inp.q.device)
         scales = {name: inp.extra[name] for name in FP8_SCALES}
 
         def fwd():

@@ -330,6 +330,10 @@ def test_a_gpu_without_fp8_kernels_runs_the_emulation_or_refuses(monkeypatch):
     assert not _Call.fp8_decode(decode_call)
     names = [name for name, _ in warmup.calls(["anchors", "fp8"], gpu)]
     assert names and not any(n.startswith("fp8:") for n in names)
+    from fusedattn import bench                             # bench's FP8 cells: none, with the reason
+    fake_inputs = SimpleNamespace(q=SimpleNamespace(device=gpu), extra={})
+    with pytest.raises(bench.Unsupported, match="compute capability 8.9"):
+        bench.prepare_ours_fp8(bench.fp8_configs()[0], True)(fake_inputs)
     for capability[0] in ((8, 9), (9, 0)):
         assert fp8._use_kernel("auto", gpu, "sdpa_fp8") is True
         assert _Call.fp8_decode(decode_call)
