@@ -26,6 +26,8 @@
 #                  "--pages 0,16 --varlen"): $OUT/ncu-paged-$TRITON_PACK/ (report, details, raw, per-SASS-line source
 #                  counters): run once per Triton (TRITON_PACK=native, then 3.9.0) to compare the releases (issue 25)
 #   route-probe    bench/prefill_route_probe.py: the packed prefill's route, GPU and host time per call (issue 25)
+#   fp8-host       bench/fp8_bwd_host_probe.py --cprofile: the FP8 backward's host time per call beside its GPU time,
+#                  timed as bench and as the A/B script time it (issue 27, bench/NOTES.md 72)
 #   paged-tiles    bench/paged_tiles.py $PAGED_TILES_ARGS: the paged forward's variants A/B in one process (issue 25)
 #   prefill-host   bench/prefill_host_probe.py --profile: each prefill row eager (as bench), under CUDA graphs and
 #                  back to back, with the call's host time and a cProfile (issue 25)
@@ -292,6 +294,7 @@ for part in "${PARTS[@]}"; do
                                "$ncu_dir/details.txt" | tee -a "$LOG"
                        fi ;;
         route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
+        fp8-host)      run_part fp8-host python3 bench/fp8_bwd_host_probe.py --cprofile ;;
         paged-tiles)   run_part paged-tiles python3 bench/paged_tiles.py ${PAGED_TILES_ARGS:-} ;;
         prefill-host)  run_part prefill-host python3 bench/prefill_host_probe.py --profile ;;
         odd-dims)      run_part odd-dims python3 bench/odd_dims_probe.py ${ODD_DIMS_ARGS:-} ;;
