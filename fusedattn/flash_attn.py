@@ -53,7 +53,9 @@ learnable_sink (keyword-only, FA4)  S (func, varlen,    FlashAttention-4's name 
                                                         (with_kvcache: forward only); R with varlen block_table
 q_descale / k_descale / v_descale   S (func, forward)   FlashAttention-3's FP8 keywords for float8_e4m3fn q, k, v
 (keyword-only, FA3)                                     (batch_size, nheads_k) equal across the batch, or one element;
-                                                        cuDNN's FP8 semantics (fusedattn.fp8), bf16 output
+                                                        cuDNN's FP8 semantics (fusedattn.fp8), bf16 output; all
+                                                        entries equal (a per-tensor scale expanded): the FP8
+                                                        kernels; differing per head: the emulation (a warning)
 kvcache q/k/v_descale (FA3)         S (emulated)        float8 k_cache / v_cache with k_descale / v_descale (an FP8 K/V
                                                         cache, fusedattn.kvcache_fp8; k / v quantized on append); a
                                                         float8 q with q_descale is dequantized to fp32 and the output
@@ -208,14 +210,20 @@ def _dropout(dropout_p):
 # ----------------------------------------------------------------------------- dense
 
 def _fa3_descale(name, x, batch, nheads_k, group):
-    """FA3's ``(batch_size, nheads_k)`` descale as fusedattn's per-head one (``[nheads_k * group]``), or
-    a one-element tensor as it is; None stays None (attention then names it as missing)."""
+    """FA3's ``(batch_size, nheads_k)`` descale as fusedattn's: one element where every entry holds the same
+    value (a per-tensor scale expanded to FA3's shape, as serving code passes it: the FP8 kernels take it;
+    they read one scale per tensor, and a per-head one runs the emulation), else per head (``[nheads_k *
+    group]``); a one-element tensor as it is; None stays None (attention then names it as missing). One
+    device read per tensor (the two equality checks together)."""
     if x is None or not isinstance(x, torch.Tensor) or x.numel() == 1:
         return x
     if tuple(x.shape) != (batch, nheads_k):
         raise InvalidArgumentError(f"{name} must have shape (batch_size, nheads_k) = {(batch, nheads_k)} or one element, "
                          f"got {tuple(x.shape)}")
-    if not bool((x == x[:1]).all()):
+    same_everywhere, same_per_batch = torch.stack([(x == x.reshape(-1)[0]).all(), (x == x[:1]).all()]).tolist()
+    if same_everywhere:
+        return x.reshape(-1)[:1]
+    if not same_per_batch:
         raise NotSupportedError(f"NYI: {name} differing between batch entries (fusedattn's FP8 scales are per "
                                 f"tensor or per head)")
     return x[0].repeat_interleave(group)

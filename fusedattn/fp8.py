@@ -319,7 +319,7 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
     len_q = _lengths(seq_len_q, "seq_len_q", b, s_q, dev) if seq_len_q is not None else None
     len_kv = _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev) if seq_len_kv is not None else None
     scales = dict(descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss, scale_o=so)
-    if _use_kernel(backend, dev, where) and not _kernel_refuses(q, k, v, scales, scale):
+    if _use_kernel(backend, dev, where) and not _refused(_kernel_refuses(q, k, v, scales, scale), where, dev):
         return _forward_kernel(q, k, v, scales, scale, band, len_q, len_kv, o_dtype)
     len_q = len_q if len_q is not None else _lengths(None, "seq_len_q", b, s_q, dev)
     len_kv = len_kv if len_kv is not None else _lengths(None, "seq_len_kv", b, s_kv, dev)
@@ -387,6 +387,25 @@ def _warn_emulation(device) -> None:
         warnings.warn(f"fusedattn: {device} ({_capability_text(device)}) has no FP8 kernels (Triton compiles "
                       f"float8_e4m3fn for compute capability 8.9+ only): FP8 attention runs the exact torch "
                       f"emulation there, same results, far slower", stacklevel=4)
+
+
+# why the kernels refuse a call that a user makes on purpose only in tests (16-bit values through the FP8 door,
+# the emulation's reference use; empty tensors): no warning for those
+_QUIET_REFUSALS = ("empty tensors", "inputs are not of one float8 type")
+_WARNED_REFUSALS: set = set()
+
+
+def _refused(why: Optional[str], where: str, device) -> bool:
+    """Whether a kernel refused the call (``why`` not None); on a GPU, once per (entry point, reason), a warning
+    that the call runs the torch emulation instead (the same results, far slower): per-head descales above all,
+    which the kernels do not read (they take one scale per tensor)."""
+    if why is None:
+        return False
+    if device.type == "cuda" and why not in _QUIET_REFUSALS and (where, why) not in _WARNED_REFUSALS:
+        _WARNED_REFUSALS.add((where, why))
+        warnings.warn(f"fusedattn: {where} on {device}: the FP8 kernels do not take this call ({why}): it runs the "
+                      f"exact torch emulation, far slower", stacklevel=3)
+    return True
 
 
 def _kernel_refuses(q, k, v, scales, attn_scale: float) -> Optional[str]:
@@ -525,8 +544,8 @@ def sdpa_fp8_backward(q, k, v, o, dO, stats, *, descale_q, descale_k, descale_v,
     dk_g, dv_g = (x if x.shape[1] == 1 else x.repeat_interleave(g, dim=1) for x in (dk_s, dv_s))
     scale = float(attn_scale) if attn_scale is not None else d ** -0.5
     band = _as_band(band)
-    if _use_kernel(backend, dev, where) and not _kernel_refuses_bwd(q, k, v, o, dO, dict(
-            sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)):
+    if _use_kernel(backend, dev, where) and not _refused(_kernel_refuses_bwd(q, k, v, o, dO, dict(
+            sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)), where, dev):
         len_q = _lengths(seq_len_q, "seq_len_q", b, s_q, dev) if seq_len_q is not None else None
         len_kv = _lengths(seq_len_kv, "seq_len_kv", b, s_kv, dev) if seq_len_kv is not None else None
         scales = dict(sc, descale_q=dq_s, descale_k=dk_s, descale_v=dv_s)

@@ -339,3 +339,42 @@ def test_a_gpu_without_fp8_kernels_runs_the_emulation_or_refuses(monkeypatch):
         assert _Call.fp8_decode(decode_call)
         assert any(n.startswith("fp8:") for n, _ in warmup.calls(["fp8"], gpu))
     assert plan.fp8_kernels_run(torch.device("cpu"))
+
+
+def test_fa3_descales_equal_everywhere_become_one_scale():
+    """FlashAttention-3 takes descales of shape (batch_size, nheads_k); serving code passes its per-tensor
+    scale expanded to that shape. fusedattn's FP8 kernels read one scale per tensor and run per-head ones on
+    the emulation, so the door hands a descale whose entries are all equal over as one element (the kernel
+    path), per-head values as [nheads_k * group], and refuses values that differ between batch rows."""
+    from fusedattn.flash_attn import _fa3_descale
+    from fusedattn.problem import NotSupportedError
+    x = torch.full((3, 2), 0.5)
+    one = _fa3_descale("q_descale", x, 3, 2, 4)
+    assert one.numel() == 1 and float(one) == 0.5
+    heads = torch.tensor([[0.5, 0.25]]).expand(3, 2)
+    per_head = _fa3_descale("k_descale", heads, 3, 2, 2)
+    assert per_head.tolist() == [0.5, 0.5, 0.25, 0.25]
+    with pytest.raises(NotSupportedError, match="v_descale differing between batch entries"):
+        _fa3_descale("v_descale", torch.tensor([[0.5, 0.5], [0.25, 0.25], [0.5, 0.5]]), 3, 2, 1)
+
+
+def test_a_gpu_call_the_kernels_refuse_warns_once(monkeypatch):
+    """On a GPU an FP8 call the kernels do not take (per-head descales, say) runs the emulation: one warning per
+    entry point and reason, naming it; none for the test-only refusals (16-bit values through the FP8 door,
+    empty tensors) nor on the CPU."""
+    import warnings
+    monkeypatch.setattr(fp8, "_WARNED_REFUSALS", set())
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert fp8._refused(None, "sdpa_fp8", gpu) is False
+    with pytest.warns(UserWarning, match="sdpa_fp8 on cuda:0.*per-head descales.*emulation"):
+        assert fp8._refused("per-head descales", "sdpa_fp8", gpu) is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fp8._refused("per-head descales", "sdpa_fp8", gpu)               # once
+        assert fp8._refused("inputs are not of one float8 type", "sdpa_fp8", gpu)
+        assert fp8._refused("per-head descales", "sdpa_fp8_backward", cpu)
+    q8, k8, v8, sc = _inputs(seed=9)
+    heads = q8.shape[1]
+    per_head = dict(sc, descale_q=sc["descale_q"].reshape(1).repeat(heads))
+    assert fp8._kernel_refuses(q8, k8, v8, {n: fp8._scale(x, n, q8.device, heads) for n, x in per_head.items()},
+                               1.0) == "per-head descales"
