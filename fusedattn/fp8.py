@@ -120,7 +120,6 @@ each amax is exactly the max of the kernel's own unscaled values.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -366,7 +365,11 @@ def _use_kernel(backend: str, device, where: str) -> bool:
                 f"{where}: backend='triton': the FP8 kernels need a GPU of compute capability 8.9 or higher "
                 f"(Triton compiles float8_e4m3fn there only); {device} is {_capability_text(device)}. "
                 f"backend='auto' runs the exact torch emulation on it")
-        _warn_emulation(device)
+        from .backends.compat import warn_once
+        warn_once(f"fp8-emulation-{device}", f"{device} ({_capability_text(device)}) has no FP8 kernels (Triton "
+                                             f"compiles float8_e4m3fn for compute capability 8.9+ only): FP8 "
+                                             f"attention runs the exact torch emulation there, same results, far "
+                                             f"slower")
         return False
     return use
 
@@ -376,23 +379,9 @@ def _capability_text(device) -> str:
     return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
 
 
-_WARNED_EMULATION: set = set()
-
-
-def _warn_emulation(device) -> None:
-    """Once per device: FP8 calls on a GPU the FP8 kernels do not run on take the torch emulation."""
-    key = str(device)
-    if key not in _WARNED_EMULATION:
-        _WARNED_EMULATION.add(key)
-        warnings.warn(f"fusedattn: {device} ({_capability_text(device)}) has no FP8 kernels (Triton compiles "
-                      f"float8_e4m3fn for compute capability 8.9+ only): FP8 attention runs the exact torch "
-                      f"emulation there, same results, far slower", stacklevel=4)
-
-
 # why the kernels refuse a call that a user makes on purpose only in tests (16-bit values through the FP8 door,
 # the emulation's reference use; empty tensors): no warning for those
 _QUIET_REFUSALS = ("empty tensors", "inputs are not of one float8 type")
-_WARNED_REFUSALS: set = set()
 
 
 def _refused(why: Optional[str], where: str, device) -> bool:
@@ -401,10 +390,10 @@ def _refused(why: Optional[str], where: str, device) -> bool:
     which the kernels do not read (they take one scale per tensor)."""
     if why is None:
         return False
-    if device.type == "cuda" and why not in _QUIET_REFUSALS and (where, why) not in _WARNED_REFUSALS:
-        _WARNED_REFUSALS.add((where, why))
-        warnings.warn(f"fusedattn: {where} on {device}: the FP8 kernels do not take this call ({why}): it runs the "
-                      f"exact torch emulation, far slower", stacklevel=3)
+    if device.type == "cuda" and why not in _QUIET_REFUSALS:
+        from .backends.compat import warn_once
+        warn_once(f"fp8-refused-{where}-{why}", f"{where} on {device}: the FP8 kernels do not take this call "
+                                                f"({why}): it runs the exact torch emulation, far slower")
     return True
 
 

@@ -317,9 +317,10 @@ def test_a_gpu_without_fp8_kernels_runs_the_emulation_or_refuses(monkeypatch):
     monkeypatch.setattr(plan, "_capability", lambda index: capability[0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(fp8, "_WARNED_EMULATION", set())
+    from fusedattn.backends import compat
+    monkeypatch.setattr(compat, "_warned", set())
     gpu = torch.device("cuda", 0)
-    with pytest.warns(UserWarning, match="A100.*compute capability 8.0.*emulation"):
+    with pytest.warns(RuntimeWarning, match="A100.*compute capability 8.0.*emulation"):
         assert fp8._use_kernel("auto", gpu, "sdpa_fp8") is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")                      # once per device
@@ -363,10 +364,12 @@ def test_a_gpu_call_the_kernels_refuse_warns_once(monkeypatch):
     entry point and reason, naming it; none for the test-only refusals (16-bit values through the FP8 door,
     empty tensors) nor on the CPU."""
     import warnings
-    monkeypatch.setattr(fp8, "_WARNED_REFUSALS", set())
+
+    from fusedattn.backends import compat
+    monkeypatch.setattr(compat, "_warned", set())
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert fp8._refused(None, "sdpa_fp8", gpu) is False
-    with pytest.warns(UserWarning, match="sdpa_fp8 on cuda:0.*per-head descales.*emulation"):
+    with pytest.warns(RuntimeWarning, match="sdpa_fp8 on cuda:0.*per-head descales.*emulation"):
         assert fp8._refused("per-head descales", "sdpa_fp8", gpu) is True
     with warnings.catch_warnings():
         warnings.simplefilter("error")
