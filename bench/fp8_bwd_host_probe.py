@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="print cProfile's cumulative table of 50 calls, and "
                     "the host time of ways to gather 12 one-element scale tensors")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_bwd_host_probe: needs a CUDA GPU (it times the GPU path's host side)")
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     routes = []
     launch = bwd_fused_sm90.launch_bwd_fused_fp8
