@@ -473,7 +473,7 @@ def test_a_tail_of_runtime_values_is_packed_with_the_arguments(monkeypatch):
         kernel = fp8[0]
         binds = []
 
-        def bind(tail, kernel=kernel):
+        def bind(tail):
             binds.append(tail)
             return lambda gx, gy, gz, stream, args: calls.append(args)
         monkeypatch.setattr(kernel, "bind", bind)
