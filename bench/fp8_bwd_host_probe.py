@@ -86,7 +86,7 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("cumulative").print_stats(28)
             scalars = [torch.full((1,), 1.5, device="cuda") for _ in range(12)]
             for what, op in (("torch.cat of 12 one-element tensors", lambda: torch.cat(scalars)),
-                             ("12 copy_ into a [12] buffer", lambda: [torch.empty(12, device="cuda")[i].copy_(x)
+                             ("12 copy_ into a [12] buffer", lambda: [torch.empty(12, device="cuda")[i:i + 1].copy_(x)
                                                                       for i, x in enumerate(scalars)]),
                              ("torch.stack of 12", lambda: torch.stack(scalars))):
                 op()
