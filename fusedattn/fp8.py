@@ -620,10 +620,11 @@ def _kernel_problem(q, k, v, attn_scale: float, band: Optional[Band], len_q, len
 
 def _backward_gluon(q, k, v, o, dO, stats, scales, attn_scale: float, band: Optional[Band], grad_dtype,
                     dq_out=None, dk_out=None, dv_out=None):
-    """:func:`sdpa_fp8_backward` on the Gluon sm_90 single-pass backward's FP8 switch (bwd_fused_sm90 [Note] FP8:
-    the same rounding points as the emulation, its products as fp16 wgmmas on the FP8 values) where it runs the
-    call (``plan.gluon_fp8_bwd``, ``bwd_fused_sm90.supports_fp8``: sm_90, d = d_v in 64 / 128, no mask or causal,
-    no lengths), else None. The module comes through the functional door's loader, as the forward's
+    """:func:`sdpa_fp8_backward` on the Gluon sm_90 backward's FP8 switch (bwd_fused_sm90 [Note] FP8: the same
+    rounding points as the emulation) where it runs the call (``plan.gluon_fp8_bwd``; ``supports_fp8``: sm_90,
+    d = d_v in 64 / 128 on the single-pass kernel, no mask or causal, or in 224 / 256 on the two passes,
+    ``bwd_dkdv_sm90.launch_bwd_fp8``, windows too; no lengths), else None. The module comes through the
+    functional door's loader, as the forward's
     (:func:`_run_gluon_fp8`): on an unsupported Triton a failed import or launch turns it off once, with a
     warning, and the portable kernel runs the call. Arguments as :func:`_backward_kernel`'s; returns what it
     returns."""
@@ -631,7 +632,8 @@ def _backward_gluon(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opti
     from .plan import gluon_fp8_bwd
     if not (q.is_cuda and gluon_fp8_bwd(q.shape[3], v.shape[3])):
         return None
-    gluon = _gluon_kernels("fp8-backward", "bwd_fused_sm90")
+    two_pass = q.shape[3] > 128
+    gluon = _gluon_kernels("fp8-backward", "bwd_dkdv_sm90" if two_pass else "bwd_fused_sm90")
     if gluon is None:
         return None
     bwd = gluon[0]
@@ -640,9 +642,10 @@ def _backward_gluon(q, k, v, o, dO, stats, scales, attn_scale: float, band: Opti
     if not bwd.supports_fp8(p, q, k, v, o, dO, dq, dk, dv):
         return None
     buf, amax = _bwd_scale_buffers(scales, q.device)
+    launch = bwd.launch_bwd_fp8 if two_pass else bwd.launch_bwd_fused_fp8
 
     def go():
-        bwd.launch_bwd_fused_fp8(p, q, k, v, o, dO, stats[..., 0], buf, amax, dq, dk, dv)
+        launch(p, q, k, v, o, dO, stats[..., 0], buf, amax, dq, dk, dv)
         return True
 
     if not _gluon_ran("fp8-backward", go):

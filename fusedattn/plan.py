@@ -147,8 +147,11 @@ FP8_BWD_MMA16 = None
 # causal, no lengths: fusedattn.fp8._backward_gluon; bwd_fused_sm90 [Note] FP8), else the portable kernel above.
 # H100, Triton 3.6.0, bench/fp8_bwd_gluon_ab.py (session 32), TFLOP/s portable -> Gluon: b4 h32 2k causal 153 -> 198,
 # b2 h16 8k 196 -> 483, b1 h32 16k causal 199 -> 510 (cuDNN frontend's FP8 backward: 234 / 690 / 632);
-# tests/test_gluon_fp8_bwd.py passes. False sends every call to the portable kernel (tests, A/B); gluon_fp8_bwd.
+# tests/test_gluon_fp8_bwd.py passes. d = d_v in 224 / 256: the two Gluon passes' FP8 switch (bwd_dkdv_sm90
+# ``launch_bwd_fp8``, no mask, causal or windows; the portable kernel read 88 / 98 TFLOP/s there, H200, session 33).
+# False sends every call to the portable kernel (tests, A/B); gluon_fp8_bwd.
 FP8_BWD_GLUON = True
+_GLUON_FP8_BWD_DIMS = (64, 128, 224, 256)
 _FP8_BWD_MMA16_BUCKETS = (64, 128, 256)
 _BWD_FP8_MMA16_SM90 = {64: (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
                        128: (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2)),
@@ -255,9 +258,9 @@ def gluon_fp8_fwd(d: int, d_v: int) -> bool:
 
 
 def gluon_fp8_bwd(d: int, d_v: int) -> bool:
-    """Whether fusedattn.fp8 tries the Gluon FP8 backward (``FP8_BWD_GLUON``; the single-pass kernel's head dims,
-    d = d_v in 64 / 128) for head dims d, d_v (FUSEDATTN_GLUON=0: never)."""
-    return FP8_BWD_GLUON and os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v and d in (64, 128)
+    """Whether fusedattn.fp8 tries the Gluon FP8 backward (``FP8_BWD_GLUON``; d = d_v in 64 / 128: the single-pass
+    kernel, 224 / 256: the two passes) for head dims d, d_v (FUSEDATTN_GLUON=0: never)."""
+    return FP8_BWD_GLUON and os.environ.get(_GLUON_ENV, "1") != "0" and d == d_v and d in _GLUON_FP8_BWD_DIMS
 
 
 def choose_backend(backend: str, device_type: str) -> str:

@@ -30,8 +30,14 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 
 def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=None, dv_first=None, window=False,
-                 alibi=False, seq_q=False, seq_kv=False, dropout=False, **over):
+                 alibi=False, seq_q=False, seq_kv=False, dropout=False, fp8_grad=None, **over):
+    """The dK/dV pass for sm_90 as the JIT specializes it. fp8_grad: the FP8 switch (``FP8_EMU``, tile width 256,
+    ``bwd_fused_sm90`` [Note] FP8) with gradients of this Triton type name ("fp8e4nv", "bf16", "fp32", ...): the
+    16-bit operands are then fp16, and P_E5M2 / DS_E5M2 may come in ``over``."""
     import torch
+    if fp8_grad is not None:
+        dtype = "fp16"
+    true_d = d
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     d = m.TILE_D[d]             # d=224 compiles the 256-wide kernel (fwd_sm90.TILE_D), the same as 256
     stages = stages or m.STAGES[d, causal or window]
@@ -53,6 +59,14 @@ def compile_dkdv(d=128, causal=True, dtype="bf16", bottom_right=False, stages=No
                  CONSUMER_REGS=m.CONSUMER_REGS,
                  PRODUCER_REGS=m.PRODUCER_REGS, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv, DROPOUT=dropout,
                  HEAVY_FIRST=m.HEAVY_FIRST[causal and not window])
+    if fp8_grad is not None:
+        sig.update({"SCALES": "*fp32", "AMAX": "*fp32", "DK_OUT": "*" + fp8_grad, "stride_dkb": "i32",
+                    "stride_dkh": "i32", "stride_dkm": "i32", "DV_OUT": "*" + fp8_grad, "stride_dvb": "i32",
+                    "stride_dvh": "i32", "stride_dvm": "i32"})
+        const.update(FP8_EMU=True, P_E5M2=False, DS_E5M2=False, D=true_d if true_d < d else 0)
+    else:       # launches without the FP8 switch leave its parameters at their defaults
+        const.update(SCALES=None, AMAX=None, DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None,
+                     stride_dvb=0, stride_dvh=0, stride_dvm=0, FP8_EMU=False, P_E5M2=False, DS_E5M2=False, D=0)
     const.update(over)
     if not const["HEAVY_FIRST"]:
         const["CHUNK"] = 1      # the launcher passes 1, which the JIT specializes into a constant

@@ -30,8 +30,13 @@ from fusedattn.backends.gluon import bwd_dq_sm90, fwd_sm90  # noqa: E402
 
 def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=None, stages=None, split=False,
                write_delta=True, window=False, alibi=False, seq_q=False, seq_kv=False, dropout=False, sink=False,
-               heavy_first=None):
+               heavy_first=None, fp8_grad=None, o_type=None, ds_e5m2=False):
+    """The dQ pass for sm_90 as the JIT specializes it. fp8_grad: the FP8 switch (``FP8_EMU``, [Note] FP8) with dQ
+    of this Triton type name ("fp8e4nv", "bf16", ...): the 16-bit operands are then fp16; o_type: O's type name
+    (default the operands')."""
     import torch
+    if fp8_grad is not None:
+        dtype = "fp16"
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     td = fwd_sm90.TILE_D[d]
     block_n = block_n or bwd_dq_sm90.TILES[td][0]
@@ -42,7 +47,7 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
     kd = f"tensordesc<{dtype}[1, 1, {block_n}, {td}],{kl!r}>"
     sig = {"q_desc": qd, "do_desc": qd, "k_desc": kd, "v_desc": kd, "dq_desc": qd,
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32", "DELTA": "*fp32",
-           "O": f"*{dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
+           "O": f"*{o_type or dtype}", "stride_ob": "i32", "stride_oh": "i32", "stride_om": "i32",
            "SINK": "*fp32", "DSINK": "*fp32", "SLOPES": "*fp32", "stride_sb": "i32",
            "SEQ_Q": "*i32", "SEQ_KV": "*i32",
            "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
@@ -54,6 +59,13 @@ def compile_dq(d=128, causal=True, dtype="bf16", bottom_right=False, block_n=Non
                  CONSUMER_REGS=bwd_dq_sm90.CONSUMER_REGS, PRODUCER_REGS=bwd_dq_sm90.PRODUCER_REGS,
                  SPLIT=split, WRITE_DELTA=write_delta, D=d, HAS_SEQ_Q=seq_q,
                  HAS_SEQ_KV=seq_kv, DROPOUT=dropout, HAS_SINK=sink, HEAVY_FIRST=heavy)
+    if fp8_grad is not None:
+        sig.update({"SCALES": "*fp32", "AMAX": "*fp32", "DQ_OUT": "*" + fp8_grad, "stride_dqb": "i32",
+                    "stride_dqh": "i32", "stride_dqm": "i32"})
+        const.update(FP8_EMU=True, DS_E5M2=ds_e5m2)
+    else:       # launches without the FP8 switch leave its parameters at their defaults
+        const.update(SCALES=None, AMAX=None, DQ_OUT=None, stride_dqb=0, stride_dqh=0, stride_dqm=0, FP8_EMU=False,
+                     DS_E5M2=False)
     if not heavy:
         const["CHUNK"] = 1      # the launcher passes 1, which the JIT specializes into a constant
     for k in const:

@@ -93,11 +93,27 @@ warpgroup 1 in the sign of the exchanged P^T (P kept, -P dropped); both accumula
 (~150 local accesses per step at d128, tools/gluon_bwd_check.py); one accumulator per warpgroup
 leaves them room.
 
+[Note] FP8 (``FP8_EMU``, SPLIT only; ``launch_bwd_fp8``, routed by ``fusedattn.fp8._backward_gluon`` at d = d_v in
+224 / 256, where the single-pass kernel's FP8 switch does not fit): cuDNN's ``sdpa_fp8_backward`` with the rounding
+points of ``fusedattn.fp8``'s emulation, as ``bwd_fused_sm90`` [Note] FP8 has them, on fp16 wgmmas of the FP8
+values (the host widens q, k, v and dO once per call, ``fwd_sm90.widened_fp16``). Warpgroup 0: P = exp2(S_raw
+qk_scale descale_q descale_k - lse2) and P8 = fp8(P * scale_s) in q's type (``_fp8_round16``) for dV += P8^T dO8;
+the exchange carries P itself (fp16, as in the 16-bit kernel). Warpgroup 1: dS * scale_dP = P (dP_raw a -
+delta_raw b), a = descale_dO descale_v scale scale_dP, b = descale_dO descale_o scale scale_dP, its max |.| per key
+kept in registers, dS8 = fp8(.) in dO's type for dK += dS8^T Q8. The epilogue descales dV (descale_s descale_dO)
+and dK (descale_dP descale_q), maxes them and amax_dP over keys < s_kv and stores from registers in the gradients'
+own type times their scales (``bwd_dq_sm90._fp8_grad_write``; at d = 224 the columns past 224 are left out). delta
+is the raw rowsum(dO8 o), written by the dQ pass (``bwd_dq_sm90`` [Note] FP8), which also makes dQ. The 16-bit
+builds' SASS is unchanged (the switch's values are stand-ins the compiler removes). No-GPU compile (Triton 3.6.0,
+d256 causal, e4m3 gradients): no spills, 168 registers, 214544 bytes of shared memory; warpgroup 0's loops 280 /
+445 SASS instructions against the 16-bit build's 235 / 390, warpgroup 1's 319 against 249.
+
 [Note] status (SPLIT, keep current): no-GPU compile (tools/gluon_bwd_check.py 256|224): consumer
 loops spill-free (60-76 bytes of ptxas spills, all in the producer warp and the prologue); H100,
 two runs of bench/gluon_dkdv_sweep.py --wide: 2.5-3.1x the Triton dK/dV pass (d256 causal 562-575
 TFLOP/s, d224 fp16 504-528); ``DV_FIRST`` within the spread (bench/GLUON_NOTES.md).
 """
+import dataclasses
 import functools
 
 import torch
@@ -109,8 +125,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..compat import tma_load, tma_store
 from . import dropout
-from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first, _padding_ok
-from .fwd_sm90 import LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready
+from .bwd_dq_sm90 import (_bwd_problem_ok, _chunk, _fp8_grad_write, _fp8_round16, _heavy_first, _padding_ok,
+                          launch_dq_sm90)
+from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready,
+                       widened_fp16)
 from .launch import launch
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
@@ -478,13 +496,16 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
                x_empty, dv, zero_s, keys, key0, band, slope2, qk_scale, drop, MASKED: gl.constexpr,
                HAS_LEFT: gl.constexpr,
                HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
-               HAS_SEQ_Q: gl.constexpr, DROPOUT: gl.constexpr):
+               HAS_SEQ_Q: gl.constexpr, DROPOUT: gl.constexpr, fp8=None, FP8_EMU: gl.constexpr = False,
+               P_E5M2: gl.constexpr = False):
     """Warpgroup 0, one query tile: P^T into exchange slot it % 2, and dV += P^T dO.
 
     DROPOUT (``drop``: ``dropout.state`` of this query head): the keep bit (``dropout.keep`` on the
     transposed tile, the forward's mask) rides in the exchanged P^T's sign, ps = P kept, -P dropped
     (P >= 0; -0.0 keeps its sign in fp16), and dV accumulates max(ps, 0)^T dO, the kept P without
-    1 / (1 - p) (applied once at the end)."""
+    1 / (1 - p) (applied once at the end).
+    FP8_EMU ([Note] FP8): dV += P8^T dO8 with P8 = fp8(P * scale_s) (fp8 = (scale_s, ...); e5m2 where P_E5M2),
+    held in fp16; the exchange keeps P itself."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = k_view.shape[1]
     col_layout: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
@@ -514,7 +535,10 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
     px = p.to(gl.float16)
     if DROPOUT:
         p = gl.maximum(p, 0.0)
-    p16 = gl.convert_layout(p.to(k_view.dtype), a_layout)
+    if FP8_EMU:
+        p16 = gl.convert_layout(_fp8_round16(p * fp8[0], P_E5M2), a_layout)
+    else:
+        p16 = gl.convert_layout(p.to(k_view.dtype), a_layout)
     if not DV_FIRST:
         mbarrier.wait(x_empty.index(xs), ((it // 2) & 1) ^ 1)
         x_smem.index(xs).store(px)
@@ -533,13 +557,17 @@ def _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_rea
 @gluon.jit
 def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready, empty, x_ready,
                 x_empty, dk, zero_s, keep_scale, STAGES: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
-                DROPOUT: gl.constexpr):
+                DROPOUT: gl.constexpr, fp8=None, kmax=None, FP8_EMU: gl.constexpr = False,
+                DS_E5M2: gl.constexpr = False):
     """Warpgroup 1, one query tile: dP^T, P^T from exchange slot it % 2, dS^T, dK += dS^T Q.
 
     No mask: P^T is already 0 where a row must not see a key, so dS^T is too. DROPOUT: the
     exchanged ps carries the keep bit in its sign (``_p_dv_step``), and with r = 1 / (1 - p),
     dS = P * (dP * keep * r - delta) = r * (max(ps, 0) * dP - |ps| * delta * keep_scale) with
-    keep_scale = 1 - p; dK accumulates it without r (applied once at the end)."""
+    keep_scale = 1 - p; dK accumulates it without r (applied once at the end).
+    FP8_EMU ([Note] FP8): dS^T * scale_dP = P^T (dP^T_raw a - delta_raw b) (fp8 = (scale_s, a, b)), its max
+    |.| per key into kmax, rounded to FP8 (e5m2 where DS_E5M2) in fp16 for dK += dS8^T Q8.
+    Returns dK and kmax (unchanged without FP8_EMU)."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = v_view.shape[1]
     s_layout: gl.constexpr = zero_s.type.layout
@@ -564,15 +592,21 @@ def _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_
     dp = warpgroup_mma_wait(0, deps=(dp_tok, ))
     if DROPOUT:
         ds = gl.maximum(p, 0.0) * dp - gl.abs(p) * (delta * keep_scale)[None, :]
+    elif FP8_EMU:
+        ds = p * (dp * fp8[1] - (delta * fp8[2])[None, :])
+        kmax = gl.maximum(kmax, gl.max(gl.abs(ds), axis=1))
     else:
         ds = p * (dp - delta[None, :])
     mbarrier.arrive(x_empty.index(xs))
-    ds16 = gl.convert_layout(ds.to(v_view.dtype), a_layout)
+    if FP8_EMU:
+        ds16 = gl.convert_layout(_fp8_round16(ds, DS_E5M2), a_layout)
+    else:
+        ds16 = gl.convert_layout(ds.to(v_view.dtype), a_layout)
     mbarrier.wait(q_ready.index(slot), phase)
     dk_tok = warpgroup_mma(ds16, q_view, dk, is_async=True)
     dk, ds16 = warpgroup_mma_wait(0, deps=(dk_tok, ds16))
     mbarrier.arrive(empty.index(slot))
-    return dk
+    return dk, kmax
 
 
 @gluon.jit
@@ -580,12 +614,16 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, stride_sb, batch, kv_head,
                     n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args, HAS_LEFT: gl.constexpr,
                     HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, DV_FIRST: gl.constexpr,
-                    HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
+                    HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr, fp8_io=None,
+                    FP8_EMU: gl.constexpr = False, P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False,
+                    D: gl.constexpr = 0):
     """Consumer warpgroup WG of the SPLIT variant, keys [n0, n0 + 64): WG 0 computes P^T and dV,
     WG 1 dP^T, dS^T and dK; each keeps its one [64, HEAD_D] fp32 accumulator in registers.
     DROPOUT (any tile width: the Philox words need the registers a second accumulator would take):
     drop_args = (seed, offset, threshold, 1 / (1 - p), S_Q, S_KV, bh of the group's first query head);
-    warpgroup 0 makes the mask, warpgroup 1 reads it from the sign of the exchanged P^T."""
+    warpgroup 0 makes the mask, warpgroup 1 reads it from the sign of the exchanged P^T.
+    FP8_EMU ([Note] FP8): fp8_io = (SCALES, AMAX, dK's output, dV's output, S_KV); P's and dS's FP8 types e5m2
+    where P_E5M2 / DS_E5M2; D: the gradients' head dim where narrower than the tile (224), else 0."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -606,6 +644,17 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     keep_scale = qk_scale * 0.0 + 1.0
     if DROPOUT:
         keep_scale = 1.0 / drop_args[3]
+    fp8 = None
+    # FP8_EMU: max |dS * scale_dP| per key (warpgroup 1; loop-carried, folded away in the 16-bit kernel)
+    kmax = gl.zeros([WG_N], gl.float32, gl.SliceLayout(1, s_layout))
+    if FP8_EMU:
+        gl.static_assert(not (DROPOUT or HAS_ALIBI or HAS_SEQ_Q or HAS_SEQ_KV), "FP8: masks and windows only")
+        # SCALES: fusedattn.backends.triton.bwd.FP8_BWD_SCALE_NAMES' order; dS * scale_dP =
+        # P (dP_raw descale_dO descale_v - delta_raw descale_dO descale_o) * scale * scale_dP
+        SCALES = fp8_io[0]
+        qk_scale = qk_scale * gl.load(SCALES) * gl.load(SCALES + 1)
+        ds_unit = gl.load(SCALES + 4) * sm_scale * gl.load(SCALES + 11)
+        fp8 = (gl.load(SCALES + 7), ds_unit * gl.load(SCALES + 2), ds_unit * gl.load(SCALES + 3))
     for g in range(GROUP):
         if WG == 0:
             if HAS_ALIBI:
@@ -617,23 +666,27 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
             for t in range(t_lo, t_a):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
                                  empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT, fp8,
+                                 FP8_EMU, P_E5M2)
                 it += 1
             for t in range(t_a, t_b):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
                                  empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, False,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT, fp8,
+                                 FP8_EMU, P_E5M2)
                 it += 1
             for t in range(t_b, t_hi):
                 acc = _p_dv_step(it, t, k_view, q_smem, do_smem, lse_smem, x_smem, q_ready, do_ready, l_ready,
                                  empty, x_ready, x_empty, acc, zero_s, keys, n0, band, slope2, qk_scale, drop, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT)
+                                 HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, DROPOUT, fp8,
+                                 FP8_EMU, P_E5M2)
                 it += 1
         else:
             # the mask is in P^T already: one loop over every tile
             for t in range(t_lo, t_hi):
-                acc = _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready, l_ready,
-                                  empty, x_ready, x_empty, acc, zero_s, keep_scale, STAGES, HAS_SEQ_Q, DROPOUT)
+                acc, kmax = _dp_dk_step(it, t, v_view, q_smem, do_smem, delta_smem, x_smem, q_ready, do_ready,
+                                        l_ready, empty, x_ready, x_empty, acc, zero_s, keep_scale, STAGES, HAS_SEQ_Q,
+                                        DROPOUT, fp8, kmax, FP8_EMU, DS_E5M2)
                 it += 1
 
     # epilogue through the warpgroup's own operand tile (WG 0 reads only K, WG 1 only V, so the
@@ -642,7 +695,20 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         acc = _zero_key_rows(acc, n0, len_kv)
     if DROPOUT:
         acc = acc * drop_args[3]      # the loops left out 1 / (1 - p)
-    if WG == 0:
+    if FP8_EMU:
+        # [Note] FP8: amax_dP = max |dS| over the keys inside the sequence; dV, dK descaled in the emulation's
+        # order and written from registers in the gradients' own type
+        SCALES = fp8_io[0]
+        AMAX = fp8_io[1]
+        S_KV = fp8_io[4]
+        if WG == 0:
+            _fp8_grad_write(acc * gl.load(SCALES + 5) * gl.load(SCALES + 4), n0, S_KV, fp8_io[3], batch, kv_head,
+                            SCALES + 10, AMAX + 2, D)
+        else:
+            gl.atomic_max(AMAX + 3, gl.max(gl.where(keys < S_KV, kmax, 0.0), 0) / gl.load(SCALES + 11))
+            _fp8_grad_write(acc * gl.load(SCALES + 6) * gl.load(SCALES), n0, S_KV, fp8_io[2], batch, kv_head,
+                            SCALES + 9, AMAX + 1, D)
+    elif WG == 0:
         _store_acc(acc, k_smem.index(0), dv_desc, batch, kv_head, n0)
     else:
         _store_acc(acc * sm_scale, v_smem.index(0), dk_desc, batch, kv_head, n0)
@@ -665,7 +731,10 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
                         BOTTOM_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, SPLIT: gl.constexpr,
                         DV_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False,
-                        HEAVY_FIRST: gl.constexpr = False):
+                        HEAVY_FIRST: gl.constexpr = False, SCALES=None, AMAX=None, DK_OUT=None, stride_dkb=0,
+                        stride_dkh=0, stride_dkm=0, DV_OUT=None, stride_dvb=0, stride_dvh=0, stride_dvm=0,
+                        FP8_EMU: gl.constexpr = False, P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False,
+                        D: gl.constexpr = 0):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -721,6 +790,13 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
         mbarrier.init(l_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)     # one arrival from each consumer warpgroup
 
+    gl.static_assert(SPLIT or not FP8_EMU, "FP8 runs the SPLIT variant (_split_consumer)")
+    if FP8_EMU:
+        fp8_io = (SCALES, AMAX, (DK_OUT, stride_dkb, stride_dkh, stride_dkm),
+                  (DV_OUT, stride_dvb, stride_dvh, stride_dvm), S_KV)
+    else:
+        # stand-ins of the same structure (warp_specialize takes typed values only), never read
+        fp8_io = (DELTA, DELTA, (DELTA, S_KV, S_KV, S_KV), (DELTA, S_KV, S_KV, S_KV), S_KV)
     if SPLIT:
         # P^T exchange, warpgroup 0 -> 1: two [keys, rows] fp16 slots with ready/empty barriers
         x_smem = gl.allocate_shared_memory(gl.float16, [2, WG_N, BLOCK_M],
@@ -734,11 +810,13 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, 
             (_split_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
                                q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, stride_sb, batch,
                                kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
-                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
+                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                               fp8_io, FP8_EMU, P_E5M2, DS_E5M2, D)),
             (_split_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, x_smem, kv_bar.index(0),
                                q_ready, do_ready, l_ready, empty, x_ready, x_empty, dk_desc, dv_desc, SLOPES, stride_sb, batch,
                                kv_head, n0, GROUP, band, tiles, qk_scale, sm_scale, len_q, len_kv, drop_args,
-                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT)),
+                               HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, DV_FIRST, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
+                               fp8_io, FP8_EMU, P_E5M2, DS_E5M2, D)),
             (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh,
                               stride_lm, DELTA, SLOPES, stride_sb, batch, kv_head, n0, H_Q, GROUP, S_Q, len_q, t_lo, t_hi,
@@ -790,7 +868,7 @@ def _problem_ok(p) -> bool:
 
 
 def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, seq_len_q=None, seq_len_kv=None,
-                     stages=None, dv_first=None, heavy_first=None):
+                     stages=None, dv_first=None, heavy_first=None, fp8=None):
     """dK, dV of attention on Hopper, written in place.
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out [b,h_q,s_q,d], dk/dv like k/v: any strides with
@@ -798,7 +876,10 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     natural log, the forward's); delta fp32 contiguous [b*h_q, s_q] (rowsum(dO * O)); slopes fp32
     [b, h_q] when p.alibi; seq_len_q / seq_len_kv int32 [b] when p has them (padding: rows past len_q
     add nothing, dK/dV rows of keys past len_kv are written as 0). stages overrides ``STAGES``,
-    dv_first ``DV_FIRST``, heavy_first ``HEAVY_FIRST`` (tuning)."""
+    dv_first ``DV_FIRST``, heavy_first ``HEAVY_FIRST`` (tuning). fp8 ([Note] FP8; tile width 256): (scales,
+    amax, P's type is e5m2, dS's type is e5m2); q, k, v, grad_out then hold FP8 values in fp16 (p's dtype fp16),
+    delta the raw rowsum(dO8 o), and dk / dv are the gradients in their own type (any strides, unit last),
+    written from registers with amax_dK / amax_dV / amax_dP into amax[1:4]."""
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
     band = p.band
@@ -812,9 +893,18 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     block_n = WG_N if split else BLOCK_N
     grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
     heavy = HEAVY_FIRST[has_right and not has_left] if heavy_first is None else heavy_first
+    fp8_kw = {}
+    if fp8 is not None:
+        scales, amax, p_e5m2, ds_e5m2 = fp8
+        fp8_kw = dict(SCALES=scales, AMAX=amax, DK_OUT=dk, stride_dkb=dk.stride(0), stride_dkh=dk.stride(1),
+                      stride_dkm=dk.stride(2), DV_OUT=dv, stride_dvb=dv.stride(0), stride_dvh=dv.stride(1),
+                      stride_dvm=dv.stride(2), FP8_EMU=True, P_E5M2=bool(p_e5m2), DS_E5M2=bool(ds_e5m2),
+                      D=p.d if p.d < td else 0)
+    # FP8: k and v stand in for dk's and dv's descriptors (the FP8 epilogue stores from registers)
+    dk_tile, dv_tile = (dk, dv) if fp8 is None else (k, v)
     launch(
         _attn_bwd_dkdv_sm90, grid,
-        _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N), _tma(dv, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
+        _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk_tile, WG_N), _tma(dv_tile, WG_N), lse, *lse.stride(), delta, slopes if p.alibi is not None else delta,
         slopes.stride(0) if p.alibi is not None else 0,
         seq_len_q if p.has_seq_len_q else delta, seq_len_kv if p.has_seq_len_kv else delta, p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         band.left if has_left else 0, band.right if has_right else 0,
@@ -823,6 +913,44 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=p.alibi is not None,
         SPLIT=split, DV_FIRST=DV_FIRST if dv_first is None else dv_first,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, HAS_SEQ_Q=p.has_seq_len_q,
-        HAS_SEQ_KV=p.has_seq_len_kv, DROPOUT=p.has_dropout, HEAVY_FIRST=heavy, num_warps=4,
+        HAS_SEQ_KV=p.has_seq_len_kv, DROPOUT=p.has_dropout, HEAVY_FIRST=heavy, num_warps=4, **fp8_kw,
     )
     return dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# the FP8 switch at tile width 256 ([Note] FP8)
+
+def supports_fp8(p, q8, k8, v8, o, do8, dq, dk, dv) -> bool:
+    """True when the two passes' FP8 switch runs this ``fusedattn.fp8.sdpa_fp8_backward`` call: sm_90, d = d_v
+    in 224 / 256 (the SPLIT variant's tile width; d = 64 / 128 run the single-pass kernel's switch), no mask,
+    causal or a sliding window (either alignment), GQA, no lengths; q / k / v of one float8 type, dO float8,
+    o any float type, every tensor with a unit last stride."""
+    from ... import fp8      # late: fusedattn.fp8 loads this module on demand
+    p16 = dataclasses.replace(p, dtype=torch.float16)       # the kernels' 16-bit MMAs on the FP8 values
+    if not (isinstance(q8, torch.Tensor) and q8.is_cuda and _is_sm90(q8.device.index) and _problem_ok(p16)):
+        return False
+    if p.d != p.d_v or TILE_D.get(p.d) != 256 or p.has_seq_len_q or p.has_seq_len_kv or p.alibi is not None \
+            or p.has_dropout:
+        return False
+    if not (fp8.is_fp8(q8) and k8.dtype == q8.dtype and v8.dtype == q8.dtype and fp8.is_fp8(do8)):
+        return False
+    return all(t.stride(-1) == 1 for t in (q8, k8, v8, o, do8, dq, dk, dv))
+
+
+def launch_bwd_fp8(p, q8, k8, v8, o, do8, lse, scales, amax, dq, dk, dv):
+    """``fusedattn.fp8.sdpa_fp8_backward`` on the two Gluon passes' FP8 switch ([Note] FP8), written in place: the
+    dQ pass (which writes delta = rowsum(dO8 o) from the raw values), then the dK/dV pass.
+
+    q8 [b,h_q,s_q,d], k8 / v8 [b,h_kv,s_kv,d]: one float8 type; do8 [b,h_q,s_q,d] float8 (e4m3 or e5m2); o the
+    forward's output (float8 or any float); lse fp32 [b,h_q,s_q] view (natural log). scales: fp32 contiguous
+    [12] on the device in ``triton.bwd.FP8_BWD_SCALE_NAMES``' order; amax: fp32 [4] (dQ, dK, dV, dP), zeroed by
+    the caller. dq / dk / dv: the gradients in any of the FP8 door's types (any strides, unit last)."""
+    p16 = dataclasses.replace(p, dtype=torch.float16)
+    # exact fp16 copies, one streaming kernel each (fwd_sm90 ``widened_fp16``)
+    q, k, v, grad_out = (widened_fp16(t) for t in (q8, k8, v8, do8))
+    delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q8.device)
+    launch_dq_sm90(p16, q, k, v, grad_out, lse, delta, dq, out=o, fp8=(scales, amax, do8.dtype == torch.float8_e5m2))
+    launch_dkdv_sm90(p16, q, k, v, grad_out, lse, delta, dk, dv,
+                     fp8=(scales, amax, q8.dtype == torch.float8_e5m2, do8.dtype == torch.float8_e5m2))
+    return dq, dk, dv

@@ -80,6 +80,16 @@ WRITE_DELTA) each warpgroup also adds its rows' share of the sink's gradient, -s
 delta (rows with lse -inf give 0), into an fp32 [h_q] buffer with one atomic: the sink then costs no
 launch of its own (issue 26; the deterministic backward computes it with torch instead).
 
+[Note] FP8 (``FP8_EMU``; ``launch_dq_sm90(fp8=...)``, the dQ half of ``bwd_dkdv_sm90.launch_bwd_fp8``, d = 224 /
+256): the FP8 backward's dQ with the emulation's rounding points (``bwd_fused_sm90`` [Note] FP8) on fp16 wgmmas of
+the FP8 values: the descales in qk_scale, dS * scale_dP = P (dP_raw a - delta_raw b) (a = descale_dO descale_v scale
+scale_dP, b = descale_dO descale_o scale scale_dP; delta the raw rowsum(dO8 o), which this pass writes from the
+forward's output in any type), dS8 = fp8(.) in dO's type held in fp16 as the dQ wgmma's operand; the epilogue
+scales dQ by descale_dP descale_k, maxes it over rows < s_q into amax_dQ and stores it times scale_dQ in its own
+type from registers (``_fp8_grad_write``). Masks and windows as the 16-bit pass; no ALiBi, dropout, sink or
+lengths. The 16-bit builds' SASS is unchanged. No-GPU compile (Triton 3.6.0, d256 causal): no spills, loops 296-359
+SASS instructions against 290-353.
+
 Variants (constexpr / keyword, for tuning): ``SPLIT`` waits for S_j alone first and computes P_j
 under dP_j and the dQ product (a second pin keeps the exponentials there), then waits for dP_j;
 ``stages``; ``block_n`` (d=64 compiles at BLOCK_N=128 with no spills: S, dP 64 registers each, dQ
@@ -109,7 +119,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..compat import tma_load, tma_store
 from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _alibi_slope2, _band_keep, _cta_tiles, _fwd_problem_ok,
                        _is_sm90, _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _sm_count, _tma,
-                       _tma_ready, _zero_landed_rows)
+                       _store_as, _tma_ready, _zero_landed_rows)
 from . import dropout
 from .launch import launch
 
@@ -167,6 +177,47 @@ def _dq_producer(q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do
 
 
 @gluon.jit
+def _fp8_round16(x, E5M2: gl.constexpr):
+    """fp32 ``x`` rounded to the nearest FP8 value (e4m3, or e5m2 where E5M2; nearest even, saturating: the
+    semantics' ``fp8.quantize``), as fp16, where every FP8 value is exact ([Note] FP8: the 16-bit MMAs take it):
+    two conversions per pair of values."""
+    if E5M2:
+        y = gl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, $2, $1; cvt.rn.f16x2.e5m2x2 $0, t; }", "=r,r,r", [x],
+            dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        y = gl.inline_asm_elementwise(
+            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r,r", [x],
+            dtype=gl.float16, is_pure=True, pack=2)
+    return y
+
+
+@gluon.jit
+def _fp8_grad_write(x, key0, S_KV, grad_out, batch, kv_head, SCALE, AMAX, D: gl.constexpr = 0):
+    """An FP8 backward's dK or dV tile (fp32 [64 keys, d] registers, descaled) as the portable kernel's
+    ``fp8_grad_out``: max |x| over keys < S_KV into AMAX (a float atomic max; every value >= 0, where the float
+    order is the integer one; the host zeroed it), then x * SCALE in the output's type (FP8 saturating) by
+    masked stores. Keys [key0, key0 + 64); grad_out = (pointer, batch, head and key strides); the head dim is
+    unit-stride. D: the output's head dim where it is narrower than the tile (d = 224 on 256-wide tiles: the
+    columns past it hold zeros, products of TMA's zero fill), 0 where it is the tile's. The same for a dQ tile
+    (rows for keys, S_Q for S_KV, the query head for kv_head: ``bwd_dq_sm90`` [Note] FP8)."""
+    layout: gl.constexpr = x.type.layout
+    WG_N: gl.constexpr = x.shape[0]
+    HEAD_D: gl.constexpr = x.shape[1]
+    OUT, stride_b, stride_h, stride_m = grad_out
+    keys = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, layout))
+    key_in = keys < S_KV
+    gl.atomic_max(AMAX, gl.max(gl.max(gl.where(key_in[:, None], gl.abs(x), 0.0), 1), 0))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+    base = OUT + batch.to(gl.int64) * stride_b + kv_head.to(gl.int64) * stride_h
+    ptrs = base + keys.to(gl.int64)[:, None] * stride_m + cols[None, :]
+    if D:
+        _store_as(ptrs, x * gl.load(SCALE), key_in[:, None] & (cols < D)[None, :])
+    else:
+        _store_as(ptrs, x * gl.load(SCALE), key_in[:, None])
+
+
+@gluon.jit
 def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
             HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """P = exp2(S * qk_scale [+ ALiBi] - lse2) for the key tile at n0, 0 where row i must not see key j.
@@ -204,7 +255,8 @@ def _drop_dp(dp, drop, row0, n0):
 def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds, zero_s, qk_scale,
              lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
              HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-             HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr):
+             HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr, fp8=None, FP8_EMU: gl.constexpr = False,
+             DS_E5M2: gl.constexpr = False):
     """Key tile j (j > t_lo, the CTA's first tile): S_j and dP_j, then dQ += dS_{j-1} K_{j-1} overlapped
     with dS_j. Tile j sits in ring slot (j - t_lo) % STAGES.
 
@@ -215,6 +267,9 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
     for dP_j; otherwise wait for both, then P_j and dS_j under the dQ product alone.
 
     DROPOUT: dP_j as the gradient of the dropped, rescaled P (``_drop_dp``).
+
+    FP8_EMU ([Note] FP8): fp8 = (dP factor, delta factor); dS_j comes out scaled by scale_dP and rounded to FP8
+    (e5m2 where DS_E5M2, else e4m3), as fp16.
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
@@ -245,13 +300,36 @@ def _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready
     mbarrier.arrive(v_empty.index(slot))
     if DROPOUT:
         dp = _drop_dp(dp, drop, row0, j * BLOCK_N)
-    ds_new = p * (dp - delta[:, None])
+    ds_new = _ds_tile(p, dp, delta, fp8, FP8_EMU)
     # depends on every dS of the tile: keeps the elementwise work ahead of the wait (docstring)
     pin.store(gl.sum(ds_new, 1))
     dq, ds = warpgroup_mma_wait(0, deps=(dq_tok, ds))
     mbarrier.arrive(k_empty.index(prev))
-    ds = gl.convert_layout(ds_new.to(q_view.dtype), ds.type.layout)
+    ds_layout: gl.constexpr = ds.type.layout
+    ds = _ds_operand(ds_new, ds_layout, q_view.dtype, FP8_EMU, DS_E5M2)
     return dq, ds
+
+
+@gluon.jit
+def _ds_tile(p, dp, delta, fp8, FP8_EMU: gl.constexpr):
+    """dS = P (dP - delta) on a [rows, keys] tile; FP8_EMU ([Note] FP8): dS * scale_dP from the raw products,
+    P (dP_raw a - delta_raw b) with fp8 = (a, b)."""
+    if FP8_EMU:
+        ds = p * (dp * fp8[0] - (delta * fp8[1])[:, None])
+    else:
+        ds = p * (dp - delta[:, None])
+    return ds
+
+
+@gluon.jit
+def _ds_operand(ds, layout: gl.constexpr, dtype: gl.constexpr, FP8_EMU: gl.constexpr, DS_E5M2: gl.constexpr):
+    """dS as the dQ wgmma's 16-bit register operand: in the inputs' type, or (FP8_EMU) rounded to FP8 and held
+    in fp16, where every FP8 value is exact."""
+    if FP8_EMU:
+        y = gl.convert_layout(_fp8_round16(ds, DS_E5M2), layout)
+    else:
+        y = gl.convert_layout(ds.to(dtype), layout)
+    return y
 
 
 @gluon.jit
@@ -260,13 +338,15 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
                  DSINK, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale, sm_scale, drop,
                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr,
-                 HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr):
+                 HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr, HAS_SINK: gl.constexpr,
+                 fp8_io=None, FP8_EMU: gl.constexpr = False, DS_E5M2: gl.constexpr = False):
     """Consumer warpgroup WG: dQ of query rows [start_m + 64 * WG, +64) over key tiles
     tiles = (t_lo, t_a, t_b, t_hi, n_tiles) (``fwd_sm90._cta_tiles``); D: the true head dim.
     Padding (HAS_SEQ_Q / HAS_SEQ_KV): keys past len_kv (band[0]) are masked and their K/V rows
     zeroed in shared memory; rows past len_q are written as 0; a CTA with n_tiles = 0 writes zeros.
     HAS_SINK (with WRITE_DELTA): the warpgroup's rows' share of the sink's gradient,
-    -sum exp(sink - lse) * delta, added atomically into DSINK[head] (fp32, zeroed by the caller)."""
+    -sum exp(sink - lse) * delta, added atomically into DSINK[head] (fp32, zeroed by the caller).
+    FP8_EMU ([Note] FP8): fp8_io = (SCALES, AMAX, dQ's output); delta is the raw rowsum(dO8 o)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
@@ -327,6 +407,14 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     else:
         delta = gl.load(DELTA + rows, mask=in_q, other=0.0)
     dq_scale = sm_scale
+    fp8 = None
+    if FP8_EMU:
+        # SCALES: fusedattn.backends.triton.bwd.FP8_BWD_SCALE_NAMES' order; dS * scale_dP =
+        # P (dP_raw descale_dO descale_v - delta_raw descale_dO descale_o) * scale * scale_dP
+        SCALES = fp8_io[0]
+        qk_scale = qk_scale * gl.load(SCALES) * gl.load(SCALES + 1)
+        ds_unit = gl.load(SCALES + 4) * sm_scale * gl.load(SCALES + 11)
+        fp8 = (ds_unit * gl.load(SCALES + 2), ds_unit * gl.load(SCALES + 3))
     if DROPOUT:
         # 1 / (1 - p) leaves the loop (``_drop_dp``): delta * (1 - p) in dS, dQ * 1 / (1 - p) at the end
         delta = delta / drop[5]
@@ -354,23 +442,25 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
                     HAS_ALIBI)
         if DROPOUT:
             dp = _drop_dp(dp, drop, row0, t_lo * BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        ds = gl.convert_layout(ds.to(dtype), ds_layout)
+        ds = _ds_operand(_ds_tile(p, dp, delta, fp8, FP8_EMU), ds_layout, dtype, FP8_EMU, DS_E5M2)
 
         # the band's left edge (masked; empty with no left bound), the mask-free middle, the right edge
         # and the tail past S_KV (masked)
         for j in range(t_lo + 1, t_a):
             dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
                               zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, True,
-                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT)
+                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT, fp8, FP8_EMU,
+                              DS_E5M2)
         for j in range(t_a, t_b):
             dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
                               zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, False,
-                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT)
+                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT, fp8, FP8_EMU,
+                              DS_E5M2)
         for j in range(gl.maximum(t_b, t_lo + 1), t_hi):
             dq, ds = _dq_step(j, t_lo, q_view, do_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, dq, ds,
                               zero_s, qk_scale, lse2, delta, rows, band, slope2, row0, pin, pin_p, drop, True,
-                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT)
+                              HAS_LEFT, HAS_RIGHT, HAS_ALIBI, STAGES, SPLIT, HAS_SEQ_KV, DROPOUT, fp8, FP8_EMU,
+                              DS_E5M2)
 
         # last dQ product
         last = (t_hi - 1 - t_lo) % STAGES
@@ -382,12 +472,20 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
         # rows >= len_q ran on padding rows of Q and dO (which may hold NaN): their gradient is 0
         dq_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, dq_layout))
         dq = gl.where((dq_rows < len_q)[:, None], dq, 0.0)
-    # epilogue: dQ * scale through this warpgroup's Q half (its QK^T products are all done);
-    # the TMA store clips rows >= S_Q
-    q_view.store((dq * dq_scale).to(dtype))
-    fence_async_shared()
-    tma_store(dq_desc, [batch, head, row0, 0], q_smem)
-    tma.store_wait(0)
+    if FP8_EMU:
+        # [Note] FP8: dQ8 K8 * descale_dP * descale_k (the emulation's order), its amax over rows < S_Q, then
+        # times scale_dQ in dQ's own type from registers
+        SCALES = fp8_io[0]
+        GRAD_D: gl.constexpr = D if D < HEAD_D else 0       # d = 224 on 256-wide tiles: the columns to store
+        _fp8_grad_write(dq * gl.load(SCALES + 6) * gl.load(SCALES + 1), row0, S_Q, fp8_io[2], batch, head,
+                        SCALES + 8, fp8_io[1], GRAD_D)
+    else:
+        # epilogue: dQ * scale through this warpgroup's Q half (its QK^T products are all done);
+        # the TMA store clips rows >= S_Q
+        q_view.store((dq * dq_scale).to(dtype))
+        fence_async_shared()
+        tma_store(dq_desc, [batch, head, row0, 0], q_smem)
+        tma.store_wait(0)
 
 @gluon.jit(do_not_specialize_on_alignment=["CHUNK"])     # CHUNK: == 1 or not, one compile for every other value
 def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, stride_lh, stride_lm, DELTA,
@@ -399,7 +497,8 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
                       REVERSE_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       SPLIT: gl.constexpr, WRITE_DELTA: gl.constexpr, D: gl.constexpr, HAS_SEQ_Q: gl.constexpr,
                       HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False,
-                      HEAVY_FIRST: gl.constexpr = False):
+                      HEAVY_FIRST: gl.constexpr = False, SCALES=None, AMAX=None, DQ_OUT=None, stride_dqb=0,
+                      stride_dqh=0, stride_dqm=0, FP8_EMU: gl.constexpr = False, DS_E5M2: gl.constexpr = False):
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -456,17 +555,23 @@ def _attn_bwd_dq_sm90(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, stride_lb, 
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
 
+    if FP8_EMU:
+        gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PADDED), "FP8: masks and windows only")
+        fp8_io = (SCALES, AMAX, (DQ_OUT, stride_dqb, stride_dqh, stride_dqm))
+    else:
+        # stand-ins of the same structure (warp_specialize takes typed values only), never read
+        fp8_io = (LSE, LSE, (LSE, S_Q, S_Q, S_Q))
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem0, do_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
                         stride_om, SINK, DSINK, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale,
                         sm_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D,
-                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, HAS_SINK)),
+                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, HAS_SINK, fp8_io, FP8_EMU, DS_E5M2)),
         (_dq_consumer, (1, q_smem1, do_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty,
                         dq_desc, LSE, stride_lb, stride_lh, stride_lm, delta_base, O, stride_ob, stride_oh,
                         stride_om, SINK, DSINK, batch, head, start_m, tiles, S_Q, len_q, band, slope2, qk_scale,
                         sm_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BLOCK_N, STAGES, SPLIT, WRITE_DELTA, D,
-                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, HAS_SINK)),
+                        HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, HAS_SINK, fp8_io, FP8_EMU, DS_E5M2)),
         (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_smem0, q_smem1, do_smem0, do_smem1, k_smem, v_smem, q_bar,
                         k_ready, k_empty, v_ready, v_empty, batch, head, kv_head, start_m, tiles[0], tiles[4],
                         BLOCK_N, STAGES, PADDED)),
@@ -518,7 +623,8 @@ def supports(p, q, k, v, grad_out, dq, *, out=None, slopes=None, seq_len_q=None,
 
 
 def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=None, seq_len_q=None,
-                   seq_len_kv=None, sink=None, dsink=None, block_n=None, stages=None, split=None, heavy_first=None):
+                   seq_len_kv=None, sink=None, dsink=None, block_n=None, stages=None, split=None, heavy_first=None,
+                   fp8=None):
     """dQ pass of the attention backward on Hopper; writes dq in place (``supports`` must hold).
 
     q [b,h_q,s_q,d], k/v [b,h_kv,s_kv,d], grad_out/dq [b,h_q,s_q,d]: any strides with unit last
@@ -531,6 +637,9 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     and fp32 contiguous [h_q] zeroed by the caller, into which the sink's gradient
     -sum_rows exp(sink - lse) * delta is added with atomics (``HAS_SINK``; not bitwise reproducible).
     block_n / stages / split / heavy_first override ``TILES`` / ``SPLIT`` / ``HEAVY_FIRST`` (tuning).
+    fp8 ([Note] FP8): (scales, amax, dS's type is e5m2); q, k, v, grad_out then hold FP8 values in fp16 (p's dtype
+    fp16), ``out`` the forward's output in any type (delta = its raw rowsum with dO), and dq is the gradient in
+    its own type (any strides, unit last), written from registers with amax_dQ into amax[0].
     """
     if (p.has_seq_len_q and seq_len_q is None) or (p.has_seq_len_kv and seq_len_kv is None):
         raise ValueError("the problem has per-batch lengths: pass seq_len_q / seq_len_kv")
@@ -549,9 +658,16 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     heavy = HEAVY_FIRST[causal_like] if heavy_first is None else heavy_first
     grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     o_arg, o_strides = (out, out.stride()[:3]) if out is not None else (lse, (0, 0, 0))
+    fp8_kw = {}
+    if fp8 is not None:
+        scales, amax, ds_e5m2 = fp8
+        fp8_kw = dict(SCALES=scales, AMAX=amax, DQ_OUT=dq, stride_dqb=dq.stride(0), stride_dqh=dq.stride(1),
+                      stride_dqm=dq.stride(2), FP8_EMU=True, DS_E5M2=bool(ds_e5m2))
+    # FP8: q stands in for dq's descriptor (the FP8 epilogue stores from registers)
+    dq_tile = dq if fp8 is None else q
     launch(
         _attn_bwd_dq_sm90, grid,
-        _tma(q, WG_M), _tma(grad_out, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(dq, WG_M),
+        _tma(q, WG_M), _tma(grad_out, WG_M), _tma(k, block_n), _tma(v, block_n), _tma(dq_tile, WG_M),
         lse, *lse.stride(), delta, o_arg, *o_strides, sink if has_sink else lse, dsink if has_sink else lse,
         slopes if p.alibi is not None else lse,
         slopes.stride(0) if p.alibi is not None else 0,
@@ -563,6 +679,6 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
         # a causal-like band: the longest rows (last query tiles) start first, as the forward
         REVERSE_M=causal_like, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         SPLIT=split, WRITE_DELTA=out is not None, D=p.d, HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
-        DROPOUT=p.has_dropout, HAS_SINK=has_sink, HEAVY_FIRST=heavy, num_warps=4,
+        DROPOUT=p.has_dropout, HAS_SINK=has_sink, HEAVY_FIRST=heavy, num_warps=4, **fp8_kw,
     )
     return dq

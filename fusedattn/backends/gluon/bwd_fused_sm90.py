@@ -213,8 +213,8 @@ from ..compat import TRITON_VERSION, tma_reduce_add, tma_store
 from ..triton.bwd import fp8_grad_out
 from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
-from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _heavy_first
-from .fwd_sm90 import (LOG2E, _desc, _geometry, _is_sm90, _pack_p8, _smem_layout, _store_as, _to_fp8, _tma_ready,
+from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _fp8_grad_write, _fp8_round16, _heavy_first
+from .fwd_sm90 import (LOG2E, _desc, _geometry, _is_sm90, _pack_p8, _smem_layout, _to_fp8, _tma_ready,
                        _unpack_p8, transposed_v, widened_fp16)
 from .launch import Tma
 
@@ -252,22 +252,6 @@ PRODUCER_REGS = 24
 
 
 @gluon.jit
-def _fp8_round16(x, E5M2: gl.constexpr):
-    """fp32 ``x`` rounded to the nearest FP8 value (e4m3, or e5m2 where E5M2; nearest even, saturating: the
-    semantics' ``fp8.quantize``), as fp16, where every FP8 value is exact ([Note] FP8: the 16-bit MMAs take it):
-    two conversions per pair of values."""
-    if E5M2:
-        y = gl.inline_asm_elementwise(
-            "{ .reg .b16 t; cvt.rn.satfinite.e5m2x2.f32 t, $2, $1; cvt.rn.f16x2.e5m2x2 $0, t; }", "=r,r,r", [x],
-            dtype=gl.float16, is_pure=True, pack=2)
-    else:
-        y = gl.inline_asm_elementwise(
-            "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $2, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r,r", [x],
-            dtype=gl.float16, is_pure=True, pack=2)
-    return y
-
-
-@gluon.jit
 def _fp8_operand(x, E5M2: gl.constexpr, layout: gl.constexpr):
     """fp32 ``x`` (a [64, 64] wgmma accumulator) rounded to FP8 (e4m3, or e5m2 where E5M2; nearest even,
     saturating) as an FP8 wgmma's register A operand (``layout``), its columns in ``fwd_sm90.key_order``
@@ -288,25 +272,6 @@ def _fp8_store_transposed(x, E5M2: gl.constexpr, dst):
     else:
         y = _to_fp8(x, gl.float8e4nv)
     dst.store(gl.permute(y, (1, 0)))
-
-
-@gluon.jit
-def _fp8_grad_write(x, key0, S_KV, grad_out, batch, kv_head, SCALE, AMAX):
-    """An FP8 backward's dK or dV tile (fp32 [64 keys, d] registers, descaled) as the portable kernel's
-    ``fp8_grad_out``: max |x| over keys < S_KV into AMAX (a float atomic max; every value >= 0, where the float
-    order is the integer one; the host zeroed it), then x * SCALE in the output's type (FP8 saturating) by
-    masked stores. Keys [key0, key0 + 64); grad_out = (pointer, batch, head and key strides); the head dim is
-    unit-stride."""
-    layout: gl.constexpr = x.type.layout
-    WG_N: gl.constexpr = x.shape[0]
-    HEAD_D: gl.constexpr = x.shape[1]
-    OUT, stride_b, stride_h, stride_m = grad_out
-    keys = key0 + gl.arange(0, WG_N, layout=gl.SliceLayout(1, layout))
-    key_in = keys < S_KV
-    gl.atomic_max(AMAX, gl.max(gl.max(gl.where(key_in[:, None], gl.abs(x), 0.0), 1), 0))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
-    base = OUT + batch.to(gl.int64) * stride_b + kv_head.to(gl.int64) * stride_h
-    _store_as(base + keys.to(gl.int64)[:, None] * stride_m + cols[None, :], x * gl.load(SCALE), key_in[:, None])
 
 
 @gluon.jit
