@@ -751,8 +751,8 @@ def attention_fp8(q, k, v, *, descale_q=None, descale_k=None, descale_v=None, at
       backward (autograd) is fusedattn's 16-bit backward on the dequantized inputs in their dtype,
       with the FP8 forward's output and stats (straight-through quantization; the documented
       choice: the FP8 backward kernel, :func:`sdpa_fp8_backward`, would add dO's and dS's e4m3 rounding
-      for little speed: on Hopper at d = 128 it runs 0.92-1.08x the 16-bit backward, elsewhere slower,
-      bench/NOTES.md 72).
+      for little speed: on Hopper it runs 0.92-1.14x the 16-bit backward at d = 128 and 0.91-0.98x at
+      d = 224 / 256, elsewhere slower, bench/NOTES.md 72-73).
 
     The semantics are cuDNN's ``sdpa_fp8`` (:mod:`fusedattn.fp8`): P is quantized with ``scale_s``
     (default 256 for e4m3, 32768 for e5m2) and dequantized with ``descale_s`` (default

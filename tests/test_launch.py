@@ -180,6 +180,34 @@ def test_gluon_signature_key_separates_what_the_jit_specializes_on():
     assert key(x) != key(x, SWITCH=True)
     with pytest.raises(TypeError, match="unexpected kernel argument"):
         signature_key((x.numpy(),), {})
+    # a tensor or descriptor passed by keyword (the FP8 switches' scales and gradient buffers, new on every call):
+    # no key, so the launch is not cached (a key holding it never repeats and its entry kept the tensors alive)
+    assert signature_key((_tma(x, 64), x), dict(BLOCK=64, SCALES=x)) is None
+    assert signature_key((x,), dict(DESC=_tma(x, 64))) is None
+    assert signature_key((x,), dict(BLOCK=64, STRIDE=0, SCALES=None)) is not None
+
+
+def test_a_launch_with_tensors_by_keyword_is_not_cached(monkeypatch):
+    """backends/triton/launch.py ``Launcher``: a launch whose keyword arguments hold a tensor goes through the JIT
+    every time and adds no cache entry (which kept its tensors alive: bench/NOTES.md 73); one without keeps its
+    entry."""
+    import weakref
+    from fusedattn.backends.triton import launch as tl_launch
+    seen = []
+    compiled = type("Compiled", (), {"packed_metadata": None})()      # what the JIT returns: cacheable
+    monkeypatch.setattr(tl_launch, "jit_launch", lambda kernel, grid, *a, **kw: seen.append(kw) or compiled)
+    monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(tl_launch, "interpreting", lambda: False)
+    launcher = tl_launch.Launcher(type("K", (), {"arg_names": ["X"], "params": []})())
+    buf = torch.zeros(4)
+    ref = weakref.ref(buf)
+    for _ in range(3):
+        launcher(tl_launch.signature_key((torch.zeros(2),), dict(SCALES=buf)), (1,), torch.zeros(2), SCALES=buf)
+    assert len(seen) == 3 and not launcher.cache
+    del buf, seen[:]
+    assert ref() is None, "the launch kept its keyword tensor alive"
+    launcher(tl_launch.signature_key((torch.zeros(2),), dict(BLOCK=64)), (1,), torch.zeros(2), BLOCK=64)
+    assert len(launcher.cache) == 1, "a launch of constants by keyword is cached"
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -188,7 +188,10 @@ def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
     (a tensor's dtype and 16-byte alignment, an integer's value class: == 1, divisible by 16, width; a
     bool's value; a float as a float) and the values of the keyword ones (constexprs and launch
     options; the call site fixes their order). other_kind / other_key: one more argument type and its
-    key (Gluon's TMA descriptors). One pass with the common types first: this runs on every launch."""
+    key (Gluon's TMA descriptors). One pass with the common types first: this runs on every launch.
+    None (no key: the launch is not cached) where a keyword argument is a tensor or a descriptor: a runtime
+    value passed by keyword (the FP8 switches' scales, amaxes and gradient buffers) is new on every call, so
+    a key holding it never repeats, and the cache entry kept that call's tensors alive (bench/NOTES.md 73)."""
     key = []
     add = key.append
     lo, hi = _INT32
@@ -206,7 +209,12 @@ def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
             add(float)
         else:
             raise TypeError(f"fusedattn: unexpected kernel argument type {kind}")
-    return tuple(key), tuple(kwargs.items())
+    named = tuple(kwargs.items())
+    for _, value in named:
+        kind = type(value)
+        if kind is _Tensor or (kind is other_kind and kind is not None):
+            return None
+    return tuple(key), named
 
 
 def direct_c(compiled, tail, args):
