@@ -125,8 +125,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..compat import tma_load, tma_store
 from . import dropout
-from .bwd_dq_sm90 import (_bwd_problem_ok, _chunk, _fp8_grad_write, _fp8_round16, _heavy_first, _padding_ok,
-                          launch_dq_sm90)
+from .bwd_dq_sm90 import (_bwd_problem_ok, _chunk, _fp8_ds_factors, _fp8_grad_write, _fp8_round16, _heavy_first,
+                          _padding_ok, launch_dq_sm90)
 from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready,
                        widened_fp16)
 from .launch import launch
@@ -649,12 +649,8 @@ def _split_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     kmax = gl.zeros([WG_N], gl.float32, gl.SliceLayout(1, s_layout))
     if FP8_EMU:
         gl.static_assert(not (DROPOUT or HAS_ALIBI or HAS_SEQ_Q or HAS_SEQ_KV), "FP8: masks and windows only")
-        # SCALES: fusedattn.backends.triton.bwd.FP8_BWD_SCALE_NAMES' order; dS * scale_dP =
-        # P (dP_raw descale_dO descale_v - delta_raw descale_dO descale_o) * scale * scale_dP
-        SCALES = fp8_io[0]
-        qk_scale = qk_scale * gl.load(SCALES) * gl.load(SCALES + 1)
-        ds_unit = gl.load(SCALES + 4) * sm_scale * gl.load(SCALES + 11)
-        fp8 = (gl.load(SCALES + 7), ds_unit * gl.load(SCALES + 2), ds_unit * gl.load(SCALES + 3))
+        qk_scale, ds_a, ds_b = _fp8_ds_factors(fp8_io[0], qk_scale, sm_scale)
+        fp8 = (gl.load(fp8_io[0] + 7), ds_a, ds_b)        # scale_s (SCALES[7]) for P8
     for g in range(GROUP):
         if WG == 0:
             if HAS_ALIBI:

@@ -218,6 +218,16 @@ def _fp8_grad_write(x, key0, S_KV, grad_out, batch, kv_head, SCALE, AMAX, D: gl.
 
 
 @gluon.jit
+def _fp8_ds_factors(SCALES, qk_scale, sm_scale):
+    """The FP8 backward's factors on the raw products ([Note] FP8; SCALES in ``triton.bwd.FP8_BWD_SCALE_NAMES``'
+    order): (qk_scale * descale_q * descale_k, a, b) with dS * scale_dP = P (dP_raw a - delta_raw b),
+    a = descale_dO descale_v scale scale_dP, b = descale_dO descale_o scale scale_dP (P normalized, unscaled)."""
+    ds_unit = gl.load(SCALES + 4) * sm_scale * gl.load(SCALES + 11)
+    return (qk_scale * gl.load(SCALES) * gl.load(SCALES + 1), ds_unit * gl.load(SCALES + 2),
+            ds_unit * gl.load(SCALES + 3))
+
+
+@gluon.jit
 def _p_tile(s, qk_scale, lse2, rows, n0, band, slope2, row0, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
             HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr):
     """P = exp2(S * qk_scale [+ ALiBi] - lse2) for the key tile at n0, 0 where row i must not see key j.
@@ -409,12 +419,8 @@ def _dq_consumer(WG: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bar, k_rea
     dq_scale = sm_scale
     fp8 = None
     if FP8_EMU:
-        # SCALES: fusedattn.backends.triton.bwd.FP8_BWD_SCALE_NAMES' order; dS * scale_dP =
-        # P (dP_raw descale_dO descale_v - delta_raw descale_dO descale_o) * scale * scale_dP
-        SCALES = fp8_io[0]
-        qk_scale = qk_scale * gl.load(SCALES) * gl.load(SCALES + 1)
-        ds_unit = gl.load(SCALES + 4) * sm_scale * gl.load(SCALES + 11)
-        fp8 = (ds_unit * gl.load(SCALES + 2), ds_unit * gl.load(SCALES + 3))
+        qk_scale, ds_a, ds_b = _fp8_ds_factors(fp8_io[0], qk_scale, sm_scale)
+        fp8 = (ds_a, ds_b)
     if DROPOUT:
         # 1 / (1 - p) leaves the loop (``_drop_dp``): delta * (1 - p) in dS, dQ * 1 / (1 - p) at the end
         delta = delta / drop[5]
