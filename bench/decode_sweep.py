@@ -48,21 +48,24 @@ FP8_TILES = ((128, 4, 2), (128, 8, 2), (128, 8, 4), (256, 8, 2), (256, 8, 3), (6
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true", help="e4m3 caches (descale 1) instead of bf16")
-    ap.add_argument("--tiles", help="BLOCK_N/WARPS/STAGES[/MAX_REGS],... instead of the list (e.g. "
-                    "64/4/3,128/4/2/168: a fourth field caps ptxas's registers, DecodeTiles.max_regs)")
+    ap.add_argument("--tiles", help="BLOCK_N/WARPS/STAGES[/MAX_REGS[/CTAS_PER_SM]],... instead of the list (e.g. "
+                    "64/4/3,128/4/2/168: a fourth field caps ptxas's registers, DecodeTiles.max_regs; a fifth "
+                    "tells the split heuristic how many programs fit an SM, DecodeTiles.ctas_per_sm)")
     ap.add_argument("--splits", default="none,2,4", help="split counts to time (none: the heuristic's)")
     ap.add_argument("--pages", default="0,16,64", help="page sizes (0: contiguous)")
-    ap.add_argument("--configs", default="0,1", help="0: b64 h32/8 kv4k, 1: b8 h32/32 kv16k")
+    ap.add_argument("--configs", default="0,1", help="0: b64 h32/8 kv4k, 1: b8 h32/32 kv16k, 2: b16 h32/8 kv8k")
+    ap.add_argument("--pairs", default="on", help="FP8 V read as int16 pairs (decode.v_pairs_code): on, off "
+                    "or on,off (both, one process)")
     args = ap.parse_args()
     dev, bf = "cuda", torch.bfloat16
     cache_dtype = torch.float8_e4m3fn if args.fp8 else bf
     tiles = FP8_TILES if args.fp8 else BF16_TILES
-    if args.tiles:
-        tiles = tuple(tuple(int(x) for x in t.split("/")) for t in args.tiles.split(","))
+    if args.tiles:      # "default": the planner's own choice (decode.plan_decode)
+        tiles = tuple(t if t == "default" else tuple(int(x) for x in t.split("/")) for t in args.tiles.split(","))
     splits = [None if x == "none" else int(x) for x in args.splits.split(",")]
-    configs = [((64, 32, 8, 4096), (8, 32, 32, 16384))[int(i)] for i in args.configs.split(",")]
+    configs = [((64, 32, 8, 4096), (8, 32, 32, 16384), (16, 32, 8, 8192))[int(i)] for i in args.configs.split(",")]
     fp8_kw = dict(descale_k=torch.ones(1, device=dev), descale_v=torch.ones(1, device=dev)) if args.fp8 else {}
-    orig = decode.decode_tiles
+    orig, orig_pairs = decode.decode_tiles, decode.v_pairs_code
     for b, hq, hkv, s in configs:
         q = torch.randn(b, 1, hq, 128, device=dev, dtype=bf).transpose(1, 2)
         k = torch.randn(b, s, hkv, 128, device=dev, dtype=bf).to(cache_dtype).transpose(1, 2)
@@ -81,16 +84,23 @@ def main() -> None:
             else:
                 call, kw = (q, k, v), {}
             for tile in tiles:
-                decode.decode_tiles = lambda rows, d, dt, i, t=tile: decode.DecodeTiles(max(16, rows), *t)
-                bn, w, st = tile[:3]
-                cap = f"/{tile[3]}regs" if len(tile) > 3 else ""
-                for ns in splits:
-                    ms = do_bench(lambda: attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns, validate=False),
-                                  warmup=25, rep=100, return_mode="median")
-                    print(f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} "
-                          f"tile{bn}/{w}w/{st}st{cap} splits={ns}: {ms:.4f} ms {nbytes / ms / 1e9:.3f} TB/s",
-                          flush=True)
-            decode.decode_tiles = orig
+                if tile == "default":
+                    decode.decode_tiles, (bn, w, st), cap = orig, ("default", "", ""), ""
+                else:
+                    decode.decode_tiles = lambda rows, d, dt, i, *_, t=tile: decode.DecodeTiles(max(16, rows), *t)
+                    bn, w, st = tile[:3]
+                    cap = f"/{tile[3]}regs" if len(tile) > 3 and tile[3] else ""
+                    cap += f"/{tile[4]}persm" if len(tile) > 4 else ""
+                for pairs in args.pairs.split(","):
+                    decode.v_pairs_code = orig_pairs if pairs == "on" else (lambda v, d_v: 0)
+                    for ns in splits:
+                        ms = do_bench(lambda: attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns,
+                                                                     validate=False),
+                                      warmup=25, rep=100, return_mode="median")
+                        print(f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} "
+                              f"tile{bn}/{w}w/{st}st{cap} pairs={pairs} splits={ns}: {ms:.4f} ms "
+                              f"{nbytes / ms / 1e9:.3f} TB/s", flush=True)
+            decode.decode_tiles, decode.v_pairs_code = orig, orig_pairs
 
 
 if __name__ == "__main__":

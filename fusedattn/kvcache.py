@@ -599,7 +599,8 @@ class _Call:
                 validate=False)             # lengths: checked by self.validate(), or clamped (validate=False)
             return
         tiles, splits = decode.plan_decode(self.b, self.h_kv, self.g, self.s_q, self.d, self.d_v, self.q.dtype,
-                                           self.cap, self.q.device, self.num_splits)
+                                           self.cap, self.q.device, self.num_splits,
+                                           kv_dtype=self.k_cache.dtype, paged=self.paged)
         o_buf, o_target = aligned_output(out)
         l_buf, l_target = aligned_output(lse) if lse is not None else (None, None)
         decode.launch_decode(

@@ -194,6 +194,53 @@ def test_fp8_cache_on_each_target(geom, target, monkeypatch):
     c.check(out, stats, kernel=kernel)
 
 
+@pytest.mark.parametrize("v_read, programs, paged", [("pairs", "many", True), ("pairs", "few", False),
+                                                     ("pairs", "few", True), ("bytes", "many", False)])
+def test_fp8_tiles_under_interpreter(v_read, programs, paged, target, monkeypatch):
+    """The sm90 FP8 decode tiles run by the interpreter: ``decode.FP8_TILE`` (64 keys, 3 stages; the split
+    heuristic at its 4 programs per SM) where the programs fill the machine, else ``FP8_TILE_FEW`` (128 keys
+    contiguous, 256 paged), with V read as int16 pairs (``_widen_pairs``: the even and odd columns' products
+    interleaved after the last tile; a padded d_v, half of 48 in a half tile of 32) or as bytes (the route where
+    the pairs view does not apply): the planned tile, within the derived bound."""
+    from fusedattn.backends.triton import decode
+    device, backend = target
+    if (device, backend) != ("cpu", "triton"):
+        pytest.skip("interpreter only (the GPU runs these tiles anyway)")
+    original, pairs_code, launch = decode.decode_tiles, decode.v_pairs_code, decode.launch_decode
+    monkeypatch.setattr(decode, "decode_tiles", lambda rows, d, dt, interpret, *rest: original(rows, d, dt, False, *rest))
+    monkeypatch.setattr(decode, "num_sms", lambda device: 1 if programs == "many" else 132)
+    codes, tiles = [], []
+    monkeypatch.setattr(decode, "v_pairs_code", lambda v, d_v: codes.append(pairs_code(v, d_v) if v_read == "pairs"
+                                                                            else 0) or codes[-1])
+    monkeypatch.setattr(decode, "launch_decode", lambda *a, **kw: (tiles.append(kw["tiles"]), launch(*a, **kw))[1])
+    c = Cache(device=device, paged=paged, dtype=torch.float16, d=64, d_v=48, lens=(150, 17, 96), per_head=True,
+              seed=41)
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend=backend, **c.kwargs())
+    assert codes == [3 if v_read == "pairs" else 0], codes       # 3: e4m3 pairs in Triton's conversions
+    assert tiles == [decode.FP8_TILE if programs == "many" else decode.FP8_TILE_FEW[paged]], tiles
+    c.check(out, stats, kernel=True)
+
+
+def test_v_pairs_code_where_the_view_applies(monkeypatch):
+    """``decode.v_pairs_code``: FP8 V read as int16 pairs (PTX on a GPU: 1 e4m3 / 2 e5m2; the interpreter: 3 / 4)
+    only where the view is exact and half a tile is a dot's width: an even d_v, column stride 1, even strides and
+    offset, BLOCK_DV >= 32; 16-bit caches never."""
+    from fusedattn.backends.triton import decode
+    v = torch.zeros(2, 3, 5, 64, dtype=E4M3)                                         # [b, h_kv, s, d_v]
+    monkeypatch.setattr(decode, "interpreting", lambda: False)
+    assert decode.v_pairs_code(v, 64) == 1
+    assert decode.v_pairs_code(v.view(torch.uint8).view(E5M2), 64) == 2
+    assert decode.v_pairs_code(torch.zeros(2, 3, 5, 24, dtype=E4M3), 24) == 1       # BLOCK_DV 32: halves of 16
+    assert decode.v_pairs_code(torch.zeros(2, 3, 5, 16, dtype=E4M3), 16) == 0       # halves of 8: narrower than a dot
+    assert decode.v_pairs_code(torch.zeros(2, 3, 5, 63, dtype=E4M3)[..., :62], 62) == 0    # odd row stride
+    assert decode.v_pairs_code(torch.zeros(2, 3, 5, 65, dtype=E4M3)[..., 1:], 64) == 0     # odd offset
+    assert decode.v_pairs_code(torch.zeros(2, 3, 64, 5, dtype=E4M3).transpose(2, 3), 64) == 0  # column stride 5
+    assert decode.v_pairs_code(torch.zeros(2, 3, 5, 64, dtype=torch.bfloat16), 64) == 0
+    monkeypatch.setattr(decode, "interpreting", lambda: True)
+    assert decode.v_pairs_code(v, 64) == 3
+    assert decode.v_pairs_code(v.view(torch.uint8).view(E5M2), 64) == 4
+
+
 def test_packed_queries():
     """cu_seqlens_q: packed new tokens against a paged FP8 cache equal the padded call, row for row."""
     lens_q = (4, 1, 0)
@@ -426,6 +473,21 @@ def test_gpu_fp8_cache_each_format(fp8_dtype, dtype, paged, dims):
     bound (the other GPU cases are e4m3 with bf16 queries only)."""
     c = Cache(device="cuda", paged=paged, dtype=dtype, fp8_dtype=fp8_dtype, d=dims[0], d_v=dims[1], per_head=True,
               seed=29)
+    out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
+    c.check(out, stats, kernel=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests skipped")
+@pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged"])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_fp8_cache_v_as_bytes(fp8_dtype, paged, monkeypatch):
+    """The decode kernel's other V route on the GPU: V read as FP8 bytes (where ``decode.v_pairs_code`` finds no
+    int16 view: odd strides, narrow d_v), forced here; within the derived bound like the pairs route above."""
+    from fusedattn.backends.triton import decode
+    monkeypatch.setattr(decode, "v_pairs_code", lambda v, d_v: 0)
+    c = Cache(device="cuda", paged=paged, dtype=torch.bfloat16, fp8_dtype=fp8_dtype, d=128, d_v=128,
+              per_head=True, seed=31)
     out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, **c.kwargs())
     c.check(out, stats, kernel=True)
 

@@ -666,7 +666,7 @@ def test_gpu_tiles_under_interpreter(geom, target, monkeypatch):
     if device != "cpu" or backend != "triton":
         pytest.skip("interpreter only (the GPU runs these tiles anyway)")
     original = decode.decode_tiles
-    monkeypatch.setattr(decode, "decode_tiles", lambda rows, d, dt, interpret: original(rows, d, dt, False))
+    monkeypatch.setattr(decode, "decode_tiles", lambda rows, d, dt, interpret, *rest: original(rows, d, dt, False, *rest))
     g, s_q, d, dtype = geom
     case = KVCase(seed=1200 + g + s_q, b=2, h_q=2 * g, h_kv=2, s_q=s_q, d=d, d_v=d, page_size=16, pages=9,
                   s_max=144, lens=(144, 30), dtype=dtype, num_splits=2, append=True)

@@ -19,14 +19,15 @@ from triton.compiler import ASTSource
 import aot_check as a
 from fusedattn.backends.triton import decode
 
-def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False):
+def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False, pairs=0):
     k = decode._decode_fwd
-    ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V=f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32", SEQ_KV="*i32",
+    ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V="*i16" if pairs else f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32", SEQ_KV="*i32",
                 SLOPES="*fp32", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", SINK="*fp32",
                 DESCALE_K="*fp32", DESCALE_V="*fp32")
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, EVEN_D=True, EVEN_DV=True, PAGED=paged, PAGE_SIZE=16 if paged else 1,
              HAS_SEQ_Q=False, HAS_SEQ_KV=True, BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=True, HAS_ALIBI=False,
-             SOFTCAP=False, SPLIT=True, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8)
+             SOFTCAP=False, SPLIT=True, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8,
+             V_PAIRS=pairs)
     for n in k.arg_names:
         if n.startswith("stride_") and n.endswith("d"):
             c[n] = 1
@@ -47,6 +48,13 @@ def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False)
                         if n > 1)
     return line
 
-for dtype, kv, fp8 in (("bf16", "bf16", False), ("bf16", "fp8e4nv", True), ("fp16", "fp8e4nv", True), ("bf16", "fp8e5", True)):
-    for paged in (False, True):
-        print(dtype, kv, "paged" if paged else "contig", variant(dtype, kv, fp8, paged, loops="--loops" in sys.argv))
+CASES = (("bf16", "bf16", False, 0), ("bf16", "fp8e4nv", True, 0), ("bf16", "fp8e4nv", True, 1),
+         ("fp16", "fp8e4nv", True, 0), ("fp16", "fp8e4nv", True, 1), ("bf16", "fp8e5", True, 0), ("bf16", "fp8e5", True, 2))
+if __name__ == "__main__":
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    for dtype, kv, fp8, pairs in CASES:
+        if only and f"{dtype}/{kv}/{pairs}" not in only:
+            continue
+        for paged in (False, True):
+            print(dtype, kv, f"pairs={pairs}", "paged" if paged else "contig",
+                  variant(dtype, kv, fp8, paged, loops="--loops" in sys.argv, pairs=pairs))

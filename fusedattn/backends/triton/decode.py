@@ -54,6 +54,7 @@ import triton.language as tl
 
 from .args import LOG2E_PY, block_dim, slope_batch_stride
 from .common import LN2, fold_sink, load_tile, scores_base2
+from ...plan import interpreting
 from .launch import Launcher, jit_launch, signature_key
 
 
@@ -82,14 +83,48 @@ def _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_b, stride_n, kv_
 
 
 @triton.jit
-def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn,
+def _widen_pairs(v16, V_PAIRS: tl.constexpr):
+    """An FP8 tile read as int16 pairs [N, C] (element c of row n holds FP8 columns 2c and 2c + 1, low byte
+    first) widened to two fp16 tiles [N, C]: the even columns and the odd ones. Exact (every e4m3 / e5m2
+    value is an fp16 one). V_PAIRS (``v_pairs_code``): 1 e4m3, 2 e5m2 in inline PTX; 3 / 4 the same in
+    Triton's own conversions (the interpreter, which runs no PTX: 1.4x the PTX's SASS on a GPU).
+
+    Why ([Note] FP8 V as pairs): P V's B operand holds two consecutive keys of one column per register, and
+    a byte tile has no transposing ldmatrix, so read as bytes V's operand costs one shared-memory load per
+    byte (128 LDS.U8 a 128-key step). As int16 the tile is 16-bit: ldmatrix.trans gives each thread two keys
+    of one pair column in one register, and one byte permute plus two conversions make the even and odd
+    columns' operands. Elementwise in any layout: with pack=2 an operand register holds elements i, i + 1."""
+    if V_PAIRS >= 3:
+        fmt: tl.constexpr = tl.float8e4nv if V_PAIRS == 3 else tl.float8e5
+        lo = (v16 & 0xFF).to(tl.uint8).to(fmt, bitcast=True).to(tl.float16)
+        hi = ((v16 >> 8) & 0xFF).to(tl.uint8).to(fmt, bitcast=True).to(tl.float16)
+        return lo, hi
+    elif V_PAIRS == 1:
+        return tl.inline_asm_elementwise(
+            """{ .reg .b32 t; .reg .b16 lo, hi;
+            prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t;
+            cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }""",
+            "=r,=r,r", [v16], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(
+            """{ .reg .b32 t; .reg .b16 lo, hi;
+            prmt.b32 t, $2, 0, 0x3120; mov.b32 {lo, hi}, t;
+            cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }""",
+            "=r,=r,r", [v16], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _decode_blocks(acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn,
                    slope, tok, offs_n, offs_d, offs_dv, start, end, len_kv, num_pages, diag,
                    stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, kb_off, vb_off,
                    D, D_V, qk_scale, softcap, win_left, win_right,
                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of the packed rows over key blocks [start, end)."""
+                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   V_PAIRS: tl.constexpr):
+    """Online-softmax update of the packed rows over key blocks [start, end). V_PAIRS: V_HEAD points at
+    int16 pairs of FP8 bytes (its strides in pairs, column stride 1) and ``offs_dv`` at pair columns;
+    ``acc`` then holds O's even columns and ``acc_odd`` its odd ones (unused otherwise)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         k_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_kb, stride_kn, kb_off,
@@ -111,12 +146,21 @@ def _decode_blocks(acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW,
                               MASKED, PAGED, PAGE_SIZE)
         else:
             v_rows = vb_off + cols.to(tl.int64) * stride_vn
-        v = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :] * stride_vd, cols, offs_dv, len_kv, D_V,
-                      MASKED, not EVEN_DV)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        if V_PAIRS:
+            # offs_dv: pair columns here (BLOCK_DV // 2 of them, from the caller)
+            v16 = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :], cols, offs_dv, len_kv, D_V // 2,
+                            MASKED, not EVEN_DV)
+            v_even, v_odd = _widen_pairs(v16, V_PAIRS)
+            p16 = p.to(tl.float16)
+            acc = tl.dot(p16, v_even, acc * alpha[:, None])
+            acc_odd = tl.dot(p16, v_odd, acc_odd * alpha[:, None])
+        else:
+            v = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :] * stride_vd, cols, offs_dv, len_kv, D_V,
+                          MASKED, not EVEN_DV)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit
@@ -149,7 +193,8 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
                 HAS_SEQ_Q: tl.constexpr, HAS_SEQ_KV: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, KV_FP8: tl.constexpr = False):
+                DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, KV_FP8: tl.constexpr = False,
+                V_PAIRS: tl.constexpr = 0):
     bkv = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -229,23 +274,39 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, m_i, l_i = _decode_blocks(
-        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
+    if V_PAIRS:
+        # [Note] FP8 V as pairs (_widen_pairs): O's even and odd columns, interleaved after the last tile
+        v_cols = tl.arange(0, BLOCK_DV // 2)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV // 2], tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, BLOCK_DV // 2], tl.float32)
+    else:
+        v_cols = offs_dv
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        acc_odd = 0.0
+    acc, acc_odd, m_i, l_i = _decode_blocks(
+        acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
+        v_cols,
         s_lo, f_lo, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
-        True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    acc, m_i, l_i = _decode_blocks(
-        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
+        True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+        V_PAIRS)
+    acc, acc_odd, m_i, l_i = _decode_blocks(
+        acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
+        v_cols,
         f_lo, f_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
-        False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-    acc, m_i, l_i = _decode_blocks(
-        acc, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d, offs_dv,
+        False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+        V_PAIRS)
+    acc, acc_odd, m_i, l_i = _decode_blocks(
+        acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
+        v_cols,
         f_hi, s_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
-        True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+        V_PAIRS)
 
+    if V_PAIRS:
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_DV])     # column 2c: even c, 2c + 1: odd c
     if HAS_SINK:
         # split 0 only: the combine then counts the sink once (ALiBi here is unshifted, no frame change)
         first = (rows * 0 + split) == 0
@@ -410,6 +471,8 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     max_regs: int = 0  # ptxas's register cap per thread (Triton's ``maxnreg``), 0: the compiler's choice
+    ctas_per_sm: int = 0  # programs resident per SM for the split heuristic (ptxas's registers and shared
+    #                       memory, sm_90), 0: CTAS_PER_SM
 
 
 H100_SMS = 132
@@ -419,7 +482,7 @@ CTAS_PER_SM = 2
 MAX_SPLITS = 64
 
 
-def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> DecodeTiles:
+def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool, kv_fp8: bool = False) -> DecodeTiles:
     """Tiles for ``rows = g * s_q`` packed query rows at head dim ``d`` (max of d, d_v).
 
     Decode is memory-bound: the tile is as short in M as tl.dot allows (16) and long enough in N
@@ -439,6 +502,9 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> Deco
             return DecodeTiles(bm, 16, 8, 2)                     # 64-210 regs, 26-54 KB
         if d > 128:
             return DecodeTiles(bm, 32, 8, 2)                     # 127-184 regs, 42-98 KB
+        if bm == 16 and kv_fp8:
+            # FP8 caches carry half the bytes per key: FP8_TILE (bench/NOTES.md 74)
+            return FP8_TILE
         if bm == 16:
             # H100 sweep (bench/decode_sweep.py): 128-key tiles, 4 warps, 2 stages read K/V at
             # 2.80-3.02 TB/s contiguous and 2.87-2.98 TB/s paged (16/64), vs 2.33-2.34 paged with
@@ -452,6 +518,14 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool) -> Deco
         return DecodeTiles(64, 32, 8, 2)                         # 184 regs, 98 KB
     return DecodeTiles(128, 64, 8, 3)                            # 186 regs, 98 KB
 
+
+# An FP8 cache's decode tiles (16 rows; bench/NOTES.md 74, H200 sweeps with V read as pairs). Where the
+# programs fill the machine at four per SM, 64-key tiles (b64 h_kv 8 kv4k contiguous: 0.88-0.91 of copy against
+# 0.68-0.74 for 128 keys); where they do not (long caches over few heads), 128-key tiles at two per SM
+# (contiguous, kv16k: 0.98-1.01), or 256 keys for a paged cache (0.87-0.88 against 0.67-0.68).
+FP8_TILE = DecodeTiles(16, 64, 4, 3, ctas_per_sm=4)         # 128 registers, 39 KB (Triton 3.6, contiguous)
+FP8_TILE_FEW = {False: DecodeTiles(16, 128, 4, 3, ctas_per_sm=2),   # 180 registers, 72 KB
+                True: DecodeTiles(16, 256, 4, 2, ctas_per_sm=2)}    # 214 registers, 76 KB (paged)
 
 INTERPRETER_SMS = 4      # the interpreter runs programs one by one: a small "machine" means few splits
 
@@ -501,13 +575,31 @@ def _switches(dtype, d, d_v, band, softcap, has_alibi):
     ), (band.left if has_left else 0), (band.right if has_right else 0)
 
 
-def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None):
-    """(tiles, splits) of one decode launch: the tile table, then the split heuristic unless forced."""
-    tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda")
+def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None, kv_dtype=None, paged=False):
+    """(tiles, splits) of one decode launch: the tile table, then the split heuristic unless forced.
+    ``kv_dtype``: the cache's element type (an FP8 cache has its own tiles, by how many programs the call
+    has: FP8_TILE / FP8_TILE_FEW), default ``dtype``; ``paged``: a paged cache."""
+    kv_fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda", kv_fp8)
+    if tiles == FP8_TILE and b * h_kv * triton.cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
+        tiles = FP8_TILE_FEW[paged]
     if num_splits is None:
         m_tiles = triton.cdiv(g * s_q, tiles.block_m)
-        num_splits = num_splits_heuristic(b * h_kv * m_tiles, triton.cdiv(cap, tiles.block_n), num_sms(device))
+        num_splits = num_splits_heuristic(b * h_kv * m_tiles, triton.cdiv(cap, tiles.block_n), num_sms(device),
+                                          ctas_per_sm=tiles.ctas_per_sm or CTAS_PER_SM)
     return tiles, num_splits
+
+
+def v_pairs_code(v_cache: torch.Tensor, d_v: int) -> int:
+    """The kernel's V_PAIRS for an FP8 ``v_cache`` ([Note] FP8 V as pairs in ``_widen_pairs``): 1 / 2 (e4m3 /
+    e5m2, PTX) on a GPU, 3 / 4 under the interpreter, 0 where V cannot be read as int16 pairs (an odd d_v, a
+    column stride that is not 1, an odd stride or offset) or where half of V's tile is narrower than a dot
+    (BLOCK_DV < 32). Sixteen-bit caches: 0."""
+    fmt = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(v_cache.dtype, 0)
+    if not fmt or d_v % 2 or block_dim(d_v) < 32 or v_cache.stride(3) != 1 or v_cache.storage_offset() % 2 \
+            or any(st % 2 for st in v_cache.stride()[:3]):
+        return 0
+    return fmt + 2 if interpreting() else fmt
 
 
 def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse, *, scale, softcap, band,
@@ -545,6 +637,9 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0, 0))
     kv_fp8 = descale_k is not None
     dsk, dsv = (descale_k.reshape(-1), descale_v.reshape(-1)) if kv_fp8 else (q, q)
+    v_pairs = v_pairs_code(v_cache, d_v) if kv_fp8 else 0
+    if v_pairs:
+        v_cache = v_cache.view(torch.int16)              # its strides in pairs; d_v stays in FP8 columns
     grid = (b * h_kv, num_splits, m_tiles)
     args = (q, k_cache, v_cache, pt, pt_v, seq_len_q if seq_len_q is not None else pt,
             seq_len_kv if seq_len_kv is not None else pt, slopes if slopes is not None else q,
@@ -559,6 +654,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
                   HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
                   BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
                   SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
+                  V_PAIRS=v_pairs,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
     if tiles.max_regs:
         kwargs["maxnreg"] = tiles.max_regs
