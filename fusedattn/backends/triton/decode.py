@@ -581,7 +581,7 @@ def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None, kv
     has: FP8_TILE / FP8_TILE_FEW), default ``dtype``; ``paged``: a paged cache."""
     kv_fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda", kv_fp8)
-    if tiles == FP8_TILE and b * h_kv * triton.cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
+    if tiles is FP8_TILE and b * h_kv * triton.cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
         tiles = FP8_TILE_FEW[paged]
     if num_splits is None:
         m_tiles = triton.cdiv(g * s_q, tiles.block_m)
