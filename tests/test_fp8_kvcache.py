@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conftest import TARGETS
+from conftest import TARGETS, run_compile_child
 from fusedattn import fp8
 from fusedattn.backends.triton import decode as decode_kernels
 from fusedattn.flash_attn import flash_attn_with_kvcache
@@ -523,3 +523,27 @@ def test_fp16_rows_exact(target):
     back = q16 * inv[:, None]
     assert torch.equal(back[finite], q.float()[finite]), "rows must round-trip exactly"
     assert back[5, 7] == float("inf") and back[5, 9].isnan()
+
+
+def test_fp8_v_pairs_compile_for_sm90():
+    """No GPU needed: the decode kernel's FP8 builds with V read as int16 pairs (``decode._widen_pairs``: inline
+    PTX, which the interpreter CI runs cannot) compile for sm_90 at both FP8 tiles, contiguous and paged, e4m3 and
+    e5m2 (``tools/decode_aot_check.compile_decode`` in a child process), and their step loops read V by ldmatrix
+    with no byte-wide shared-memory load, where the bytes route (V_PAIRS 0) has them (bench/NOTES.md 74)."""
+    out = run_compile_child(
+        "from decode_aot_check import compile_decode\n"
+        "from sass_loops import loop_spans, sass\n"
+        "for kv, pairs, paged, bn, st in (('fp8e4nv', 1, False, 64, 3), ('fp8e5', 2, True, 64, 3),\n"
+        "                                 ('fp8e4nv', 1, True, 256, 2), ('fp8e4nv', 0, False, 64, 3)):\n"
+        "    text = sass(compile_decode('bf16', kv, True, paged, bn=bn, st=st, pairs=pairs))\n"
+        "    lines = text.splitlines()\n"
+        "    for _, first, last in loop_spans(text):\n"
+        "        body = lines[first:last + 1]\n"
+        "        print('LOOP', pairs, sum('LDS.U8' in b for b in body), sum('LDSM' in b for b in body),\n"
+        "              sum('HMMA' in b for b in body))\n")
+    loops = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("LOOP")]
+    steps = [lp for lp in loops if lp[3]]           # loops with MMAs: the key-tile steps
+    pairs_steps = [lp for lp in steps if lp[0]]
+    assert len(pairs_steps) >= 9, f"step loops of the pairs builds: {loops}"
+    assert all(lp[1] == 0 and lp[2] > 0 for lp in pairs_steps), f"(pairs, LDS.U8, LDSM, HMMA) per step: {loops}"
+    assert any(lp[1] > 0 for lp in steps if not lp[0]), f"the bytes route reads V by bytes: {loops}"

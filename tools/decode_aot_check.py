@@ -1,9 +1,13 @@
 """Compile the split-KV decode kernel (backends/triton/decode.py) for sm_90 without a GPU: a 16-bit cache and
-FP8 caches (KV_FP8: e4m3 / e5m2 bytes widened to q's type), contiguous and paged, at the H100 decode tile
-(16 x 128, 4 warps, 2 stages). Prints shared memory, registers / spills (ptxas) and the TTGIR's async copies
-(pipelined K / V loads).
+FP8 caches (KV_FP8: e4m3 / e5m2 bytes widened to q's type; V_PAIRS: V read as int16 pairs), contiguous and paged,
+at the H100 decode tile (16 x 128, 4 warps, 2 stages). Prints shared memory, registers / spills (ptxas) and the
+TTGIR's async copies (pipelined K / V loads).
 
-    python tools/decode_aot_check.py [--loops]      # --loops: each loop's SASS instruction count and top opcodes
+    python tools/decode_aot_check.py [--loops] [DTYPE/KV/PAIRS ...]   # --loops: each loop's SASS instruction
+                                                                       # count and top opcodes; e.g. bf16/fp8e4nv/1
+
+Session 35 (Triton 3.6, --loops, the unmasked step, bf16 q, e4m3): V as bytes 961 (contiguous) / 1204 (paged)
+instructions, 255 / 208 registers; V as int16 pairs 617 / 805, 184 / 168 (bench/NOTES.md 74).
 
 Session 18 (Triton 3.6): bf16 cache 208-220 regs, 72 KB; e4m3 cache 168-255 regs (contiguous bf16 q: 16
 bytes of spill), 40 KB; 12 async copies in every variant.
@@ -19,14 +23,16 @@ from triton.compiler import ASTSource
 import aot_check as a
 from fusedattn.backends.triton import decode
 
-def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False, pairs=0):
+def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs=0, split=True):
+    """The decode kernel compiled for sm_90 (no GPU): q / out of ``dtype``, the cache of ``kv`` (a Triton type
+    name; V as ``*i16`` where ``pairs``: decode.V_PAIRS), a 16 x ``bn`` tile with ``w`` warps and ``st`` stages."""
     k = decode._decode_fwd
-    ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V="*i16" if pairs else f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32", SEQ_KV="*i32",
-                SLOPES="*fp32", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", SINK="*fp32",
-                DESCALE_K="*fp32", DESCALE_V="*fp32")
+    ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V="*i16" if pairs else f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32",
+                SEQ_KV="*i32", SLOPES="*fp32", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
+                SINK="*fp32", DESCALE_K="*fp32", DESCALE_V="*fp32")
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, EVEN_D=True, EVEN_DV=True, PAGED=paged, PAGE_SIZE=16 if paged else 1,
              HAS_SEQ_Q=False, HAS_SEQ_KV=True, BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=True, HAS_ALIBI=False,
-             SOFTCAP=False, SPLIT=True, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8,
+             SOFTCAP=False, SPLIT=split, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8,
              V_PAIRS=pairs)
     for n in k.arg_names:
         if n.startswith("stride_") and n.endswith("d"):
@@ -38,8 +44,12 @@ def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False,
         sig[n] = ptrs.get(n) or ("fp32" if n in ("qk_scale", "softcap") else "i32")
         if n in ptrs or n.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    kk = triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=a.TARGET,
-                        options=dict(num_warps=w, num_stages=st))
+    return triton.compile(ASTSource(fn=k, signature=sig, constexprs=c, attrs=attrs), target=a.TARGET,
+                          options=dict(num_warps=w, num_stages=st))
+
+
+def variant(dtype, kv, fp8, paged, loops=False, pairs=0, **tile):
+    kk = compile_decode(dtype, kv, fp8, paged, pairs=pairs, **tile)
     t = kk.asm["ttgir"]
     line = f"smem={kk.metadata.shared} {a.ptxas_report(kk)} async_copies={t.count('async_copy_global_to_local')}"
     if loops:
@@ -47,6 +57,7 @@ def variant(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, loops=False,
         line += "".join(f"\n    loop {label}: {n} instructions, {top[:8]}" for label, n, top in loop_stats(sass(kk))
                         if n > 1)
     return line
+
 
 CASES = (("bf16", "bf16", False, 0), ("bf16", "fp8e4nv", True, 0), ("bf16", "fp8e4nv", True, 1),
          ("fp16", "fp8e4nv", True, 0), ("fp16", "fp8e4nv", True, 1), ("bf16", "fp8e5", True, 0), ("bf16", "fp8e5", True, 2))
