@@ -13,7 +13,9 @@ Measured (session 33, H200, Triton 3.6.0, the shipped store on): 2k causal 198-2
 rotation quick / full, one set), 20 calls enqueued at 1.37-1.51 ms each against 1.41-1.55 ms with the GPU: host-
 bound; 8k 640-644 (host 2.27 ms under 4.3 ms of GPU). cProfile: the shipped kernel's packer generated and
 compiled on every call (the FP8 switches' tensors passed by keyword made each call's tail new), ten TMA
-descriptors encoded per call. Fixed in ``PrebuiltKernel.bound`` (bench/NOTES.md 72); not re-measured yet.
+descriptors encoded per call. Fixed in ``PrebuiltKernel.bound`` (bench/NOTES.md 72); session 34, store on: 383
+TFLOP/s, host 0.60 ms a call; the JIT path (a store miss, ``FUSEDATTN_PREBUILT=0``) 272. Session 35, the JIT path
+after the fused backward moved to ``launch.launch`` (bench/NOTES.md 75): 383.5-385.9, host 0.92 ms a call.
 """
 import argparse
 import time

@@ -181,33 +181,52 @@ def test_gluon_signature_key_separates_what_the_jit_specializes_on():
     with pytest.raises(TypeError, match="unexpected kernel argument"):
         signature_key((x.numpy(),), {})
     # a tensor or descriptor passed by keyword (the FP8 switches' scales and gradient buffers, new on every call):
-    # no key, so the launch is not cached (a key holding it never repeats and its entry kept the tensors alive)
-    assert signature_key((_tma(x, 64), x), dict(BLOCK=64, SCALES=x)) is None
-    assert signature_key((x,), dict(DESC=_tma(x, 64))) is None
-    assert signature_key((x,), dict(BLOCK=64, STRIDE=0, SCALES=None)) is not None
+    # keyed as a positional one, by name (the Launcher passes its value on each call; bench/NOTES.md 73 / 75)
+    assert key(x, SCALES=x) == key(x, SCALES=torch.randn_like(x)) != key(x, SCALES=x.to(torch.bfloat16))
+    assert key(x, SCALES=x) != key(x, AMAX=x)
+    assert key(x, DESC=_tma(x, 64)) == key(x, DESC=_tma(torch.randn_like(x), 64)) != key(x, DESC=_tma(x, 128))
+    assert not any(isinstance(v, torch.Tensor) or isinstance(v, tuple) and any(isinstance(e, torch.Tensor) for e in v)
+                   for part in key(x, SCALES=x, DESC=_tma(x, 64))[1] for v in part), "a key holds a tensor"
+    assert key(x, BLOCK2=64, STRIDE=0, SCALES=None) == key(x, BLOCK2=64, STRIDE=0, SCALES=None)
 
 
-def test_a_launch_with_tensors_by_keyword_is_not_cached(monkeypatch):
-    """backends/triton/launch.py ``Launcher``: a launch whose keyword arguments hold a tensor goes through the JIT
-    every time and adds no cache entry (which kept its tensors alive: bench/NOTES.md 73); one without keeps its
-    entry."""
+def test_a_launch_with_tensors_by_keyword_passes_them_on_each_call(monkeypatch):
+    """backends/triton/launch.py ``Launcher``: a launch whose keyword arguments hold tensors is cached like any
+    other, and its cached launches pass each call's tensors, with every parameter before the last of them, after the
+    positional arguments in signature order (defaults where the call leaves one out); the cache keeps none of them
+    (the FP8 switches' scales and gradient buffers: bench/NOTES.md 73 / 75)."""
     import weakref
+    from types import SimpleNamespace
     from fusedattn.backends.triton import launch as tl_launch
-    seen = []
+    seen, launched = [], []
     compiled = type("Compiled", (), {"packed_metadata": None})()      # what the JIT returns: cacheable
     monkeypatch.setattr(tl_launch, "jit_launch", lambda kernel, grid, *a, **kw: seen.append(kw) or compiled)
     monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(tl_launch, "_current_raw_stream", lambda device: 0)
     monkeypatch.setattr(tl_launch, "interpreting", lambda: False)
-    launcher = tl_launch.Launcher(type("K", (), {"arg_names": ["X"], "params": []})())
-    buf = torch.zeros(4)
+    monkeypatch.setattr(tl_launch.compat, "ensure_context", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    params = [SimpleNamespace(name=n, default=d) for n, d in
+              (("X", None), ("BLOCK", 16), ("SCALES", None), ("STRIDE", 0), ("AMAX", None), ("FLAG", False))]
+    kernel = type("K", (), {"arg_names": [p.name for p in params], "params": params})()
+
+    def direct(compiled, tail, args):
+        return lambda gx, gy, gz, stream, call: launched.append((call, tail))
+    launcher = tl_launch.Launcher(kernel, direct=direct)
+    x, buf = torch.zeros(2), torch.zeros(4)
     ref = weakref.ref(buf)
-    for _ in range(3):
-        launcher(tl_launch.signature_key((torch.zeros(2),), dict(SCALES=buf)), (1,), torch.zeros(2), SCALES=buf)
-    assert len(seen) == 3 and not launcher.cache
-    del buf, seen[:]
-    assert ref() is None, "the launch kept its keyword tensor alive"
-    launcher(tl_launch.signature_key((torch.zeros(2),), dict(BLOCK=64)), (1,), torch.zeros(2), BLOCK=64)
-    assert len(launcher.cache) == 1, "a launch of constants by keyword is cached"
+    kw = dict(SCALES=buf, AMAX=torch.ones(3), STRIDE=7, FLAG=True)
+    launcher(tl_launch.signature_key((x,), kw), (1,), x, **kw)
+    assert len(seen) == 1 and len(launcher.cache) == 1
+    for _ in range(2):
+        fresh = dict(kw, SCALES=torch.zeros(4), AMAX=torch.ones(3))
+        launcher(tl_launch.signature_key((x,), fresh), (1,), x, **fresh)
+        call, tail = launched[-1]
+        assert call[0] is x and call[1] == 16 and call[2] is fresh["SCALES"] and call[3] == 7 and call[4] is fresh["AMAX"]
+        assert tail == (True,), tail
+    assert len(seen) == 1 and launcher.direct_launches == 2, "the repeat launches skip the JIT"
+    del buf, kw, seen[:], launched[:]
+    assert ref() is None, "the cache kept a call's keyword tensor alive"
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -49,7 +49,9 @@ in its builder (``create_async_tma_reduce``) but no wrapper; 3.8+ has ``tma.asyn
 Host side (``launch_bwd_fused_sm90``): with ``out=`` one small Triton kernel (``_delta_zero``) computes
 delta = rowsum(dO * O) and zeroes dq_acc (fp32 [b, h_q, s_q rounded up to 64 (``acc_rows``), 128],
 contiguous) in the same pass; without it delta comes from the caller (as for the dK/dV pass) and dq_acc is
-zeroed by torch. A second small kernel writes dq = scale * dq_acc in dq's dtype.
+zeroed by torch. A second small kernel writes dq = scale * dq_acc in dq's dtype. All three launch through
+``launch.launch`` (a repeat signature skips Triton's dispatch; descriptors are ``Tma`` tuples, each encoded
+once per tensor), the FP8 switches' tensors and descriptors by keyword too (bench/NOTES.md 75).
 
 Epilogue: dV through the warpgroup's own V tile (only it reads V_WG); dK through its K tile once the
 other warpgroup is done with its dQ products (which read both K tiles): an mbarrier of count 2.
@@ -207,16 +209,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..compat import TRITON_VERSION, tma_reduce_add, tma_store
 from ..triton.bwd import fp8_grad_out
-from ..triton.launch import jit_launch
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _fp8_grad_write, _fp8_round16, _heavy_first
-from .fwd_sm90 import (LOG2E, _desc, _geometry, _is_sm90, _pack_p8, _smem_layout, _to_fp8, _tma_ready,
+from .fwd_sm90 import (LOG2E, _geometry, _is_sm90, _pack_p8, _smem_layout, _to_fp8, _tma, _tma_ready,
                        _unpack_p8, transposed_v, widened_fp16)
-from .launch import Tma
+from .launch import Tma, launch
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
 BLOCK_N = 2 * WG_N   # keys per CTA
@@ -971,7 +971,7 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
     assert out.stride(-1) == 1 and grad_out.stride(-1) == 1
     block = 64
-    jit_launch(_delta_zero, (triton.cdiv(p.s_q, block), p.b * p.h_q),
+    launch(_delta_zero, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         out, grad_out, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0),
         grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=p.d, num_warps=4)
 
@@ -995,8 +995,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
     box, layout = _dq_box(DQ_FLAT[causal] if flat is None else flat, p.d)
     # the TMA reduce clips at s_q (LAG's reduce at row s_q before the first tile is dropped whole)
-    dq_desc = TensorDescriptor(dq_acc, [p.b, p.h_q, p.s_q, p.d], list(dq_acc.stride()), [1, 1, BLOCK_M, box],
-                               layout)
+    dq_desc = Tma(dq_acc, (p.b, p.h_q, p.s_q, p.d), dq_acc.stride(), (1, 1, BLOCK_M, box), layout)
     grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     fp8_kw = {}
     if fp8 is not None:
@@ -1009,9 +1008,11 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
             qt, dot, kt = fp8_t
             fp8_kw.update(FP8_EMU=2, QT_DESC=_t_desc(qt, BLOCK_M), DOT_DESC=_t_desc(dot, BLOCK_M),
                           KT_DESC=_t_desc(kt, WG_N))
-    jit_launch(_attn_bwd_fused_sm90, grid,
-        _desc(q, BLOCK_M), _desc(k, WG_N), _desc(v, WG_N), _desc(grad_out, BLOCK_M), _desc(dk, WG_N),
-        _desc(dv, WG_N), dq_desc, dq_acc, lse, *lse.stride(), delta,
+    # through launch.launch (a repeat signature skips the JIT; each descriptor encoded once per tensor), the FP8
+    # switches' tensors and descriptors by keyword too (passed on each call, not kept: triton/launch.Launcher)
+    launch(_attn_bwd_fused_sm90, grid,
+        _tma(q, BLOCK_M), _tma(k, WG_N), _tma(v, WG_N), _tma(grad_out, BLOCK_M), _tma(dk, WG_N),
+        _tma(dv, WG_N), dq_desc, dq_acc, lse, *lse.stride(), delta,
         p.h_kv, p.h_q, p.group, p.s_q, p.s_kv, p.scale * LOG2E, p.scale,
         _chunk(grid, q.device.index) if (HEAVY_FIRST[causal] if heavy_first is None else heavy_first) else 1,
         STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=causal and band.alignment == "bottom_right",
@@ -1030,7 +1031,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
 def launch_convert(p, dq_acc, dq):
     """dq = scale * dq_acc in dq's dtype (dq: any strides with unit last stride)."""
     block = 64
-    jit_launch(_dq_convert, (triton.cdiv(p.s_q, block), p.b * p.h_q),
+    launch(_dq_convert, (triton.cdiv(p.s_q, block), p.b * p.h_q),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
         D=p.d, num_warps=4)
 
@@ -1066,7 +1067,7 @@ def supports_fp8(p, q8, k8, v8, o, do8, dq, dk, dv) -> bool:
 def _t_desc(t, cols):
     """The descriptor of a transposed FP8 copy [b, h, d, s_pad] (``fp8_transposes``): [d, cols] boxes."""
     d = t.shape[2]
-    return Tma(t, t.shape, _geometry(t)[1], (1, 1, d, cols), _smem_layout(d, cols, t.dtype)).descriptor()
+    return Tma(t, t.shape, _geometry(t)[1], (1, 1, d, cols), _smem_layout(d, cols, t.dtype))
 
 
 def fp8_transposes(q8, k8, do8):
@@ -1099,6 +1100,6 @@ def launch_bwd_fused_fp8(p, q8, k8, v8, o, do8, lse, scales, amax, dq, dk, dv, *
         q, k, v, grad_out = (widened_fp16(t) for t in (q8, k8, v8, do8))
         launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, fp8=fp8)
     block = 64
-    jit_launch(_dq_convert_fp8, (triton.cdiv(p.s_q, block), p.b * p.h_q), dq_acc, dq, dq.stride(0), dq.stride(1),
-               dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), scales, amax, BLOCK=block, D=p.d, num_warps=4)
+    launch(_dq_convert_fp8, (triton.cdiv(p.s_q, block), p.b * p.h_q), dq_acc, dq, dq.stride(0), dq.stride(1),
+           dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), scales, amax, BLOCK=block, D=p.d, num_warps=4)
     return dq, dk, dv

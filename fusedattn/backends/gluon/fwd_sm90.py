@@ -278,7 +278,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...plan import interpreting
 from ..compat import TRITON_VERSION, cta_barrier, smem_reinterpret, tma_load, tma_store
@@ -2034,11 +2033,6 @@ def _tma(t, rows, box_rows=None, box_cols=None) -> Tma:
     every tile width here)."""
     d = TILE_D[t.shape[-1]]
     return Tma(t, t.shape, _geometry(t)[1], (1, 1, box_rows or rows, box_cols or d), _smem_layout(rows, d, t.dtype))
-
-
-def _desc(t, rows) -> TensorDescriptor:
-    """``_tma`` as a Gluon descriptor (for a plain ``kernel[grid](...)`` launch)."""
-    return _tma(t, rows).descriptor()
 
 
 @functools.lru_cache(maxsize=None)

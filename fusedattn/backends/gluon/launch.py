@@ -77,5 +77,5 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     :class:`Tma` tuples; a repeat signature skips the JIT (see the module docstring)."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
-        launcher = _LAUNCHERS[kernel] = Launcher(kernel, jit_arg=_jit_arg, direct=_direct)
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel, jit_arg=_jit_arg, direct=_direct, runtime_kinds=(Tma,))
     launcher(signature_key(args, kwargs), grid, *args, **kwargs)

@@ -186,12 +186,12 @@ _INT32 = (-2 ** 31, 2 ** 31)
 def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
     """A :class:`Launcher` key for one launch: what the JIT specializes on for each positional argument
     (a tensor's dtype and 16-byte alignment, an integer's value class: == 1, divisible by 16, width; a
-    bool's value; a float as a float) and the values of the keyword ones (constexprs and launch
-    options; the call site fixes their order). other_kind / other_key: one more argument type and its
-    key (Gluon's TMA descriptors). One pass with the common types first: this runs on every launch.
-    None (no key: the launch is not cached) where a keyword argument is a tensor or a descriptor: a runtime
-    value passed by keyword (the FP8 switches' scales, amaxes and gradient buffers) is new on every call, so
-    a key holding it never repeats, and the cache entry kept that call's tensors alive (bench/NOTES.md 73)."""
+    bool's value; a float as a float) and the keyword ones by name: a tensor or a descriptor (``other_kind``)
+    as a positional one (the FP8 switches' scales, amaxes, gradient buffers and transposed copies: runtime
+    values passed by keyword, new on every call, which :class:`Launcher` passes through instead of keeping),
+    any other value itself (constexprs and launch options; the call site fixes their order). other_kind /
+    other_key: one more argument type and its key (Gluon's TMA descriptors). One pass with the common types
+    first: this runs on every launch."""
     key = []
     add = key.append
     lo, hi = _INT32
@@ -213,8 +213,20 @@ def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
     for _, value in named:
         kind = type(value)
         if kind is _Tensor or (kind is other_kind and kind is not None):
-            return None
+            named = tuple((name, _runtime_key(value, other_kind, other_key)) for name, value in named)
+            break
     return tuple(key), named
+
+
+def _runtime_key(value, other_kind, other_key):
+    """A keyword argument's part of the key: a tensor or a descriptor by what the JIT specializes on (its
+    value is passed on each call, ``Launcher._promoted``), anything else by its value."""
+    kind = type(value)
+    if kind is _Tensor:
+        return _Tensor, value.dtype, value.data_ptr() % 16 == 0
+    if kind is other_kind and kind is not None:
+        return other_kind, other_key(value)
+    return value
 
 
 def direct_c(compiled, tail, args):
@@ -226,14 +238,17 @@ def direct_c(compiled, tail, args):
 class Launcher:
     """A @triton.jit kernel with a per-key cache of its compiled form (see the module docstring)."""
 
-    def __init__(self, kernel, jit_arg=None, direct=direct_c):
+    def __init__(self, kernel, jit_arg=None, direct=direct_c, runtime_kinds=()):
         """jit_arg: maps each positional argument to what the JIT takes, on the JIT path only (the
         direct path passes arguments as given: Gluon's TMA tuples, ``backends.gluon.launch``).
         direct: ``direct(compiled, tail, args)`` -> a callable ``(grid_x, grid_y, grid_z, stream,
         args)`` that launches ``compiled`` with less host time than its ``run``, or returns None (then
         ``run`` launches); asked once per key, on its first repeat call (default :func:`direct_c`), so
-        the fast path's one-time self-check (``backends.selfcheck``) stays out of a process's first call."""
+        the fast path's one-time self-check (``backends.selfcheck``) stays out of a process's first call.
+        runtime_kinds: argument types besides tensors that are runtime values when passed by keyword (Gluon's
+        ``Tma``), passed through on each call rather than kept."""
         self.kernel = kernel
+        self.runtime_kinds = tuple(runtime_kinds)
         self.jit_arg = jit_arg
         self.direct = direct
         self.names = kernel.arg_names
@@ -242,33 +257,53 @@ class Launcher:
 
     def __call__(self, key, grid, *args, **kwargs):
         """Launch ``kernel[grid](*args, **kwargs)``; ``kwargs`` holds the trailing parameters
-        (constexprs) by name plus launch options (num_warps, num_stages)."""
+        (constexprs) by name plus launch options (num_warps, num_stages), and may hold runtime values (tensors,
+        descriptors): a cached launch passes those, and every parameter before the last of them, after
+        ``args`` in signature order (``promoted``), so the cache keeps none of a call's tensors."""
         entry = self.cache.get(key) if key is not None else None
         if entry is not None and _no_launch_hooks() and getattr(_ahead, "active", None) is None:
-            compiled, tail, device, fast = entry
+            compiled, tail, device, fast, promoted = entry
             if _current_device() == device:
                 self.direct_launches += 1
                 g = grid + (1,) * (3 - len(grid))
                 compat.ensure_context(device)
+                call = (*args, *[kwargs[name] if name in kwargs else default for name, default in promoted]) \
+                    if promoted else args
                 if fast is _UNASKED:
                     if torch.cuda.is_current_stream_capturing():
                         fast = None     # the fast path's self-check cannot run inside a capture: ask later
                     else:
-                        fast = self.direct(compiled, tail, args) if self.direct is not None else None
-                        self.cache[key] = (compiled, tail, device, fast)
+                        fast = self.direct(compiled, tail, call) if self.direct is not None else None
+                        self.cache[key] = (compiled, tail, device, fast, promoted)
                 if fast is not None:
-                    fast(g[0], g[1], g[2], _current_raw_stream(device), args)
+                    fast(g[0], g[1], g[2], _current_raw_stream(device), call)
                 else:
-                    compat.public_launch(compiled, g[0], g[1], g[2], _current_raw_stream(device), args, tail)
+                    compat.public_launch(compiled, g[0], g[1], g[2], _current_raw_stream(device), call, tail)
                 return
-        compiled = jit_launch(self.kernel, grid, *(map(self.jit_arg, args) if self.jit_arg else args), **kwargs)
+        if self.jit_arg:
+            compiled = jit_launch(self.kernel, grid, *map(self.jit_arg, args),
+                                  **{name: self.jit_arg(value) for name, value in kwargs.items()})
+        else:
+            compiled = jit_launch(self.kernel, grid, *args, **kwargs)
         if hasattr(compiled, "result"):       # an asynchronous compile's future
             compiled = compiled.result()
         shipped = isinstance(compiled, prebuilt.PrebuiltKernel)
         if key is None or interpreting() or compiled is None or not (shipped or hasattr(compiled, "packed_metadata")):
             return
-        tail = trailing_params(self.kernel, args, kwargs)
+        promoted = self._promoted(kwargs, len(args))
+        tail = trailing_params(self.kernel, (*args, *promoted), kwargs)
         if len(self.cache) >= _MAX_ENTRIES:
             self.cache.clear()
         # a shipped kernel's launch through the driver is its fast path: no self-check to wait for
-        self.cache[key] = (compiled, tail, _current_device(), compiled.bound(tail) if shipped else _UNASKED)
+        self.cache[key] = (compiled, tail, _current_device(), compiled.bound(tail) if shipped else _UNASKED, promoted)
+
+    def _promoted(self, kwargs, n_args: int) -> tuple:
+        """((name, default), ...) of the parameters after the ``n_args`` positional ones up to the last one
+        ``kwargs`` gives a runtime value (a tensor, or one of ``runtime_kinds``: Gluon's descriptors), in
+        signature order; () where there is none."""
+        runtime = {name for name, value in kwargs.items() if type(value) is _Tensor or type(value) in self.runtime_kinds}
+        if not runtime:
+            return ()
+        params = self.kernel.params[n_args:]
+        last = max(i for i, param in enumerate(params) if param.name in runtime)
+        return tuple((param.name, param.default) for param in params[:last + 1])
