@@ -32,6 +32,13 @@ On an H100 (3.6.0, contiguous only; splits none / 2): 128/4w/2st 2.54 / 2.39, 2.
 2.79 / 2.05; 64/4w/4st 2.35 / 2.42, 2.82 / 2.44. So the 64-key tiles' third program per SM pays on the H200 at b64
 (+7%) and loses on the H100 (-8 to -22%); paged, every 64-key tile loses by 20-25% (the row gather costs per key,
 not per byte). The 128-key tile stays (bench/NOTES.md 69).
+
+Session 35 (H200, Triton 3.6.0 / 3.9.0; V read as int16 pairs, ``--pairs on,off`` times both routes; bench/NOTES.md
+74), TB/s of e4m3 bytes against a 4.22 TB/s copy: b64 contiguous 128/4w/2st bytes 2.78 -> pairs 2.90-3.02,
+64/4w/3st pairs 3.73-3.85 (now ``decode.FP8_TILE``, four per SM), kv16k 128/4w/3st pairs 4.15-4.27 (``FP8_TILE_FEW``),
+kv16k paged 256/4w/2st 3.68-3.77; ``--tiles default`` times the planner's own choice:
+
+    python bench/decode_sweep.py --fp8 --pairs on,off --splits none --configs 0,1,2 --tiles default,128/4/2
 """
 import argparse
 
