@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--configs", default="0,1", help="0: b64 h32/8 kv4k, 1: b8 h32/32 kv16k, 2: b16 h32/8 kv8k")
     ap.add_argument("--pairs", default="on", help="FP8 V read as int16 pairs (decode.v_pairs_code): on, off "
                     "or on,off (both, one process)")
+    ap.add_argument("--prefetch", default="on", help="paged caches: page entries read a tile ahead "
+                    "(decode.PAGE_PREFETCH): on, off or on,off (both, one process)")
     args = ap.parse_args()
     dev, bf = "cuda", torch.bfloat16
     cache_dtype = torch.float8_e4m3fn if args.fp8 else bf
@@ -98,16 +100,17 @@ def main() -> None:
                     bn, w, st = tile[:3]
                     cap = f"/{tile[3]}regs" if len(tile) > 3 and tile[3] else ""
                     cap += f"/{tile[4]}persm" if len(tile) > 4 else ""
-                for pairs in args.pairs.split(","):
+                for pairs, prefetch in ((x, y) for x in args.pairs.split(",") for y in args.prefetch.split(",")):
                     decode.v_pairs_code = orig_pairs if pairs == "on" else (lambda v, d_v: 0)
+                    decode.PAGE_PREFETCH = prefetch == "on"
                     for ns in splits:
                         ms = do_bench(lambda: attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns,
                                                                      validate=False),
                                       warmup=25, rep=100, return_mode="median")
                         print(f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} "
-                              f"tile{bn}/{w}w/{st}st{cap} pairs={pairs} splits={ns}: {ms:.4f} ms "
+                              f"tile{bn}/{w}w/{st}st{cap} pairs={pairs} prefetch={prefetch} splits={ns}: {ms:.4f} ms "
                               f"{nbytes / ms / 1e9:.3f} TB/s", flush=True)
-            decode.decode_tiles, decode.v_pairs_code = orig, orig_pairs
+            decode.decode_tiles, decode.v_pairs_code, decode.PAGE_PREFETCH = orig, orig_pairs, True
 
 
 if __name__ == "__main__":

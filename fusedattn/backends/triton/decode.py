@@ -83,6 +83,20 @@ def _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_b, stride_n, kv_
 
 
 @triton.jit
+def _page_entries(PT_ROW, stride_pn, cols, len_kv, num_pages, PAGE_SIZE: tl.constexpr):
+    """The cache page of each key ``cols`` [BLOCK_N] (int32, clamped into the container); keys past len_kv read
+    table slot 0, so a tile past the end (the loop's look-ahead) reads inside the table row."""
+    page = tl.load(PT_ROW + tl.where(cols < len_kv, cols // PAGE_SIZE, 0) * stride_pn)
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1)
+
+
+@triton.jit
+def _page_rows(pages, cols, stride_b, stride_n, PAGE_SIZE: tl.constexpr):
+    """int64 element offsets of keys ``cols`` on their ``pages`` (``_page_entries``)."""
+    return pages.to(tl.int64) * stride_b + (cols % PAGE_SIZE).to(tl.int64) * stride_n
+
+
+@triton.jit
 def _widen_pairs(v16, V_PAIRS: tl.constexpr):
     """An FP8 tile read as int16 pairs [N, C] (element c of row n holds FP8 columns 2c and 2c + 1, low byte
     first) widened to two fp16 tiles [N, C]: the even columns and the odd ones. Exact (every e4m3 / e5m2
@@ -121,14 +135,30 @@ def _decode_blocks(acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   V_PAIRS: tl.constexpr):
+                   V_PAIRS: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Online-softmax update of the packed rows over key blocks [start, end). V_PAIRS: V_HEAD points at
     int16 pairs of FP8 bytes (its strides in pairs, column stride 1) and ``offs_dv`` at pair columns;
-    ``acc`` then holds O's even columns and ``acc_odd`` its odd ones (unused otherwise)."""
+    ``acc`` then holds O's even columns and ``acc_odd`` its odd ones (unused otherwise).
+
+    [Note] paged look-ahead (PREFETCH, paged caches): the page entries of tile j + 1 are read during tile j
+    and carried. When the K / V rows come from a table load of the same iteration, Triton's pipeliner gives
+    that load a stage of its own and K / V one shared-memory buffer whatever num_stages says (TTGIR, 64-key
+    FP8 tile, 3 stages: 23 KB against 39 KB contiguous); with the rows from a carried value they get the
+    contiguous cache's buffers (39 KB), and the table loads leave the step's shared memory (sm_90a, Triton
+    3.6: 567 -> 544 instructions at 64 keys, LDS 54 -> 25). The look-ahead past the last tile reads slot 0."""
+    if PAGED and PREFETCH:
+        k_pages = _page_entries(PT_ROW, stride_pn, start + offs_n, len_kv, num_pages, PAGE_SIZE)
+        v_pages = _page_entries(PTV_ROW, stride_pvn, start + offs_n, len_kv, num_pages, PAGE_SIZE)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_kb, stride_kn, kb_off,
-                          MASKED, PAGED, PAGE_SIZE)
+        if PAGED and PREFETCH:
+            k_rows = _page_rows(k_pages, cols, stride_kb, stride_kn, PAGE_SIZE)
+            v_rows = _page_rows(v_pages, cols, stride_vb, stride_vn, PAGE_SIZE)
+            k_pages = _page_entries(PT_ROW, stride_pn, cols + BLOCK_N, len_kv, num_pages, PAGE_SIZE)
+            v_pages = _page_entries(PTV_ROW, stride_pvn, cols + BLOCK_N, len_kv, num_pages, PAGE_SIZE)
+        else:
+            k_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_kb, stride_kn, kb_off,
+                              MASKED, PAGED, PAGE_SIZE)
         k = load_tile(K_HEAD + k_rows[:, None] + offs_d[None, :] * stride_kd, cols, offs_d, len_kv, D,
                       MASKED, not EVEN_D)
         # an FP8 cache's bytes widen exactly to q's 16-bit type (e4m3 and e5m2 fit fp16 and bf16); its
@@ -141,11 +171,12 @@ def _decode_blocks(acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if PAGED:
-            v_rows = _kv_rows(PTV_ROW, stride_pvn, cols, len_kv, num_pages, stride_vb, stride_vn, vb_off,
-                              MASKED, PAGED, PAGE_SIZE)
-        else:
-            v_rows = vb_off + cols.to(tl.int64) * stride_vn
+        if not (PAGED and PREFETCH):
+            if PAGED:
+                v_rows = _kv_rows(PTV_ROW, stride_pvn, cols, len_kv, num_pages, stride_vb, stride_vn, vb_off,
+                                  MASKED, PAGED, PAGE_SIZE)
+            else:
+                v_rows = vb_off + cols.to(tl.int64) * stride_vn
         if V_PAIRS:
             # offs_dv: pair columns here (BLOCK_DV // 2 of them, from the caller)
             v16 = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :], cols, offs_dv, len_kv, D_V // 2,
@@ -194,7 +225,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, KV_FP8: tl.constexpr = False,
-                V_PAIRS: tl.constexpr = 0):
+                V_PAIRS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     bkv = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -289,21 +320,21 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
         s_lo, f_lo, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-        V_PAIRS)
+        V_PAIRS, PREFETCH)
     acc, acc_odd, m_i, l_i = _decode_blocks(
         acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
         v_cols,
         f_lo, f_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-        V_PAIRS)
+        V_PAIRS, PREFETCH)
     acc, acc_odd, m_i, l_i = _decode_blocks(
         acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
         v_cols,
         f_hi, s_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-        V_PAIRS)
+        V_PAIRS, PREFETCH)
 
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_DV])     # column 2c: even c, 2c + 1: odd c
@@ -527,6 +558,9 @@ FP8_TILE = DecodeTiles(16, 64, 4, 3, ctas_per_sm=4)         # 128 registers, 39 
 FP8_TILE_FEW = {False: DecodeTiles(16, 128, 4, 3, ctas_per_sm=2),   # 180 registers, 72 KB
                 True: DecodeTiles(16, 256, 4, 2, ctas_per_sm=2)}    # 214 registers, 76 KB (paged)
 
+# A paged cache's page entries read a tile ahead ([Note] paged look-ahead in _decode_blocks); off only for A/B runs
+PAGE_PREFETCH = True
+
 INTERPRETER_SMS = 4      # the interpreter runs programs one by one: a small "machine" means few splits
 
 
@@ -654,7 +688,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
                   HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
                   BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
                   SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
-                  V_PAIRS=v_pairs,
+                  V_PAIRS=v_pairs, PREFETCH=paged and PAGE_PREFETCH,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
     if tiles.max_regs:
         kwargs["maxnreg"] = tiles.max_regs
