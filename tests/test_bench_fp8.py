@@ -55,11 +55,12 @@ def test_fp8_group_is_asked_for_by_name():
                                       "b1-h32-s16384-d128-e4m3-causal", "b4-h16-s4096-d256-e4m3-causal",
                                       "b32-h32-s2048-d224-e4m3", "decode-b64-h32kv8-kv4096-d128-bf16-contig-fp8cache",
                                       "decode-b64-h32kv8-kv4096-d128-bf16-paged16-fp8cache",
-                                      "decode-b8-h32-kv16384-d128-bf16-contig-fp8cache"]
+                                      "decode-b8-h32-kv16384-d128-bf16-contig-fp8cache",
+                                      "decode-b8-h32-kv16384-d128-bf16-paged16-fp8cache"]
     assert cfgs[0].label == "4, 32, 2048, 128, e4m3, causal"
     forwards = [c for c in cfgs if c.table == "fp8"]
     assert all(c.torch_dtype == E4M3 and c.d % 16 == 0 and c.d <= 256 for c in forwards)   # cuDNN's Hopper FP8 limits
-    assert cfgs[-2].label == "b 64, h 32/8, kv 4096, d 128, bf16, paged 16, e4m3 cache"
+    assert cfgs[-3].label == "b 64, h 32/8, kv 4096, d 128, bf16, paged 16, e4m3 cache"
     assert bench.fwd_flops(cfgs[0]) == 4 * 32 * 2048 * 2048 * 2 * 256 / 2             # the bf16 configs' count
     everything = bench.select_configs(bench.parse_args(["--configs", "all"]))
     assert not any(c.table == "fp8" or c.mask == "fp8cache" for c in everything)

@@ -198,8 +198,8 @@ def test_fp8_cache_on_each_target(geom, target, monkeypatch):
                                                      ("pairs", "few", True), ("bytes", "many", False)])
 def test_fp8_tiles_under_interpreter(v_read, programs, paged, target, monkeypatch):
     """The sm90 FP8 decode tiles run by the interpreter: ``decode.FP8_TILE`` (64 keys, 3 stages; the split
-    heuristic at its 4 programs per SM) where the programs fill the machine, else ``FP8_TILE_FEW`` (128 keys
-    contiguous, 256 paged), with V read as int16 pairs (``_widen_pairs``: the even and odd columns' products
+    heuristic at its 4 programs per SM) where the programs fill the machine or the cache is paged, else
+    ``FP8_TILE_FEW`` (128 keys), with V read as int16 pairs (``_widen_pairs``: the even and odd columns' products
     interleaved after the last tile; a padded d_v, half of 48 in a half tile of 32) or as bytes (the route where
     the pairs view does not apply): the planned tile, within the derived bound."""
     from fusedattn.backends.triton import decode
@@ -217,7 +217,7 @@ def test_fp8_tiles_under_interpreter(v_read, programs, paged, target, monkeypatc
               seed=41)
     out, stats = attention_with_kvcache(c.q, c.k_cache, c.v_cache, return_stats=True, backend=backend, **c.kwargs())
     assert codes == [3 if v_read == "pairs" else 0], codes       # 3: e4m3 pairs in Triton's conversions
-    assert tiles == [decode.FP8_TILE if programs == "many" else decode.FP8_TILE_FEW[paged]], tiles
+    assert tiles == [decode.FP8_TILE if programs == "many" or paged else decode.FP8_TILE_FEW], tiles
     c.check(out, stats, kernel=True)
 
 
@@ -534,7 +534,7 @@ def test_fp8_v_pairs_compile_for_sm90():
         "from decode_aot_check import compile_decode\n"
         "from sass_loops import loop_spans, sass\n"
         "for kv, pairs, paged, bn, st in (('fp8e4nv', 1, False, 64, 3), ('fp8e5', 2, True, 64, 3),\n"
-        "                                 ('fp8e4nv', 1, True, 256, 2), ('fp8e4nv', 0, False, 64, 3)):\n"
+        "                                 ('fp8e4nv', 1, False, 128, 3), ('fp8e4nv', 0, False, 64, 3)):\n"
         "    text = sass(compile_decode('bf16', kv, True, paged, bn=bn, st=st, pairs=pairs))\n"
         "    lines = text.splitlines()\n"
         "    for _, first, last in loop_spans(text):\n"
@@ -547,3 +547,23 @@ def test_fp8_v_pairs_compile_for_sm90():
     assert len(pairs_steps) >= 9, f"step loops of the pairs builds: {loops}"
     assert all(lp[1] == 0 and lp[2] > 0 for lp in pairs_steps), f"(pairs, LDS.U8, LDSM, HMMA) per step: {loops}"
     assert any(lp[1] > 0 for lp in steps if not lp[0]), f"the bytes route reads V by bytes: {loops}"
+
+
+def test_paged_look_ahead_keeps_the_pipeline_for_sm90():
+    """No GPU needed: with a page table the decode kernel's K / V copies keep the contiguous cache's shared-memory
+    buffers and copies ([Note] paged look-ahead in ``decode._decode_blocks``: the next tile's page entries read a
+    tile ahead). Read in the same iteration, Triton's pipeliner gave the table load a stage of its own and K / V
+    one buffer each (the FP8 64-key tile, 3 stages: 23 KB against 39 KB; bench/NOTES.md 76: 0.71 -> 0.85 of copy
+    at b64 pages of 16 on an H200)."""
+    out = run_compile_child(
+        "from decode_aot_check import compile_decode\n"
+        "for kv, fp8, pairs, bn, st in (('fp8e4nv', True, 1, 64, 3), ('bf16', False, 0, 128, 2)):\n"
+        "    for paged in (False, True):\n"
+        "        k = compile_decode('bf16', kv, fp8, paged, bn=bn, st=st, pairs=pairs)\n"
+        "        print('SMEM', kv, int(paged), k.metadata.shared,\n"
+        "              k.asm['ttgir'].count('async_copy_global_to_local'))\n")
+    smem = {(kv, p): (int(b), int(c)) for _, kv, p, b, c in (line.split() for line in out.splitlines()
+                                                              if line.startswith("SMEM"))}
+    for kv in ("fp8e4nv", "bf16"):
+        assert smem[(kv, "1")] == smem[(kv, "0")], smem        # (bytes, async copies): paged as contiguous
+    assert smem[("fp8e4nv", "0")][0] >= 38 * 1024, smem      # two K / V buffers of the 64-key FP8 tile

@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 import aot_check as a
 from fusedattn.backends.triton import decode
 
-def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs=0, split=True, prefetch=False):
+def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs=0, split=True):
     """The decode kernel compiled for sm_90 (no GPU): q / out of ``dtype``, the cache of ``kv`` (a Triton type
     name; V as ``*i16`` where ``pairs``: decode.V_PAIRS), a 16 x ``bn`` tile with ``w`` warps and ``st`` stages."""
     k = decode._decode_fwd
@@ -33,7 +33,7 @@ def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, EVEN_D=True, EVEN_DV=True, PAGED=paged, PAGE_SIZE=16 if paged else 1,
              HAS_SEQ_Q=False, HAS_SEQ_KV=True, BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=True, HAS_ALIBI=False,
              SOFTCAP=False, SPLIT=split, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8,
-             V_PAIRS=pairs, PREFETCH=prefetch)
+             V_PAIRS=pairs)
     for n in k.arg_names:
         if n.startswith("stride_") and n.endswith("d"):
             c[n] = 1

@@ -61,28 +61,6 @@ from .launch import Launcher, jit_launch, signature_key
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_b, stride_n, kv_b_off,
-             MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """int64 element offsets of key rows ``cols`` (without the head / d terms).
-
-    Contiguous: ``batch * stride_b + j * stride_n`` (kv_b_off holds batch * stride_b).
-    Paged: ``page * stride_b + (j % PAGE_SIZE) * stride_n`` with the page read from the
-    table; columns past len_kv read table slot 0 (their loads are masked anyway) and page
-    numbers are clamped into the container.
-    """
-    if PAGED:
-        slot = cols // PAGE_SIZE
-        if MASKED:
-            page = tl.load(PT_ROW + tl.where(cols < len_kv, slot, 0) * stride_pn)
-        else:
-            page = tl.load(PT_ROW + slot * stride_pn)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        return page.to(tl.int64) * stride_b + (cols % PAGE_SIZE).to(tl.int64) * stride_n
-    else:
-        return kv_b_off + cols.to(tl.int64) * stride_n
-
-
-@triton.jit
 def _page_entries(PT_ROW, stride_pn, cols, len_kv, num_pages, PAGE_SIZE: tl.constexpr):
     """The cache page of each key ``cols`` [BLOCK_N] (int32, clamped into the container); keys past len_kv read
     table slot 0, so a tile past the end (the loop's look-ahead) reads inside the table row."""
@@ -135,30 +113,29 @@ def _decode_blocks(acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
                    MASKED: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   V_PAIRS: tl.constexpr, PREFETCH: tl.constexpr = False):
+                   V_PAIRS: tl.constexpr):
     """Online-softmax update of the packed rows over key blocks [start, end). V_PAIRS: V_HEAD points at
     int16 pairs of FP8 bytes (its strides in pairs, column stride 1) and ``offs_dv`` at pair columns;
     ``acc`` then holds O's even columns and ``acc_odd`` its odd ones (unused otherwise).
 
-    [Note] paged look-ahead (PREFETCH, paged caches): the page entries of tile j + 1 are read during tile j
-    and carried. When the K / V rows come from a table load of the same iteration, Triton's pipeliner gives
-    that load a stage of its own and K / V one shared-memory buffer whatever num_stages says (TTGIR, 64-key
-    FP8 tile, 3 stages: 23 KB against 39 KB contiguous); with the rows from a carried value they get the
-    contiguous cache's buffers (39 KB), and the table loads leave the step's shared memory (sm_90a, Triton
-    3.6: 567 -> 544 instructions at 64 keys, LDS 54 -> 25). The look-ahead past the last tile reads slot 0."""
-    if PAGED and PREFETCH:
+    [Note] paged look-ahead: a paged cache's page entries for tile j + 1 are read during tile j and carried.
+    Read in the same iteration as the K / V rows they address, Triton's pipeliner gives the table load a stage
+    of its own and K / V one shared-memory buffer whatever num_stages says (TTGIR, 64-key FP8 tile, 3 stages:
+    23 KB against 39 KB contiguous; Triton 3.6 and 3.9); from a carried value they keep the contiguous cache's
+    buffers, and the table loads leave the step's shared memory (sm_90a, Triton 3.6: 567 -> 544 instructions
+    at 64 keys). H200, b64 h32/8 kv4k e4m3 pages of 16: 0.71 -> 0.85 of copy (bench/NOTES.md 76)."""
+    if PAGED:
         k_pages = _page_entries(PT_ROW, stride_pn, start + offs_n, len_kv, num_pages, PAGE_SIZE)
         v_pages = _page_entries(PTV_ROW, stride_pvn, start + offs_n, len_kv, num_pages, PAGE_SIZE)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if PAGED and PREFETCH:
+        if PAGED:
             k_rows = _page_rows(k_pages, cols, stride_kb, stride_kn, PAGE_SIZE)
             v_rows = _page_rows(v_pages, cols, stride_vb, stride_vn, PAGE_SIZE)
             k_pages = _page_entries(PT_ROW, stride_pn, cols + BLOCK_N, len_kv, num_pages, PAGE_SIZE)
             v_pages = _page_entries(PTV_ROW, stride_pvn, cols + BLOCK_N, len_kv, num_pages, PAGE_SIZE)
         else:
-            k_rows = _kv_rows(PT_ROW, stride_pn, cols, len_kv, num_pages, stride_kb, stride_kn, kb_off,
-                              MASKED, PAGED, PAGE_SIZE)
+            k_rows = kb_off + cols.to(tl.int64) * stride_kn
         k = load_tile(K_HEAD + k_rows[:, None] + offs_d[None, :] * stride_kd, cols, offs_d, len_kv, D,
                       MASKED, not EVEN_D)
         # an FP8 cache's bytes widen exactly to q's 16-bit type (e4m3 and e5m2 fit fp16 and bf16); its
@@ -171,12 +148,8 @@ def _decode_blocks(acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn,
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not (PAGED and PREFETCH):
-            if PAGED:
-                v_rows = _kv_rows(PTV_ROW, stride_pvn, cols, len_kv, num_pages, stride_vb, stride_vn, vb_off,
-                                  MASKED, PAGED, PAGE_SIZE)
-            else:
-                v_rows = vb_off + cols.to(tl.int64) * stride_vn
+        if not PAGED:
+            v_rows = vb_off + cols.to(tl.int64) * stride_vn
         if V_PAIRS:
             # offs_dv: pair columns here (BLOCK_DV // 2 of them, from the caller)
             v16 = load_tile(V_HEAD + v_rows[:, None] + offs_dv[None, :], cols, offs_dv, len_kv, D_V // 2,
@@ -225,7 +198,7 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, HAS_SINK: tl.constexpr = False, KV_FP8: tl.constexpr = False,
-                V_PAIRS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                V_PAIRS: tl.constexpr = 0):
     bkv = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -320,21 +293,21 @@ def _decode_fwd(Q, K, V, PT, PT_V, SEQ_Q, SEQ_KV, SLOPES, O, LSE, O_PART, LSE_PA
         s_lo, f_lo, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-        V_PAIRS, PREFETCH)
+        V_PAIRS)
     acc, acc_odd, m_i, l_i = _decode_blocks(
         acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
         v_cols,
         f_lo, f_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         False, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-        V_PAIRS, PREFETCH)
+        V_PAIRS)
     acc, acc_odd, m_i, l_i = _decode_blocks(
         acc, acc_odd, m_i, l_i, q, K_HEAD, V_HEAD, PT_ROW, stride_pn, PTV_ROW, stride_pvn, slope, tok, offs_n, offs_d,
         v_cols,
         f_hi, s_hi, len_kv, NUM_PAGES, diag, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd,
         kb_off, vb_off, D, D_V, qk_scale_h, softcap, win_left, win_right,
         True, BLOCK_N, PAGED, PAGE_SIZE, EVEN_D, EVEN_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, HAS_ALIBI, DOT_PRECISION,
-        V_PAIRS, PREFETCH)
+        V_PAIRS)
 
     if V_PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_DV])     # column 2c: even c, 2c + 1: odd c
@@ -550,16 +523,13 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool, kv_fp8:
     return DecodeTiles(128, 64, 8, 3)                            # 186 regs, 98 KB
 
 
-# An FP8 cache's decode tiles (16 rows; bench/NOTES.md 74, H200 sweeps with V read as pairs). Where the
-# programs fill the machine at four per SM, 64-key tiles (b64 h_kv 8 kv4k contiguous: 0.88-0.91 of copy against
-# 0.68-0.74 for 128 keys); where they do not (long caches over few heads), 128-key tiles at two per SM
-# (contiguous, kv16k: 0.98-1.01), or 256 keys for a paged cache (0.87-0.88 against 0.67-0.68).
-FP8_TILE = DecodeTiles(16, 64, 4, 3, ctas_per_sm=4)         # 128 registers, 39 KB (Triton 3.6, contiguous)
-FP8_TILE_FEW = {False: DecodeTiles(16, 128, 4, 3, ctas_per_sm=2),   # 180 registers, 72 KB
-                True: DecodeTiles(16, 256, 4, 2, ctas_per_sm=2)}    # 214 registers, 76 KB (paged)
-
-# A paged cache's page entries read a tile ahead ([Note] paged look-ahead in _decode_blocks); off only for A/B runs
-PAGE_PREFETCH = True
+# An FP8 cache's decode tiles (16 rows; bench/NOTES.md 74 and 76, H200 sweeps with V read as pairs). 64-key tiles
+# at four programs per SM (b64 h_kv 8 kv4k: 0.91 of copy contiguous, 0.85 paged, against 0.68-0.82 for 128 keys);
+# where a contiguous cache's programs do not fill the machine (long caches over few heads), 128-key tiles at two
+# per SM (kv16k: 0.98-1.01 against 0.79-0.88). A paged cache keeps the 64-key tile there too, split by the
+# heuristic (kv16k pages of 16 / 64: 0.90 / 0.91, against 0.86 / 0.87 for 256 keys, 0.86 / 0.92 for 128).
+FP8_TILE = DecodeTiles(16, 64, 4, 3, ctas_per_sm=4)         # 128 registers, 39 KB (Triton 3.6, paged or not)
+FP8_TILE_FEW = DecodeTiles(16, 128, 4, 3, ctas_per_sm=2)    # 180 registers, 72 KB (contiguous)
 
 INTERPRETER_SMS = 4      # the interpreter runs programs one by one: a small "machine" means few splits
 
@@ -615,8 +585,9 @@ def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None, kv
     has: FP8_TILE / FP8_TILE_FEW), default ``dtype``; ``paged``: a paged cache."""
     kv_fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda", kv_fp8)
-    if tiles is FP8_TILE and b * h_kv * triton.cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
-        tiles = FP8_TILE_FEW[paged]
+    if tiles is FP8_TILE and not paged \
+            and b * h_kv * triton.cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
+        tiles = FP8_TILE_FEW
     if num_splits is None:
         m_tiles = triton.cdiv(g * s_q, tiles.block_m)
         num_splits = num_splits_heuristic(b * h_kv * m_tiles, triton.cdiv(cap, tiles.block_n), num_sms(device),
@@ -688,7 +659,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
                   HAS_SEQ_Q=seq_len_q is not None, HAS_SEQ_KV=seq_len_kv is not None,
                   BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
                   SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
-                  V_PAIRS=v_pairs, PREFETCH=paged and PAGE_PREFETCH,
+                  V_PAIRS=v_pairs,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
     if tiles.max_regs:
         kwargs["maxnreg"] = tiles.max_regs
