@@ -43,7 +43,7 @@ kv16k paged 256/4w/2st 3.68-3.77; ``--tiles default`` times the planner's own ch
 import argparse
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from fusedattn.backends.triton import decode
 from fusedattn.kvcache import attention_with_kvcache
@@ -63,8 +63,12 @@ def main() -> None:
     ap.add_argument("--configs", default="0,1", help="0: b64 h32/8 kv4k, 1: b8 h32/32 kv16k, 2: b16 h32/8 kv8k")
     ap.add_argument("--pairs", default="on", help="FP8 V read as int16 pairs (decode.v_pairs_code): on, off "
                     "or on,off (both, one process)")
-    ap.add_argument("--prefetch", default="on", help="paged caches: page entries read a tile ahead "
-                    "(decode.PAGE_PREFETCH): on, off or on,off (both, one process)")
+    ap.add_argument("--lean-pages", default="on", help="paged caches: int32 page rows and one table read for K "
+                    "and V (decode ROWS32 / ONE_TABLE), or off (int64 rows, V's entries read again): on, off or "
+                    "on,off (both, one process)")
+    ap.add_argument("--repeat", type=int, default=1, help="time every setting this many times, alternating, and "
+                    "print each one's median and best (the paged rows move 20-30%% between calls)")
+    ap.add_argument("--graphs", action="store_true", help="time under CUDA graphs (no host time)")
     args = ap.parse_args()
     dev, bf = "cuda", torch.bfloat16
     cache_dtype = torch.float8_e4m3fn if args.fp8 else bf
@@ -75,6 +79,7 @@ def main() -> None:
     configs = [((64, 32, 8, 4096), (8, 32, 32, 16384), (16, 32, 8, 8192))[int(i)] for i in args.configs.split(",")]
     fp8_kw = dict(descale_k=torch.ones(1, device=dev), descale_v=torch.ones(1, device=dev)) if args.fp8 else {}
     orig, orig_pairs = decode.decode_tiles, decode.v_pairs_code
+    orig_lean = decode._offsets_fit_int32, decode._same_view
     for b, hq, hkv, s in configs:
         q = torch.randn(b, 1, hq, 128, device=dev, dtype=bf).transpose(1, 2)
         k = torch.randn(b, s, hkv, 128, device=dev, dtype=bf).to(cache_dtype).transpose(1, 2)
@@ -100,17 +105,28 @@ def main() -> None:
                     bn, w, st = tile[:3]
                     cap = f"/{tile[3]}regs" if len(tile) > 3 and tile[3] else ""
                     cap += f"/{tile[4]}persm" if len(tile) > 4 else ""
-                for pairs, prefetch in ((x, y) for x in args.pairs.split(",") for y in args.prefetch.split(",")):
-                    decode.v_pairs_code = orig_pairs if pairs == "on" else (lambda v, d_v: 0)
-                    decode.PAGE_PREFETCH = prefetch == "on"
-                    for ns in splits:
-                        ms = do_bench(lambda: attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns,
-                                                                     validate=False),
-                                      warmup=25, rep=100, return_mode="median")
-                        print(f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} "
-                              f"tile{bn}/{w}w/{st}st{cap} pairs={pairs} prefetch={prefetch} splits={ns}: {ms:.4f} ms "
-                              f"{nbytes / ms / 1e9:.3f} TB/s", flush=True)
-            decode.decode_tiles, decode.v_pairs_code, decode.PAGE_PREFETCH = orig, orig_pairs, True
+                seen = {}
+                for rep in range(args.repeat):      # settings alternate within each repeat (A B A B ...)
+                    for pairs, lean in ((x, y) for x in args.pairs.split(",") for y in args.lean_pages.split(",")):
+                        decode.v_pairs_code = orig_pairs if pairs == "on" else (lambda v, d_v: 0)
+                        decode._offsets_fit_int32, decode._same_view = orig_lean if lean == "on" else (
+                            lambda t: False, lambda a, b: False)
+                        for ns in splits:
+                            def run():
+                                attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns, validate=False)
+                            ms = do_bench_cudagraph(run, rep=100, return_mode="median") if args.graphs else \
+                                do_bench(run, warmup=25, rep=100, return_mode="median")
+                            label = (f"{'e4m3' if args.fp8 else 'bf16'} b{b} h{hq}/{hkv} kv{s} page{page} "
+                                     f"tile{bn}/{w}w/{st}st{cap} pairs={pairs} lean={lean} splits={ns}")
+                            seen.setdefault(label, []).append(nbytes / ms / 1e9)
+                            print(f"{label}: {ms:.4f} ms {nbytes / ms / 1e9:.3f} TB/s", flush=True)
+                if args.repeat > 1:
+                    for label, tbs in seen.items():
+                        tbs = sorted(tbs)
+                        print(f"summary {label}: median {tbs[len(tbs) // 2]:.3f} best {tbs[-1]:.3f} TB/s "
+                              f"({' '.join(f'{x:.2f}' for x in tbs)})", flush=True)
+            decode.decode_tiles, decode.v_pairs_code = orig, orig_pairs
+            decode._offsets_fit_int32, decode._same_view = orig_lean
 
 
 if __name__ == "__main__":

@@ -240,10 +240,15 @@ def _same_data_contiguous(built: Built, device):
     return dense
 
 
+@pytest.mark.parametrize("rows", ["int32", "int64"])
 @pytest.mark.parametrize("page_size,num_splits", [(16, 1), (64, 3), (256, 2)])
-def test_paged_bitwise_equals_contiguous(page_size, num_splits, target):
-    """Same data, same tiles and splits: the paged kernel only reads other addresses, so the bits agree."""
+def test_paged_bitwise_equals_contiguous(page_size, num_splits, rows, target, monkeypatch):
+    """Same data, same tiles and splits: the paged kernel only reads other addresses, so the bits agree; with the
+    page rows' offsets in int32 (``decode.ROWS32``, where the container's offsets fit) and in int64 (forced)."""
+    from fusedattn.backends.triton import decode
     device, backend = target
+    if rows == "int64":
+        monkeypatch.setattr(decode, "_offsets_fit_int32", lambda t: False)
     long = 2000 if device == "cuda" else 130
     pages = -(-long // page_size)
     case = KVCase(seed=700 + page_size + num_splits, b=3, h_q=8, h_kv=2, s_q=2, d=64, d_v=64, page_size=page_size,
@@ -598,6 +603,18 @@ def test_gpu_cuda_graph_capture_skips_validation():
     graph.replay()
     want = attention_with_kvcache(q, k, k, page_table=table, seq_len_kv=lens)
     assert torch.equal(out, want)
+
+
+def test_int32_page_rows_only_where_every_offset_fits():
+    """``decode._offsets_fit_int32``: the largest element offset of a container (its shape and strides, any order)
+    decides int32 page rows; one element past 2^31 - 1 does not fit (meta tensors: no memory)."""
+    from fusedattn.backends.triton import decode
+    fits = torch.empty(2 ** 17, 8, 16, 128, device="meta")                   # 2^31 elements: last offset 2^31 - 1
+    assert decode._offsets_fit_int32(fits)
+    assert not decode._offsets_fit_int32(torch.empty(2 ** 17 + 1, 8, 16, 128, device="meta"))
+    assert not decode._offsets_fit_int32(torch.empty(2 ** 17, 16, 8, 129, device="meta").transpose(1, 2)[..., :128])
+    assert decode._offsets_fit_int32(fits.transpose(1, 2))                   # BHSD views of the same container
+    assert decode._offsets_fit_int32(torch.empty(0, 8, 16, 128, device="meta"))
 
 
 # ----------------------------------------------------------------------------- the problem door (planner routing)

@@ -23,9 +23,11 @@ from triton.compiler import ASTSource
 import aot_check as a
 from fusedattn.backends.triton import decode
 
-def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs=0, split=True):
+def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs=0, split=True, one_table=None, rows32=None):
     """The decode kernel compiled for sm_90 (no GPU): q / out of ``dtype``, the cache of ``kv`` (a Triton type
-    name; V as ``*i16`` where ``pairs``: decode.V_PAIRS), a 16 x ``bn`` tile with ``w`` warps and ``st`` stages."""
+    name; V as ``*i16`` where ``pairs``: decode.V_PAIRS), a 16 x ``bn`` tile with ``w`` warps and ``st`` stages; ``one_table``: K and V paged
+    by one table (decode ONE_TABLE; default: where paged, as ``attention_with_kvcache`` calls it); ``rows32``:
+    int32 row offsets (decode ROWS32; default on, as for any cache under 2^31 elements)."""
     k = decode._decode_fwd
     ptrs = dict(Q=f"*{dtype}", K=f"*{kv}", V="*i16" if pairs else f"*{kv}", PT="*i32", PT_V="*i32", SEQ_Q="*i32",
                 SEQ_KV="*i32", SLOPES="*fp32", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32",
@@ -33,7 +35,8 @@ def compile_decode(dtype, kv, fp8, paged, bn=128, bm=16, w=4, st=2, d=128, pairs
     c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, BLOCK_DV=d, EVEN_D=True, EVEN_DV=True, PAGED=paged, PAGE_SIZE=16 if paged else 1,
              HAS_SEQ_Q=False, HAS_SEQ_KV=True, BOTTOM_RIGHT=True, HAS_LEFT=False, HAS_RIGHT=True, HAS_ALIBI=False,
              SOFTCAP=False, SPLIT=split, WRITE_LSE=True, DOT_PRECISION="tf32", HAS_SINK=False, KV_FP8=fp8,
-             V_PAIRS=pairs)
+             V_PAIRS=pairs, ONE_TABLE=paged if one_table is None else one_table,
+             ROWS32=True if rows32 is None else rows32)
     for n in k.arg_names:
         if n.startswith("stride_") and n.endswith("d"):
             c[n] = 1
