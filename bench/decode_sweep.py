@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--pairs", default="on", help="FP8 V read as int16 pairs (decode.v_pairs_code): on, off "
                     "or on,off (both, one process)")
     ap.add_argument("--lean-pages", default="on", help="paged caches: int32 page rows and one table read for K "
-                    "and V (decode ROWS32 / ONE_TABLE), or off (int64 rows, V's entries read again): on, off or "
-                    "on,off (both, one process)")
+                    "and V (decode ROWS32 / ONE_TABLE), or off (int64 rows, V's entries read again), or rows / table "
+                    "(one of the two): a list, one process")
     ap.add_argument("--repeat", type=int, default=1, help="time every setting this many times, alternating, and "
                     "print each one's median and best (the paged rows move 20-30%% between calls)")
     ap.add_argument("--graphs", action="store_true", help="time under CUDA graphs (no host time)")
@@ -109,8 +109,9 @@ def main() -> None:
                 for rep in range(args.repeat):      # settings alternate within each repeat (A B A B ...)
                     for pairs, lean in ((x, y) for x in args.pairs.split(",") for y in args.lean_pages.split(",")):
                         decode.v_pairs_code = orig_pairs if pairs == "on" else (lambda v, d_v: 0)
-                        decode._offsets_fit_int32, decode._same_view = orig_lean if lean == "on" else (
-                            lambda t: False, lambda a, b: False)
+                        decode._offsets_fit_int32, decode._same_view = (
+                            orig_lean[0] if lean in ("on", "rows") else (lambda t: False),
+                            orig_lean[1] if lean in ("on", "table") else (lambda a, b: False))
                         for ns in splits:
                             def run():
                                 attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns, validate=False)
