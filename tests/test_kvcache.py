@@ -244,11 +244,10 @@ def _same_data_contiguous(built: Built, device):
 @pytest.mark.parametrize("page_size,num_splits", [(16, 1), (64, 3), (256, 2)])
 def test_paged_bitwise_equals_contiguous(page_size, num_splits, rows, target, monkeypatch):
     """Same data, same tiles and splits: the paged kernel only reads other addresses, so the bits agree; with the
-    page rows' offsets in int32 (``decode.ROWS32``, where the container's offsets fit) and in int64 (forced)."""
+    key rows' offsets in int32 and in int64 (the kernel's ROWS32, forced either way: ``decode._rows32`` picks)."""
     from fusedattn.backends.triton import decode
     device, backend = target
-    if rows == "int64":
-        monkeypatch.setattr(decode, "_offsets_fit_int32", lambda t: False)
+    monkeypatch.setattr(decode, "_rows32", lambda *_: rows == "int32")
     long = 2000 if device == "cuda" else 130
     pages = -(-long // page_size)
     case = KVCase(seed=700 + page_size + num_splits, b=3, h_q=8, h_kv=2, s_q=2, d=64, d_v=64, page_size=page_size,
@@ -605,10 +604,15 @@ def test_gpu_cuda_graph_capture_skips_validation():
     assert torch.equal(out, want)
 
 
-def test_int32_page_rows_only_where_every_offset_fits():
+def test_int32_rows_only_where_every_offset_fits():
     """``decode._offsets_fit_int32``: the largest element offset of a container (its shape and strides, any order)
-    decides int32 page rows; one element past 2^31 - 1 does not fit (meta tensors: no memory)."""
+    decides int32 key rows; one element past 2^31 - 1 does not fit (meta tensors: no memory). ``_rows32``: both
+    caches must fit, and a paged 16-bit cache keeps int64 rows (measured faster, bench/NOTES.md 76)."""
     from fusedattn.backends.triton import decode
+    small, big = torch.empty(4, 2, 16, 64, device="meta"), torch.empty(2 ** 17 + 1, 8, 16, 128, device="meta")
+    assert decode._rows32(small, small, paged=True, kv_fp8=True) and decode._rows32(small, small, False, False)
+    assert not decode._rows32(small, small, paged=True, kv_fp8=False)
+    assert not decode._rows32(small, big, paged=False, kv_fp8=True)
     fits = torch.empty(2 ** 17, 8, 16, 128, device="meta")                   # 2^31 elements: last offset 2^31 - 1
     assert decode._offsets_fit_int32(fits)
     assert not decode._offsets_fit_int32(torch.empty(2 ** 17 + 1, 8, 16, 128, device="meta"))

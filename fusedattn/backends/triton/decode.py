@@ -629,6 +629,14 @@ def v_pairs_code(v_cache: torch.Tensor, d_v: int) -> int:
     return fmt + 2 if interpreting() else fmt
 
 
+def _rows32(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, kv_fp8: bool) -> bool:
+    """The kernel's ROWS32: int32 key-row offsets where every offset of both caches fits, except a paged 16-bit
+    cache. H200, Triton 3.6, under CUDA graphs (bench/NOTES.md 76), TB/s int32 / int64: e4m3 b64 h32/8 kv4k
+    contiguous 4.08 / 3.97, pages of 16 3.74 / 3.46; bf16 contiguous 4.40 / 3.98, but bf16 pages of 16 3.83 /
+    4.13 (its 128-key, 2-stage tile; fewer address instructions, later loads)."""
+    return (kv_fp8 or not paged) and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache)
+
+
 def _offsets_fit_int32(t: torch.Tensor) -> bool:
     """Whether every element offset of a K / V container from its head's first element fits int32."""
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) < 2 ** 31
@@ -693,7 +701,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
                   BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right",
                   SPLIT=split, WRITE_LSE=lse is not None, HAS_SINK=sink is not None, KV_FP8=kv_fp8,
                   V_PAIRS=v_pairs, ONE_TABLE=paged and _same_view(pt_v, pt),
-                  ROWS32=_offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache),
+                  ROWS32=_rows32(k_cache, v_cache, paged, kv_fp8),
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **sw)
     if tiles.max_regs:
         kwargs["maxnreg"] = tiles.max_regs
