@@ -39,6 +39,15 @@ Session 35 (H200, Triton 3.6.0 / 3.9.0; V read as int16 pairs, ``--pairs on,off`
 kv16k paged 256/4w/2st 3.68-3.77; ``--tiles default`` times the planner's own choice:
 
     python bench/decode_sweep.py --fp8 --pairs on,off --splits none --configs 0,1,2 --tiles default,128/4/2
+
+Session 36 (H200, Triton 3.6.0; bench/NOTES.md 76): eager rows of one kernel moved 1.2-3.7 TB/s within a call, so
+``--graphs --repeat 3`` (CUDA-graph replays, settings alternating; spread within 2-3%) is how rows are compared
+now. The paged look-ahead took e4m3 b64 pages of 16 from 3.01 to 3.58 (eager); int32 rows and one table read
+(``--lean-pages on,off,rows,table``) then 3.49 -> 3.68 (graphs), bf16 contiguous 3.98 -> 4.40, and cost the bf16
+paged 128 / 2 tile 7% (4.12 -> 3.84, the rows part), which therefore keeps int64 rows:
+
+    python bench/decode_sweep.py --fp8 --splits none --configs 0,1 --pages 0,16,64 --lean-pages on,off \
+        --tiles default --repeat 3 --graphs
 """
 import argparse
 
