@@ -9,6 +9,12 @@ TTGIR's async copies (pipelined K / V loads).
 Session 35 (Triton 3.6, --loops, the unmasked step, bf16 q, e4m3): V as bytes 961 (contiguous) / 1204 (paged)
 instructions, 255 / 208 registers; V as int16 pairs 617 / 805, 184 / 168 (bench/NOTES.md 74).
 
+Session 36 (Triton 3.6, --loops, the unmasked step): a paged cache's table read in the same iteration as its K / V
+rows left K / V one shared-memory buffer (FP8 64-key tile, 3 stages: 23 KB against 39 KB contiguous); read a tile
+ahead, paged builds have the contiguous ones' buffers. int32 rows (ROWS32) and one table read (ONE_TABLE): FP8 64
+keys paged 549 -> 462 instructions, contiguous 390 -> 375; bf16 128 keys paged 938 -> 426, contiguous 558 -> 432
+(bench/NOTES.md 76).
+
 Session 18 (Triton 3.6): bf16 cache 208-220 regs, 72 KB; e4m3 cache 168-255 regs (contiguous bf16 q: 16
 bytes of spill), 40 KB; 12 async copies in every variant.
 
