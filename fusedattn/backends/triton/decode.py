@@ -633,7 +633,8 @@ def _rows32(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, kv_fp8: b
     """The kernel's ROWS32: int32 key-row offsets where every offset of both caches fits, except a paged 16-bit
     cache. H200, Triton 3.6, under CUDA graphs (bench/NOTES.md 76), TB/s int32 / int64: e4m3 b64 h32/8 kv4k
     contiguous 4.08 / 3.97, pages of 16 3.74 / 3.46; bf16 contiguous 4.40 / 3.98, but bf16 pages of 16 3.83 /
-    4.13 (its 128-key, 2-stage tile; fewer address instructions, later loads)."""
+    4.13: int32 rows take that 128-key, 2-stage build from 238 to 156 registers, so three programs fit an SM
+    instead of two, and b64 h_kv 8's 512 programs run 1.29 waves instead of 1.94 (a wave effect)."""
     return (kv_fp8 or not paged) and _offsets_fit_int32(k_cache) and _offsets_fit_int32(v_cache)
 
 
