@@ -74,7 +74,7 @@ def main() -> None:
                     "or on,off (both, one process)")
     ap.add_argument("--lean-pages", default="on", help="paged caches: int32 page rows and one table read for K "
                     "and V (decode ROWS32 / ONE_TABLE), or off (int64 rows, V's entries read again), or rows / table "
-                    "(one of the two): a list, one process")
+                    "(one of the two), or force (int32 rows wherever the offsets fit, a paged 16-bit cache too): a list, one process")
     ap.add_argument("--repeat", type=int, default=1, help="time every setting this many times, alternating, and "
                     "print each one's median and best (the paged rows move 20-30%% between calls)")
     ap.add_argument("--graphs", action="store_true", help="time under CUDA graphs (no host time)")
@@ -89,6 +89,7 @@ def main() -> None:
     fp8_kw = dict(descale_k=torch.ones(1, device=dev), descale_v=torch.ones(1, device=dev)) if args.fp8 else {}
     orig, orig_pairs = decode.decode_tiles, decode.v_pairs_code
     orig_lean = decode._offsets_fit_int32, decode._same_view
+    orig_rows32 = decode._rows32
     for b, hq, hkv, s in configs:
         q = torch.randn(b, 1, hq, 128, device=dev, dtype=bf).transpose(1, 2)
         k = torch.randn(b, s, hkv, 128, device=dev, dtype=bf).to(cache_dtype).transpose(1, 2)
@@ -119,8 +120,10 @@ def main() -> None:
                     for pairs, lean in ((x, y) for x in args.pairs.split(",") for y in args.lean_pages.split(",")):
                         decode.v_pairs_code = orig_pairs if pairs == "on" else (lambda v, d_v: 0)
                         decode._offsets_fit_int32, decode._same_view = (
-                            orig_lean[0] if lean in ("on", "rows") else (lambda t: False),
-                            orig_lean[1] if lean in ("on", "table") else (lambda a, b: False))
+                            orig_lean[0] if lean in ("on", "rows", "force") else (lambda t: False),
+                            orig_lean[1] if lean in ("on", "table", "force") else (lambda a, b: False))
+                        decode._rows32 = orig_rows32 if lean != "force" else (
+                            lambda k, v, paged, fp8: orig_lean[0](k) and orig_lean[0](v))
                         for ns in splits:
                             def run():
                                 attention_with_kvcache(*call, **kw, **fp8_kw, num_splits=ns, validate=False)
@@ -137,6 +140,7 @@ def main() -> None:
                               f"({' '.join(f'{x:.2f}' for x in tbs)})", flush=True)
             decode.decode_tiles, decode.v_pairs_code = orig, orig_pairs
             decode._offsets_fit_int32, decode._same_view = orig_lean
+            decode._rows32 = orig_rows32
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ Counting (the usual one, see DESIGN.md "Performance"): forward
 ``2*b*h*s_q*s_kv*(d + d_v)`` FLOPs (``4*b*h*s*s*d`` when ``d_v == d``), halved
 when causal; masked configs count only the unmasked (query, key) pairs;
 backward 2.5x the forward, forward+backward 3.5x. Decode reports K/V bytes read
-per second. Timing: median of ``triton.testing.do_bench`` (which also flushes
-the L2 cache before each call); input sets are rotated when one set fits in L2;
+per second. Timing: median of :func:`do_bench_cold`, ``triton.testing.do_bench``'s loop with the L2
+cache flushed before each call by *reading* a 256 MB buffer, so each call starts from a cold, clean L2
+(do_bench's own flush zeroes the buffer: each call then also writes back the flush's dirty lines, up
+to L2's 50-60 MB, which weighs on a 0.5 GB decode call four times as much as on the 2 GiB copy
+ceiling: bench/flush_probe.py, bench/NOTES.md 77); input sets are rotated when one set fits in L2;
 ``--cuda-graphs`` times CUDA-graph replays instead of eager calls (for small,
 launch-bound problems). Backward is timed alone (``autograd.grad`` with
 ``retain_graph``), forward+backward is the sum of the two medians.
@@ -453,22 +456,59 @@ def time_cpu_ms(fn: Callable[[], object], reps: int = 5) -> float:
     return statistics.median(times)
 
 
+_FLUSH: Dict[str, torch.Tensor] = {}
+
+
+def _flush_l2() -> None:
+    """Evict L2 by reading 256 MB (triton.testing's flush size, past any GPU's L2 today) into a scalar: the
+    cache ends up holding clean lines, so the timed call that follows writes nothing back for it."""
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.ones(64 * 2 ** 20, dtype=torch.float32, device="cuda")
+        _FLUSH["out"] = torch.empty((), dtype=torch.float32, device="cuda")
+    torch.sum(_FLUSH["buf"], dim=0, out=_FLUSH["out"])
+
+
+def do_bench_cold(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median ms of ``fn`` over about ``rep`` ms of calls after ``warmup`` ms, each call timed alone by CUDA
+    events after :func:`_flush_l2` (``triton.testing.do_bench``'s loop and counts, its flush replaced)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        _flush_l2()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-6)
+    n_warmup, n_repeat = max(1, int(warmup / estimate_ms)), max(1, int(rep / estimate_ms))
+    for _ in range(n_warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for s, e in zip(starts, ends):
+        _flush_l2()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
 def time_gpu_ms(fns: Sequence[Callable[[], object]], quick: bool, graphs: bool) -> float:
     """Median ms of one call, rotating over ``fns`` (one per input set).
 
-    Eager: ``do_bench`` on a closure that cycles through the sets. Graphs: the
+    Eager: :func:`do_bench_cold` on a closure that cycles through the sets. Graphs: the
     calls over all sets are captured once and the replay's median is divided
     by the number of sets.
     """
-    from triton.testing import do_bench
-
     opts = QUICK if quick else FULL
     for f in fns:                      # compile, autotune, allocate workspaces
         f()
     _cuda_sync()
     if graphs:
         graph = _capture(fns)
-        return do_bench(graph.replay, return_mode="median", **opts) / len(fns)
+        return do_bench_cold(graph.replay, **opts) / len(fns)
     state = [0]
 
     def call():
@@ -476,7 +516,7 @@ def time_gpu_ms(fns: Sequence[Callable[[], object]], quick: bool, graphs: bool) 
         state[0] += 1
         return f()
 
-    return do_bench(call, return_mode="median", **opts)
+    return do_bench_cold(call, **opts)
 
 
 def _capture(fns: Sequence[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
@@ -498,7 +538,7 @@ def _capture(fns: Sequence[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
 def n_input_sets(one_set_bytes: int, free_bytes: float, graphs: bool) -> int:
     """How many input sets to rotate so consecutive calls do not run from L2.
 
-    ``do_bench`` already flushes L2 before each eager call, so rotation matters
+    :func:`do_bench_cold` already flushes L2 before each eager call, so rotation matters
     for graph replays; eager runs still rotate when a set is smaller than L2.
     """
     l2 = 50 * 2 ** 20
@@ -1525,20 +1565,16 @@ def measure_ceilings(quick: bool) -> Tuple[float, float]:
 
 
 def _matmul_tflops(n: int, opts: dict) -> float:
-    from triton.testing import do_bench
-
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    ms = do_bench(lambda: a @ b, return_mode="median", **opts)
+    ms = do_bench_cold(lambda: a @ b, **opts)
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
 def _copy_tbs(nbytes: int, opts: dict) -> float:
-    from triton.testing import do_bench
-
     src = torch.randn(nbytes // 2, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median", **opts)
+    ms = do_bench_cold(lambda: dst.copy_(src), **opts)
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
@@ -1575,7 +1611,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                    help="fwd; bwd (backward and fwd+bwd); both (default)")
     p.add_argument("--csv", metavar="FILE", help="write every measurement as a CSV row, as it is taken")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of TFLOP/s (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (do_bench warmup 5 ms, rep 20 ms)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (warmup 5 ms, rep 20 ms)")
     p.add_argument("--only", metavar="NAME", help="comma-separated substrings of config names or labels")
     p.add_argument("--cuda-graphs", action="store_true", help="time CUDA-graph replays (small problems)")
     p.add_argument("--budget", type=float, default=0.0, metavar="SECONDS",
@@ -1660,8 +1696,8 @@ def _main_gpu(args, bench: Bench) -> int:
     backends, missing = gpu_backends()
     fp8_cols, fp8_missing = fp8_backends()
     missing.update(fp8_missing)
-    mode = "CUDA graph replays" if args.cuda_graphs else "eager calls (L2 flushed before each)"
-    print(header(missing, f"median of triton.testing.do_bench, {mode}"))
+    mode = "CUDA graph replays" if args.cuda_graphs else "eager calls"
+    print(header(missing, f"median of {mode}, L2 flushed (read, left clean) before each"))
     print("measuring ceilings ...", file=sys.stderr)
     mm, copy = measure_ceilings(args.quick)
     ceilings = f"ceilings: bf16 8192^3 matmul {mm:.0f} TFLOP/s; device-to-device copy {copy:.2f} TB/s (read + write)"

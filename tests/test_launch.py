@@ -161,6 +161,24 @@ def test_decode_repeat_calls_skip_the_jit_and_stay_correct(splits):
         assert decode._COMBINE.direct_launches >= direct[1] + 3, "repeat combines went through the JIT"
 
 
+def test_remembered_integer_keys_are_the_specialization():
+    """triton/launch.py's integer memo (``_int_key``): a remembered integer's key is what the JIT specializes on
+    (== 1, divisible by 16, 32-bit), the same on a second call, negative and huge values included, and a full
+    memo starts over instead of growing."""
+    from fusedattn.backends.triton import launch
+    lo, hi = -2 ** 31, 2 ** 31
+    values = (0, 1, 2, 15, 16, 17, 32, -1, -16, hi - 16, hi, hi + 1, lo - 16, lo, 3 * 2 ** 40)
+    for _ in range(2):                                  # first computed, then remembered
+        keys, _ = launch.signature_key(values, {})
+        assert keys == tuple((v == 1, v % 16 == 0, lo <= v < hi) for v in values)
+    assert launch.signature_key((16,), {}) != launch.signature_key((1,), {}) != launch.signature_key((17,), {})
+    for v in range(5000):
+        launch.signature_key((v,), {})
+    assert len(launch._INT_KEYS) <= 4097
+    assert launch.signature_key((1, 48, 2 ** 33), {})[0] == ((True, False, True), (False, True, True),
+                                                            (False, True, False))
+
+
 def test_gluon_signature_key_separates_what_the_jit_specializes_on():
     """backends/gluon/launch.py: equal keys for new data of the same metadata; a new key for a new
     dtype, alignment, box, integer class (== 1, divisible by 16, width), constexpr or an unknown type."""

@@ -117,7 +117,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -129,6 +128,7 @@ from .bwd_dq_sm90 import (_bwd_problem_ok, _chunk, _fp8_ds_factors, _fp8_grad_wr
                           _padding_ok, launch_dq_sm90)
 from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready,
                        widened_fp16)
+from ..triton.launch import cdiv
 from .launch import launch
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
@@ -887,7 +887,7 @@ def launch_dkdv_sm90(p, q, k, v, grad_out, lse, delta, dk, dv, *, slopes=None, s
     # dropout takes the SPLIT variant at every tile width (``_split_consumer``)
     split = SPLIT[td] or p.has_dropout
     block_n = WG_N if split else BLOCK_N
-    grid = (triton.cdiv(p.s_kv, block_n), p.b * p.h_kv)
+    grid = (cdiv(p.s_kv, block_n), p.b * p.h_kv)
     heavy = HEAVY_FIRST[has_right and not has_left] if heavy_first is None else heavy_first
     fp8_kw = {}
     if fp8 is not None:

@@ -110,7 +110,6 @@ d224 137 -> 170 TFLOP/s, d256 causal 158 -> 198, ALiBi 323 -> 354, window 327 ->
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -121,6 +120,7 @@ from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_cols, _alibi_slope2, _band
                        _is_sm90, _kv_ring_loads, _kv_view, _lengths_ok, _seq_length, _slopes_ok, _sm_count, _tma,
                        _store_as, _tma_ready, _zero_landed_rows)
 from . import dropout
+from ..triton.launch import cdiv
 from .launch import launch
 
 WG_M = 64           # query rows per consumer warpgroup
@@ -662,7 +662,7 @@ def launch_dq_sm90(p, q, k, v, grad_out, lse, delta, dq, *, out=None, slopes=Non
     has_right = band is not None and band.right is not None
     causal_like = has_right and not has_left
     heavy = HEAVY_FIRST[causal_like] if heavy_first is None else heavy_first
-    grid = (triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
+    grid = (cdiv(p.s_q, BLOCK_M), p.b * p.h_q)
     o_arg, o_strides = (out, out.stride()[:3]) if out is not None else (lse, (0, 0, 0))
     fp8_kw = {}
     if fp8 is not None:

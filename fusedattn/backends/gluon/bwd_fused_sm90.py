@@ -216,6 +216,7 @@ from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _fp8_grad_write, _fp8_round16, _heavy_first
 from .fwd_sm90 import (LOG2E, _geometry, _is_sm90, _pack_p8, _smem_layout, _to_fp8, _tma, _tma_ready,
                        _unpack_p8, transposed_v, widened_fp16)
+from ..triton.launch import cdiv
 from .launch import Tma, launch
 
 WG_N = 64            # keys per consumer warpgroup (one wgmma M)
@@ -897,7 +898,7 @@ def _dq_convert_fp8(ACC, DQ, stride_b, stride_h, stride_m, H_Q, S_Q, ACC_ROWS, S
 def acc_rows(s_q):
     """Rows per head of the fp32 dQ accumulator: s_q rounded up to whole query tiles (``DQ_ATOMIC`` adds
     whole tiles, unmasked)."""
-    return triton.cdiv(s_q, BLOCK_M) * BLOCK_M
+    return cdiv(s_q, BLOCK_M) * BLOCK_M
 
 
 def _dq_box(flat, d=128):
@@ -971,7 +972,7 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
     assert out.stride(-1) == 1 and grad_out.stride(-1) == 1
     block = 64
-    launch(_delta_zero, (triton.cdiv(p.s_q, block), p.b * p.h_q),
+    launch(_delta_zero, (cdiv(p.s_q, block), p.b * p.h_q),
         out, grad_out, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0),
         grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=p.d, num_warps=4)
 
@@ -996,7 +997,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     box, layout = _dq_box(DQ_FLAT[causal] if flat is None else flat, p.d)
     # the TMA reduce clips at s_q (LAG's reduce at row s_q before the first tile is dropped whole)
     dq_desc = Tma(dq_acc, (p.b, p.h_q, p.s_q, p.d), dq_acc.stride(), (1, 1, BLOCK_M, box), layout)
-    grid = (triton.cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
+    grid = (cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     fp8_kw = {}
     if fp8 is not None:
         scales, amax, p_e5m2, ds_e5m2 = fp8
@@ -1031,7 +1032,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
 def launch_convert(p, dq_acc, dq):
     """dq = scale * dq_acc in dq's dtype (dq: any strides with unit last stride)."""
     block = 64
-    launch(_dq_convert, (triton.cdiv(p.s_q, block), p.b * p.h_q),
+    launch(_dq_convert, (cdiv(p.s_q, block), p.b * p.h_q),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
         D=p.d, num_warps=4)
 
@@ -1100,6 +1101,6 @@ def launch_bwd_fused_fp8(p, q8, k8, v8, o, do8, lse, scales, amax, dq, dk, dv, *
         q, k, v, grad_out = (widened_fp16(t) for t in (q8, k8, v8, do8))
         launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, fp8=fp8)
     block = 64
-    launch(_dq_convert_fp8, (triton.cdiv(p.s_q, block), p.b * p.h_q), dq_acc, dq, dq.stride(0), dq.stride(1),
+    launch(_dq_convert_fp8, (cdiv(p.s_q, block), p.b * p.h_q), dq_acc, dq, dq.stride(0), dq.stride(1),
            dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), scales, amax, BLOCK=block, D=p.d, num_warps=4)
     return dq, dk, dv

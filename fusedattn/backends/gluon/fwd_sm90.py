@@ -281,7 +281,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...plan import interpreting
 from ..compat import TRITON_VERSION, cta_barrier, smem_reinterpret, tma_load, tma_store
-from ..triton.launch import _current_raw_stream
+from ..triton.launch import _current_raw_stream, cdiv, pow2
 from . import dropout
 from .launch import Tma, launch
 
@@ -2139,7 +2139,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         raise ValueError("the problem has a sink: pass sink")
     if p.paged and (page_table_k is None or page_table_v is None):
         raise ValueError("the problem is paged: pass page_table_k and page_table_v")
-    n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
+    n_m, n_bh = cdiv(p.s_q, BLOCK_M), p.b * p.h_q
     dynamic = True if dynamic is None else bool(dynamic)
     counter = _tile_counter(q.device) if persistent and dynamic else lse_arg
     if counter is None:
@@ -2358,9 +2358,9 @@ def widened_fp16(x) -> torch.Tensor:
         return x.to(torch.float16, memory_format=torch.contiguous_format)
     b, h, s, d = x.shape
     y = torch.empty((b, h, s, d), dtype=torch.float16, device=x.device)
-    block_d = triton.next_power_of_2(d)
+    block_d = pow2(d)
     block_s = max(1, 4096 // block_d)
-    launch(_widen_fp8, (triton.cdiv(s, block_s), b * h), x, y, h, s, d, *x.stride()[:3], BLOCK_S=block_s,
+    launch(_widen_fp8, (cdiv(s, block_s), b * h), x, y, h, s, d, *x.stride()[:3], BLOCK_S=block_s,
            BLOCK_D=block_d, num_warps=4)
     return y
 
@@ -2421,8 +2421,8 @@ def transposed_v(v, permute=True) -> torch.Tensor:
     block_s = 128
     # through a Launcher (``launch``): a repeat signature skips Triton's dispatch (jit_launch took ~90 us of
     # host per 2k causal FP8 forward under cProfile, H100 host, session 28, where the whole call is ~0.3 ms)
-    launch(_transpose_v_keys, (triton.cdiv(pad, block_s), b * h), v8, vt, h, s, pad, d, *v8.stride(),
-           *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(d),
+    launch(_transpose_v_keys, (cdiv(pad, block_s), b * h), v8, vt, h, s, pad, d, *v8.stride(),
+           *vt.stride()[:3], BLOCK_S=block_s, BLOCK_D=pow2(d),
            **({} if permute else dict(PERMUTE=False)), num_warps=4)
     return vt.view(v.dtype)
 
@@ -2466,7 +2466,7 @@ def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, 
     if vt.shape != (p.b, p.h_kv, p.d, -(-p.s_kv // 16) * 16) or vt.stride(-1) != 1:
         raise ValueError(f"vt must be V transposed by transposed_v, [b, h_kv, d, s_kv rounded up to 16]; got "
                          f"{list(vt.shape)} strides {vt.stride()}")
-    n_m, n_bh = triton.cdiv(p.s_q, BLOCK_M), p.b * p.h_q
+    n_m, n_bh = cdiv(p.s_q, BLOCK_M), p.b * p.h_q
     persistent = FP8_PERSISTENT[td] if persistent is None else bool(persistent)
     counter = _tile_counter(q.device) if persistent else lse_arg
     if counter is None:         # first launch on a capturing stream (_tile_counter): the one-tile grid

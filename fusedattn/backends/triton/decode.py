@@ -45,6 +45,7 @@ one more term 2^(sink - m) in its sum, no value row), so the combine, which merg
 log-sum-exps, counts it exactly once; with one split it is the whole row's. A row whose keys all lie
 in other splits still gets the sink from split 0's partial (o 0, lse = sink).
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ import triton.language as tl
 from .args import LOG2E_PY, block_dim, slope_batch_stride
 from .common import LN2, fold_sink, load_tile, scores_base2
 from ...plan import interpreting
-from .launch import Launcher, jit_launch, signature_key
+from .launch import Launcher, cdiv, jit_launch, pow2, signature_key
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -517,7 +518,7 @@ def decode_tiles(rows: int, d: int, dtype: torch.dtype, interpret: bool, kv_fp8:
     what ruled out the others (64-key tiles with 4 warps at BLOCK_M 64: 242 registers; fp32
     32-key tiles: spills).
     """
-    p2 = triton.next_power_of_2(max(rows, 1))
+    p2 = pow2(max(rows, 1))
     if interpret:
         # the interpreter pays ~10 ms per tile step: 32-key tiles keep CI quick and still give
         # short test caches several blocks (masked edges, whole blocks, splits)
@@ -562,6 +563,7 @@ def num_sms(device) -> int:
     return INTERPRETER_SMS
 
 
+@functools.lru_cache(maxsize=1024)
 def num_splits_heuristic(programs: int, n_blocks: int, sms: int = H100_SMS,
                          ctas_per_sm: int = CTAS_PER_SM, max_splits: int = MAX_SPLITS) -> int:
     """FlashAttention-2's split count (``num_splits_heuristic`` in ``csrc/flash_attn/flash_api.cpp``).
@@ -570,6 +572,8 @@ def num_splits_heuristic(programs: int, n_blocks: int, sms: int = H100_SMS,
     longest sequence. If the programs nearly fill the machine (``ctas_per_sm`` per SM) or the
     cache has at most 4 blocks, one split. Else the fewest splits whose wave efficiency
     ``waves / ceil(waves)`` is within 85% of the best, skipping split counts that give the same blocks per split as one fewer.
+    Remembered per argument tuple: a pure function of integers, and its loop over up to 64 candidate counts took
+    4-12 us of every decode call's host time (2-core CPU, bench/NOTES.md 77).
     """
     slots = sms * ctas_per_sm
     if programs >= 0.8 * slots or n_blocks <= 4:      # FA3 adds: a short cache is never split
@@ -608,11 +612,11 @@ def plan_decode(b, h_kv, g, s_q, d, d_v, dtype, cap, device, num_splits=None, kv
     kv_fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     tiles = decode_tiles(g * s_q, max(d, d_v), dtype, device.type != "cuda", kv_fp8)
     if tiles is FP8_TILE and not paged \
-            and b * h_kv * triton.cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
+            and b * h_kv * cdiv(g * s_q, tiles.block_m) < 0.8 * tiles.ctas_per_sm * num_sms(device):
         tiles = FP8_TILE_FEW
     if num_splits is None:
-        m_tiles = triton.cdiv(g * s_q, tiles.block_m)
-        num_splits = num_splits_heuristic(b * h_kv * m_tiles, triton.cdiv(cap, tiles.block_n), num_sms(device),
+        m_tiles = cdiv(g * s_q, tiles.block_m)
+        num_splits = num_splits_heuristic(b * h_kv * m_tiles, cdiv(cap, tiles.block_n), num_sms(device),
                                           ctas_per_sm=tiles.ctas_per_sm or CTAS_PER_SM)
     return tiles, num_splits
 
@@ -670,7 +674,7 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
     paged = page_table is not None
     sw, win_left, win_right = _switches(q.dtype, d, d_v, band, softcap, slopes is not None)
     qk_scale = scale / softcap if softcap > 0.0 else scale * LOG2E_PY
-    m_tiles = triton.cdiv(g * s_q, tiles.block_m)
+    m_tiles = cdiv(g * s_q, tiles.block_m)
     split = num_splits > 1
     if split:
         o_part = torch.empty((num_splits, b, h_q, s_q, d_v), dtype=torch.float32, device=q.device)
@@ -713,9 +717,9 @@ def launch_decode(q, k_cache, v_cache, page_table, seq_len_kv, slopes, out, lse,
         rows = b * h_q * s_q
         block_r = 64 if q.device.type == "cpu" else 16       # the interpreter: fewer, larger programs
         args = (o_part, lse_part, out, lse_arg, *out.stride(), *lse_strides, rows, h_q, s_q, d_v, num_splits)
-        kwargs = dict(BLOCK_R=block_r, BLOCK_DV=triton.next_power_of_2(d_v), WRITE_LSE=lse is not None,
+        kwargs = dict(BLOCK_R=block_r, BLOCK_DV=pow2(d_v), WRITE_LSE=lse is not None,
                       num_warps=4)
-        _COMBINE(signature_key(args, kwargs), (triton.cdiv(rows, block_r),), *args, **kwargs)
+        _COMBINE(signature_key(args, kwargs), (cdiv(rows, block_r),), *args, **kwargs)
 
 
 _DECODE, _COMBINE = Launcher(_decode_fwd), Launcher(_decode_combine)
@@ -779,7 +783,7 @@ def launch_append(k_new, v_new, k_cache, v_cache, page_table, seq_len_kv, cap, s
         *k_new.stride(), *v_new.stride(), *k_cache.stride(), *v_cache.stride(),
         *(page_table.stride() if paged else (0, 0)),
         h_kv, s_q, d, d_v, cap, k_cache.shape[0] if paged else 0,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d_v),
+        BLOCK_D=pow2(d), BLOCK_DV=pow2(d_v),
         PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SEQ_KV=seq_len_kv is not None,
         HAS_SEQ_Q=seq_len_q is not None, VARLEN_Q=cu_seqlens_q is not None, num_warps=1,
     )

@@ -181,6 +181,17 @@ def jit_launch(kernel, grid, *args, **kwargs):
 
 _Tensor = torch.Tensor
 _INT32 = (-2 ** 31, 2 ** 31)
+_INT_KEYS: dict = {}      # int -> its key part (strides and sizes repeat from call to call)
+
+
+def _int_key(a: int) -> tuple:
+    """What the JIT specializes on for an integer argument (== 1, divisible by 16, 32-bit), remembered: a
+    dict hit is a third of building the tuple (signature_key's ~45 integers of a decode launch)."""
+    if len(_INT_KEYS) > 4096:
+        _INT_KEYS.clear()
+    lo, hi = _INT32
+    k = _INT_KEYS[a] = (a == 1, a % 16 == 0, lo <= a < hi)
+    return k
 
 
 def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
@@ -194,11 +205,11 @@ def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
     first: this runs on every launch."""
     key = []
     add = key.append
-    lo, hi = _INT32
+    known = _INT_KEYS.get
     for a in args:
         kind = type(a)
         if kind is int:
-            add((a == 1, a % 16 == 0, lo <= a < hi))
+            add(known(a) or _int_key(a))
         elif kind is other_kind:
             add(other_key(a))
         elif kind is _Tensor:

@@ -1,0 +1,58 @@
+"""How the bench's L2 flush moves memory-bound rows: a zeroing flush (triton.testing.do_bench's) against a
+reading one, for device copies of several sizes and the decode rows (issue 27 item 4's 0.9 of copy).
+
+    python3 bench/flush_probe.py
+
+do_bench clears L2 before each timed call by zeroing a 256 MB buffer, so the call starts with L2 full of
+dirty lines that it must write back while it reads; a 140 us decode call moves ~0.5 GB, the bench's copy
+ceiling 2 GiB, so the same write-back weighs about four times more on the decode row. A flush that reads the
+buffer leaves L2 holding clean lines (a cold cache with nothing to write back). Prints TB/s per (call, flush).
+"""
+import torch
+from triton.testing import do_bench
+
+import fusedattn.bench as fb
+
+
+def timed(fn, flush: str, nbytes: int) -> float:
+    """TB/s of ``fn`` moving ``nbytes``: median of do_bench (zeroing flush) or of the same loop with a reading
+    flush."""
+    if flush == "zero":
+        ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+    else:
+        buf = torch.empty(256 * 2 ** 20 // 4, dtype=torch.float32, device="cuda").fill_(1.0)
+        out = torch.empty((), dtype=torch.float32, device="cuda")
+        for _ in range(5):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(200)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(200)]
+        for s, e in zip(starts, ends):
+            torch.sum(buf, dim=0, out=out)            # reads 256 MB: L2 ends up clean
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        ms = times[len(times) // 2]
+    return nbytes / ms / 1e9
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    rows = []
+    for mib in (1024, 256, 128):
+        src = torch.randn(mib * 2 ** 20 // 2, dtype=torch.float16, device=dev)
+        dst = torch.empty_like(src)
+        rows.append((f"copy {mib} MiB (moves {2 * mib} MiB)", lambda s=src, d=dst: d.copy_(s), 2 * mib * 2 ** 20))
+    cfgs = fb.fp8_cache_decode_configs() + fb.decode_configs()
+    for cfg in [c for c in cfgs if c.b == 64 and c.page_block in (0, 16)]:
+        runner = fb.prepare_ours(cfg, False)(fb.make_inputs(cfg, dev))
+        rows.append((cfg.name, runner.fwd, int(fb.kv_bytes(cfg))))
+    for rep in range(2):
+        for label, fn, nbytes in rows:
+            print(f"{label}: zeroing flush {timed(fn, 'zero', nbytes):.3f} TB/s, reading flush "
+                  f"{timed(fn, 'read', nbytes):.3f} TB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
