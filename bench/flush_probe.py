@@ -1,13 +1,15 @@
 """How the bench's L2 flush moves memory-bound rows: a zeroing flush (triton.testing.do_bench's) against a
 reading one, for device copies of several sizes and the decode rows (issue 27 item 4's 0.9 of copy).
 
-    python3 bench/flush_probe.py
+    python3 bench/flush_probe.py [--anchors]     # --anchors: four ANCHORS forwards too (PFLOP/s)
 
 do_bench clears L2 before each timed call by zeroing a 256 MB buffer, so the call starts with L2 full of
 dirty lines that it must write back while it reads; a 140 us decode call moves ~0.5 GB, the bench's copy
 ceiling 2 GiB, so the same write-back weighs about four times more on the decode row. A flush that reads the
 buffer leaves L2 holding clean lines (a cold cache with nothing to write back). Prints TB/s per (call, flush).
 """
+import sys
+
 import torch
 from triton.testing import do_bench
 
@@ -48,6 +50,11 @@ def main() -> None:
     for cfg in [c for c in cfgs if c.b == 64 and c.page_block in (0, 16)]:
         runner = fb.prepare_ours(cfg, False)(fb.make_inputs(cfg, dev))
         rows.append((cfg.name, runner.fwd, int(fb.kv_bytes(cfg))))
+    if "--anchors" in sys.argv:
+        # compute-bound rows: "TB/s" here is TFLOP/s x 1e-3 (fwd_flops as bytes), only the ratio matters
+        for cfg in [fb.anchor_configs()[i] for i in (2, 3, 4, 6)]:
+            runner = fb.prepare_ours(cfg, False)(fb.make_inputs(cfg, dev))
+            rows.append((cfg.name + " fwd (PFLOP/s)", runner.fwd, int(fb.fwd_flops(cfg))))
     for rep in range(2):
         for label, fn, nbytes in rows:
             print(f"{label}: zeroing flush {timed(fn, 'zero', nbytes):.3f} TB/s, reading flush "
