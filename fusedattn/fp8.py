@@ -288,7 +288,8 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
         q ``[b, h_q, s_q, d]``, k ``[b, h_kv, s_kv, d]``, v ``[b, h_kv, s_kv, d_v]``: FP8 (all the same
             type; fp32/bf16/fp16 values are accepted too and read as they are, for tests).
         descale_* / scale_*: floats or fp32 tensors with one element (descale_q / k / v may also have
-            one per head).
+            one per head: the portable kernel reads them per program; the Gluon sm_90 kernels take one per
+            tensor, so per-head calls run the portable kernel there).
         attn_scale: float, default ``1 / sqrt(d)``. band: a :class:`~fusedattn.problem.Band`, an
             ``(alignment, left, right)`` tuple or None. seq_len_q / seq_len_kv: int ``[b]`` (padding).
         o_dtype: output type (default q's).
@@ -386,8 +387,8 @@ _QUIET_REFUSALS = ("empty tensors", "inputs are not of one float8 type")
 
 def _refused(why: Optional[str], where: str, device) -> bool:
     """Whether a kernel refused the call (``why`` not None); on a GPU, once per (entry point, reason), a warning
-    that the call runs the torch emulation instead (the same results, far slower): per-head descales above all,
-    which the kernels do not read (they take one scale per tensor)."""
+    that the call runs the torch emulation instead (the same results, far slower): per-head descales in the
+    backward above all, whose kernels take one scale per tensor."""
     if why is None:
         return False
     if device.type == "cuda" and why not in _QUIET_REFUSALS:
@@ -402,7 +403,6 @@ def _kernel_refuses(q, k, v, scales, attn_scale: float) -> Optional[str]:
 
     * q, k, v that are not of one float8 type (the emulation reads fp32 / bf16 / fp16 values as they are,
       for tests);
-    * per-head descales (``[1, h, 1, 1]``): the kernel reads one value per tensor;
     * head dims past MAX_HEAD_DIM (256), as the 16-bit kernels;
     * attn_scale <= 0: the kernel's unmasked tiles take the row max of the raw products (scale > 0);
     * empty tensors (nothing to launch).
@@ -413,8 +413,6 @@ def _kernel_refuses(q, k, v, scales, attn_scale: float) -> Optional[str]:
         return "empty tensors"
     if not is_fp8(q) or k.dtype != q.dtype or v.dtype != q.dtype:
         return "inputs are not of one float8 type"
-    if any(t.numel() != 1 for t in scales.values()):
-        return "per-head descales"
     if max(d, d_v) > MAX_HEAD_DIM:
         return f"head dim past {MAX_HEAD_DIM}"
     if not attn_scale > 0:
@@ -464,8 +462,8 @@ def _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras) -> bool:
     through the functional door's loader, so an unsupported Triton turns them off once, with a warning."""
     from .functional import _gluon_kernels, _gluon_ran      # late: functional dispatches here
     from .plan import gluon_fp8_fwd
-    if not gluon_fp8_fwd(p.d, p.d_v):
-        return False
+    if not gluon_fp8_fwd(p.d, p.d_v) or any(t.numel() != 1 for t in scales.values()):
+        return False        # the Gluon kernels read one scale per tensor; per-head ones run the portable kernel
     gluon = _gluon_kernels("fp8-forward", "fwd_sm90")
     if gluon is None:
         return False
@@ -592,6 +590,8 @@ def _kernel_refuses_bwd(q, k, v, o, dO, scales) -> Optional[str]:
     why = _kernel_refuses(q, k, v, scales, 1.0)
     if why:
         return why
+    if any(t.numel() != 1 for t in scales.values()):
+        return "per-head descales"     # the backward kernels read one scale per tensor (the forward's: per head)
     if not is_fp8(dO):
         return "dO is not float8"
     if o.dtype not in OUT_DTYPES:

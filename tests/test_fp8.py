@@ -360,7 +360,8 @@ def test_fa3_descales_equal_everywhere_become_one_scale():
 
 
 def test_a_gpu_call_the_kernels_refuse_warns_once(monkeypatch):
-    """On a GPU an FP8 call the kernels do not take (per-head descales, say) runs the emulation: one warning per
+    """On a GPU an FP8 call the kernels do not take (per-head descales in the backward, say) runs the emulation:
+    one warning per
     entry point and reason, naming it; none for the test-only refusals (16-bit values through the FP8 door,
     empty tensors) nor on the CPU."""
     import warnings
@@ -379,5 +380,7 @@ def test_a_gpu_call_the_kernels_refuse_warns_once(monkeypatch):
     q8, k8, v8, sc = _inputs(seed=9)
     heads = q8.shape[1]
     per_head = dict(sc, descale_q=sc["descale_q"].reshape(1).repeat(heads))
-    assert fp8._kernel_refuses(q8, k8, v8, {n: fp8._scale(x, n, q8.device, heads) for n, x in per_head.items()},
-                               1.0) == "per-head descales"
+    per_head = {n: fp8._scale(x, n, q8.device, heads) for n, x in per_head.items()}
+    # the portable forward reads per-head descales (FP8_HEAD_SCALES); the backward kernels one per tensor
+    assert fp8._kernel_refuses(q8, k8, v8, per_head, 1.0) is None
+    assert fp8._kernel_refuses_bwd(q8, k8, v8, q8, q8, per_head) == "per-head descales"

@@ -236,6 +236,47 @@ def test_fp8_kernel_rounding_matches_torch(dtype, kernel_target):
                               f"{got[bad[:4]].tolist()} (want {want[bad[:4]].tolist()}); {rep}")
 
 
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_fp8_kernel_per_head_descales(gqa, kernel_target, mma16):
+    """Per-head descales (fusedattn's addition to cuDNN's per-tensor scales; the kernel's FP8_HEAD_SCALES): every
+    head quantized with its own power-of-two scale, about four times the previous head's, so a program that read
+    another head's descale would be off by 2x or more. Written into NaN-filled buffers, within the derived bound of
+    float64 attention of the dequantized inputs, and near the emulation."""
+    device, backend = kernel_target
+    b, h_q, h_kv, s_q, s_kv, d = 2, 4, (2 if gqa else 4), 33, 47, 32
+    rep = _repro(f"per_head and {'gqa' if gqa else 'mha'} and {'mma16' if mma16 else 'mma8'}", device)
+    gen = torch.Generator().manual_seed(17 + gqa)
+
+    def per_head_fp8(h, s):
+        x = torch.randn((b, h, s, d), generator=gen) * 0.125 * (4.0 ** torch.arange(h)).view(1, h, 1, 1)
+        parts = [fp8.quantize_per_tensor(x[:, i:i + 1], E4M3) for i in range(h)]
+        return torch.cat([x8 for x8, _ in parts], 1), torch.cat([sc.reshape(1) for _, sc in parts])
+
+    (q8, dq), (k8, dk), (v8, dv) = per_head_fp8(h_q, s_q), per_head_fp8(h_kv, s_kv), per_head_fp8(h_kv, s_kv)
+    assert len(set(dq.tolist())) == h_q, "the test needs a different descale per head"
+    sc = dict(descale_q=dq, descale_k=dk, descale_v=dv, descale_s=1 / 256, scale_s=256.0, scale_o=1.0)
+    heads = dict(descale_q=h_q, descale_k=h_kv, descale_v=h_kv)
+    dev_sc = {n: fp8._scale(x if not isinstance(x, torch.Tensor) else x.to(device), n, torch.device(device),
+                            heads.get(n)) for n, x in sc.items()}
+    band = make_band(True, "bottom_right", None)
+    out = torch.full((b, h_q, s_q, d), float("nan"), dtype=torch.bfloat16, device=device)
+    stats_out = torch.full((b, h_q, s_q, 1), float("nan"), dtype=torch.float32, device=device)
+    qd, kd, vd = (x.to(device) for x in (q8, k8, v8))
+    o, stats, _, _ = fp8._forward_kernel(qd, kd, vd, dev_sc, d ** -0.5, band, None, None, torch.bfloat16,
+                                         out=out, stats_out=stats_out)
+    o, stats = o.cpu(), stats.cpu()
+    assert not o.float().isnan().any() and not stats.isnan().any(), f"elements left unwritten (NaN); {rep}"
+    mask = dict(causal=True, causal_alignment="bottom_right")
+    ref, _, bound = fp8_forward_bound(q8, k8, v8, o_dtype=torch.bfloat16, mma_unit=fp8.mma_unit(device), **mask,
+                                      **sc)
+    ratio = _ratio((o.double() - ref).abs(), bound)
+    assert ratio <= 1.0, f"error exceeds the derived bound by {ratio:.3f}x; {rep}"
+    oe = fp8.sdpa_fp8_forward(q8, k8, v8, **sc, band=band, o_dtype=torch.bfloat16, backend="cpu")[0]
+    _, _, bound_fp32 = fp8_forward_bound(q8, k8, v8, o_dtype=torch.bfloat16, **mask, **sc)
+    gap = _ratio((o.double() - oe.double()).abs(), bound + bound_fp32)
+    assert gap <= 1.0, f"kernel and emulation differ by {gap:.3f}x the sum of their bounds; {rep}"
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts launch_fwd_fp8 calls (fusedattn.fp8 imports it at call time)."""
@@ -250,8 +291,9 @@ def kernel_calls(monkeypatch):
 
 
 def test_fp8_routing(kernel_target, kernel_calls):
-    """backend='triton' (and 'auto' on CUDA) runs the kernel; 'cpu' the emulation; per-head descales, which the
-    kernel does not take, fall back to the emulation; the functional door passes backend through."""
+    """backend='triton' (and 'auto' on CUDA) runs the kernel; 'cpu' the emulation; per-head descales run the
+    kernel too (FP8_HEAD_SCALES), per-head copies of one value giving the per-tensor call's bits; the functional
+    door passes backend through."""
     import fusedattn
     device, backend = kernel_target
     q8, k8, v8, sc = _inputs((1, 2, 1, 20, 20, 32, 32), E4M3, False, seed=3)
@@ -263,9 +305,12 @@ def test_fp8_routing(kernel_target, kernel_calls):
         fusedattn.attention(q8, k8, v8, causal=True, **sc)                     # auto
         assert len(kernel_calls) == 2
     n = len(kernel_calls)
+    per_tensor = fusedattn.attention(q8, k8, v8, causal=True, backend=backend, **sc)
     per_head = dict(sc, descale_q=torch.full((2,), float(sc["descale_q"]), device=device))
     a = fusedattn.attention(q8, k8, v8, causal=True, backend=backend, **per_head)
-    assert len(kernel_calls) == n, "per-head descales must run the emulation"
+    assert len(kernel_calls) == n + 2, "per-head descales must run the kernel"
+    assert torch.equal(a, per_tensor), "per-head copies of one descale must give the per-tensor call's bits"
     b = fp8.sdpa_fp8_forward(q8, k8, v8, **sc, descale_s=1 / 256, scale_s=256.0, scale_o=1.0,
                              band=make_band(True, "top_left", None), o_dtype=torch.bfloat16, backend="cpu")[0]
-    assert len(kernel_calls) == n and torch.equal(a, b)
+    assert len(kernel_calls) == n + 2, "backend='cpu' runs the emulation"
+    assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max(), "kernel far from the emulation"

@@ -29,7 +29,9 @@ The backward needs no switch: P = exp(s - lse) with that lse is already the sink
 
 [Note] FP8 (compile-time ``FP8``; ``launch_fwd_fp8``; semantics: cuDNN's ``sdpa_fp8``, ``fusedattn.fp8``):
 q, K, V are float8 (e4m3 or e5m2, one type); six one-element fp32 tensors give descale_q/k/v/s and
-scale_s/o (pointers, read in the kernel, so CUDA graphs replay new values). Rounding points, in order:
+scale_s/o (pointers, read in the kernel, so CUDA graphs replay new values); with ``FP8_HEAD_SCALES``
+descale_q is one per query head ([h_q]) and descale_k / descale_v one per kv head ([h_kv]), each program
+reading its heads' (fusedattn's addition to cuDNN's per-tensor scales). Rounding points, in order:
 * S = dot(q8, k8^T) in fp32 (products of two FP8 values are exact), times ``qk_scale * descale_q *
   descale_k`` (qk_scale = attn_scale * log2 e: base 2 as the 16-bit path); masks as the 16-bit path;
 * p = exp2(S - m_running) <= 1 (fp32; the row sum l takes this fp32 p), then P8 = fp8(p * scale_s),
@@ -188,7 +190,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
               PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, HAS_SINK: tl.constexpr = False,
               DESCALE_Q=None, DESCALE_K=None, DESCALE_V=None, DESCALE_S=None, SCALE_S=None, SCALE_O=None,
               AMAX_S=None, AMAX_O=None, FP8: tl.constexpr = False, FP8_INTERP: tl.constexpr = False,
-              FP8_MMA16: tl.constexpr = False):
+              FP8_MMA16: tl.constexpr = False, FP8_HEAD_SCALES: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     if REVERSE_M:
@@ -246,7 +248,12 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     scale_s = 1.0
     if FP8:
         # cuDNN's bmm1 scale chain folded into the one score multiply (scale * log2(e) * descales)
-        qk_scale = qk_scale * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
+        if FP8_HEAD_SCALES:
+            qk_scale = qk_scale * tl.load(DESCALE_Q + head) * tl.load(DESCALE_K + kv_head)
+            descale_v_ptr = DESCALE_V + kv_head
+        else:
+            qk_scale = qk_scale * tl.load(DESCALE_Q) * tl.load(DESCALE_K)
+            descale_v_ptr = DESCALE_V
         scale_s = tl.load(SCALE_S)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -290,7 +297,7 @@ def _attn_fwd(Q, K, V, O, LSE, SEQ_Q, SEQ_KV, BIAS, SLOPES, TABLE_K, TABLE_V, CU
     inv_l = tl.where(row_ok, dropout_rescale / tl.where(row_ok, l_i, 1.0), 0.0)
     out = acc * inv_l[:, None]
     if FP8:
-        out = fp8_epilogue(out, inv_l, offs_m < len_q, DESCALE_S, DESCALE_V, SCALE_O, AMAX_S, AMAX_O,
+        out = fp8_epilogue(out, inv_l, offs_m < len_q, DESCALE_S, descale_v_ptr, SCALE_O, AMAX_S, AMAX_O,
                            O.dtype.element_ty, FP8_INTERP)
     else:
         out = out.to(O.dtype.element_ty)
@@ -386,7 +393,9 @@ def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s,
     q8 [b,h_q,s_q,d], k8 [b,h_kv,s_kv,d], v8 [b,h_kv,s_kv,d_v]: one float8 type, any strides.
     out [b,h_q,s_q,d_v]: float8 / bf16 / fp16 / fp32. lse: fp32 [b,h_q,s_q] view or None.
     scales: dict of one-element fp32 tensors on the device (descale_q, descale_k, descale_v, descale_s,
-    scale_s, scale_o): read by the kernel, so a CUDA graph replays with new values. amax_s, amax_o:
+    scale_s, scale_o): read by the kernel, so a CUDA graph replays with new values. descale_q may instead hold
+    one value per query head and descale_k / descale_v one per kv head (``FP8_HEAD_SCALES``: the three go over
+    as contiguous [h_q] / [h_kv] / [h_kv], a one-element one expanded). amax_s, amax_o:
     one-element fp32 tensors, zeroed by the caller, maxed into by every program.
     problem: the mask and shapes (dtype: q8's); only masks, padding and GQA (fusedattn.fp8 routes the rest
     to its emulation). mma16: the products as fp16 MMAs on the FP8 values (``common.fp8_dot``). Always
@@ -410,6 +419,12 @@ def launch_fwd_fp8(problem, tiles, q8, k8, v8, out, lse, extras, scales, amax_s,
            p.h_q, p.group, p.s_q, p.s_kv, p.d, p.d_v, 1,
            args["qk_scale"], 0.0, args["win_left"], args["win_right"], *no_dropout)
     switches = dict(args["switches"], EVEN_D=fp8_block_dim(p.d) == p.d, EVEN_DV=fp8_block_dim(p.d_v) == p.d_v)
+    if any(scales[name].numel() != 1 for name in ("descale_q", "descale_k", "descale_v")):
+        # per-head descales: each program reads its query head's and kv head's (the switch is passed only
+        # here, so per-tensor launches keep the shipped store's keys)
+        heads = dict(descale_q=p.h_q, descale_k=p.h_kv, descale_v=p.h_kv)
+        scales = dict(scales, **{name: scales[name].reshape(-1).expand(n).contiguous() for name, n in heads.items()})
+        switches["FP8_HEAD_SCALES"] = True
     kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=fp8_block_dim(p.d),
                   BLOCK_DV=fp8_block_dim(p.d_v), WRITE_LSE=lse is not None, REVERSE_M=args["causal_like"],
                   USE_TMA=False, WARP_SPECIALIZE=False, PAGED=False, PAGE_SIZE=1, VARLEN=False, HAS_SINK=False,
