@@ -208,7 +208,8 @@ def test_gluon_fp8_refuses_to_portable(case, _, launches):
 @pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
 def test_gluon_fp8_doors_route_here(_, launches):
     """fusedattn.attention and sdpa_fp8_forward with backend 'auto' take the Gluon switch at d=128; per-head
-    descales (not taken by the kernels) run the emulation; backend='cpu' never launches."""
+    descales (the Gluon kernel reads one scale per tensor) run the portable kernel's FP8_HEAD_SCALES switch;
+    backend='cpu' never launches."""
     import fusedattn
     q8, k8, v8, sc = _inputs((1, 4, 2, 130, 130, 128), E4M3, False, seed=9)
     q8, k8, v8 = q8.cuda(), k8.cuda(), v8.cuda()
@@ -217,8 +218,9 @@ def test_gluon_fp8_doors_route_here(_, launches):
     assert launches == ["gluon"] and o.dtype == torch.bfloat16
     per_head = dict(sc, descale_q=torch.full((4,), float(sc["descale_q"]), device="cuda"))
     fusedattn.attention(q8, k8, v8, causal=True, **per_head)
+    assert launches == ["gluon", "portable"]
     fusedattn.attention(q8, k8, v8, causal=True, backend="cpu", **sc)
-    assert launches == ["gluon"]
+    assert launches == ["gluon", "portable"]
 
 
 def test_transposed_v_key_order():
