@@ -10,6 +10,9 @@
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
 #   decode-sweep   bench/decode_sweep.py: decode tiles x splits, TB/s (DECODE_SWEEP_ARGS=--fp8: e4m3 caches)
 #   decode-overhead  bench/decode_overhead.py: host vs GPU time of one decode call (sdpa, ours, the HF door)
+#   flush-probe    bench/flush_probe.py --anchors: copies, decode rows and four ANCHORS forwards after a zeroing
+#                  and after a reading L2 flush (bench.do_bench_cold's; bench/NOTES.md 77)
+#   fp8-heads      bench/fp8_head_scales_probe.py: the FP8 forward with per-tensor and per-head descales (NOTES 77)
 #   probe          bench/padding_probe.py --profile: the padded config pass by pass, host time and profile
 #   split          bench/padding_probe.py --split: the padded config against its sequences run one by one
 #   fwd-ab         bench/fwd_ab.py: the Gluon forward against fusedattn/backends/gluon/fwd_base.py where
@@ -248,6 +251,8 @@ for part in "${PARTS[@]}"; do
         overhead)      run_part overhead python3 bench/overhead.py ;;
         decode-sweep)  run_part decode-sweep python3 bench/decode_sweep.py ${DECODE_SWEEP_ARGS:-} ;;
         decode-overhead) run_part decode-overhead python3 bench/decode_overhead.py ;;
+        flush-probe)   run_part flush-probe python3 bench/flush_probe.py --anchors ;;
+        fp8-heads)     run_part fp8-heads python3 bench/fp8_head_scales_probe.py ;;
         probe)         run_part probe python3 bench/padding_probe.py --profile ;;
         split)         run_part split python3 bench/padding_probe.py --split ;;
         fwd-ab)        if [ -f fusedattn/backends/gluon/fwd_base.py ]; then
