@@ -456,16 +456,18 @@ def time_cpu_ms(fn: Callable[[], object], reps: int = 5) -> float:
     return statistics.median(times)
 
 
-_FLUSH: Dict[str, torch.Tensor] = {}
+_FLUSH: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}     # device index -> (256 MB buffer, its sum)
 
 
 def _flush_l2() -> None:
-    """Evict L2 by reading 256 MB (triton.testing's flush size, past any GPU's L2 today) into a scalar: the
-    cache ends up holding clean lines, so the timed call that follows writes nothing back for it."""
-    if "buf" not in _FLUSH:
-        _FLUSH["buf"] = torch.ones(64 * 2 ** 20, dtype=torch.float32, device="cuda")
-        _FLUSH["out"] = torch.empty((), dtype=torch.float32, device="cuda")
-    torch.sum(_FLUSH["buf"], dim=0, out=_FLUSH["out"])
+    """Evict the current GPU's L2 by reading 256 MB (triton.testing's flush size, past any GPU's L2 today) into
+    a scalar: the cache ends up holding clean lines, so the timed call that follows writes nothing back for it."""
+    device = torch.cuda.current_device()
+    if device not in _FLUSH:
+        _FLUSH[device] = (torch.ones(64 * 2 ** 20, dtype=torch.float32, device=device),
+                          torch.empty((), dtype=torch.float32, device=device))
+    buf, out = _FLUSH[device]
+    torch.sum(buf, dim=0, out=out)
 
 
 def do_bench_cold(fn: Callable[[], object], warmup: int, rep: int) -> float:
