@@ -7,6 +7,8 @@ do_bench clears L2 before each timed call by zeroing a 256 MB buffer, so the cal
 dirty lines that it must write back while it reads; a 140 us decode call moves ~0.5 GB, the bench's copy
 ceiling 2 GiB, so the same write-back weighs about four times more on the decode row. A flush that reads the
 buffer leaves L2 holding clean lines (a cold cache with nothing to write back). Prints TB/s per (call, flush).
+Session 37's numbers (bench/NOTES.md 77) came from this script's first form, whose reading side was its own
+loop of 200 calls with the same flush; it now times through ``bench.do_bench_cold``, which the bench uses.
 """
 import sys
 
@@ -17,25 +19,12 @@ import fusedattn.bench as fb
 
 
 def timed(fn, flush: str, nbytes: int) -> float:
-    """TB/s of ``fn`` moving ``nbytes``: median of do_bench (zeroing flush) or of the same loop with a reading
-    flush."""
+    """TB/s of ``fn`` moving ``nbytes``: median of triton's do_bench (zeroing flush) or of the bench's own
+    ``do_bench_cold`` (the same loop, a reading flush)."""
     if flush == "zero":
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
     else:
-        buf = torch.empty(256 * 2 ** 20 // 4, dtype=torch.float32, device="cuda").fill_(1.0)
-        out = torch.empty((), dtype=torch.float32, device="cuda")
-        for _ in range(5):
-            fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(200)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(200)]
-        for s, e in zip(starts, ends):
-            torch.sum(buf, dim=0, out=out)            # reads 256 MB: L2 ends up clean
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-        ms = times[len(times) // 2]
+        ms = fb.do_bench_cold(fn, warmup=25, rep=200)
     return nbytes / ms / 1e9
 
 

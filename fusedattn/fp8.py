@@ -398,6 +398,12 @@ def _refused(why: Optional[str], where: str, device) -> bool:
     return True
 
 
+def _per_head(scales) -> bool:
+    """Whether any of the call's scales holds one value per head (``_scale``'s ``[1, h, 1, 1]``): the portable
+    FP8 forward reads those per program; the Gluon kernels and the backward kernels take one per tensor."""
+    return any(t.numel() != 1 for t in scales.values())
+
+
 def _kernel_refuses(q, k, v, scales, attn_scale: float) -> Optional[str]:
     """Why the FP8 Triton forward cannot run this call (None: it can). These run the emulation:
 
@@ -462,7 +468,7 @@ def _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras) -> bool:
     through the functional door's loader, so an unsupported Triton turns them off once, with a warning."""
     from .functional import _gluon_kernels, _gluon_ran      # late: functional dispatches here
     from .plan import gluon_fp8_fwd
-    if not gluon_fp8_fwd(p.d, p.d_v) or any(t.numel() != 1 for t in scales.values()):
+    if not gluon_fp8_fwd(p.d, p.d_v) or _per_head(scales):
         return False        # the Gluon kernels read one scale per tensor; per-head ones run the portable kernel
     gluon = _gluon_kernels("fp8-forward", "fwd_sm90")
     if gluon is None:
@@ -590,7 +596,7 @@ def _kernel_refuses_bwd(q, k, v, o, dO, scales) -> Optional[str]:
     why = _kernel_refuses(q, k, v, scales, 1.0)
     if why:
         return why
-    if any(t.numel() != 1 for t in scales.values()):
+    if _per_head(scales):
         return "per-head descales"     # the backward kernels read one scale per tensor (the forward's: per head)
     if not is_fp8(dO):
         return "dO is not float8"
