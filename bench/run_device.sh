@@ -271,6 +271,8 @@ for part in "${PARTS[@]}"; do
                        if [ -f "$OUT/ncu-bwd/bwd.ncu-rep" ]; then
                            ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page details > "$OUT/ncu-bwd/details.txt" 2>&1
                            ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page raw --csv > "$OUT/ncu-bwd/raw.csv" 2>&1
+                           [ "${NCU_BWD_SOURCE:-1}" = 1 ] && ncu --import "$OUT/ncu-bwd/bwd.ncu-rep" --page source --csv \
+                               --print-source sass > "$OUT/ncu-bwd/source.csv" 2>&1
                            grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" \
                                "$OUT/ncu-bwd/details.txt" | tee -a "$LOG"
                        fi ;;
