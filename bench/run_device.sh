@@ -23,6 +23,9 @@
 #                  flash_attn.cute imports: carry .whl), bench/profile_bwd.py; the report in $OUT/ncu-bwd/ (bwd.ncu-rep,
 #                  details.txt, raw.csv). NCU_BWD_CONFIGS narrows it (e.g. d64,2kc), NCU_BWD_ARGS adds arguments,
 #                  NCU_BWD_SOURCE=0 drops the SourceCounters section (per-instruction stalls; the slowest one)
+#   fused-ab       bench/fused_ab.py --graphs $FUSED_AB_ARGS: variants of the single-pass backward timed in one process
+#   ncu-fused-ab   the same variants, one backward each under Nsight Compute: elapsed cycles per variant (steadier than
+#                  the timings on a GPU whose clock moves, bench/NOTES.md 78); $OUT/ncu-fused-ab/ (issue 28)
 #   ncu-fp8        Nsight Compute on one Gluon FP8 forward and one bf16 forward of the same d=128 problem
 #                  (bench/profile_fp8_fwd.py; NCU_FP8_ARGS=--causal: the 16k causal config): $OUT/ncu-fp8/ (issue 27)
 #   ncu-paged      Nsight Compute on one paged-prefill forward per cache (bench/profile_paged.py; NCU_PAGED_ARGS, e.g.
@@ -275,6 +278,15 @@ for part in "${PARTS[@]}"; do
                                --print-source sass > "$OUT/ncu-bwd/source.csv" 2>&1
                            grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible" \
                                "$OUT/ncu-bwd/details.txt" | tee -a "$LOG"
+                       fi ;;
+        fused-ab)      run_part fused-ab python3 bench/fused_ab.py --graphs ${FUSED_AB_ARGS:-} ;;
+        ncu-fused-ab)  mkdir -p "$OUT/ncu-fused-ab"
+                       run_part ncu-fused-ab ncu --profile-from-start off --clock-control none \
+                           --kernel-name regex:_attn_bwd_fused --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                           -f -o "$OUT/ncu-fused-ab/ab" python3 bench/fused_ab.py --profile ${FUSED_AB_ARGS:-}
+                       if [ -f "$OUT/ncu-fused-ab/ab.ncu-rep" ]; then
+                           ncu --import "$OUT/ncu-fused-ab/ab.ncu-rep" --page raw --csv > "$OUT/ncu-fused-ab/raw.csv" 2>&1
+                           python3 bench/fused_ab.py --cycles "$OUT/ncu-fused-ab/raw.csv" ${FUSED_AB_ARGS:-} 2>&1 | tee -a "$LOG"
                        fi ;;
         ncu-fp8)       mkdir -p "$OUT/ncu-fp8"
                        run_part ncu-fp8 ncu --profile-from-start off --clock-control none --kernel-name regex:_attn_fwd_sm90 \

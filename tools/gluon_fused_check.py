@@ -2,7 +2,7 @@
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
                                       [flat|swizzled] [p16|p32] [dqfirst|dqlast]
-                                      [defer|nodefer] [atomic|tma] [rotate] [writer] [d64] [m128]
+                                      [defer|nodefer] [atomic|tma] [rotate] [d64] [m128]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag,
              ... 0 fp16 - d64 (head dim 64; default 128), ... 0 fp16 - d64 m128 (128-row query tiles)
     python tools/gluon_fused_check.py survey    # spills of the builds the anchors launch (below)
@@ -124,8 +124,7 @@ def main():
                       defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,
                       dq_atomic=True if "atomic" in flags else False if "tma" in flags else None,
                       d=64 if "d64" in flags else 128, block_m=128 if "m128" in flags else None,
-                      **({"ROTATE": True} if "rotate" in flags else {}),
-                      **({"DQ_WRITER": True} if "writer" in flags else {}))
+                      **({"ROTATE": True} if "rotate" in flags else {}))
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

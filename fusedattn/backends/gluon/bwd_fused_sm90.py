@@ -244,8 +244,6 @@ HEAVY_FIRST = {False: False, True: True}  # causal -> heavy first
 # each CTA's mask-free query tiles start at its key block's index into their order and wrap around, so the CTAs
 # of a head reduce into different dQ tiles at a time (docstring, "Switches": Rotate)
 ROTATE = {False: False, True: False}     # causal -> rotate
-# the dQ reduces issued by a writer warp from the staging tiles the consumers fill (docstring, "Switches": dQ writer)
-DQ_WRITER = {False: False, True: False}  # causal -> writer
 # GQA / MQA under a causal mask: each run of query tiles over every head of the group in one loop instead of a
 # loop over the group's heads around the runs (docstring, "Switches": Segments); by Triton release, as their
 # register allocation differs (bench/NOTES.md 64)
@@ -302,8 +300,7 @@ def _dq_product(ds_smem, k_smem, b, zero_q, WG: gl.constexpr, FP8_MMA: gl.conste
 
 
 @gluon.jit
-def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_ATOMIC: gl.constexpr, it=0,
-              writer=None, DQ_WRITER: gl.constexpr = False):
+def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """This warpgroup's dQ columns (fp32 [64, 64] registers) reduced into dq_acc[batch, head, row:row+64,
     WG cols] (rows >= S_Q dropped).
 
@@ -313,11 +310,7 @@ def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_A
     shared memory. Else through a staging tile and TMA reduce-adds (a row of S_Q drops the whole tile): dq_lo,
     dq_hi [2 warpgroups, 1, 1, 64, box] buffers; swizzled (box 32): columns [0, 32) of the warpgroup's 64 in
     dq_lo, [32, 64) in dq_hi, two allocations so that the barrier pass sees the two stores as disjoint (one
-    allocation cost a warpgroup barrier between them); flat (box 64): dq_lo alone.
-
-    DQ_WRITER ("Switches": dQ writer): the warpgroup stores its staging tile and (head, row) and hands both to
-    the writer warp (``_dq_writer``), which issues the reduces; writer = (dq_full, dq_free, dq_coord), ``it`` the
-    warpgroup's step count (the staging tile's phase)."""
+    allocation cost a warpgroup barrier between them); flat (box 64): dq_lo alone."""
     BLOCK_M: gl.constexpr = dq.shape[0]
     DQ_N: gl.constexpr = dq.shape[1]
     DQ_BOX: gl.constexpr = dq_lo.shape[4]
@@ -329,21 +322,6 @@ def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_A
         rows = row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq.type.layout))
         cols = WG * DQ_N + gl.arange(0, DQ_N, layout=gl.SliceLayout(0, dq.type.layout))
         gl.atomic_add(dq_ptr + rows[:, None] * HEAD_D + cols[None, :], dq, sem="relaxed")
-    elif DQ_WRITER:
-        dq_full, dq_free, dq_coord = writer
-        # the writer's reduces of the previous step have read the staging tile (a fresh barrier passes)
-        mbarrier.wait(dq_free.index(WG), (it & 1) ^ 1)
-        if DQ_BOX == DQ_N:
-            dq_lo.index(WG).reshape([BLOCK_M, DQ_N]).store(dq)
-        else:
-            lo, hi = gl.split(dq.reshape([BLOCK_M, 2, DQ_BOX]).permute((0, 2, 1)))
-            dq_lo.index(WG).reshape([BLOCK_M, DQ_BOX]).store(lo)
-            dq_hi.index(WG).reshape([BLOCK_M, DQ_BOX]).store(hi)
-        pair: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        which = gl.arange(0, 2, layout=pair)
-        dq_coord.index(WG).store(gl.where(which == 0, head, row))
-        fence_async_shared()
-        mbarrier.arrive(dq_full.index(WG))
     else:
         # the previous reduce out of the staging tile has read it (long since: one tile ago)
         tma.store_wait(0)
@@ -367,7 +345,7 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
                 keys, band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr,
                 DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, fp8=None, kmax=None,
-                FP8_EMU: gl.constexpr = False, writer=None, DQ_WRITER: gl.constexpr = False):
+                FP8_EMU: gl.constexpr = False):
     """One query tile (rows [t * 64, +64) of one head) in warpgroup WG: dV += P^T dO, dK += dS^T Q, and
     this warpgroup's 64 columns of dQ_i = dS_i K reduced into the fp32 accumulator; under LAG (warpgroup 1,
     ``LAG``) those of the previous tile instead (prev_head, prev_row; prev_row = S_Q before the first).
@@ -497,7 +475,7 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
         dv, dq, p16 = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok, p16))
         if not DEFER_DK:
             _release_ds(ds_empty, rb, it, LAG)
-        _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC, it, writer, DQ_WRITER)
+        _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC)
         if DEFER_DK:
             dk = dk_tok
         else:
@@ -512,7 +490,7 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
             dv, dk, dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok, p16, ds16))
         mbarrier.arrive(empty.index(slot))
         _release_ds(ds_empty, rb, it, LAG)
-        _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC, it, writer, DQ_WRITER)
+        _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, dq_head, dq_row, WG, DQ_ATOMIC)
     return dk, dv, ds_keep, head, t * BLOCK_M, kmax
 
 
@@ -526,35 +504,12 @@ def _release_ds(ds_empty, rb, it, LAG: gl.constexpr):
 
 
 @gluon.jit
-def _dq_writer(dq_desc, dq_lo, dq_hi, dq_full, dq_free, dq_coord, batch, steps, DQ_N: gl.constexpr):
-    """The dQ writer warp ("Switches": dQ writer): for each of the CTA's ``steps`` query tiles, each warpgroup's
-    staging tile reduce-added into dq_acc at the (head, row) it left in dq_coord, then released (dq_free) once
-    the TMA has read it. One warp, so the reduces' issue, their wait and their barriers leave the consumers.
-    DQ_N: a warpgroup's dQ columns (d / 2)."""
-    DQ_BOX: gl.constexpr = dq_lo.shape[4]
-    pair: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    which = gl.arange(0, 2, layout=pair)
-    for it in range(steps):
-        for wg in gl.static_range(2):
-            mbarrier.wait(dq_full.index(wg), it & 1)
-            coord = dq_coord.index(wg).load(pair)
-            head = gl.sum(gl.where(which == 0, coord, 0), axis=0)
-            row = gl.sum(gl.where(which == 1, coord, 0), axis=0)
-            tma_reduce_add(dq_desc, [batch, head, row, wg * DQ_N], dq_lo.index(wg))
-            if DQ_BOX != DQ_N:
-                tma_reduce_add(dq_desc, [batch, head, row, wg * DQ_N + DQ_BOX], dq_hi.index(wg))
-            tma.store_wait(0)
-            mbarrier.arrive(dq_free.index(wg))
-
-
-@gluon.jit
 def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
                band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr,
                DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr = False,
-               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1, fp8=None, kmax=None, FP8_EMU: gl.constexpr = False,
-               writer=None, DQ_WRITER: gl.constexpr = False):
+               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1, fp8=None, kmax=None, FP8_EMU: gl.constexpr = False):
     """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE); ROTATE: starting ``rot``
     tiles into that order and wrapping around (the producer's order, ``_dkdv_producer``). SEGMENTS: the same
     tiles of GROUP heads, head after head, in one loop (head and dq_out: the first head's; "Switches":
@@ -582,7 +537,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                 it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, (dq_desc, dq_first + g * head_elems, S_Q), dk, dv,
                 ds_keep, zero_s, zero_q, keys, band, qk_scale, batch, head + g, prev_head, prev_row, MASKED, HAS_RIGHT,
-                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC, fp8, kmax, FP8_EMU, writer, DQ_WRITER)
+                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC, fp8, kmax, FP8_EMU)
             it += 1
             i += 1
             if i == n:
@@ -600,7 +555,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                 it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band,
                 qk_scale, batch, head, prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                DQ_ATOMIC, fp8, kmax, FP8_EMU, writer, DQ_WRITER)
+                DQ_ATOMIC, fp8, kmax, FP8_EMU)
             it += 1
     return it, dk, dv, ds_keep, prev_head, prev_row, kmax
 
@@ -611,7 +566,7 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
           keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
           P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr, DQ_FIRST: gl.constexpr,
           DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, GROUP,
-          fp8=None, kmax=None, FP8_EMU: gl.constexpr = False, writer=None, DQ_WRITER: gl.constexpr = False):
+          fp8=None, kmax=None, FP8_EMU: gl.constexpr = False):
     """The CTA's query tiles of one head (or under SEGMENTS of GROUP heads from ``head`` on): masked [lo0, hi0),
     mask-free [t_a, t_b), masked [lo2, hi2): the band's left edge first, or with REVERSE the last query tile
     first (module docstring, "Switches": Order)."""
@@ -625,18 +580,18 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
             lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, writer, DQ_WRITER)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
     it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
         t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
         q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
         band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, writer, DQ_WRITER)
+        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
     if REVERSE:
         it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
             lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, writer, DQ_WRITER)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
     return it, dk, dv, ds_keep, prev_head, prev_row, kmax
 
 
@@ -647,8 +602,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, REVERSE: gl.constexpr, P16_DS: gl.constexpr,
                     LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                     ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, fp8_io=None, FP8_EMU: gl.constexpr = False,
-                    P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False, writer=None,
-                    DQ_WRITER: gl.constexpr = False):
+                    P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
     (LAG: each one a tile late, the last one after the loop). FP8_EMU ([Note] FP8): fp8_io = (SCALES, AMAX,
     dK's output, dV's output, S_KV); P's and dS's FP8 types e5m2 where P_E5M2 / DS_E5M2, else e4m3."""
@@ -671,7 +625,6 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     gl.static_assert(DQ_FIRST or not DEFER_DK, "DEFER_DK needs DQ_FIRST (dK the last group in flight)")
     gl.static_assert(not (LAG and DEFER_DK), "DEFER_DK releases dS buffers a step late, LAG reads them late")
     gl.static_assert(not (LAG and DQ_ATOMIC), "DQ_ATOMIC addresses the current head's rows only")
-    gl.static_assert(not (DQ_WRITER and (LAG or DQ_ATOMIC)), "DQ_WRITER: one staged reduce per step")
     zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
     zero_q = gl.zeros([BLOCK_M, DQ_N], gl.float32, q_layout)
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)
@@ -722,7 +675,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
             t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
             dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
             keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP, fp8, kmax, STEP_EMU, writer, DQ_WRITER)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP, fp8, kmax, STEP_EMU)
     else:
         for g in range(GROUP):
             head = kv_head * GROUP + g
@@ -731,7 +684,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
                 dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
                 keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1, fp8, kmax, STEP_EMU, writer, DQ_WRITER)
+                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1, fp8, kmax, STEP_EMU)
     if DEFER_DK:
         # the last step's dK (its Q/dO slot and dS buffer are not released: nothing is loaded or stored
         # into them again)
@@ -783,8 +736,7 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                          PRODUCER_REGS: gl.constexpr, SEGMENTS: gl.constexpr = False, SCALES=None, AMAX=None,
                          DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None, stride_dvb=0,
                          stride_dvh=0, stride_dvm=0, FP8_EMU: gl.constexpr = False, P_E5M2: gl.constexpr = False,
-                         DS_E5M2: gl.constexpr = False, QT_DESC=None, DOT_DESC=None, KT_DESC=None,
-                         DQ_WRITER: gl.constexpr = False):
+                         DS_E5M2: gl.constexpr = False, QT_DESC=None, DOT_DESC=None, KT_DESC=None):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -855,17 +807,6 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
-    if DQ_WRITER:
-        # per warpgroup: its staging tile is full / read by the writer's reduces, and the (head, row) it holds
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_coord = gl.allocate_shared_memory(gl.int32, [2, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=1)
-            mbarrier.init(dq_free.index(i), count=1)
-        writer = (dq_full, dq_free, dq_coord)
-    else:
-        writer = (ds_ready, ds_empty, lse_smem)     # stand-ins, never read
 
     if FP8_MMA:
         fp8_io = (SCALES, AMAX, (DK_OUT, stride_dkb, stride_dkh, stride_dkm),
@@ -876,46 +817,23 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
     else:
         # stand-ins of the same structure (warp_specialize takes typed values only), never read
         fp8_io = (DELTA, DELTA, (DELTA, S_KV, S_KV, S_KV), (DELTA, S_KV, S_KV, S_KV), S_KV)
-    # the writer warp (DQ_WRITER) takes one of the producer warpgroup's idle warps; every head of the group visits
-    # the CTA's query tiles [t_lo, t_hi). (The partitions' argument tuples are written out in each call: a tuple
-    # kept in a variable loses its constexprs.)
-    steps = GROUP * (tiles[3] - tiles[0])
-    if DQ_WRITER:
-        gl.warp_specialize([
-            (_fused_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
-                               dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
-                               qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                               DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, writer, True)),
-            (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
-                               dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
-                               qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                               DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, writer, True)),
-            (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                              kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                              DELTA, DELTA, 0, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES,
-                              False, False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n, SEGMENTS, t_io, FP8_MMA)),
-            (_dq_writer, (dq_desc, dq_lo, dq_hi, writer[0], writer[1], writer[2], batch, steps, HEAD_D // 2)),
-        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_fused_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
-                               dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
-                               qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                               DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
-            (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
-                               kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
-                               dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
-                               qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                               DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
-            # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
-            (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                              kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
-                              DELTA, DELTA, 0, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES,
-                              False, False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n, SEGMENTS, t_io, FP8_MMA)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_fused_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
+                           dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
+                           qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
+        (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
+                           dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
+                           qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
+        # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
+        (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                          kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
+                          DELTA, DELTA, 0, batch, kv_head, n0, H_Q, GROUP, S_Q, S_Q, tiles[0], tiles[3], STAGES, False,
+                          False, REVERSE, ROTATE, tiles[1], tiles[2], pid_n, SEGMENTS, t_io, FP8_MMA)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @triton.jit
@@ -1015,7 +933,7 @@ def _problem_ok(p) -> bool:
 
 def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=None, dq_acc=None, stages=None,
                           reverse=None, flat=None, p16_ds=None, lag=None, dq_first=None, defer_dk=None,
-                          dq_atomic=None, heavy_first=None, rotate=None, segments=None, dq_writer=None):
+                          dq_atomic=None, heavy_first=None, rotate=None, segments=None):
     """dQ, dK, dV of attention on Hopper in one pass (plus preparing dQ's fp32 accumulator and converting
     it), written in place.
 
@@ -1029,9 +947,8 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
     * out None: delta holds rowsum(dO * O) already (the caller's delta pass) and dq_acc is zeroed here.
 
     dq_acc: optional fp32 scratch of b*h_q*acc_rows(s_q)*d elements. Tuning: stages, reverse, flat, p16_ds, lag,
-    dq_first, defer_dk, dq_atomic, heavy_first, rotate, segments, dq_writer override ``STAGES``, ``REVERSE``,
-    ``DQ_FLAT``, ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``,
-    ``SEGMENTS``, ``DQ_WRITER``."""
+    dq_first, defer_dk, dq_atomic, heavy_first, rotate, segments override ``STAGES``, ``REVERSE``, ``DQ_FLAT``,
+    ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``, ``SEGMENTS``."""
     if dq_acc is None:
         dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=q.device)
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
@@ -1043,7 +960,7 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
         dq_acc.zero_()
     launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, reverse=reverse, flat=flat,
                   p16_ds=p16_ds, lag=lag, dq_first=dq_first, defer_dk=defer_dk, dq_atomic=dq_atomic,
-                  heavy_first=heavy_first, rotate=rotate, segments=segments, dq_writer=dq_writer)
+                  heavy_first=heavy_first, rotate=rotate, segments=segments)
     launch_convert(p, dq_acc, dq)
     return dq, dk, dv
 
@@ -1062,7 +979,7 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
                   p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None,
-                  segments=None, fp8=None, fp8_t=None, dq_writer=None):
+                  segments=None, fp8=None, fp8_t=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
     [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch). fp8 ([Note] FP8): (scales, amax, P's type is e5m2,
     dS's type is e5m2); q, k, v, grad_out then hold the FP8 values in fp16, dk / dv are the gradients in their own
@@ -1082,9 +999,6 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     dq_desc = Tma(dq_acc, (p.b, p.h_q, p.s_q, p.d), dq_acc.stride(), (1, 1, BLOCK_M, box), layout)
     grid = (cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     fp8_kw = {}
-    # passed only where on, so the builds without it keep their keys (the shipped stores')
-    if (DQ_WRITER[causal] if dq_writer is None else dq_writer):
-        fp8_kw["DQ_WRITER"] = True
     if fp8 is not None:
         scales, amax, p_e5m2, ds_e5m2 = fp8
         fp8_kw = dict(SCALES=scales, AMAX=amax, DK_OUT=dk, stride_dkb=dk.stride(0), stride_dkh=dk.stride(1),

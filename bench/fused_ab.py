@@ -1,20 +1,24 @@
-"""Lab script (issue 28): the single-pass backward's dQ writer warp (``bwd_fused_sm90.DQ_WRITER``) against the
-consumers' own dQ reduces, with and without ``DQ_FIRST``, in one process, rounds interleaved.
+"""Lab script (issue 28): variants of the single-pass backward (``bwd_fused_sm90``'s switches, as keywords of
+``launch_bwd_fused_sm90``) against its defaults, in one process, rounds interleaved; or one call each for Nsight
+Compute, whose elapsed cycles are the steadier measure on a GPU whose clock moves.
 
-    python3 bench/dq_writer_ab.py [--rounds N] [--configs 8k,16kc,gqa4kc,2kc,d64] [--variants a,b] [--graphs]
-    ncu --profile-from-start off ... python3 bench/dq_writer_ab.py --profile --configs 8k
+    python3 bench/fused_ab.py [--rounds N] [--configs 8k,16kc,gqa4kc,2kc,d64] [--variants default,dqfirst,...] [--graphs]
+    ncu --profile-from-start off --kernel-name regex:_attn_bwd_fused ... -o R python3 bench/fused_ab.py --profile ...
+    ncu --import R.ncu-rep --page raw --csv > raw.csv; python3 bench/fused_ab.py --cycles raw.csv --variants ...
+    bash bench/run_device.sh fused-ab ncu-fused-ab      # both (FUSED_AB_ARGS: e.g. "--configs 8k --variants ...")
 
-Per config and variant: the whole backward as ``launch_bwd_fused_sm90(out=)`` runs it (delta and the dq_acc
-zeroing, the fused kernel, the dQ conversion), median ms of ``bench.do_bench_cold`` per round (--graphs: the mean
-of 20 replays of a CUDA graph of the backward, between one pair of events, L2 warm: no host time), TFLOP/s (2.5x the
-forward's flops, halved causal) and each round's ratio to the defaults' time in the same round. Before timing,
-each variant's dQ / dK / dV against the defaults' on the same inputs: dK, dV bitwise (one writer each), dQ within
-fp32 rounding of the adds' order. --profile: no timing; one backward per variant between cudaProfilerStart / Stop
-(for ncu's --profile-from-start off), in the --variants order.
+Timing: per config and variant the whole backward as ``launch_bwd_fused_sm90(out=)`` runs it (delta and the
+dq_acc zeroing, the fused kernel, the dQ conversion), median ms of ``bench.do_bench_cold`` per round (--graphs:
+the mean of 20 replays of a CUDA graph of the backward between one pair of events, L2 warm, no host time),
+TFLOP/s (2.5x the forward's flops, halved causal) and each round's ratio to the first variant's time in the same
+round. Before timing, each variant's dQ / dK / dV against the first's on the same inputs: dK, dV bitwise (one
+writer each), dQ within fp32 rounding of the adds' order. --profile: no timing, one backward per variant between
+cudaProfilerStart / Stop, in the --variants order, per config. --cycles: each profiled kernel's elapsed cycles
+(``gpc__cycles_elapsed.max``) and tensor-pipe share, named in that order, and the ratio to the first variant's.
 
-Why (bench/BWD_PROFILE.md, NOTES 78): Nsight Compute's per-instruction samples of the 8k no-mask kernel put
-22% of a consumer warp's time in the dQ tail (store_wait, 16 STS.64, fence, warpgroup barriers, two TMA reduce
-issues), after its wgmmas are all done, both warpgroups at once.
+Measured (H200, Triton 3.6.0, bench/NOTES.md 78): event timings moved by up to 7% between rounds of the same
+build, under CUDA graphs too (the clock), while ncu's cycle counts are repeatable; a dQ writer warp (session
+38, 6cdbd9d, reverted) read 0.91-1.06x in timed rounds and +4.5% cycles at 8k in ncu.
 """
 import argparse
 import os
@@ -36,8 +40,11 @@ CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal)
     "2kc": (4, 32, 32, 2048, 128, True),
     "d64": (8, 12, 12, 1024, 64, False),
 }
-VARIANTS = {"default": {}, "dqfirst": dict(dq_first=True), "writer": dict(dq_writer=True),
-            "writer+dqfirst": dict(dq_writer=True, dq_first=True)}
+# the module's switches, one at a time (``launch_bwd_fused_sm90``'s keywords; bwd_fused_sm90 "Switches")
+VARIANTS = {"default": {}, "dqfirst": dict(dq_first=True), "dqlast": dict(dq_first=False), "stages2": dict(stages=2),
+            "stages3": dict(stages=3), "flat": dict(flat=True), "forward": dict(reverse=False),
+            "reverse": dict(reverse=True), "grid_order": dict(heavy_first=False), "rotate": dict(rotate=True),
+            "segments": dict(segments=True), "per_head": dict(segments=False)}
 
 
 def inputs(b, h_q, h_kv, s, d, causal):
@@ -75,15 +82,37 @@ def graph_timer(fn, replays=20):
     return timed
 
 
+def cycles(path, configs, names):
+    """Print the profiled kernels' elapsed cycles from ncu's raw page, named config by config in --variants order."""
+    import csv
+    rows = list(csv.reader(open(path)))
+    head = rows[0]
+    col = {k: head.index(k) for k in ("Kernel Name", "gpc__cycles_elapsed.max",
+                                      "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active")}
+    kernels = [r for r in rows[2:] if r[col["Kernel Name"]].startswith("_attn_bwd_fused")]
+    labels = [(c, n) for c in configs for n in names]
+    if len(kernels) != len(labels):
+        raise SystemExit(f"{len(kernels)} fused kernels in {path}, {len(labels)} (config, variant) pairs expected")
+    first = {}
+    for (c, n), r in zip(labels, kernels):
+        cyc = float(r[col["gpc__cycles_elapsed.max"]].replace(",", ""))
+        first.setdefault(c, cyc)
+        tensor = r[col["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"]]
+        print(f"{c:7s} {n:15s} {cyc / 1e6:8.3f} M cycles  x{first[c] / cyc:.3f} of {names[0]}  tensor {tensor}%")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="8k,16kc,gqa4kc,2kc")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="default,dqfirst")
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cycles", metavar="RAW_CSV")
     a = ap.parse_args()
     names = a.variants.split(",")
+    if a.cycles:
+        return cycles(a.cycles, a.configs.split(","), names)
     print(torch.cuda.get_device_name(), "triton", __import__("triton").__version__, flush=True)
     for cname in a.configs.split(","):
         b, h_q, h_kv, s, d, causal = CONFIGS[cname]
