@@ -1,6 +1,6 @@
 """Per-head FP8 descales (issue 27: "per-head too if it costs nothing"): the forward with descale_q [h_q] and
-descale_k / descale_v [h_kv] runs the portable kernel's FP8_HEAD_SCALES switch; per-tensor scales the Gluon sm_90
-kernel (or the portable one where Gluon does not take the call). TFLOP/s of both, same inputs, one process.
+descale_k / descale_v [h_kv] against per-tensor scales, TFLOP/s of both, same inputs, one process. Both run the
+Gluon sm_90 kernel since session 38 (its FP8_HEAD_SCALES switch; the portable kernel's before).
 
     PYTHONPATH=$PWD python3 bench/fp8_head_scales_probe.py
 

@@ -399,8 +399,8 @@ def _refused(why: Optional[str], where: str, device) -> bool:
 
 
 def _per_head(scales) -> bool:
-    """Whether any of the call's scales holds one value per head (``_scale``'s ``[1, h, 1, 1]``): the portable
-    FP8 forward reads those per program; the Gluon kernels and the backward kernels take one per tensor."""
+    """Whether any of the call's scales holds one value per head (``_scale``'s ``[1, h, 1, 1]``): the forward
+    kernels read those per program; the backward kernels take one per tensor."""
     return any(t.numel() != 1 for t in scales.values())
 
 
@@ -460,32 +460,51 @@ def _forward_kernel(q, k, v, scales, attn_scale: float, band: Optional[Band], le
 _GLUON_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 
 
+_ONES: dict = {}
+
+
+def _one(device) -> torch.Tensor:
+    """A one-element fp32 1.0 on ``device``, made once (the per-tensor places of per-head descales; never
+    written)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((1, ), dtype=torch.float32, device=device)
+    return one
+
+
 def _run_gluon_fp8(p, q, k, v, o, stats, scales, amax, extras) -> bool:
     """The forward on the Gluon sm_90 kernel's FP8 switch when it takes the call (``fwd_sm90.supports_fp8``:
     sm_90, head dims 64 / 128, TMA-ready q and k), or at d = 224 / 256 on its 16-bit MMAs (``supports_fp8_16``,
     [Note] FP8 on 16-bit MMAs); False (nothing launched, or a failed launch on a Triton
     we do not support, whose amaxes are zeroed again) lets the portable kernel run it. The Gluon modules come
-    through the functional door's loader, so an unsupported Triton turns them off once, with a warning."""
+    through the functional door's loader, so an unsupported Triton turns them off once, with a warning.
+    Per-head descales go over as they are (the kernel's FP8_HEAD_SCALES), 1 in their per-tensor places."""
     from .functional import _gluon_kernels, _gluon_ran      # late: functional dispatches here
     from .plan import gluon_fp8_fwd
-    if not gluon_fp8_fwd(p.d, p.d_v) or _per_head(scales):
-        return False        # the Gluon kernels read one scale per tensor; per-head ones run the portable kernel
+    if not gluon_fp8_fwd(p.d, p.d_v):
+        return False
     gluon = _gluon_kernels("fp8-forward", "fwd_sm90")
     if gluon is None:
         return False
     fwd = gluon[0]
     lens = dict(seq_len_q=extras["seq_len_q"], seq_len_kv=extras["seq_len_kv"])
+    per_tensor, heads = scales, None
+    if _per_head(scales):
+        heads = (scales["descale_q"], scales["descale_k"], scales["descale_v"])
+        one = _one(q.device)
+        per_tensor = dict(scales, descale_q=one, descale_k=one, descale_v=one)
     if fwd.supports_fp8(p, q, k, v, o, **lens):
         def launch(sc):
-            fwd.launch_fwd_sm90_fp8(p, q, k, fwd.transposed_v(v), o, stats[..., 0], sc, amax, **lens)
+            fwd.launch_fwd_sm90_fp8(p, q, k, fwd.transposed_v(v), o, stats[..., 0], sc, amax, head_scales=heads,
+                                    **lens)
     elif fwd.supports_fp8_16(p, q, k, v, o, **lens):
         def launch(sc):
-            fwd.launch_fwd_sm90_fp8_16(p, q, k, v, o, stats[..., 0], sc, amax, **lens)
+            fwd.launch_fwd_sm90_fp8_16(p, q, k, v, o, stats[..., 0], sc, amax, head_scales=heads, **lens)
     else:
         return False
 
     def go():
-        launch(torch.cat([scales[name].reshape(1) for name in _GLUON_SCALES]))
+        launch(torch.cat([per_tensor[name].reshape(1) for name in _GLUON_SCALES]))
         return True
 
     if _gluon_ran("fp8-forward", go):

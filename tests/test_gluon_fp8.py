@@ -9,7 +9,7 @@ accumulation chain (``fwd_sm90.fp8_mma_chain``), against the emulation within th
 within 2 delta_i, amax_o exact against the output (fp32, scale_o 1) and both amaxes against the emulation's;
 a second call gives the same bits. Head dims 224 / 256 run the same semantics on the 16-bit kernel's MMAs
 (``launch_fwd_sm90_fp8_16``, [Note] FP8 on 16-bit MMAs), checked the same way; head dims neither takes (96,
-d != d_v) and per-head descales go to the portable kernel. CPU: the host's copy of V (``transposed_v``) against
+d != d_v) go to the portable kernel; per-head descales (``FP8_HEAD_SCALES``) run on both Gluon routes. CPU: the host's copy of V (``transposed_v``) against
 the key order that ``_pack_p8`` and ``_zero_cols_from`` assume; the fp16 copies of ``widened_fp16``; the FP8_EMU
 build compiled for sm_90. Every failure message carries a one-line repro."""
 import pytest
@@ -205,11 +205,59 @@ def test_gluon_fp8_refuses_to_portable(case, _, launches):
     assert launches == ["portable"], f"ran {launches}; {_repro(case)}"
 
 
+@pytest.mark.parametrize("d, gqa, persistent", [(128, False, None), (128, True, None), (128, True, True),
+                                                 (64, True, None), (256, True, None)])
+@pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
+def test_gluon_fp8_per_head_descales(d, gqa, persistent, _, launches, monkeypatch):
+    """Per-head descales on the Gluon routes (``FP8_HEAD_SCALES``: fusedattn's addition to cuDNN's per-tensor
+    scales, as the portable kernel's): every head quantized with its own power-of-two scale, about four times the
+    previous head's, so a program that read another head's descale (q's, or its kv head's for k and v) would be
+    off by 2x or more. The persistent grid (several heads per CTA) and the one-tile grid; d = 256 on the 16-bit
+    MMAs. NaN-filled outputs, within the bound of float64 attention of the dequantized inputs, near the
+    emulation."""
+    from fusedattn.backends.gluon import fwd_sm90
+    if persistent is not None:
+        monkeypatch.setitem(fwd_sm90.FP8_PERSISTENT, fwd_sm90.TILE_D[d], persistent)
+    b, h_q, h_kv, s_q, s_kv = 2, 4, (2 if gqa else 4), 200, 333
+    rep = _repro(f"per_head_descales and {d}-{gqa}-{persistent}")
+    gen = torch.Generator().manual_seed(31 + d + gqa)
+
+    def per_head_fp8(h, s):
+        x = torch.randn((b, h, s, d), generator=gen) * 0.125 * (4.0 ** torch.arange(h)).view(1, h, 1, 1)
+        parts = [fp8.quantize_per_tensor(x[:, i:i + 1], E4M3) for i in range(h)]
+        return torch.cat([x8 for x8, _ in parts], 1), torch.cat([sc.reshape(1) for _, sc in parts])
+
+    (q8, dq), (k8, dk), (v8, dv) = per_head_fp8(h_q, s_q), per_head_fp8(h_kv, s_kv), per_head_fp8(h_kv, s_kv)
+    assert len(set(dq.tolist())) == h_q and len(set(dv.tolist())) == h_kv, "the test needs a descale per head"
+    sc = dict(descale_q=dq, descale_k=dk, descale_v=dv, descale_s=1 / 256, scale_s=256.0, scale_o=1.0)
+    heads = dict(descale_q=h_q, descale_k=h_kv, descale_v=h_kv)
+    dev_sc = {n: fp8._scale(x.cuda() if isinstance(x, torch.Tensor) else x, n, torch.device("cuda"), heads.get(n))
+              for n, x in sc.items()}
+    band = make_band(True, "bottom_right", None)
+    out = torch.full((b, h_q, s_q, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stats_out = torch.full((b, h_q, s_q, 1), float("nan"), dtype=torch.float32, device="cuda")
+    o, stats, _, _ = fp8._forward_kernel(q8.cuda(), k8.cuda(), v8.cuda(), dev_sc, d ** -0.5, band, None, None,
+                                         torch.bfloat16, out=out, stats_out=stats_out)
+    kernel = "gluon16" if d in fwd_sm90.FP8_16_DIMS else "gluon"
+    assert launches == [kernel], f"expected the Gluon FP8 kernel ({kernel}) alone, ran {launches}; {rep}"
+    o, stats = o.cpu(), stats.cpu()
+    assert not o.float().isnan().any() and not stats.isnan().any(), f"elements left unwritten (NaN); {rep}"
+    mask = dict(causal=True, causal_alignment="bottom_right")
+    u_mma = fp8.mma_unit("cuda", fwd_sm90.fp8_mma_chain(d))
+    ref, _, bound = fp8_forward_bound(q8, k8, v8, o_dtype=torch.bfloat16, mma_unit=u_mma, **mask, **sc)
+    err = (o.double() - ref).abs()
+    ratio = (err / torch.where(bound > 0, bound, torch.ones_like(bound))).max().item()
+    assert ratio <= 1.0, f"error exceeds the derived bound by {ratio:.3f}x; {rep}"
+    oe = fp8.sdpa_fp8_forward(q8, k8, v8, **sc, band=band, o_dtype=torch.bfloat16, backend="cpu")[0]
+    _, _, bound32 = fp8_forward_bound(q8, k8, v8, o_dtype=torch.bfloat16, **mask, **sc)
+    gap = ((o.double() - oe.double()).abs() / (bound + bound32)).max().item()
+    assert gap <= 1.0, f"kernel and emulation differ by {gap:.3f}x the sum of their bounds; {rep}"
+
+
 @pytest.mark.parametrize("_", [pytest.param(None, id="sm90", marks=gpu)])
 def test_gluon_fp8_doors_route_here(_, launches):
-    """fusedattn.attention and sdpa_fp8_forward with backend 'auto' take the Gluon switch at d=128; per-head
-    descales (the Gluon kernel reads one scale per tensor) run the portable kernel's FP8_HEAD_SCALES switch;
-    backend='cpu' never launches."""
+    """fusedattn.attention and sdpa_fp8_forward with backend 'auto' take the Gluon switch at d=128, with per-head
+    descales too (``FP8_HEAD_SCALES``); backend='cpu' never launches."""
     import fusedattn
     q8, k8, v8, sc = _inputs((1, 4, 2, 130, 130, 128), E4M3, False, seed=9)
     q8, k8, v8 = q8.cuda(), k8.cuda(), v8.cuda()
@@ -218,9 +266,9 @@ def test_gluon_fp8_doors_route_here(_, launches):
     assert launches == ["gluon"] and o.dtype == torch.bfloat16
     per_head = dict(sc, descale_q=torch.full((4,), float(sc["descale_q"]), device="cuda"))
     fusedattn.attention(q8, k8, v8, causal=True, **per_head)
-    assert launches == ["gluon", "portable"]
+    assert launches == ["gluon", "gluon"]
     fusedattn.attention(q8, k8, v8, causal=True, backend="cpu", **sc)
-    assert launches == ["gluon", "portable"]
+    assert launches == ["gluon", "gluon"]
 
 
 def test_transposed_v_key_order():

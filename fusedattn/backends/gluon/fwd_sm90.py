@@ -1179,6 +1179,17 @@ def _store_rows(val, rows, q_off, head, len_q, o_out):
 
 
 @gluon.jit
+def _head_descales(qk_scale, fp8_out, head):
+    """The FP8 forward's per-head descales ([Note] FP8; FP8_HEAD_SCALES): the score scale times descale_q of query
+    head ``head`` and descale_k of its kv head, and that kv head's descale_v (fp8_out's last entry: the three
+    pointers and the group). descale_v multiplies the accumulator before the epilogue's 1 / l (``_fp8_write``
+    multiplies by the per-tensor one, 1 here)."""
+    DESCALE_Q, DESCALE_K, DESCALE_V, GROUP = fp8_out[7]
+    kv_head = head // GROUP
+    return qk_scale * gl.load(DESCALE_Q + head) * gl.load(DESCALE_K + kv_head), gl.load(DESCALE_V + kv_head)
+
+
+@gluon.jit
 def _fp8_write(out, inv_l, rows, batch, head, S_Q, len_q, fp8_out):
     """The FP8 forward's output ([Note] FP8), as the portable kernel's ``fp8_epilogue``: O = out *
     descale_s * descale_v (out = acc / l, 0 on empty rows and rows >= len_q), amax_s = max 1 / l and
@@ -1221,14 +1232,15 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                   scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, PACKED_Q: gl.constexpr = False,
-                  FP8_EMU: gl.constexpr = 0):
+                  FP8_EMU: gl.constexpr = 0, FP8_HEAD_SCALES: gl.constexpr = False):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
     unless padded); with padding, a CTA with n_tiles = 0 computes nothing and writes zeros, and
     rows >= len_q are written as zeros (module docstring, [Note] padding). scale_s, fp8_out: the FP8
-    switch's P scale and output (``_fwd_write``; [Note] FP8). batch is the Q / O views' batch and q_off the
-    sequence's first row in them (``_packed_origin``; PACKED_Q, [Note] packed queries)."""
+    switch's P scale and output (``_fwd_write``; [Note] FP8), FP8_HEAD_SCALES its per-head descales
+    (``_head_descales``). batch is the Q / O views' batch and q_off the sequence's first row in them
+    (``_packed_origin``; PACKED_Q, [Note] packed queries)."""
     WG_M: gl.constexpr = q_smem.shape[2]
     HEAD_D: gl.constexpr = q_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1237,11 +1249,16 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
     rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))   # global query row of each accumulator row
     pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bias = _alibi_operands(q_smem.dtype, WG_M, BLOCK_N, _alibi_by_mma(HAS_ALIBI, q_smem.dtype))
+    descale_v = 1.0
+    if FP8_HEAD_SCALES:
+        qk_scale, descale_v = _head_descales(qk_scale, fp8_out, head)
     o, m_i, l_i = _fwd_attend(WG, q_smem.reshape([WG_M, HEAD_D]), q_bar, k_smem, v_smem, k_ready, k_empty, v_ready,
                               v_empty, turn, pin, bias, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
                               scale_s, PROMOTE, FP8_EMU)
+    if FP8_HEAD_SCALES:
+        o = o * descale_v
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
                len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off, PACKED_Q,
                FP8_EMU)
@@ -1619,15 +1636,16 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              DROPOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                              QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                              scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False,
-                             PACKED_KV: gl.constexpr = False, FP8_EMU: gl.constexpr = 0):
+                             PACKED_KV: gl.constexpr = False, FP8_EMU: gl.constexpr = 0,
+                             FP8_HEAD_SCALES: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
     slot. The Q slot goes back to the producer (q_empty) once the output store has read it:
     with 2 slots during the next tile (after its first QK^T), so that tile's successor's Q
     loads under it; with 1 slot right after the store (the next Q load then waits for it). FP8 (q_smem's
-    type; [Note] FP8): scale_s, fp8_out and PROMOTE as ``_fwd_consumer``'s; the output goes out from
-    registers, so the slot holds nothing for it."""
+    type; [Note] FP8): scale_s, fp8_out, PROMOTE and FP8_HEAD_SCALES as ``_fwd_consumer``'s; the output goes
+    out from registers, so the slot holds nothing for it."""
     WG_M: gl.constexpr = q_smem.shape[3]
     HEAD_D: gl.constexpr = q_smem.shape[4]
     BLOCK_M: gl.constexpr = 2 * WG_M
@@ -1658,11 +1676,17 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         stage = q_smem.index(qs)
         # with 2 Q slots, the previous tile's slot is released during this one (_fwd_attend)
         prev_free = q_empty.index((i + QSTAGES - 1) % QSTAGES)
+        qk_tile = qk_scale
+        descale_v = 1.0
+        if FP8_HEAD_SCALES:
+            qk_tile, descale_v = _head_descales(qk_scale, fp8_out, head)
         o, m_i, l_i = _fwd_attend(WG, stage.reshape([WG_M, HEAD_D]), None, k_smem, v_smem, k_ready, k_empty,
                                   v_ready, v_empty, turn, pin, bias, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
-                                  slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
+                                  slope2, qk_tile, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
                                   DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE, FP8_EMU)
+        if FP8_HEAD_SCALES:
+            o = o * descale_v
         if PADDED:
             if (QSTAGES == 2) & (i > 0) & (n_tiles == 0):
                 # an empty tile ran no QK^T, so _fwd_attend released nothing
@@ -1708,7 +1732,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                    PERSISTENT: gl.constexpr = False, DYNAMIC: gl.constexpr = True, QSTAGES: gl.constexpr = 2,
                    DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
                    PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False, PACKED_KV: gl.constexpr = False,
-                   V_WARP: gl.constexpr = False, FP8_EMU: gl.constexpr = 0):
+                   V_WARP: gl.constexpr = False, FP8_EMU: gl.constexpr = 0, DESCALE_Q=None, DESCALE_K=None,
+                   DESCALE_V=None, FP8_HEAD_SCALES: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1748,7 +1773,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                          "no dropout, not paged, 16-bit")
     scale_s = 1.0
     # the FP8 epilogue's arguments (unused by the 16-bit kernel: _fwd_write decides by the type)
-    fp8_out = (O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX)
+    # FP8_HEAD_SCALES ([Note] FP8, per-head descales): descale_q per query head, descale_k / descale_v per kv head;
+    # SCALES then holds 1 in their places
+    heads = (SCALES, SCALES, SCALES, GROUP)
+    if FP8_HEAD_SCALES:
+        heads = (DESCALE_Q, DESCALE_K, DESCALE_V, GROUP)
+    fp8_out = (O, stride_ob, stride_oh, stride_om, D_O, SCALES, AMAX, heads)
     if FP8_SEM:
         # cuDNN's bmm1 scale chain folded into the one score multiply (scale * log2 e * descales), in the
         # portable kernel's order; scale_s quantizes P (read here, so a CUDA graph replays new values)
@@ -1798,7 +1828,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU)),
+                                            FP8_EMU, FP8_HEAD_SCALES)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
@@ -1806,7 +1836,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU)),
+                                            FP8_EMU, FP8_HEAD_SCALES)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1826,7 +1856,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU)),
+                                            FP8_EMU, FP8_HEAD_SCALES)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
@@ -1834,7 +1864,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU)),
+                                            FP8_EMU, FP8_HEAD_SCALES)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1872,13 +1902,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU)),
+                             FP8_EMU, FP8_HEAD_SCALES)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU)),
+                             FP8_EMU, FP8_HEAD_SCALES)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
@@ -2109,7 +2139,7 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
     CTAs then run many work tiles each); v_warp (pages smaller than a key tile on the persistent grid: V's
     copies from a second load warp, default ``PAGED_V_WARP``); for tuning.
 
-    fp8 = (scales, amax, e5m2) runs the FP8 forward on the 16-bit MMAs ([Note] FP8 on 16-bit MMAs;
+    fp8 = (scales, amax, e5m2[, head_scales]) runs the FP8 forward on the 16-bit MMAs ([Note] FP8 on 16-bit MMAs;
     ``launch_fwd_sm90_fp8_16``): v then holds FP8 values as fp16, q / k too or are float8 themselves (QK^T an
     FP8 wgmma), out is the FP8 call's output (any float type, unit last stride), scales / amax as
     ``launch_fwd_sm90_fp8``'s, e5m2 P8's type.
@@ -2199,7 +2229,8 @@ def launch_fwd_sm90(p, q, k, v, out, lse, *, slopes=None, seq_len_q=None, seq_le
         HAS_SINK=p.has_sink, PAGE=p.page_size if p.paged else 0, PACKED_Q=varlen, PACKED_KV=packed_kv,
         V_WARP=v_warp, FP8_EMU=0 if fp8 is None else 1 + bool(fp8[2]),
         # FP8 q / k (QK^T an FP8 wgmma, [Note] FP8 on 16-bit MMAs): the FP8 switch's accumulation (FP8_PROMOTE)
-        **(dict(PROMOTE=FP8_PROMOTE) if q.dtype in _GL_FP8 else {}), num_warps=4,
+        **(dict(PROMOTE=FP8_PROMOTE) if q.dtype in _GL_FP8 else {}),
+        **_head_scale_args(p, fp8[3] if fp8 is not None and len(fp8) > 3 else None), num_warps=4,
     )
     return out, lse
 
@@ -2315,7 +2346,7 @@ def supports_fp8_16(p, q, k, v, out, *, seq_len_q=None, seq_len_kv=None) -> bool
 
 
 def launch_fwd_sm90_fp8_16(p, q, k, v, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, qk_fp8=None,
-                           **tuning):
+                           head_scales=None, **tuning):
     """The FP8 forward on the 16-bit kernel's MMAs ([Note] FP8 on 16-bit MMAs; ``supports_fp8_16``): v (one
     float8 type with q and k, any strides) is widened to fp16 once, exactly, and the 16-bit kernel runs the
     call with the FP8 switch's semantics (``FP8_EMU``): scores scaled by the descales, P8 = fp8(p * scale_s)
@@ -2329,7 +2360,7 @@ def launch_fwd_sm90_fp8_16(p, q, k, v, out, lse, scales, amax, *, seq_len_q=None
         q, k = widened_fp16(q), widened_fp16(k)
     p16 = dataclasses.replace(p, dtype=torch.float16)
     launch_fwd_sm90(p16, q, k, widened_fp16(v), out, lse, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
-                    fp8=(scales, amax, v.dtype == torch.float8_e5m2), **tuning)
+                    fp8=(scales, amax, v.dtype == torch.float8_e5m2, head_scales), **tuning)
     return out, lse
 
 
@@ -2442,13 +2473,15 @@ def _transposed_v_torch(v, permute=True) -> torch.Tensor:
 
 
 def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, block_n=None,
-                        stages=None, pingpong=None, promote=None, persistent=None, ctas=None):
+                        stages=None, pingpong=None, promote=None, persistent=None, ctas=None, head_scales=None):
     """The FP8 forward (module docstring, [Note] FP8) on Hopper. q [b, h_q, s_q, d], k [b, h_kv, s_kv, d]
     float8 (``supports_fp8``); vt: V transposed, [b, h_kv, d, s_kv rounded up to 16] in ``key_order``
     (``transposed_v``); out [b, h_q, s_q, d] in any float type (float8: saturating), unit last stride; lse
     fp32 [b, h_q, s_q] view or None;
     scales fp32 [6] contiguous (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o); amax fp32
-    [2] (amax_s, amax_o), zeroed by the caller, maxed into. Writes out, lse and amax in place.
+    [2] (amax_s, amax_o), zeroed by the caller, maxed into. head_scales: per-head descales, (descale_q [h_q],
+    descale_k [h_kv], descale_v [h_kv]) (``_head_scale_args``; scales then holds 1 as descale_q / k / v), or None.
+    Writes out, lse and amax in place.
     block_n / stages / pingpong / promote override ``FP8_TILES`` / ``PINGPONG`` / ``FP8_PROMOTE`` (tuning);
     persistent: the persistent grid with its dynamic tile counter (default ``FP8_PERSISTENT``; ctas caps its
     size, for tests) as ``launch_fwd_sm90``'s."""
@@ -2492,6 +2525,18 @@ def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, 
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=persistent, DYNAMIC=True, QSTAGES=QSTAGES[td], DROPOUT=False, HAS_SINK=False, PAGE=0,
-        PROMOTE=promote, num_warps=4,
+        PROMOTE=promote, **_head_scale_args(p, head_scales), num_warps=4,
     )
     return out, lse
+
+
+def _head_scale_args(p, scales):
+    """The kernel's keywords for per-head descales ([Note] FP8, FP8_HEAD_SCALES): scales = (descale_q, descale_k,
+    descale_v), contiguous fp32 device tensors of h_q, h_kv and h_kv values, a one-element one expanded (a copy:
+    the kernel reads each at its head). Passed only where there are per-head ones, so the other launches keep
+    their keys (the shipped stores')."""
+    if scales is None:
+        return {}
+    dq, dk, dv = (t if t.numel() == n else t.reshape(1).expand(n).contiguous()
+                  for t, n in zip(scales, (p.h_q, p.h_kv, p.h_kv)))
+    return dict(DESCALE_Q=dq, DESCALE_K=dk, DESCALE_V=dv, FP8_HEAD_SCALES=True)
