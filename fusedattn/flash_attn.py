@@ -55,7 +55,8 @@ q_descale / k_descale / v_descale   S (func, forward)   FlashAttention-3's FP8 k
 (keyword-only, FA3)                                     (batch_size, nheads_k) equal across the batch, or one element;
                                                         cuDNN's FP8 semantics (fusedattn.fp8), bf16 output; all
                                                         entries equal (a per-tensor scale expanded): the FP8
-                                                        kernels; differing per head: the portable FP8 kernel
+                                                        kernels; differing per head: the same kernels' per-head
+                                                        descales
 kvcache q/k/v_descale (FA3)         S (emulated)        float8 k_cache / v_cache with k_descale / v_descale (an FP8 K/V
                                                         cache, fusedattn.kvcache_fp8; k / v quantized on append); a
                                                         float8 q with q_descale is dequantized to fp32 and the output
@@ -212,8 +213,8 @@ def _dropout(dropout_p):
 def _fa3_descale(name, x, batch, nheads_k, group):
     """FA3's ``(batch_size, nheads_k)`` descale as fusedattn's: one element where every entry holds the same
     value (a per-tensor scale expanded to FA3's shape, as serving code passes it: every FP8 kernel takes
-    it), else per head (``[nheads_k * group]``: the portable FP8 forward reads it per program, while the Gluon
-    sm_90 kernels and the FP8 backward take one scale per tensor); a one-element tensor as it is; None stays None (attention then names it as missing). One
+    it), else per head (``[nheads_k * group]``: the FP8 forward kernels read it per head, while the FP8 backward
+    takes one scale per tensor); a one-element tensor as it is; None stays None (attention then names it as missing). One
     device read per tensor (the two equality checks together)."""
     if x is None or not isinstance(x, torch.Tensor) or x.numel() == 1:
         return x

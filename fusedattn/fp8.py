@@ -288,8 +288,8 @@ def sdpa_fp8_forward(q, k, v, *, descale_q, descale_k, descale_v, descale_s, sca
         q ``[b, h_q, s_q, d]``, k ``[b, h_kv, s_kv, d]``, v ``[b, h_kv, s_kv, d_v]``: FP8 (all the same
             type; fp32/bf16/fp16 values are accepted too and read as they are, for tests).
         descale_* / scale_*: floats or fp32 tensors with one element (descale_q / k / v may also have
-            one per head: the portable kernel reads them per program; the Gluon sm_90 kernels take one per
-            tensor, so per-head calls run the portable kernel there).
+            one per head, descale_q per query head and descale_k / descale_v per kv head: the kernels read
+            them per head).
         attn_scale: float, default ``1 / sqrt(d)``. band: a :class:`~fusedattn.problem.Band`, an
             ``(alignment, left, right)`` tuple or None. seq_len_q / seq_len_kv: int ``[b]`` (padding).
         o_dtype: output type (default q's).

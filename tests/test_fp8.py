@@ -344,9 +344,10 @@ def test_a_gpu_without_fp8_kernels_runs_the_emulation_or_refuses(monkeypatch):
 
 def test_fa3_descales_equal_everywhere_become_one_scale():
     """FlashAttention-3 takes descales of shape (batch_size, nheads_k); serving code passes its per-tensor
-    scale expanded to that shape. fusedattn's FP8 kernels read one scale per tensor and run per-head ones on
-    the emulation, so the door hands a descale whose entries are all equal over as one element (the kernel
-    path), per-head values as [nheads_k * group], and refuses values that differ between batch rows."""
+    scale expanded to that shape. fusedattn's FP8 forward kernels read per-head descales too, but its backward
+    kernels one per tensor (per-head ones run the emulation), so the door hands a descale whose entries are all
+    equal over as one element, per-head values as [nheads_k * group], and refuses values that differ between
+    batch rows."""
     from fusedattn.flash_attn import _fa3_descale
     from fusedattn.problem import NotSupportedError
     x = torch.full((3, 2), 0.5)
@@ -381,6 +382,6 @@ def test_a_gpu_call_the_kernels_refuse_warns_once(monkeypatch):
     heads = q8.shape[1]
     per_head = dict(sc, descale_q=sc["descale_q"].reshape(1).repeat(heads))
     per_head = {n: fp8._scale(x, n, q8.device, heads) for n, x in per_head.items()}
-    # the portable forward reads per-head descales (FP8_HEAD_SCALES); the backward kernels one per tensor
+    # the forward kernels read per-head descales (FP8_HEAD_SCALES); the backward kernels one per tensor
     assert fp8._kernel_refuses(q8, k8, v8, per_head, 1.0) is None
     assert fp8._kernel_refuses_bwd(q8, k8, v8, q8, q8, per_head) == "per-head descales"
