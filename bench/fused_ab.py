@@ -28,10 +28,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fusedattn  # noqa: E402
 from fusedattn.backends.gluon import bwd_fused_sm90 as F  # noqa: E402
 from fusedattn.bench import do_bench_cold  # noqa: E402
-from fusedattn.problem import make_problem  # noqa: E402
+from gluon_fused_sweep import _inputs  # noqa: E402  (this folder is on sys.path when run as a script)
 
 CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal)
     "8k": (2, 16, 16, 8192, 128, False),
@@ -45,18 +44,6 @@ VARIANTS = {"default": {}, "dqfirst": dict(dq_first=True), "dqlast": dict(dq_fir
             "stages3": dict(stages=3), "flat": dict(flat=True), "forward": dict(reverse=False),
             "reverse": dict(reverse=True), "grid_order": dict(heavy_first=False), "rotate": dict(rotate=True),
             "segments": dict(segments=True), "per_head": dict(segments=False)}
-
-
-def inputs(b, h_q, h_kv, s, d, causal):
-    torch.manual_seed(0)
-    dt = torch.bfloat16
-    q = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
-    k = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
-    v = torch.randn(b, s, h_kv, d, device="cuda", dtype=dt).transpose(1, 2)
-    do = torch.randn(b, s, h_q, d, device="cuda", dtype=dt).transpose(1, 2)
-    out, stats = fusedattn.attention_forward(q, k, v, causal=causal, return_stats=True)
-    p, _ = make_problem(q, k, v, causal=causal)
-    return p, q, k, v, do, out, stats[..., 0]
 
 
 def graph_timer(fn, replays=20):
@@ -116,7 +103,7 @@ def main():
     print(torch.cuda.get_device_name(), "triton", __import__("triton").__version__, flush=True)
     for cname in a.configs.split(","):
         b, h_q, h_kv, s, d, causal = CONFIGS[cname]
-        p, q, k, v, do, out, lse = inputs(b, h_q, h_kv, s, d, causal)
+        p, q, k, v, do, out, lse = _inputs(b, h_q, h_kv, s, torch.bfloat16, causal, d)
         delta = torch.empty((b * h_q, s), dtype=torch.float32, device="cuda")
         acc = torch.empty((b, h_q, F.acc_rows(s), d), dtype=torch.float32, device="cuda")
         grads = {n: (torch.full_like(q, float("nan")), torch.full_like(k, float("nan")), torch.full_like(v, float("nan")))
