@@ -6,6 +6,7 @@ samples. This reads it and prints, per kernel:
 
     python bench/ncu_stalls.py SOURCE.csv [--top N]      # the N hottest instructions, their main stall reason
     python bench/ncu_stalls.py SOURCE.csv --waits        # every mbarrier wait (SYNCS.PHASECHK) and its samples
+    python bench/ncu_stalls.py SOURCE.csv --loop K       # kernel K's hottest loop, its samples between landmarks
 
 ``--waits`` is what told the paged prefill's load warp from its consumers (bench/NOTES.md 66): a wait executed
 once per key tile by one warp (the count of the load loop's iterations) is the load warp waiting for a free ring
@@ -71,15 +72,52 @@ def waits(rows):
             print(f"  {i:5d} {barrier:18s} {int(samples):7d} samples, executed x{r['Instructions Executed']}")
 
 
+LANDMARKS = ("HGMMA", "QGMMA", "DEPBAR", "SYNCS", "BAR.", "UTMA", "STSM", "MEMBAR", "FENCE", "MUFU", "LDL", "STL",
+             "BRA", "STS", "LDS")
+
+
+def loop(rows, min_share=0.003):
+    """The instructions executed most often (a consumer loop: one warp count per step) as stretches between
+    landmarks (wgmma issue and waits, barriers, shared-memory traffic, branches, spills, or any instruction
+    holding min_share of the kernel's samples), each with the samples since the previous landmark, as a share of
+    the loop's, and its three main stall reasons. bench/NOTES.md 78 read the fused backward's step this way."""
+    counts = {}
+    for r in rows:
+        counts[r["Instructions Executed"]] = counts.get(r["Instructions Executed"], 0) + num(r[SAMPLES])
+    hot = max(counts, key=counts.get)
+    total = sum(num(r[SAMPLES]) for r in rows) or 1.0
+    in_loop = sum(num(r[SAMPLES]) for r in rows if r["Instructions Executed"] == hot) or 1.0
+    cols = stall_columns(rows)
+    print(f"  loop: instructions executed x{hot}, {in_loop / total * 100:.1f}% of the kernel's samples")
+    acc, since, n = {}, 0.0, 0
+    for i, r in enumerate(rows):
+        if r["Instructions Executed"] != hot:
+            continue
+        s = num(r[SAMPLES])
+        for c in cols:
+            acc[c] = acc.get(c, 0.0) + num(r[c])
+        since, n = since + s, n + 1
+        if any(m in r["Source"] for m in LANDMARKS) or s / total > min_share:
+            top = sorted(acc, key=lambda c: -acc[c])[:3]
+            why = ", ".join(f"{c[6:]} {acc[c] / max(since, 1) * 100:.0f}" for c in top)
+            print(f"  {i:5d} +{n:3d} {since / in_loop * 100:5.2f}% [{why}]  {r['Source'][:80]}")
+            acc, since, n = {}, 0.0, 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source_csv")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--waits", action="store_true")
+    ap.add_argument("--loop", type=int, metavar="K", help="kernel K's hottest loop by stretches (loop())")
     a = ap.parse_args()
     for i, (name, rows) in enumerate(kernels(a.source_csv)):
+        if a.loop is not None and i != a.loop:
+            continue
         print(f"kernel {i}: {name}, {len(rows)} instructions, {int(sum(num(r[SAMPLES]) for r in rows))} samples")
-        if rows and a.waits:
+        if rows and a.loop is not None:
+            loop(rows)
+        elif rows and a.waits:
             waits(rows)
         elif rows:
             top(rows, a.top)
