@@ -215,6 +215,9 @@ l sums it (divided by scale_s after the last tile: one multiply per score fewer,
 instructions per thread at d=128); the epilogue's O = acc / l * descale_s * descale_v, amax_s = max 1 / l
 and amax_o = max |O| over rows inside the sequence (float atomic max), o = O * scale_o in the output's
 type, stored from registers (``_fp8_write``: any output type, so no TMA staging tile).
+* Per-head descales (``FP8_HEAD_SCALES``, fusedattn's addition, as the portable kernel's): descale_q per query
+  head, descale_k / descale_v per kv head, read per work tile (``_head_descales``: the persistent grid's tiles
+  change heads); descale_v multiplies the accumulator before the epilogue, whose per-tensor places hold 1.
 * V: FP8 wgmmas read both shared-memory operands K-major, and P V's K is the key, so V comes transposed
   ([b, h_kv, d, s_kv], keys innermost: ``transposed_v``, one copy per call) in [HEAD_D, BLOCK_N] tiles,
   handed to the wgmma permuted.
