@@ -8,7 +8,7 @@
     python tools/gluon_check.py paged PAGE [D] [persistent] [v_warp]   # the load warps' loops over a paged K/V cache
     python tools/gluon_check.py releases PAGE [D]   # where the consumer loops wait for and release K/V slots
     python tools/gluon_check.py 128 1 e4m3 [plain|pingpong] [BLOCK_N|-] [window] [seq_q] [seq_kv]
-                                [persistent] [out=e4m3|bf16|fp16|fp32] [promote=0|32|-1] [heads] [consumers=3 regs=N]   # the FP8 switch
+                                [persistent] [out=e4m3|bf16|fp16|fp32] [promote=0|32] [heads]   # the FP8 switch
                                                                           (heads: per-head descales)
     python tools/gluon_check.py 128 1 bf16 plain - varlen seq_kv bottom_right page=16 persistent   # packed queries
     python tools/gluon_check.py fp8        # every FP8 variant: d 64/128/256 x masks x padding, spills and HGMMA kinds
@@ -52,8 +52,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=False, pingpong=False,
                 block_n=None, stages=None, window=False, alibi=False, seq_q=False, seq_kv=False,
                 persistent=False, dynamic=True, dropout=False, sink=False, page=0, out="bf16", promote=None,
-                varlen=False, packed_kv=False, v_warp=False, fp8_emu=0, head_scales=False, consumers=2,
-                consumer_regs=None):
+                varlen=False, packed_kv=False, v_warp=False, fp8_emu=0, head_scales=False):
     """fp8_emu 1 / 2: the FP8 forward on the 16-bit MMAs, P8 in e4m3 / e5m2 (``FP8_EMU``), output in ``out``'s
     type; with dtype fp16 every product is fp16, with dtype e4m3 / e5m2 QK^T is an FP8 wgmma and V fp16
     ([Note] FP8 on 16-bit MMAs). head_scales: the FP8 switch's per-head descales (``FP8_HEAD_SCALES``)."""
@@ -92,8 +91,7 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
     const = dict(BLOCK_N=block_n, STAGES=stages, HAS_LEFT=window, HAS_RIGHT=causal or window,
                  BOTTOM_RIGHT=bottom_right, HAS_ALIBI=alibi, WRITE_LSE=write_lse,
                  REVERSE_M=causal and not window, HAS_SEQ_Q=seq_q, HAS_SEQ_KV=seq_kv,
-                 CONSUMER_REGS=consumer_regs or fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS,
-                 PINGPONG=pingpong,
+                 CONSUMER_REGS=fwd_sm90.CONSUMER_REGS, PRODUCER_REGS=fwd_sm90.PRODUCER_REGS, PINGPONG=pingpong,
                  PERSISTENT=persistent, DYNAMIC=dynamic, QSTAGES=fwd_sm90.QSTAGES[d], DROPOUT=dropout,
                  HAS_SINK=sink, PAGE=page, PROMOTE=fwd_sm90.FP8_PROMOTE if promote is None else promote,
                  PACKED_Q=varlen, PACKED_KV=packed_kv, V_WARP=v_warp, FP8_EMU=fp8_emu)
@@ -102,7 +100,6 @@ def compile_fwd(d=128, causal=True, dtype="bf16", write_lse=True, bottom_right=F
         const["FP8_HEAD_SCALES"] = True
     else:       # launches without per-head descales leave their parameters at their defaults
         const.update(DESCALE_Q=None, DESCALE_K=None, DESCALE_V=None, FP8_HEAD_SCALES=False)
-    const["CONSUMERS"] = consumers
     if varlen or packed_kv:
         sig["O"] = "*" + ty     # packed queries: the 16-bit output's masked stores (_store_rows)
     for k in const:
@@ -355,8 +352,7 @@ def main():
         k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,
                         seq_q="seq_q" in extra, seq_kv="seq_kv" in extra, out=opts.get("out", "bf16"),
                         promote=int(opts.get("promote", fwd_sm90.FP8_PROMOTE)), persistent="persistent" in extra,
-                        head_scales="heads" in extra, consumers=int(opts.get("consumers", 2)),
-                        consumer_regs=int(opts["regs"]) if "regs" in opts else None)
+                        head_scales="heads" in extra)
         return fp8_report(k, f"d{d} causal={int(causal)} {dtype} {' '.join(sys.argv[4:])}".strip())
     page = int(dict(a.split("=", 1) for a in extra if "=" in a).get("page", 0))
     k = compile_fwd(d, causal, dtype, pingpong=pingpong, block_n=block_n, window="window" in extra,

@@ -410,7 +410,7 @@ def _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT: gl.c
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
                   v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PADDED: gl.constexpr, PAGE: gl.constexpr,
-                  q_batch=0, q_off=0, kv_batch=0, k_off=0, q_smem2=None):
+                  q_batch=0, q_off=0, kv_batch=0, k_off=0):
     """Load warp: Q once, then K and V of key tile t_lo + j (j < n_tiles) into slot j % STAGES
     once the consumers freed it. Padded: a CTA with n_tiles = 0 computes nothing and loads nothing.
     PAGE > 0: K/V come from pages of PAGE keys (``_kv_ring_loads_paged_at``; pages: its tables). Q's rows
@@ -425,10 +425,6 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
         tma_load(q_desc, [q_batch, head, q_off + start_m, 0], q_bar.index(0), q_smem0)
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes)
         tma_load(q_desc, [q_batch, head, q_off + start_m + WG_M, 0], q_bar.index(1), q_smem1)
-        if q_smem2 is not None:
-            # a third consumer warpgroup (CONSUMERS = 3)
-            mbarrier.expect(q_bar.index(2), q_desc.block_type.nbytes)
-            tma_load(q_desc, [q_batch, head, q_off + start_m + 2 * WG_M, 0], q_bar.index(2), q_smem2)
     if PAGE > 0:
         _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
                                 t_lo, n_tiles, 0, pages, PAGE, BLOCK_N, STAGES)
@@ -1740,7 +1736,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                    DROPOUT: gl.constexpr = False, HAS_SINK: gl.constexpr = False, PAGE: gl.constexpr = 0,
                    PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False, PACKED_KV: gl.constexpr = False,
                    V_WARP: gl.constexpr = False, FP8_EMU: gl.constexpr = 0, DESCALE_Q=None, DESCALE_K=None,
-                   DESCALE_V=None, FP8_HEAD_SCALES: gl.constexpr = False, CONSUMERS: gl.constexpr = 2):
+                   DESCALE_V=None, FP8_HEAD_SCALES: gl.constexpr = False):
     """The forward kernel (module docstring). One-tile grid (PERSISTENT False): grid
     (N_M, b * H_Q), program (pid_m, bh) owns one work tile. Persistent grid: grid (nprog,) with
     nprog <= N_M * N_BH, the work tiles (``_work_tile``'s order) handed out statically (tile +
@@ -1763,11 +1759,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     V_WARP (persistent grid, 0 < PAGE < BLOCK_N): V's copies come from a second load warp ([Note] paged K/V)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    BLOCK_M: gl.constexpr = CONSUMERS * WG_M
+    BLOCK_M: gl.constexpr = 2 * WG_M
     dtype: gl.constexpr = q_desc.dtype
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
-    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and not PERSISTENT and not PINGPONG),
-                     "three consumer warpgroups: the one-tile grid, no ping-pong")
     FP8: gl.constexpr = _is_fp8(dtype)
     # FP8_EMU: FP8 values in 16-bit descriptors, the FP8 semantics on 16-bit MMAs ([Note] FP8 on 16-bit MMAs)
     FP8_SEM: gl.constexpr = _fp8_semantics(dtype, FP8_EMU)
@@ -1812,8 +1806,8 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         # one arrival from each consumer warpgroup frees a slot
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
 
     if PERSISTENT:
         # per consumer warpgroup a ring of QSTAGES Q halves (each also stages its tile's output),
@@ -1900,14 +1894,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
 
         q_smem0 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(CONSUMERS):
-            mbarrier.init(q_bar.index(i), count=1)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar.index(0), count=1)
+        mbarrier.init(q_bar.index(1), count=1)
 
-        if CONSUMERS == 3:
-            # three consumer warpgroups of 64 rows each (experimental: bench/NOTES.md 79)
-            q_smem2 = gl.allocate_shared_memory(dtype, [1, 1, WG_M, HEAD_D], q_desc.layout)
-            gl.warp_specialize([
+        gl.warp_specialize([
+            # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
             (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
@@ -1920,36 +1912,11 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
                              FP8_EMU, FP8_HEAD_SCALES)),
-            (_fwd_consumer, (2, q_smem2, k_smem, v_smem, q_bar.index(2), k_ready, k_empty, v_ready, v_empty, turn,
-                             o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
-                             t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                             SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                             BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU, FP8_HEAD_SCALES)),
-                (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
-                                 v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
-                                 STAGES, PADDED, PAGE, q_batch, q_off, kv_batch, k_off, q_smem2)),
-            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                # consumer warpgroup 0 (the default partition, warps 0-3), consumer warpgroup 1 (warps 4-7)
-                (_fwd_consumer, (0, q_smem0, k_smem, v_smem, q_bar.index(0), k_ready, k_empty, v_ready, v_empty, turn,
-                                 o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
-                                 t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                                 SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                                 BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                                 FP8_EMU, FP8_HEAD_SCALES)),
-                (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
-                                 o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
-                                 t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
-                                 SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
-                                 BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                                 FP8_EMU, FP8_HEAD_SCALES)),
-                # the load warp (warp 8)
-                (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
-                                 v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
-                                 STAGES, PADDED, PAGE, q_batch, q_off, kv_batch, k_off)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            # the load warp (warp 8)
+            (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
+                             v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
+                             STAGES, PADDED, PAGE, q_batch, q_off, kv_batch, k_off)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2509,8 +2476,7 @@ def _transposed_v_torch(v, permute=True) -> torch.Tensor:
 
 
 def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, seq_len_kv=None, block_n=None,
-                        stages=None, pingpong=None, promote=None, persistent=None, ctas=None, head_scales=None,
-                        consumers=None, consumer_regs=None):
+                        stages=None, pingpong=None, promote=None, persistent=None, ctas=None, head_scales=None):
     """The FP8 forward (module docstring, [Note] FP8) on Hopper. q [b, h_q, s_q, d], k [b, h_kv, s_kv, d]
     float8 (``supports_fp8``); vt: V transposed, [b, h_kv, d, s_kv rounded up to 16] in ``key_order``
     (``transposed_v``); out [b, h_q, s_q, d] in any float type (float8: saturating), unit last stride; lse
@@ -2536,12 +2502,8 @@ def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, 
     if vt.shape != (p.b, p.h_kv, p.d, -(-p.s_kv // 16) * 16) or vt.stride(-1) != 1:
         raise ValueError(f"vt must be V transposed by transposed_v, [b, h_kv, d, s_kv rounded up to 16]; got "
                          f"{list(vt.shape)} strides {vt.stride()}")
-    consumers = consumers or 2
-    n_m, n_bh = cdiv(p.s_q, consumers * WG_M), p.b * p.h_q
+    n_m, n_bh = cdiv(p.s_q, BLOCK_M), p.b * p.h_q
     persistent = FP8_PERSISTENT[td] if persistent is None else bool(persistent)
-    extra = {} if consumers == 2 else dict(CONSUMERS=consumers)
-    if consumers == 3:
-        persistent = False
     counter = _tile_counter(q.device) if persistent else lse_arg
     if counter is None:         # first launch on a capturing stream (_tile_counter): the one-tile grid
         persistent, counter = False, lse_arg
@@ -2564,9 +2526,9 @@ def launch_fwd_sm90_fp8(p, q, k, vt, out, lse, scales, amax, *, seq_len_q=None, 
         BOTTOM_RIGHT=band is not None and band.alignment == "bottom_right", HAS_ALIBI=False,
         WRITE_LSE=lse is not None, REVERSE_M=has_right and not has_left,
         HAS_SEQ_Q=p.has_seq_len_q, HAS_SEQ_KV=p.has_seq_len_kv,
-        CONSUMER_REGS=consumer_regs or CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, PINGPONG=pingpong,
         PERSISTENT=persistent, DYNAMIC=True, QSTAGES=QSTAGES[td], DROPOUT=False, HAS_SINK=False, PAGE=0,
-        PROMOTE=promote, **_head_scale_args(p, head_scales), **extra, num_warps=4,
+        PROMOTE=promote, **_head_scale_args(p, head_scales), num_warps=4,
     )
     return out, lse
 
