@@ -88,8 +88,8 @@ def test_bench_config_names_are_unique_and_filterable():
 
     args = bench.parse_args(["--configs", "all"])
     names = [c.name for c in bench.select_configs(args)]
-    # anchors, masked (4 masks + 2 sink rows), decode, prefill (4 caches + 2 packed)
-    assert len(names) == len(set(names)) == 8 + 6 + 6 + 6
+    # anchors, masked (4 masks + a d=64 dropout row + 2 sink rows), decode, prefill (4 caches + 2 packed)
+    assert len(names) == len(set(names)) == 8 + 7 + 6 + 6
     only = bench.select_configs(bench.parse_args(["--only", "h32kv8,paged16"]))
     assert [c.name for c in only] == ["b4-h32kv8-s4096-d128-bf16-causal",
                                       "decode-b64-h32kv8-kv4096-d128-bf16-contig",

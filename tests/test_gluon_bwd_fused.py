@@ -4,7 +4,8 @@ dQ, dK and dV, written into NaN-filled guarded buffers, against float64 autograd
 FlashAttention's rule (error at most 2x PyTorch's same-precision error plus a small floor) and against
 the two-pass Gluon backward (``bwd_dq_sm90`` + ``bwd_dkdv_sm90``, d=128 only) on the same inputs, over: d=128 and 64,
 fp16/bf16, causal none / top-left / bottom-right, GQA 1 / 2 / 4 / MQA, odd lengths with s_q != s_kv
-both ways, BSHD and other strided layouts, the tuning switches one at a time and the ``out=`` path (delta
+both ways, BSHD and other strided layouts, dropout (the forward's mask), the tuning switches one at a time and
+the ``out=`` path (delta
 and the zeroing of the dQ accumulator by one kernel, into NaN-filled buffers);
 plus run-to-run agreement (dQ is reduced with atomics: not bitwise) and what ``supports`` refuses.
 Every failure message carries a one-line repro. GPU-only: skipped (visibly) elsewhere.
@@ -124,6 +125,83 @@ def test_gluon_fused_geometries(geom, dtype, request):
     run_case(case, request.node.nodeid)
 
 
+DROPOUT_CASES = [  # (h_q, h_kv, s_q, s_kv, mode, layout, d, dtype, p)
+    (4, 2, 300, 1000, "none", "bshd", 128, "bfloat16", 0.1),
+    (3, 3, 257, 519, "top_left", "bhsd", 128, "float16", 0.3),
+    (8, 2, 700, 300, "bottom_right", "gap", 128, "bfloat16", 0.2),     # rows that see no key
+    (4, 1, 129, 17, "none", "sbhd", 128, "float16", 0.5),              # MQA, a partial key block
+    (12, 12, 1024, 1024, "top_left", "bshd", 64, "float16", 0.1),
+    (6, 2, 257, 700, "none", "bhsd", 64, "bfloat16", 0.25),
+]
+
+
+@pytest.mark.parametrize("case_args", DROPOUT_CASES,
+                         ids=lambda c: f"h{c[0]}-{c[1]}-s{c[2]}x{c[3]}-{c[4]}-d{c[6]}-p{c[8]}")
+@pytest.mark.parametrize("odd_seed", [False, True], ids=["seed", "offset_past_2^32"])
+def test_gluon_fused_dropout(case_args, odd_seed, request, monkeypatch):
+    """Dropout ([Note] dropout: the forward's Philox mask, made per (keys, rows) tile on the transposed scores)
+    against float64 autograd of the reference with the CPU path's mask (``backends.cpu.dropout_keep_mask``), and at
+    d=128 against the two Gluon passes on the same mask; an odd case seed puts the counter offset past 2^32
+    (``HopperCase.kwargs``). d=128 is not routed here (``DROPOUT_DIMS``: slower than the two passes) but the
+    kernel takes it: the test turns it on."""
+    from fusedattn.backends.gluon import bwd_fused_sm90
+    monkeypatch.setattr(bwd_fused_sm90, "DROPOUT_DIMS", (64, 128))
+    bwd_fused_sm90._problem_ok.cache_clear()
+    request.addfinalizer(bwd_fused_sm90._problem_ok.cache_clear)
+    h_q, h_kv, s_q, s_kv, mode, layout, d, dtype, p = case_args
+    seed = 9100 + 10 * DROPOUT_CASES.index(case_args) + (1 if odd_seed else 0)
+    case = HopperCase(seed=seed, b=2, h_q=h_q, h_kv=h_kv, s_q=s_q, s_kv=s_kv, d=d, dtype=dtype, mode=mode,
+                      layout=layout, dropout=p)
+    run_case(case, request.node.nodeid)
+
+
+def test_gluon_fused_dropout_segments(request, monkeypatch):
+    """Dropout with GQA under a causal mask on the segment-major loop (``SEGMENTS``, Triton 3.9's default there):
+    each step's mask takes its own query head's counter base (the head changes inside the loop)."""
+    from fusedattn.backends.gluon import bwd_fused_sm90
+    monkeypatch.setattr(bwd_fused_sm90, "DROPOUT_DIMS", (64, 128))
+    bwd_fused_sm90._problem_ok.cache_clear()
+    request.addfinalizer(bwd_fused_sm90._problem_ok.cache_clear)
+    for d in (64, 128):
+        case = HopperCase(seed=9201 + d, b=2, h_q=8, h_kv=2, s_q=300, s_kv=700, d=d, dtype="bfloat16",
+                          mode="bottom_right", layout="bshd", dropout=0.2)
+        run_case(case, request.node.nodeid, segments=True)
+
+
+@pytest.mark.parametrize("d,fused", [(64, True), (128, False)], ids=["d64-single-pass", "d128-two-passes"])
+def test_gluon_fused_dropout_route(d, fused, monkeypatch):
+    """Autograd with dropout (deterministic=False) takes the single pass at the head dims of ``DROPOUT_DIMS`` (d=64;
+    ``GLUON_BWD_FUSED_MIN_WORK`` lowered under this test's size) and the two Gluon passes at d=128 (counted
+    launches); the gradients pass the float64 rule with the CPU path's mask either way."""
+    import fusedattn
+    from fusedattn import functional
+    from fusedattn.backends.gluon import bwd_dkdv_sm90, bwd_fused_sm90
+    monkeypatch.setattr(functional, "GLUON_BWD_FUSED_MIN_WORK", {64: 0})
+    from fusedattn.backends.triton import launch as launch_mod
+    calls = []
+
+    def counted(real, name):
+        def run(*a, **k):
+            if getattr(launch_mod._ahead, "active", None) is None:     # not the first forward's compile-ahead
+                calls.append(name)
+            return real(*a, **k)
+        return run
+    for mod, name in ((bwd_fused_sm90, "launch_bwd_fused_sm90"), (bwd_dkdv_sm90, "launch_dkdv_sm90")):
+        monkeypatch.setattr(mod, name, counted(getattr(mod, name), name))
+    gen = torch.Generator().manual_seed(9300 + d)
+    mk = lambda h, s: torch.randn(2, s, h, d, generator=gen).to("cuda", torch.float16).transpose(1, 2)  # noqa: E731
+    q, k, v, do = mk(4, 333), mk(2, 517), mk(2, 517), mk(4, 333)
+    kw = dict(causal=True, causal_alignment="bottom_right", dropout_p=0.2, dropout_seed=77, dropout_offset=2 ** 32 + 3)
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    fusedattn.attention(qs, ks, vs, deterministic=False, **kw).backward(do)
+    assert calls == (["launch_bwd_fused_sm90"] if fused else ["launch_dkdv_sm90"]), calls
+    msg = f"repro: pytest -k 'test_gluon_fused_dropout_route and d{d}' ; {kw}"
+    gold = reference_grads(q, k, v, do, torch.float64, **kw)
+    base = reference_grads(q, k, v, do, torch.float16, **kw)
+    for name, g, gd, gb in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), gold, base):
+        assert_error_within(g.cpu(), gd, gb, msg=f"{name}. {msg}")
+
+
 D64_GEOMS = [  # (h_q, h_kv, s_q, s_kv, mode, layout, dtype)
     (12, 12, 1024, 1024, "none", "bshd", "float16"),   # the ANCHORS d=64 shape's heads and length (b 2)
     (12, 12, 1024, 1024, "top_left", "bshd", "float16"),
@@ -221,7 +299,9 @@ def test_gluon_fused_supports():
           mk(1, 1, 64, 128, dt=torch.float16), causal=True, causal_alignment="bottom_right")
     check(False, "window", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), window=(8, 0))
     check(False, "ALiBi", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), alibi=True)
-    check(False, "dropout", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), dropout_p=0.1)
+    check(False, "dropout at d=128 (DROPOUT_DIMS)", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128),
+          dropout_p=0.1)
+    check(True, "dropout at d=64", mk(1, 2, 64, 64), mk(1, 2, 64, 64), mk(1, 2, 64, 64), dropout_p=0.1)
     check(False, "padding", mk(2, 2, 64, 128), mk(2, 2, 64, 128), mk(2, 2, 64, 128),
           seq_len_q=torch.tensor([30, 64], device="cuda", dtype=torch.int32))
     check(False, "bias", mk(1, 2, 64, 128), mk(1, 2, 64, 128), mk(1, 2, 64, 128), attn_bias=mk(1, 2, 64, 64))

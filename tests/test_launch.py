@@ -1,5 +1,7 @@
 """Host-overhead shortcuts: the remembered validation of plain calls (problem.make_problem) and
 the direct launch of cached compiled kernels (backends/triton/launch.py)."""
+import inspect
+
 import pytest
 import torch
 
@@ -208,6 +210,18 @@ def test_gluon_signature_key_separates_what_the_jit_specializes_on():
     assert key(x, BLOCK2=64, STRIDE=0, SCALES=None) == key(x, BLOCK2=64, STRIDE=0, SCALES=None)
 
 
+def _fake_jit(monkeypatch, tl_launch, seen):
+    """A Launcher's surroundings with no GPU: the JIT records each launch's keywords into ``seen`` and returns a
+    cacheable stand-in; one device, stream 0, no capture."""
+    compiled = type("Compiled", (), {"packed_metadata": None})()      # what the JIT returns: cacheable
+    monkeypatch.setattr(tl_launch, "jit_launch", lambda kernel, grid, *a, **kw: seen.append(kw) or compiled)
+    monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(tl_launch, "_current_raw_stream", lambda device: 0)
+    monkeypatch.setattr(tl_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(tl_launch.compat, "ensure_context", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
 def test_a_launch_with_tensors_by_keyword_passes_them_on_each_call(monkeypatch):
     """backends/triton/launch.py ``Launcher``: a launch whose keyword arguments hold tensors is cached like any
     other, and its cached launches pass each call's tensors, with every parameter before the last of them, after the
@@ -217,15 +231,10 @@ def test_a_launch_with_tensors_by_keyword_passes_them_on_each_call(monkeypatch):
     from types import SimpleNamespace
     from fusedattn.backends.triton import launch as tl_launch
     seen, launched = [], []
-    compiled = type("Compiled", (), {"packed_metadata": None})()      # what the JIT returns: cacheable
-    monkeypatch.setattr(tl_launch, "jit_launch", lambda kernel, grid, *a, **kw: seen.append(kw) or compiled)
-    monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(tl_launch, "_current_raw_stream", lambda device: 0)
-    monkeypatch.setattr(tl_launch, "interpreting", lambda: False)
-    monkeypatch.setattr(tl_launch.compat, "ensure_context", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    params = [SimpleNamespace(name=n, default=d) for n, d in
-              (("X", None), ("BLOCK", 16), ("SCALES", None), ("STRIDE", 0), ("AMAX", None), ("FLAG", False))]
+    _fake_jit(monkeypatch, tl_launch, seen)
+    params = [SimpleNamespace(name=n, default=d, is_constexpr=c) for n, d, c in
+              (("X", inspect.Parameter.empty, False), ("BLOCK", 16, True), ("SCALES", None, False), ("STRIDE", 0, False),
+               ("AMAX", None, False), ("FLAG", False, True))]
     kernel = type("K", (), {"arg_names": [p.name for p in params], "params": params})()
 
     def direct(compiled, tail, args):
@@ -245,6 +254,39 @@ def test_a_launch_with_tensors_by_keyword_passes_them_on_each_call(monkeypatch):
     assert len(seen) == 1 and launcher.direct_launches == 2, "the repeat launches skip the JIT"
     del buf, kw, seen[:], launched[:]
     assert ref() is None, "the cache kept a call's keyword tensor alive"
+
+
+def test_a_runtime_number_by_keyword_is_passed_on_each_call(monkeypatch):
+    """backends/triton/launch.py ``Launcher``: a number given by keyword for a runtime parameter with a default
+    (``Launcher.runtime_names``: the fused backward's dropout seed and offset, bwd_fused_sm90 [Note] dropout) is
+    keyed by its value class, as a positional integer, and passed on each call: a new seed per training step
+    reuses the cached launch (one JIT launch) and launches with that step's seed, never a kept one; a value of
+    another class (== 1) is a new key; a constexpr keyword stays keyed by its value."""
+    from types import SimpleNamespace
+    from fusedattn.backends.triton import launch as tl_launch
+    seen, launched = [], []
+    _fake_jit(monkeypatch, tl_launch, seen)
+    params = [SimpleNamespace(name=n, default=d, is_constexpr=c) for n, d, c in
+              (("X", inspect.Parameter.empty, False), ("STAGES", 2, True), ("SEED", 0, False), ("RESCALE", 1.0, False),
+               ("DROPOUT", False, True))]
+    kernel = type("K", (), {"arg_names": [p.name for p in params], "params": params})()
+    launcher = tl_launch.Launcher(kernel, direct=lambda compiled, tail, args: (
+        lambda gx, gy, gz, stream, call: launched.append((call, tail))))
+    assert launcher.runtime_names == {"SEED", "RESCALE"}
+
+    def run(**kw):
+        launcher(tl_launch.signature_key((x,), kw, runtime_names=launcher.runtime_names), (1,), x, **kw)
+    x = torch.zeros(2)
+    for seed in (1234, 98765, 2 ** 20 + 3, 5):
+        run(STAGES=3, SEED=seed, RESCALE=1 / 0.9, DROPOUT=True)
+        if seed != 1234:
+            call, tail = launched[-1]
+            assert call == (x, 3, seed, 1 / 0.9), call      # this call's seed, the constexpr in its place
+            assert tail == (True,), tail
+    assert len(seen) == 1, "a new seed went through the JIT"
+    run(STAGES=3, SEED=1, RESCALE=1 / 0.9, DROPOUT=True)      # the JIT specializes 1: a new key
+    run(STAGES=2, SEED=7, RESCALE=1 / 0.9, DROPOUT=True)      # a constexpr by its value: a new key
+    assert len(seen) == 3
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -2,7 +2,7 @@
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
                                       [flat|swizzled] [p16|p32] [dqfirst|dqlast]
-                                      [defer|nodefer] [atomic|tma] [rotate] [d64] [m128]
+                                      [defer|nodefer] [atomic|tma] [rotate] [d64] [m128] [dropout]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag,
              ... 0 fp16 - d64 (head dim 64; default 128), ... 0 fp16 - d64 m128 (128-row query tiles)
     python tools/gluon_fused_check.py survey    # spills of the builds the anchors launch (below)
@@ -30,11 +30,12 @@ from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
 def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, reverse=None, flat=None, p16_ds=None,
                   lag=None, dq_first=None, defer_dk=None, dq_atomic=None, d=128, block_m=None, fp8_grad=None,
-                  fp8_mma=False, **over):
+                  fp8_mma=False, dropout=False, **over):
     """The fused backward for sm_90 as the JIT specializes it. fp8_grad: the FP8 switch (``FP8_EMU``, module
     [Note] FP8) with gradients of this Triton type name ("fp8e4nv", "bf16", "fp32", ...): the 16-bit operands are
     then fp16, and P_E5M2 / DS_E5M2 may come in ``over``. fp8_mma (with fp8_grad): its FP8 MMAs ([Note] FP8
-    MMAs): e4m3 q, k, v, dO and their transposed copies' descriptors."""
+    MMAs): e4m3 q, k, v, dO and their transposed copies' descriptors. dropout: the DROPOUT switch (module
+    [Note] dropout), its seed and offset as the JIT types small integers (i32)."""
     import torch
     if fp8_grad is not None:
         dtype = "fp8e4nv" if fp8_mma else "fp16"
@@ -76,6 +77,11 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
         const.update(SCALES=None, AMAX=None, DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None,
                      stride_dvb=0, stride_dvh=0, stride_dvm=0, FP8_EMU=False, P_E5M2=False, DS_E5M2=False,
                      QT_DESC=None, DOT_DESC=None, KT_DESC=None)
+    if dropout:
+        sig.update(DROP_SEED="i32", DROP_OFFSET="i32", DROP_THRESHOLD="i32", DROP_RESCALE="fp32")
+        const.update(DROPOUT=True)
+    else:
+        const.update(DROP_SEED=0, DROP_OFFSET=0, DROP_THRESHOLD=0, DROP_RESCALE=1.0, DROPOUT=False)
     const.update(over)
     for k in const:
         sig[k] = "constexpr"
@@ -124,7 +130,7 @@ def main():
                       defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,
                       dq_atomic=True if "atomic" in flags else False if "tma" in flags else None,
                       d=64 if "d64" in flags else 128, block_m=128 if "m128" in flags else None,
-                      **({"ROTATE": True} if "rotate" in flags else {}))
+                      dropout="dropout" in flags, **({"ROTATE": True} if "rotate" in flags else {}))
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

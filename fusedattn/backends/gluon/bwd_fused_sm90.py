@@ -128,6 +128,16 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
 * Host (``out=``): delta and the dq_acc zeroing in one kernel (``_delta_zero``) instead of the delta pass
   and torch's zero_: the same bytes, one launch fewer; measured even (runs 1-3, -1..+2%, within noise).
 
+[Note] dropout (``DROPOUT``, at head dims ``DROPOUT_DIMS``): each warpgroup makes the keep bits of its S^T tile
+([64 keys, 64 rows] of one query head: ``dropout.keep`` on the transposed tile, the forward's mask, one Philox call
+per 2 rows x 4 keys, the counter base of the (batch, query head)) right after P^T, and folds them into P^T's sign
+at once (kept P, or -P; the dK/dV pass's form, bwd_dkdv_sm90 [Note] dropout), so no mask stays live. dV +=
+max(P, 0)^T dO (1 / (1 - p) applied once in the epilogue); dS = max(P, 0) dP / (1 - p) - |P| delta, with delta =
+rowsum(dO * O) of the dropped output, as FlashAttention's; dK and dQ take that dS. Mask made once per (key, query)
+tile pair here, where the two passes make it twice. H100 (``DROPOUT_DIMS``' comment): 1.51x the Triton pair at
+d=64; at d=128 0.88-0.95x the two Gluon passes, whose consumers have room for the Philox words: here they meet dK,
+dV, S^T and dP^T in 240 registers and spill (~100 local accesses per step against 22 without dropout, Triton 3.6).
+
 [Note] FP8 (``FP8_EMU``; ``launch_bwd_fused_fp8``, routed by ``fusedattn.fp8._backward_gluon`` where
 ``plan.FP8_BWD_GLUON`` is on): cuDNN's ``sdpa_fp8_backward`` with the rounding points of ``fusedattn.fp8``'s
 emulation, its products as fp16 wgmmas on the FP8 values (every e4m3 / e5m2 value is exact in fp16; the host
@@ -212,6 +222,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..compat import TRITON_VERSION, tma_reduce_add, tma_store
 from ..triton.bwd import fp8_grad_out
+from . import dropout
 from .bwd_dkdv_sm90 import _dkdv_producer, _pt_tile, _q_tiles
 from .bwd_dq_sm90 import _bwd_problem_ok, _chunk, _fp8_grad_write, _fp8_round16, _heavy_first
 from .fwd_sm90 import (LOG2E, _geometry, _is_sm90, _pack_p8, _smem_layout, _to_fp8, _tma, _tma_ready,
@@ -248,6 +259,12 @@ ROTATE = {False: False, True: False}     # causal -> rotate
 # loop over the group's heads around the runs (docstring, "Switches": Segments); by Triton release, as their
 # register allocation differs (bench/NOTES.md 64)
 SEGMENTS = TRITON_VERSION >= (3, 9)
+# head dims at which dropout takes this kernel (module docstring, [Note] dropout): measured on the H100 against the
+# two-pass route, whole backward with p = 0.1 (bench/fused_dropout_ab.py, Triton 3.6.0, TFLOP/s): d=64 b8 h12 2k
+# 277 against the Triton pair's 183; d=128 232 / 264 (2k causal), 297 / 314 (8k), 281 / 317 (16k causal), 273 / 305
+# (GQA 4k causal) against the two Gluon passes: at d=128 the Philox words beside dK, dV, S^T and dP^T spill (~100
+# local accesses per step, none at d=64)
+DROPOUT_DIMS = (64,)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 
@@ -345,7 +362,7 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
                 keys, band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr,
                 DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, fp8=None, kmax=None,
-                FP8_EMU: gl.constexpr = False):
+                FP8_EMU: gl.constexpr = False, DROPOUT: gl.constexpr = False, drop_args=0):
     """One query tile (rows [t * 64, +64) of one head) in warpgroup WG: dV += P^T dO, dK += dS^T Q, and
     this warpgroup's 64 columns of dQ_i = dS_i K reduced into the fp32 accumulator; under LAG (warpgroup 1,
     ``LAG``) those of the previous tile instead (prev_head, prev_row; prev_row = S_Q before the first).
@@ -357,6 +374,9 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     FP8_EMU ([Note] FP8): fp8 = (lse shift, dP factor, delta factor, P's type is e5m2, dS's type is e5m2); P
     comes out scaled by scale_s and rounded to FP8 for dV, dS scaled by scale_dP and rounded to FP8 for dK and
     dQ, and kmax [64 keys] keeps max |dS * scale_dP| over the rows so far.
+    DROPOUT ([Note] dropout): drop_args = (seed, offset, threshold, 1 / (1 - p), H_Q, S_Q, S_KV, the warpgroup's
+    first key); the keep bits of this (keys, rows) tile are the forward's (``dropout.keep`` on the transposed
+    tile), dV takes the kept P and dS = P (dP * keep / (1 - p) - delta).
     Returns dk, dv, ds_keep, the (head, row) whose dQ the next LAG step reduces, and kmax."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     WG_N: gl.constexpr = k_smem.shape[3]
@@ -397,6 +417,13 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok, ))
     p = _pt_tile(s, qk_scale, lse2, t, keys, band, 0.0, MASKED, False, HAS_RIGHT, False)
+    if DROPOUT:
+        # the keep bits of keys [n0 + 64 WG, +64) x rows [t * 64, +64) of this query head: the forward's mask
+        # (``dropout.keep`` on the transposed tile; the counter base is the (batch, query head)'s), folded into
+        # P's sign at once (P >= 0: kept P, or -P dropped; -0.0 keeps its sign), so no mask stays live
+        seed, offset, threshold, rescale, h_q, s_q, s_kv, key0 = drop_args
+        drop = dropout.state(seed, offset, batch * h_q + head, s_q, s_kv, threshold, rescale)
+        p = gl.where(dropout.keep(drop, key0, t * BLOCK_M, s_layout, BLOCK_M, False), p, -p)
     if FP8_MMA:
         # P8 as the register operand, its query rows in dO^T's row order (fwd_sm90 ``_pack_p8``, ``key_order``)
         p16 = _fp8_operand(p, P8_E5M2, a_layout)
@@ -405,6 +432,8 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     else:
         if FP8_EMU:
             pb = _fp8_round16(p, fp8[3])       # P8 = fp8(P * scale_s), exact in fp16
+        elif DROPOUT:
+            pb = gl.maximum(p, 0.0).to(dtype)      # the kept P; dV's 1 / (1 - p) once in the epilogue
         else:
             pb = p.to(dtype)
         p16 = gl.convert_layout(pb, a_layout)
@@ -424,6 +453,9 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
             ds = x
         else:
             ds = _fp8_round16(x, fp8[4])       # dS8 = fp8(dS * scale_dP), exact in fp16
+    elif DROPOUT:
+        # dS = P (dP keep / (1 - p) - delta) from the signed P (the dK/dV pass's form, bwd_dkdv_sm90 _dp_dk_step)
+        ds = (gl.maximum(p, 0.0) * (dp * drop_args[3]) - gl.abs(p) * delta[None, :]).to(dtype)
     else:
         ds = (p * (dp - delta[None, :])).to(dtype)
     if DEFER_DK:
@@ -509,7 +541,8 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr,
                DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr = False,
-               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1, fp8=None, kmax=None, FP8_EMU: gl.constexpr = False):
+               rot=0, SEGMENTS: gl.constexpr = False, GROUP=1, fp8=None, kmax=None, FP8_EMU: gl.constexpr = False,
+               DROPOUT: gl.constexpr = False, drop_args=0):
     """Query tiles [lo, hi) of one head, ascending (or descending under REVERSE); ROTATE: starting ``rot``
     tiles into that order and wrapping around (the producer's order, ``_dkdv_producer``). SEGMENTS: the same
     tiles of GROUP heads, head after head, in one loop (head and dq_out: the first head's; "Switches":
@@ -537,7 +570,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                 it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, (dq_desc, dq_first + g * head_elems, S_Q), dk, dv,
                 ds_keep, zero_s, zero_q, keys, band, qk_scale, batch, head + g, prev_head, prev_row, MASKED, HAS_RIGHT,
-                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC, fp8, kmax, FP8_EMU)
+                STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
             it += 1
             i += 1
             if i == n:
@@ -555,7 +588,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                 it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band,
                 qk_scale, batch, head, prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                DQ_ATOMIC, fp8, kmax, FP8_EMU)
+                DQ_ATOMIC, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
             it += 1
     return it, dk, dv, ds_keep, prev_head, prev_row, kmax
 
@@ -566,7 +599,7 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
           keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
           P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr, DQ_FIRST: gl.constexpr,
           DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr, ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, GROUP,
-          fp8=None, kmax=None, FP8_EMU: gl.constexpr = False):
+          fp8=None, kmax=None, FP8_EMU: gl.constexpr = False, DROPOUT: gl.constexpr = False, drop_args=0):
     """The CTA's query tiles of one head (or under SEGMENTS of GROUP heads from ``head`` on): masked [lo0, hi0),
     mask-free [t_a, t_b), masked [lo2, hi2): the band's left edge first, or with REVERSE the last query tile
     first (module docstring, "Switches": Order)."""
@@ -580,18 +613,18 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
             lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
     it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
         t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
         q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
         band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
+        DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
     if REVERSE:
         it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
             lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
     return it, dk, dv, ds_keep, prev_head, prev_row, kmax
 
 
@@ -602,10 +635,12 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, REVERSE: gl.constexpr, P16_DS: gl.constexpr,
                     LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                     ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, fp8_io=None, FP8_EMU: gl.constexpr = False,
-                    P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False):
+                    P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False, DROPOUT: gl.constexpr = False,
+                    drop_io=0):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
     (LAG: each one a tile late, the last one after the loop). FP8_EMU ([Note] FP8): fp8_io = (SCALES, AMAX,
-    dK's output, dV's output, S_KV); P's and dS's FP8 types e5m2 where P_E5M2 / DS_E5M2, else e4m3."""
+    dK's output, dV's output, S_KV); P's and dS's FP8 types e5m2 where P_E5M2 / DS_E5M2, else e4m3.
+    DROPOUT ([Note] dropout): drop_io = (seed, offset, threshold, 1 / (1 - p), S_KV)."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -625,6 +660,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     gl.static_assert(DQ_FIRST or not DEFER_DK, "DEFER_DK needs DQ_FIRST (dK the last group in flight)")
     gl.static_assert(not (LAG and DEFER_DK), "DEFER_DK releases dS buffers a step late, LAG reads them late")
     gl.static_assert(not (LAG and DQ_ATOMIC), "DQ_ATOMIC addresses the current head's rows only")
+    gl.static_assert(not (DROPOUT and (FP8_EMU or P16_DS)), "dropout: the 16-bit kernel, dS from the fp32 P")
     zero_s = gl.zeros([WG_N, BLOCK_M], gl.float32, s_layout)
     zero_q = gl.zeros([BLOCK_M, DQ_N], gl.float32, q_layout)
     dk = gl.zeros([WG_N, HEAD_D], gl.float32, acc_layout)
@@ -661,6 +697,9 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                    t_smem[1], t_smem[2])
         else:
             fp8 = (gl.log2(scale_s), d_do * d_v * ds_unit, d_do * d_o * ds_unit, P_E5M2, DS_E5M2)
+    drop_args = 0
+    if DROPOUT:
+        drop_args = (drop_io[0], drop_io[1], drop_io[2], drop_io[3], H_Q, S_Q, drop_io[4], n0 + WG * WG_N)
     t_lo, t_a, t_b, t_hi = tiles
     it = 0
     prev_head = kv_head * GROUP
@@ -675,7 +714,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
             t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
             dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
             keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP, fp8, kmax, STEP_EMU)
+            DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP, fp8, kmax, STEP_EMU, DROPOUT, drop_args)
     else:
         for g in range(GROUP):
             head = kv_head * GROUP + g
@@ -684,7 +723,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                 t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
                 dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
                 keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
-                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1, fp8, kmax, STEP_EMU)
+                DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1, fp8, kmax, STEP_EMU, DROPOUT, drop_args)
     if DEFER_DK:
         # the last step's dK (its Q/dO slot and dS buffer are not released: nothing is loaded or stored
         # into them again)
@@ -715,6 +754,8 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         tma.store_wait(0)       # the last dQ reduce has read its staging tile before the CTA exits
     else:
         # dV through this warpgroup's V tile (only it reads V_WG); TMA clips keys >= S_KV
+        if DROPOUT:
+            dv = dv * drop_io[3]      # the kept P's 1 / (1 - p), left out of the steps
         v_view.store(dv.to(dtype))
         fence_async_shared()
         tma_store(dv_desc, [batch, kv_head, n0 + WG * WG_N, 0], v_smem.index(WG))
@@ -736,7 +777,8 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                          PRODUCER_REGS: gl.constexpr, SEGMENTS: gl.constexpr = False, SCALES=None, AMAX=None,
                          DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None, stride_dvb=0,
                          stride_dvh=0, stride_dvm=0, FP8_EMU: gl.constexpr = False, P_E5M2: gl.constexpr = False,
-                         DS_E5M2: gl.constexpr = False, QT_DESC=None, DOT_DESC=None, KT_DESC=None):
+                         DS_E5M2: gl.constexpr = False, QT_DESC=None, DOT_DESC=None, KT_DESC=None, DROP_SEED=0,
+                         DROP_OFFSET=0, DROP_THRESHOLD=0, DROP_RESCALE=1.0, DROPOUT: gl.constexpr = False):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -817,17 +859,20 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
     else:
         # stand-ins of the same structure (warp_specialize takes typed values only), never read
         fp8_io = (DELTA, DELTA, (DELTA, S_KV, S_KV, S_KV), (DELTA, S_KV, S_KV, S_KV), S_KV)
+    drop_io = 0
+    if DROPOUT:
+        drop_io = (DROP_SEED, DROP_OFFSET, DROP_THRESHOLD, DROP_RESCALE, S_KV)
     gl.warp_specialize([
         (_fused_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, DROPOUT, drop_io)),
         (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, DROPOUT, drop_io)),
         # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
@@ -911,8 +956,8 @@ def _dq_box(flat, d=128):
 
 def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
     """True when this kernel computes the whole backward of ``p`` on these tensors: sm_90, fp16/bf16,
-    d = d_v in ``HEAD_DIMS``, no mask or causal (either alignment); no windows, ALiBi, padding, bias, dropout,
-    softcap (``bwd_dq_sm90._bwd_problem_ok`` minus windows, ALiBi, padding and dropout); TMA-ready q,
+    d = d_v in ``HEAD_DIMS``, no mask or causal (either alignment), dropout at ``DROPOUT_DIMS``; no windows, ALiBi,
+    padding, bias, softcap (``bwd_dq_sm90._bwd_problem_ok`` minus windows, ALiBi and padding); TMA-ready q,
     k, v, grad_out, dk, dv; dq any strides with unit last stride."""
     if not (_problem_ok(p) and isinstance(q, torch.Tensor) and q.is_cuda and _is_sm90(q.device.index)):
         return False
@@ -926,7 +971,9 @@ def supports(p, q, k, v, grad_out, dq, dk, dv) -> bool:
 def _problem_ok(p) -> bool:
     if p.alibi is not None or not (p.band is None or (p.band.left is None and p.band.right == 0)):
         return False
-    if p.has_seq_len_q or p.has_seq_len_kv or p.has_dropout:      # no per-sequence lengths, no dropout here
+    if p.has_seq_len_q or p.has_seq_len_kv:      # no per-sequence lengths here
+        return False
+    if p.has_dropout and p.d not in DROPOUT_DIMS:
         return False
     return _bwd_problem_ok(p, HEAD_DIMS) and p.d in HEAD_DIMS and p.b * p.h_q * p.s_q < 2 ** 31
 
@@ -1009,6 +1056,11 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
             qt, dot, kt = fp8_t
             fp8_kw.update(FP8_EMU=2, QT_DESC=_t_desc(qt, BLOCK_M), DOT_DESC=_t_desc(dot, BLOCK_M),
                           KT_DESC=_t_desc(kt, WG_N))
+    if p.has_dropout:
+        # passed only with dropout, so the other launches keep their keys (the shipped stores')
+        seed, offset, threshold, rescale = dropout.kernel_args(p)
+        fp8_kw.update(DROP_SEED=seed, DROP_OFFSET=offset, DROP_THRESHOLD=threshold, DROP_RESCALE=rescale,
+                      DROPOUT=True)
     # through launch.launch (a repeat signature skips the JIT; each descriptor encoded once per tensor), the FP8
     # switches' tensors and descriptors by keyword too (passed on each call, not kept: triton/launch.Launcher)
     launch(_attn_bwd_fused_sm90, grid,
@@ -1060,7 +1112,7 @@ def supports_fp8(p, q8, k8, v8, o, do8, dq, dk, dv) -> bool:
     p16 = dataclasses.replace(p, dtype=torch.float16)       # the kernel's 16-bit MMAs on the FP8 values
     if not (isinstance(q8, torch.Tensor) and q8.is_cuda and _is_sm90(q8.device.index) and _problem_ok(p16)):
         return False
-    if not (fp8.is_fp8(q8) and k8.dtype == q8.dtype and v8.dtype == q8.dtype and fp8.is_fp8(do8)):
+    if p.has_dropout or not (fp8.is_fp8(q8) and k8.dtype == q8.dtype and v8.dtype == q8.dtype and fp8.is_fp8(do8)):
         return False
     return all(t.stride(-1) == 1 for t in (q8, k8, v8, o, do8, dq, dk, dv))
 

@@ -48,11 +48,12 @@ class Tma(NamedTuple):
                                 self.padding)
 
 
-def signature_key(args, kwargs) -> tuple:
-    """The cache key of one launch (``triton.launch.signature_key``), a :class:`Tma` keyed by its dtype, box
-    and layout (the layout by identity: layouts are built once and kept, ``fwd_sm90._smem_layout``, and a
-    frozen dataclass's hash rebuilds a tuple of its fields on every call)."""
-    return _signature_key(args, kwargs, Tma, _tma_key)
+def signature_key(args, kwargs, runtime_names=frozenset()) -> tuple:
+    """The cache key of one launch (``triton.launch.signature_key``; runtime_names: the kernel's
+    ``Launcher.runtime_names``), a :class:`Tma` keyed by its dtype, box and layout (the layout by identity:
+    layouts are built once and kept, ``fwd_sm90._smem_layout``, and a frozen dataclass's hash rebuilds a tuple
+    of its fields on every call)."""
+    return _signature_key(args, kwargs, Tma, _tma_key, runtime_names)
 
 
 def _tma_key(a: Tma) -> tuple:
@@ -78,4 +79,4 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = Launcher(kernel, jit_arg=_jit_arg, direct=_direct, runtime_kinds=(Tma,))
-    launcher(signature_key(args, kwargs), grid, *args, **kwargs)
+    launcher(signature_key(args, kwargs, launcher.runtime_names), grid, *args, **kwargs)

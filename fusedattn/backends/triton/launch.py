@@ -29,6 +29,7 @@ kernel with a compile in flight waits for it instead of compiling it a second ti
 """
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -194,15 +195,17 @@ def _int_key(a: int) -> tuple:
     return k
 
 
-def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
+def signature_key(args, kwargs, other_kind=None, other_key=None, runtime_names=frozenset()) -> tuple:
     """A :class:`Launcher` key for one launch: what the JIT specializes on for each positional argument
     (a tensor's dtype and 16-byte alignment, an integer's value class: == 1, divisible by 16, width; a
     bool's value; a float as a float) and the keyword ones by name: a tensor or a descriptor (``other_kind``)
     as a positional one (the FP8 switches' scales, amaxes, gradient buffers and transposed copies: runtime
     values passed by keyword, new on every call, which :class:`Launcher` passes through instead of keeping),
-    any other value itself (constexprs and launch options; the call site fixes their order). other_kind /
-    other_key: one more argument type and its key (Gluon's TMA descriptors). One pass with the common types
-    first: this runs on every launch."""
+    a number given for one of ``runtime_names`` (the kernel's runtime parameters with a default,
+    ``Launcher.runtime_names``: a dropout seed, a stride) by its value class as a positional one, any other
+    value itself (constexprs and launch options; the call site fixes their order). other_kind / other_key: one
+    more argument type and its key (Gluon's TMA descriptors). One pass with the common types first: this runs
+    on every launch."""
     key = []
     add = key.append
     known = _INT_KEYS.get
@@ -221,22 +224,28 @@ def signature_key(args, kwargs, other_kind=None, other_key=None) -> tuple:
         else:
             raise TypeError(f"fusedattn: unexpected kernel argument type {kind}")
     named = tuple(kwargs.items())
-    for _, value in named:
+    for name, value in named:
         kind = type(value)
-        if kind is _Tensor or (kind is other_kind and kind is not None):
-            named = tuple((name, _runtime_key(value, other_kind, other_key)) for name, value in named)
+        if kind is _Tensor or (kind is other_kind and kind is not None) or (runtime_names and name in runtime_names):
+            named = tuple((name, _runtime_key(value, other_kind, other_key, name in runtime_names))
+                          for name, value in named)
             break
     return tuple(key), named
 
 
-def _runtime_key(value, other_kind, other_key):
+def _runtime_key(value, other_kind, other_key, runtime=False):
     """A keyword argument's part of the key: a tensor or a descriptor by what the JIT specializes on (its
-    value is passed on each call, ``Launcher._promoted``), anything else by its value."""
+    value is passed on each call, ``Launcher._promoted``), a number for a runtime parameter (``runtime``) by
+    its value class as a positional one (passed on each call too), anything else by its value."""
     kind = type(value)
     if kind is _Tensor:
         return _Tensor, value.dtype, value.data_ptr() % 16 == 0
     if kind is other_kind and kind is not None:
         return other_kind, other_key(value)
+    if runtime and kind is int:
+        return int, _INT_KEYS.get(value) or _int_key(value)
+    if runtime and kind is float:
+        return float
     return value
 
 
@@ -260,6 +269,11 @@ class Launcher:
         ``Tma``), passed through on each call rather than kept."""
         self.kernel = kernel
         self.runtime_kinds = tuple(runtime_kinds)
+        # runtime (not constexpr) parameters with a default, which call sites may pass by keyword (the fused
+        # backward's FP8 buffers and strides, its dropout seed): numbers given for them are runtime values too
+        # (none under the interpreter, whose kernels have no parameter list and never take the cached path)
+        self.runtime_names = frozenset(p.name for p in getattr(kernel, "params", ())
+                                       if not p.is_constexpr and p.default is not inspect.Parameter.empty)
         self.jit_arg = jit_arg
         self.direct = direct
         self.names = kernel.arg_names
@@ -310,9 +324,10 @@ class Launcher:
 
     def _promoted(self, kwargs, n_args: int) -> tuple:
         """((name, default), ...) of the parameters after the ``n_args`` positional ones up to the last one
-        ``kwargs`` gives a runtime value (a tensor, or one of ``runtime_kinds``: Gluon's descriptors), in
-        signature order; () where there is none."""
-        runtime = {name for name, value in kwargs.items() if type(value) is _Tensor or type(value) in self.runtime_kinds}
+        ``kwargs`` gives a runtime value (a tensor, one of ``runtime_kinds``: Gluon's descriptors, or any value
+        for one of ``runtime_names``), in signature order; () where there is none."""
+        runtime = {name for name, value in kwargs.items()
+                   if type(value) is _Tensor or type(value) in self.runtime_kinds or name in self.runtime_names}
         if not runtime:
             return ()
         params = self.kernel.params[n_args:]
