@@ -5,10 +5,12 @@ bench/NOTES.md 79).
 
 For each config, one process, the same inputs: ``fusedattn.attention_backward`` (the functional backward: delta,
 the kernels, the dQ conversion) with dropout p routed to the single pass ("fused": ``_FUSED_CAUSAL_MIN_KEYS`` 0,
-so every causal call takes it) or to the two Gluon passes ("two-pass": ``bwd_fused_sm90.supports`` refused),
-and the same call with no dropout on the single pass ("no dropout"). Rounds interleave the three; the median of
-do_bench medians is printed. TFLOP/s = 2.5 x 4 b h s^2 d / time, halved when causal. The two dropout routes'
-gradients are compared (max |difference| over max |gradient|): they apply the same mask.
+so every causal call takes it, and ``DROPOUT_DIMS`` every head dim; the numbers quoted in bench/NOTES.md 79 were
+taken before that switch existed, when the kernel took dropout at both) or to the two Gluon passes ("two-pass":
+``bwd_fused_sm90.supports`` refused), and the same call with no dropout on the single pass ("no dropout"). Rounds
+interleave the three; the median of do_bench medians is printed. TFLOP/s = 2.5 x 4 b h s^2 d / time, halved when
+causal. The two dropout routes' gradients are compared (max |difference| over max |gradient|): they apply the same
+mask.
 """
 import argparse
 
@@ -38,6 +40,7 @@ def main():
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     real_supports = bwd_fused_sm90.supports
     real_min = functional._FUSED_CAUSAL_MIN_KEYS
+    real_dims = bwd_fused_sm90.DROPOUT_DIMS
     for b, h_q, h_kv, s, d, causal in CONFIGS:
         g = torch.Generator(device=dev).manual_seed(0)
         dt = torch.bfloat16 if d == 128 else torch.float16
@@ -56,11 +59,15 @@ def main():
             def fn():
                 bwd_fused_sm90.supports = real_supports if fused else (lambda *a, **k: False)
                 functional._FUSED_CAUSAL_MIN_KEYS = 0
+                bwd_fused_sm90.DROPOUT_DIMS = bwd_fused_sm90.HEAD_DIMS       # every head dim the kernel has
+                bwd_fused_sm90._problem_ok.cache_clear()
                 try:
                     return call(kw, name)
                 finally:
                     bwd_fused_sm90.supports = real_supports
                     functional._FUSED_CAUSAL_MIN_KEYS = real_min
+                    bwd_fused_sm90.DROPOUT_DIMS = real_dims
+                    bwd_fused_sm90._problem_ok.cache_clear()
             return fn
 
         variants = {"fused": routed(True, drop, "dropout"), "two-pass": routed(False, drop, "dropout"),

@@ -233,8 +233,8 @@ def test_a_launch_with_tensors_by_keyword_passes_them_on_each_call(monkeypatch):
     seen, launched = [], []
     _fake_jit(monkeypatch, tl_launch, seen)
     params = [SimpleNamespace(name=n, default=d, is_constexpr=c) for n, d, c in
-              (("X", inspect.Parameter.empty, False), ("BLOCK", 16, True), ("SCALES", None, False), ("STRIDE", 0, False),
-               ("AMAX", None, False), ("FLAG", False, True))]
+              (("X", inspect.Parameter.empty, False), ("BLOCK", 16, True), ("SCALES", None, False),
+               ("STRIDE", 0, False), ("AMAX", None, False), ("FLAG", False, True))]
     kernel = type("K", (), {"arg_names": [p.name for p in params], "params": params})()
 
     def direct(compiled, tail, args):
