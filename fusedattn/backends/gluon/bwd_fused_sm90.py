@@ -1031,7 +1031,8 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch). fp8 ([Note] FP8): (scales, amax, P's type is e5m2,
     dS's type is e5m2); q, k, v, grad_out then hold the FP8 values in fp16, dk / dv are the gradients in their own
     type (any strides, unit last), and dq_acc receives the raw sums dS8 K8. fp8_t ([Note] FP8 MMAs): (Q^T, dO^T,
-    K^T) as ``fp8_transposes`` makes them; q, k, v, grad_out are then the FP8 tensors themselves."""
+    K^T) as ``fp8_transposes`` makes them; q, k, v, grad_out are then the FP8 tensors themselves. A problem with
+    dropout runs the DROPOUT switch ([Note] dropout) with its seed and offset."""
     band = p.band
     causal = band is not None
     stages = stages or STAGES[causal]
@@ -1045,21 +1046,22 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     # the TMA reduce clips at s_q (LAG's reduce at row s_q before the first tile is dropped whole)
     dq_desc = Tma(dq_acc, (p.b, p.h_q, p.s_q, p.d), dq_acc.stride(), (1, 1, BLOCK_M, box), layout)
     grid = (cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
-    fp8_kw = {}
+    switch_kw = {}
     if fp8 is not None:
         scales, amax, p_e5m2, ds_e5m2 = fp8
-        fp8_kw = dict(SCALES=scales, AMAX=amax, DK_OUT=dk, stride_dkb=dk.stride(0), stride_dkh=dk.stride(1),
+        switch_kw = dict(SCALES=scales, AMAX=amax, DK_OUT=dk, stride_dkb=dk.stride(0), stride_dkh=dk.stride(1),
                       stride_dkm=dk.stride(2), DV_OUT=dv, stride_dvb=dv.stride(0), stride_dvh=dv.stride(1),
                       stride_dvm=dv.stride(2), FP8_EMU=True, P_E5M2=bool(p_e5m2), DS_E5M2=bool(ds_e5m2))
         dk, dv = k, v        # the descriptors' stand-ins: the FP8 epilogue stores from registers
         if fp8_t is not None:
             qt, dot, kt = fp8_t
-            fp8_kw.update(FP8_EMU=2, QT_DESC=_t_desc(qt, BLOCK_M), DOT_DESC=_t_desc(dot, BLOCK_M),
+            switch_kw.update(FP8_EMU=2, QT_DESC=_t_desc(qt, BLOCK_M), DOT_DESC=_t_desc(dot, BLOCK_M),
                           KT_DESC=_t_desc(kt, WG_N))
     if p.has_dropout:
-        # passed only with dropout, so the other launches keep their keys (the shipped stores')
+        # passed only with dropout, so the other launches keep their keys (the shipped stores'); the numbers go
+        # over on each call (triton/launch.Launcher.runtime_names): a new seed per step reuses the cached launch
         seed, offset, threshold, rescale = dropout.kernel_args(p)
-        fp8_kw.update(DROP_SEED=seed, DROP_OFFSET=offset, DROP_THRESHOLD=threshold, DROP_RESCALE=rescale,
+        switch_kw.update(DROP_SEED=seed, DROP_OFFSET=offset, DROP_THRESHOLD=threshold, DROP_RESCALE=rescale,
                       DROPOUT=True)
     # through launch.launch (a repeat signature skips the JIT; each descriptor encoded once per tensor), the FP8
     # switches' tensors and descriptors by keyword too (passed on each call, not kept: triton/launch.Launcher)
@@ -1077,7 +1079,7 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
         # one head per group: the same order either way, and the per-head loop folds away (group 1 is a constant);
         # by default under a causal mask only (docstring, "Switches": Segments)
         SEGMENTS=bool(SEGMENTS and causal if segments is None else segments) and p.group > 1, num_warps=4,
-        **fp8_kw,
+        **switch_kw,
     )
 
 
