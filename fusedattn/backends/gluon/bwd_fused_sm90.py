@@ -1050,19 +1050,19 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     if fp8 is not None:
         scales, amax, p_e5m2, ds_e5m2 = fp8
         switch_kw = dict(SCALES=scales, AMAX=amax, DK_OUT=dk, stride_dkb=dk.stride(0), stride_dkh=dk.stride(1),
-                      stride_dkm=dk.stride(2), DV_OUT=dv, stride_dvb=dv.stride(0), stride_dvh=dv.stride(1),
-                      stride_dvm=dv.stride(2), FP8_EMU=True, P_E5M2=bool(p_e5m2), DS_E5M2=bool(ds_e5m2))
+                         stride_dkm=dk.stride(2), DV_OUT=dv, stride_dvb=dv.stride(0), stride_dvh=dv.stride(1),
+                         stride_dvm=dv.stride(2), FP8_EMU=True, P_E5M2=bool(p_e5m2), DS_E5M2=bool(ds_e5m2))
         dk, dv = k, v        # the descriptors' stand-ins: the FP8 epilogue stores from registers
         if fp8_t is not None:
             qt, dot, kt = fp8_t
             switch_kw.update(FP8_EMU=2, QT_DESC=_t_desc(qt, BLOCK_M), DOT_DESC=_t_desc(dot, BLOCK_M),
-                          KT_DESC=_t_desc(kt, WG_N))
+                             KT_DESC=_t_desc(kt, WG_N))
     if p.has_dropout:
         # passed only with dropout, so the other launches keep their keys (the shipped stores'); the numbers go
         # over on each call (triton/launch.Launcher.runtime_names): a new seed per step reuses the cached launch
         seed, offset, threshold, rescale = dropout.kernel_args(p)
         switch_kw.update(DROP_SEED=seed, DROP_OFFSET=offset, DROP_THRESHOLD=threshold, DROP_RESCALE=rescale,
-                      DROPOUT=True)
+                         DROPOUT=True)
     # through launch.launch (a repeat signature skips the JIT; each descriptor encoded once per tensor), the FP8
     # switches' tensors and descriptors by keyword too (passed on each call, not kept: triton/launch.Launcher)
     launch(_attn_bwd_fused_sm90, grid,
