@@ -1,4 +1,4 @@
-"""Lab probe (issue 25 item 3): one paged-prefill forward per cache, for Nsight Compute.
+"""Lab probe (issue 25 item 3): one paged-prefill forward per cache (and per load-warp variant), for Nsight Compute.
 
 On Triton 3.9 the persistent Gluon forward over pages of 16 reads 0.91 of the contiguous cache (bench/NOTES.md
 65), on 3.6 0.97: the load warp's loop and the consumers' loops are the same instructions on both releases
@@ -8,7 +8,8 @@ bottom-right), each cache once under ``cudaProfilerStart``/``Stop`` (ncu ``--pro
 two warm-up calls, with an NVTX range named after it:
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
-        --section SourceCounters ... python3 bench/profile_paged.py [--pages 0,16,64] [--varlen]
+        --section SourceCounters ... python3 bench/profile_paged.py [--pages 0,16,64] [--varlen] [--v-warp 0,1]
+    ncu --import R.ncu-rep --page raw --csv > raw.csv; python3 bench/profile_paged.py --cycles raw.csv [same args]
 
 ``run_device.sh ncu-paged`` runs it (the report, details and per-instruction source counters in
 $OUT/ncu-paged/); with a Triton pack carried, once per release (``TRITON_PACK``) compares 3.6 against 3.9.
@@ -16,6 +17,12 @@ What to read: per kernel, the duration and tensor-pipe share; in the SASS source
 the load warp's barrier waits (``SYNCS.PHASECHK``: the ring is full, the consumers are behind) against the
 consumers' waits on ``k_ready`` / ``v_ready`` (the copies are behind), and of the copies' own issue
 (``UTMALDG``), per release.
+
+--v-warp 0,1 profiles each paged cache once per value of ``fwd_sm90.PAGED_V_WARP`` (V's copies from a second load
+warp, on by default before Triton 3.9; bench/NOTES.md 64-66 timed it both ways with do_bench and read rows that
+move 5-15% between calls). ``run_device.sh ncu-paged-ab`` profiles with SpeedOfLight alone and prints, with
+--cycles, each kernel's elapsed cycles (``gpc__cycles_elapsed.max``, repeatable to ~0.1%, bench/NOTES.md 78)
+and its ratio to the contiguous cache's: the measure that settles the load-warp choice per release.
 """
 import argparse
 from dataclasses import replace
@@ -24,33 +31,73 @@ import torch
 import triton
 
 from fusedattn import bench
+from fusedattn.backends.gluon import fwd_sm90
+
+
+def _runs(args):
+    """(label, config, V_WARP or None) in profiling order: the contiguous cache first, then each paged cache
+    (and its packed queries with --varlen) once per --v-warp value."""
+    base = [c for c in bench.prefill_configs() if c.mask != "varlen" and c.page_block == 0][0]
+    cfgs = [replace(base, page_block=int(p)) for p in args.pages.split(",")]
+    if args.varlen:
+        cfgs += [replace(c, mask="varlen") for c in cfgs if c.page_block]
+    warps = [None] if args.v_warp is None else [bool(int(w)) for w in args.v_warp.split(",")]
+    runs = []
+    for cfg in cfgs:
+        for w in ([None] if cfg.page_block == 0 else warps):
+            label = f"{'varlen ' if cfg.mask == 'varlen' else ''}pages {cfg.page_block or '-'}" \
+                + ("" if w is None else f" v_warp={int(w)}")
+            runs.append((label, cfg, w))
+    return runs
+
+
+def cycles(path, labels) -> None:
+    """Each profiled forward's elapsed cycles from ncu's raw page, in profiling order, and its ratio of the
+    first's (the contiguous cache's: >1 means slower than contiguous)."""
+    import csv
+    rows = list(csv.reader(open(path)))
+    head = rows[0]
+    col = {k: head.index(k) for k in ("Kernel Name", "gpc__cycles_elapsed.max")}
+    kernels = [r for r in rows[2:] if r[col["Kernel Name"]].startswith("_attn_fwd_sm90")]
+    if len(kernels) != len(labels):
+        raise SystemExit(f"{len(kernels)} forward kernels in {path}, {len(labels)} runs expected")
+    first = None
+    for label, r in zip(labels, kernels):
+        cyc = float(r[col["gpc__cycles_elapsed.max"]].replace(",", ""))
+        first = first or cyc
+        print(f"{label:26s} {cyc / 1e6:8.4f} M cycles  contiguous / this {first / cyc:.3f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", default="0,16,64", help="page sizes (0: the contiguous cache)")
     ap.add_argument("--varlen", action="store_true", help="also the packed (varlen) queries over each paged cache")
+    ap.add_argument("--v-warp", default=None, help="comma list of PAGED_V_WARP values to profile (0,1); default: as shipped")
+    ap.add_argument("--cycles", metavar="RAW_CSV", help="print the elapsed cycles of a profile made with the same args")
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
-    base = [c for c in bench.prefill_configs() if c.mask != "varlen" and c.page_block == 0][0]
-    cfgs = [replace(base, page_block=int(p)) for p in args.pages.split(",")]
-    if args.varlen:
-        cfgs += [replace(c, mask="varlen") for c in cfgs if c.page_block]
-    for cfg in cfgs:
+    runs = _runs(args)
+    if args.cycles:
+        return cycles(args.cycles, [label for label, _, _ in runs])
+    print(torch.cuda.get_device_name(), "triton", triton.__version__, "PAGED_V_WARP", fwd_sm90.PAGED_V_WARP,
+          flush=True)
+    shipped = fwd_sm90.PAGED_V_WARP
+    for label, cfg, v_warp in runs:
+        fwd_sm90.PAGED_V_WARP = shipped if v_warp is None else v_warp
         inp = bench.make_inputs(cfg, "cuda")
         call = bench.prepare_ours(cfg, False)(inp).fwd     # the bench's own call for the config
         for _ in range(2):      # the first call loads the shipped kernel (or compiles it)
             call()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-        torch.cuda.nvtx.range_push(cfg.name)
+        torch.cuda.nvtx.range_push(label)
         call()
         torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled: {cfg.name}", flush=True)
+        print(f"profiled: {label}", flush=True)
         del inp, call
         torch.cuda.empty_cache()
+    fwd_sm90.PAGED_V_WARP = shipped
 
 
 if __name__ == "__main__":

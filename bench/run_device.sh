@@ -31,6 +31,9 @@
 #   ncu-paged      Nsight Compute on one paged-prefill forward per cache (bench/profile_paged.py; NCU_PAGED_ARGS, e.g.
 #                  "--pages 0,16 --varlen"): $OUT/ncu-paged-$TRITON_PACK/ (report, details, raw, per-SASS-line source
 #                  counters): run once per Triton (TRITON_PACK=native, then 3.9.0) to compare the releases (issue 25)
+#   ncu-paged-ab   the same forwards under Nsight Compute, SpeedOfLight only, the paged caches with the V warp off and on
+#                  (NCU_PAGED_AB_ARGS, default "--pages 0,16,32,64 --varlen --v-warp 0,1"): elapsed cycles per run and
+#                  its ratio to the contiguous cache's, $OUT/ncu-paged-ab-$TRITON_PACK/ (issue 25)
 #   route-probe    bench/prefill_route_probe.py: the packed prefill's route, GPU and host time per call (issue 25)
 #   fp8-host       bench/fp8_bwd_host_probe.py --cprofile: the FP8 backward's host time per call beside its GPU time,
 #                  timed as bench and as the A/B script time it (issue 27, bench/NOTES.md 72)
@@ -311,6 +314,14 @@ for part in "${PARTS[@]}"; do
                            ncu --import "$ncu_dir/paged.ncu-rep" --page source --csv --print-source sass > "$ncu_dir/source.csv" 2>&1
                            grep -E "^  [_a-zA-Z].*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Issue Slots Busy|No Eligible" \
                                "$ncu_dir/details.txt" | tee -a "$LOG"
+                       fi ;;
+        ncu-paged-ab)  ncu_dir="$OUT/ncu-paged-ab-${TRITON_PACK:-default}"; mkdir -p "$ncu_dir"
+                       ab_args=${NCU_PAGED_AB_ARGS:---pages 0,16,32,64 --varlen --v-warp 0,1}
+                       run_part ncu-paged-ab ncu --profile-from-start off --clock-control none --kernel-name regex:_attn_fwd_sm90 \
+                           --section SpeedOfLight -f -o "$ncu_dir/ab" python3 bench/profile_paged.py $ab_args
+                       if [ -f "$ncu_dir/ab.ncu-rep" ]; then
+                           ncu --import "$ncu_dir/ab.ncu-rep" --page raw --csv > "$ncu_dir/raw.csv" 2>&1
+                           python3 bench/profile_paged.py --cycles "$ncu_dir/raw.csv" $ab_args 2>&1 | tee -a "$LOG"
                        fi ;;
         route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
         fp8-host)      run_part fp8-host python3 bench/fp8_bwd_host_probe.py --cprofile ;;
