@@ -1,6 +1,8 @@
 """A/B of the Gluon sm_90 forward: this tree's ``fwd_sm90`` against a baseline copy, same inputs, one run.
 
     python3 bench/fwd_ab.py [--baseline MODULE] [--configs NAME,...] [--rep MS] [--rounds N]
+    ncu --profile-from-start off --kernel-name regex:_attn_fwd_sm90 -o R python3 bench/fwd_ab.py --profile [same args]
+    ncu --import R.ncu-rep --page raw --csv > raw.csv; python3 bench/fwd_ab.py --cycles raw.csv [same args]
 
 MODULE: a file fusedattn/backends/gluon/MODULE.py holding another version of fwd_sm90 (e.g. the
 previous commit's: ``git show HEAD~1:fusedattn/backends/gluon/fwd_sm90.py > .../fwd_base.py``);
@@ -10,7 +12,8 @@ as TFLOP/s over the unmasked work (causal: half; window (left, 0): the band; pad
 batch of each sequence's own work). Also printed: max |new - base| of the output and LSE, our
 Triton forward on the same call, and for the small d=64 configs the CUDA-graph replay time of the
 new kernel (launch cost out), to tell a host-bound row from a slow kernel. Variants per config
-(``VARIANTS``): "tile" forces the one-tile grid, "pers" the persistent one.
+(``VARIANTS``): "tile" forces the one-tile grid, "pers" the persistent one. --profile / --cycles: one call
+of each Gluon build under Nsight Compute instead, and its elapsed cycles (``run_device.sh ncu-fwd-ab``).
 """
 import argparse
 import importlib
@@ -53,13 +56,40 @@ def work(cfg) -> float:
     return 4.0 * hq * d * sum(_band_pairs(n, n, causal, window) for n in (lens or [s] * b))
 
 
+def _labels(args):
+    """(config, call) in the order --profile runs them: per config base then new, each per variant."""
+    tags = ("base", "new") if args.baseline else ("new",)
+    return [(name, f"{tag}{'-' + vname if vname else ''}") for name in args.configs.split(",") for tag in tags
+            for vname in VARIANTS.get(name, {"": {}})]
+
+
+def cycles(path, labels) -> None:
+    """Each profiled forward's elapsed cycles (ncu's ``gpc__cycles_elapsed.max``, repeatable to ~0.1% where
+    timings move by several percent, bench/NOTES.md 78) and new's ratio of base's (> 1: new is faster)."""
+    import csv
+    rows = list(csv.reader(open(path)))
+    col = {k: rows[0].index(k) for k in ("Kernel Name", "gpc__cycles_elapsed.max")}
+    kernels = [r for r in rows[2:] if r[col["Kernel Name"]].startswith("_attn_fwd_sm90")]
+    if len(kernels) != len(labels):
+        raise SystemExit(f"{len(kernels)} forward kernels in {path}, {len(labels)} calls expected")
+    cyc = {lab: float(r[col["gpc__cycles_elapsed.max"]].replace(",", "")) for lab, r in zip(labels, kernels)}
+    for (name, key), c in cyc.items():
+        base = cyc.get((name, "base" + key[3:])) if key.startswith("new") else None
+        print(f"{name:20s} {key:10s} {c / 1e6:8.4f} M cycles" + (f"  base / new {base / c:.4f}" if base else ""))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default="")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="no timing: each Gluon call once between cudaProfilerStart / Stop, for ncu")
+    ap.add_argument("--cycles", metavar="RAW_CSV", help="print the elapsed cycles of a --profile run's ncu raw page")
     args = ap.parse_args()
+    if args.cycles:
+        return cycles(args.cycles, _labels(args))
     base = importlib.import_module(f"fusedattn.backends.gluon.{args.baseline}") if args.baseline else None
     print(f"{torch.cuda.get_device_name()}: Gluon forward, this tree (new) vs {args.baseline or 'nothing'} (base), "
           f"TFLOP/s of unmasked work, median over {args.rounds} rounds", flush=True)
@@ -88,6 +118,15 @@ def main():
                             mod.launch_fwd_sm90(p, q, k, v, out, lse, **opts, **vkw))
                 fns[key]()
                 outs[key] = (out, lse)
+        if args.profile:
+            for key, fn in fns.items():
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStart()
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
+            print(f"profiled: {name}: {', '.join(fns)}", flush=True)
+            continue
         tri_out, tri_lse = torch.empty_like(q), torch.empty((b, hq, s), device="cuda", dtype=torch.float32)
         fns["triton"] = lambda: launch_fwd(p, plan(p, "triton").fwd, q, k, v, tri_out, tri_lse, extras)
         fns["triton"]()

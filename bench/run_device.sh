@@ -18,6 +18,7 @@
 #   fwd-ab         bench/fwd_ab.py: the Gluon forward against fusedattn/backends/gluon/fwd_base.py where
 #                  present (the command puts the commit to compare against there), else alone
 #                  (FWD_AB_ARGS: extra arguments, e.g. "--configs window-b2-s8k-d128")
+#   ncu-fwd-ab     the same builds under Nsight Compute, one call each: elapsed cycles and base / new (FWD_AB_ARGS)
 #   ncu-fused      Nsight Compute on the single-pass backward at 16k causal (bench/profile_fused.py)
 #   ncu-bwd        Nsight Compute on ONE backward of each d=64 / d=128 anchor of issue 28, ours and FA4's (where
 #                  flash_attn.cute imports: carry .whl), bench/profile_bwd.py; the report in $OUT/ncu-bwd/ (bwd.ncu-rep,
@@ -264,6 +265,14 @@ for part in "${PARTS[@]}"; do
         fwd-ab)        if [ -f fusedattn/backends/gluon/fwd_base.py ]; then
                            run_part fwd-ab python3 bench/fwd_ab.py --baseline fwd_base ${FWD_AB_ARGS:-}
                        else run_part fwd-ab python3 bench/fwd_ab.py ${FWD_AB_ARGS:-}; fi ;;
+        ncu-fwd-ab)    mkdir -p "$OUT/ncu-fwd-ab"; base_arg=""
+                       [ -f fusedattn/backends/gluon/fwd_base.py ] && base_arg="--baseline fwd_base"
+                       run_part ncu-fwd-ab ncu --profile-from-start off --clock-control none --kernel-name regex:_attn_fwd_sm90 \
+                           --section SpeedOfLight -f -o "$OUT/ncu-fwd-ab/ab" python3 bench/fwd_ab.py --profile $base_arg ${FWD_AB_ARGS:-}
+                       if [ -f "$OUT/ncu-fwd-ab/ab.ncu-rep" ]; then
+                           ncu --import "$OUT/ncu-fwd-ab/ab.ncu-rep" --page raw --csv > "$OUT/ncu-fwd-ab/raw.csv" 2>&1
+                           python3 bench/fwd_ab.py --cycles "$OUT/ncu-fwd-ab/raw.csv" $base_arg ${FWD_AB_ARGS:-} 2>&1 | tee -a "$LOG"
+                       fi ;;
         ncu-fused)     run_part ncu-fused ncu --clock-control none --kernel-name regex:_attn_bwd_fused --launch-skip 1 \
                            --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
                            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \

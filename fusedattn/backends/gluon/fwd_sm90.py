@@ -343,6 +343,12 @@ PRODUCER_REGS = 24    # the load warp
 # Triton 3.8: on 3.9 one load warp read +2.4..+3.7% at pages of 16 and +3.2..+3.4% at 64 (two A/B rounds in
 # one process, H100; bench/NOTES.md 64), while on 3.6 the second warp gains 1-3% there
 PAGED_V_WARP = TRITON_VERSION < (3, 9)
+# the load warp's order over a contiguous cache (``_kv_ring_loads_at``'s K_AHEAD: K of tile j before V of tile
+# j - 1, the consumers' order, as over pages) for head dims above this one. Nsight Compute's elapsed cycles, H100
+# (bench/fwd_ab.py, run_device.sh ncu-fwd-ab; bench/NOTES.md 80), K ahead / K and V together, Triton 3.6.0 | 3.9.0:
+# d224 (b32 h32 2k) 1.084 | 1.121 and d256 (b4 h16 4k causal) 1.056 | 1.039 faster; at d128 mixed: 2k causal 1.033 |
+# 1.028 faster, 8k 0.997 | 0.994, 16k causal 0.993 | 1.001, GQA 4k causal 0.982 | 0.998; d64 1.001 | 0.999
+K_AHEAD_ABOVE_D = gl.constexpr(128)
 
 
 @gluon.jit
@@ -416,6 +422,7 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
     PAGE > 0: K/V come from pages of PAGE keys (``_kv_ring_loads_paged_at``; pages: its tables). Q's rows
     are read at [q_batch, head, q_off + start_m], K / V's at [kv_batch, kv_head, k_off + key] (``_packed_origin``)."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    K_AHEAD: gl.constexpr = k_desc.block_type.shape[3] > K_AHEAD_ABOVE_D
     load_q = True
     if PADDED:
         load_q = n_tiles > 0
@@ -430,7 +437,7 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_ba
                                 t_lo, n_tiles, 0, pages, PAGE, BLOCK_N, STAGES)
     else:
         _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_batch, kv_head, t_lo,
-                          n_tiles, 0, BLOCK_N, STAGES, k_off)
+                          n_tiles, 0, BLOCK_N, STAGES, k_off, K_AHEAD)
 
 
 @gluon.jit
@@ -1391,28 +1398,56 @@ def _take_tile(slot, ready, phase):
 
 @gluon.jit
 def _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head, t_lo,
-                      n_tiles, ring0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, key0=0):
+                      n_tiles, ring0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, key0=0,
+                      K_AHEAD: gl.constexpr = False):
     """The producers' K/V stream: K and V of key tile t_lo + j into ring slot (ring0 + j) % STAGES once
     the consumers freed it, K and V on separate ready/empty barriers. ring0: the tiles that went
     through the ring before (0 for a one-tile grid; the persistent grid's count so far). key0: the
-    sequence's first row in the K / V views (packed keys, ``_packed_origin``)."""
-    for j in range(n_tiles):
-        it = ring0 + j
-        slot = it % STAGES
-        # the slot's empty barrier completes once per reuse; its first use waits on the parity
-        # of the phase before the barrier's first one, which counts as complete (no wait)
-        phase = ((it // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, kv_head, key0 + (t_lo + j) * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        if _is_fp8(v_desc.dtype):
-            # FP8: V is stored transposed, [b, h_kv, d, s_kv] ([Note] FP8): the tile is [HEAD_D, BLOCK_N]
-            tma_load(v_desc, [batch, kv_head, 0, (t_lo + j) * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
-        else:
-            tma_load(v_desc, [batch, kv_head, key0 + (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
-                     v_smem.index(slot))
+    sequence's first row in the K / V views (packed keys, ``_packed_origin``). K_AHEAD (the forward): step
+    j loads K of tile j, then V of tile j - 1, the order the forward's consumers use them in (QK^T of tile
+    j before PV of tile j - 1), so K's slot wait does not queue behind V's, which frees later (after a PV
+    rather than a QK^T); the dQ pass uses K and V of one tile together."""
+    if K_AHEAD:
+        for j in range(n_tiles + 1):
+            if j < n_tiles:
+                _k_tile_load(k_desc, k_smem, k_ready, k_empty, batch, kv_head, t_lo, j, ring0, key0, BLOCK_N, STAGES)
+            if j > 0:
+                _v_tile_load(v_desc, v_smem, v_ready, v_empty, batch, kv_head, t_lo, j - 1, ring0, key0, BLOCK_N,
+                             STAGES)
+    else:
+        for j in range(n_tiles):
+            _k_tile_load(k_desc, k_smem, k_ready, k_empty, batch, kv_head, t_lo, j, ring0, key0, BLOCK_N, STAGES)
+            _v_tile_load(v_desc, v_smem, v_ready, v_empty, batch, kv_head, t_lo, j, ring0, key0, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _k_tile_load(k_desc, k_smem, k_ready, k_empty, batch, kv_head, t_lo, j, ring0, key0, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """K of key tile t_lo + j into ring slot (ring0 + j) % STAGES once the consumers freed it
+    (``_kv_ring_loads_at``). The slot's empty barrier completes once per reuse; its first use waits on the
+    parity of the phase before the barrier's first one, which counts as complete (no wait)."""
+    it = ring0 + j
+    slot = it % STAGES
+    mbarrier.wait(k_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+    tma_load(k_desc, [batch, kv_head, key0 + (t_lo + j) * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+
+
+@gluon.jit
+def _v_tile_load(v_desc, v_smem, v_ready, v_empty, batch, kv_head, t_lo, j, ring0, key0, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """V of key tile t_lo + j into ring slot (ring0 + j) % STAGES once the consumers freed it
+    (``_kv_ring_loads_at``)."""
+    it = ring0 + j
+    slot = it % STAGES
+    mbarrier.wait(v_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+    if _is_fp8(v_desc.dtype):
+        # FP8: V is stored transposed, [b, h_kv, d, s_kv] ([Note] FP8): the tile is [HEAD_D, BLOCK_N]
+        tma_load(v_desc, [batch, kv_head, 0, (t_lo + j) * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+    else:
+        tma_load(v_desc, [batch, kv_head, key0 + (t_lo + j) * BLOCK_N, 0], v_ready.index(slot),
+                 v_smem.index(slot))
 
 
 @gluon.jit
@@ -1559,6 +1594,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
     without data), then stream its K/V tiles through the ring, whose count continues across
     work tiles. After the last tile it posts a number >= total, which ends the consumers."""
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
+    K_AHEAD: gl.constexpr = k_desc.block_type.shape[3] > K_AHEAD_ABOVE_D
     BLOCK_M: gl.constexpr = 2 * WG_M
     total = N_M * N_BH
     tile = gl.program_id(0)
@@ -1588,7 +1624,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
                                     kv_head, t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES, True, not V_WARP)
         else:
             _kv_ring_loads_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, kv_batch, kv_head,
-                              t_lo, n_tiles, ring, BLOCK_N, STAGES, k_off)
+                              t_lo, n_tiles, ring, BLOCK_N, STAGES, k_off, K_AHEAD)
         ring += n_tiles
         i += 1
         tile = _next_tile(tile, COUNTER, total, DYNAMIC)
