@@ -14,6 +14,10 @@ Triton forward on the same call, and for the small d=64 configs the CUDA-graph r
 new kernel (launch cost out), to tell a host-bound row from a slow kernel. Variants per config
 (``VARIANTS``): "tile" forces the one-tile grid, "pers" the persistent one. --profile / --cycles: one call
 of each Gluon build under Nsight Compute instead, and its elapsed cycles (``run_device.sh ncu-fwd-ab``).
+
+Measured with --profile / --cycles (session 40, H100, bench/NOTES.md 80): the load warp's K-ahead order against
+K and V together, base / new on Triton 3.6.0 | 3.9.0: d224 1.084 | 1.121, d256 causal 1.056 | 1.039, d128 2k causal
+1.033 | 1.028, 8k 0.997 | 0.994, 16k causal 0.993 | 1.001, GQA 4k causal 0.982 | 0.998, d64 1.001 | 0.999.
 """
 import argparse
 import importlib

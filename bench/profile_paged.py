@@ -23,6 +23,10 @@ warp, on by default before Triton 3.9; bench/NOTES.md 64-66 timed it both ways w
 move 5-15% between calls). ``run_device.sh ncu-paged-ab`` profiles with SpeedOfLight alone and prints, with
 --cycles, each kernel's elapsed cycles (``gpc__cycles_elapsed.max``, repeatable to ~0.1%, bench/NOTES.md 78)
 and its ratio to the contiguous cache's: the measure that settles the load-warp choice per release.
+
+Measured (session 40, H100, bench/NOTES.md 80), contiguous / this cache, one load warp | the V warp: Triton 3.6.0
+pages of 16 0.936 | 0.962, 64 0.976 | 0.989; Triton 3.9.0 pages of 16 0.884 | 0.860, 64 0.919 | 0.881 (contiguous
+0.675 M cycles on 3.6.0, 0.700 M on 3.9.0). So each release's shipped ``PAGED_V_WARP`` is its faster choice.
 """
 import argparse
 from dataclasses import replace
