@@ -35,8 +35,9 @@
 #   ncu-paged-ab   the same forwards under Nsight Compute, SpeedOfLight only, the paged caches with the V warp off and on
 #                  (NCU_PAGED_AB_ARGS, default "--pages 0,16,32,64 --varlen --v-warp 0,1"): elapsed cycles per run and
 #                  its ratio to the contiguous cache's, $OUT/ncu-paged-ab-$TRITON_PACK/ (issue 25)
-#   ptxas-ab       (with TRITON_PACK=3.9.0) the paged prefill and three anchors' forwards under Nsight Compute, compiled by
-#                  Triton 3.9's own sm_90 ptxas (CUDA 13) and by a CUDA 12 one: elapsed cycles of each (bench/NOTES.md 80)
+#   ptxas-ab       (with TRITON_PACK=3.9.0) the paged prefill, three anchors' forwards and two single-pass backwards under
+#                  Nsight Compute, compiled by Triton 3.9's own sm_90 ptxas (CUDA 13) and by a CUDA 12 one: elapsed cycles
+#                  of each (bench/NOTES.md 80; ~4-5 min with the compiles)
 #   route-probe    bench/prefill_route_probe.py: the packed prefill's route, GPU and host time per call (issue 25)
 #   fp8-host       bench/fp8_bwd_host_probe.py --cprofile: the FP8 backward's host time per call beside its GPU time,
 #                  timed as bench and as the A/B script time it (issue 27, bench/NOTES.md 72)
@@ -355,7 +356,14 @@ for part in "${PARTS[@]}"; do
                                  python3 bench/fwd_ab.py --profile ${PTXAS_AB_FWD:---configs b2-s8k-d128,b4-s2k-d128-c,b8-s1k-d64-fp16}
                              ncu --import "$OUT/ptxas-$tag/fwd.ncu-rep" --page raw --csv > "$OUT/ptxas-$tag/fwd.csv" 2>&1
                              python3 bench/fwd_ab.py --cycles "$OUT/ptxas-$tag/fwd.csv" \
-                                 ${PTXAS_AB_FWD:---configs b2-s8k-d128,b4-s2k-d128-c,b8-s1k-d64-fp16} 2>&1 | sed "s/^/$tag: /" | tee -a "$LOG" )
+                                 ${PTXAS_AB_FWD:---configs b2-s8k-d128,b4-s2k-d128-c,b8-s1k-d64-fp16} 2>&1 | sed "s/^/$tag: /" | tee -a "$LOG"
+                             # the single-pass backward (static: no gain from the CUDA 12 ptxas there)
+                             run_part "ptxas-ab-$tag-bwd" ncu --profile-from-start off --clock-control none \
+                                 --kernel-name regex:_attn_bwd_fused --section SpeedOfLight -f -o "$OUT/ptxas-$tag/bwd" \
+                                 python3 bench/fused_ab.py --profile --configs 8k,2kc --variants default
+                             ncu --import "$OUT/ptxas-$tag/bwd.ncu-rep" --page raw --csv > "$OUT/ptxas-$tag/bwd.csv" 2>&1
+                             python3 bench/fused_ab.py --cycles "$OUT/ptxas-$tag/bwd.csv" --configs 8k,2kc --variants default \
+                                 2>&1 | sed "s/^/$tag: /" | tee -a "$LOG" )
                        done ;;
         route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
         fp8-host)      run_part fp8-host python3 bench/fp8_bwd_host_probe.py --cprofile ;;
