@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fusedattn.backends.gluon import bwd_fused_sm90 as F  # noqa: E402
 from fusedattn.bench import do_bench_cold  # noqa: E402
 from gluon_fused_sweep import _inputs  # noqa: E402  (this folder is on sys.path when run as a script)
+from ncu_raw import CYCLES, TENSOR, kernel_metrics  # noqa: E402
 
 CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal)
     "8k": (2, 16, 16, 8192, 128, False),
@@ -71,21 +72,11 @@ def graph_timer(fn, replays=20):
 
 def cycles(path, configs, names):
     """Print the profiled kernels' elapsed cycles from ncu's raw page, named config by config in --variants order."""
-    import csv
-    rows = list(csv.reader(open(path)))
-    head = rows[0]
-    col = {k: head.index(k) for k in ("Kernel Name", "gpc__cycles_elapsed.max",
-                                      "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active")}
-    kernels = [r for r in rows[2:] if r[col["Kernel Name"]].startswith("_attn_bwd_fused")]
     labels = [(c, n) for c in configs for n in names]
-    if len(kernels) != len(labels):
-        raise SystemExit(f"{len(kernels)} fused kernels in {path}, {len(labels)} (config, variant) pairs expected")
     first = {}
-    for (c, n), r in zip(labels, kernels):
-        cyc = float(r[col["gpc__cycles_elapsed.max"]].replace(",", ""))
+    for (c, n), (cyc, tensor) in zip(labels, kernel_metrics(path, "_attn_bwd_fused", len(labels), (CYCLES, TENSOR))):
         first.setdefault(c, cyc)
-        tensor = r[col["sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"]]
-        print(f"{c:7s} {n:15s} {cyc / 1e6:8.3f} M cycles  x{first[c] / cyc:.3f} of {names[0]}  tensor {tensor}%")
+        print(f"{c:7s} {n:15s} {cyc / 1e6:8.3f} M cycles  x{first[c] / cyc:.3f} of {names[0]}  tensor {tensor:g}%")
 
 
 def main():

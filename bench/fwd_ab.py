@@ -34,6 +34,7 @@ from fusedattn.backends.triton.fwd import launch_fwd  # noqa: E402
 from fusedattn.bench import _band_pairs  # noqa: E402
 from fusedattn.plan import plan  # noqa: E402
 from fusedattn.problem import make_problem  # noqa: E402
+from ncu_raw import kernel_metrics  # noqa: E402  (this folder is on sys.path when run as a script)
 
 CONFIGS = {  # name: (b, h_q, h_kv, s, d, dtype, make_problem keywords, lengths)
     "b4-s2k-d128-c": (4, 32, 32, 2048, 128, "bf16", dict(causal=True), None),
@@ -68,15 +69,8 @@ def _labels(args):
 
 
 def cycles(path, labels) -> None:
-    """Each profiled forward's elapsed cycles (ncu's ``gpc__cycles_elapsed.max``, repeatable to ~0.1% where
-    timings move by several percent, bench/NOTES.md 78) and new's ratio of base's (> 1: new is faster)."""
-    import csv
-    rows = list(csv.reader(open(path)))
-    col = {k: rows[0].index(k) for k in ("Kernel Name", "gpc__cycles_elapsed.max")}
-    kernels = [r for r in rows[2:] if r[col["Kernel Name"]].startswith("_attn_fwd_sm90")]
-    if len(kernels) != len(labels):
-        raise SystemExit(f"{len(kernels)} forward kernels in {path}, {len(labels)} calls expected")
-    cyc = {lab: float(r[col["gpc__cycles_elapsed.max"]].replace(",", "")) for lab, r in zip(labels, kernels)}
+    """Each profiled forward's elapsed cycles (``ncu_raw``) and new's ratio of base's (> 1: new is faster)."""
+    cyc = {lab: c for lab, (c, ) in zip(labels, kernel_metrics(path, "_attn_fwd_sm90", len(labels)))}
     for (name, key), c in cyc.items():
         base = cyc.get((name, "base" + key[3:])) if key.startswith("new") else None
         print(f"{name:20s} {key:10s} {c / 1e6:8.4f} M cycles" + (f"  base / new {base / c:.4f}" if base else ""))

@@ -36,6 +36,7 @@ import triton
 
 from fusedattn import bench
 from fusedattn.backends.gluon import fwd_sm90
+from ncu_raw import kernel_metrics  # this folder is on sys.path when run as a script
 
 
 def _runs(args):
@@ -56,18 +57,10 @@ def _runs(args):
 
 
 def cycles(path, labels) -> None:
-    """Each profiled forward's elapsed cycles from ncu's raw page, in profiling order, and its ratio of the
-    first's (the contiguous cache's: >1 means slower than contiguous)."""
-    import csv
-    rows = list(csv.reader(open(path)))
-    head = rows[0]
-    col = {k: head.index(k) for k in ("Kernel Name", "gpc__cycles_elapsed.max")}
-    kernels = [r for r in rows[2:] if r[col["Kernel Name"]].startswith("_attn_fwd_sm90")]
-    if len(kernels) != len(labels):
-        raise SystemExit(f"{len(kernels)} forward kernels in {path}, {len(labels)} runs expected")
+    """Each profiled forward's elapsed cycles (``ncu_raw``), in profiling order, and its ratio of the first's
+    (the contiguous cache's: >1 means slower than contiguous)."""
     first = None
-    for label, r in zip(labels, kernels):
-        cyc = float(r[col["gpc__cycles_elapsed.max"]].replace(",", ""))
+    for label, (cyc, ) in zip(labels, kernel_metrics(path, "_attn_fwd_sm90", len(labels))):
         first = first or cyc
         print(f"{label:26s} {cyc / 1e6:8.4f} M cycles  contiguous / this {first / cyc:.3f}")
 

@@ -35,9 +35,9 @@
 #   ncu-paged-ab   the same forwards under Nsight Compute, SpeedOfLight only, the paged caches with the V warp off and on
 #                  (NCU_PAGED_AB_ARGS, default "--pages 0,16,32,64 --varlen --v-warp 0,1"): elapsed cycles per run and
 #                  its ratio to the contiguous cache's, $OUT/ncu-paged-ab-$TRITON_PACK/ (issue 25)
-#   ptxas-ab       (with TRITON_PACK=3.9.0) the paged prefill, three anchors' forwards and two single-pass backwards under
-#                  Nsight Compute, compiled by Triton 3.9's own sm_90 ptxas (CUDA 13) and by a CUDA 12 one: elapsed cycles
-#                  of each (bench/NOTES.md 80; ~4-5 min with the compiles)
+#   ptxas-ab       (with TRITON_PACK=3.9.0) ncu-paged-ab, ncu-fwd-ab and ncu-fused-ab (the paged prefill, three anchors'
+#                  forwards, two single-pass backwards), once compiled by Triton 3.9's own sm_90 ptxas (CUDA 13), once by a
+#                  CUDA 12 one: elapsed cycles of each (bench/NOTES.md 80; ~4-5 min with the compiles)
 #   route-probe    bench/prefill_route_probe.py: the packed prefill's route, GPU and host time per call (issue 25)
 #   fp8-host       bench/fp8_bwd_host_probe.py --cprofile: the FP8 backward's host time per call beside its GPU time,
 #                  timed as bench and as the A/B script time it (issue 27, bench/NOTES.md 72)
@@ -337,33 +337,21 @@ for part in "${PARTS[@]}"; do
                        fi ;;
         ptxas-ab)      # Triton 3.9 assembles sm_90 with its CUDA 13 ptxas ("ptxas-blackwell"); the same PTX through a CUDA 12
                        # ptxas (here the machine's own Triton's, 12.8: the pack leaves 3.9's bin/ptxas out) drops the forward
-                       # loop's A-operand moves (bench/NOTES.md 80). Both compiled fresh (FUSEDATTN_PREBUILT=0), cycles each.
+                       # loop's A-operand moves (bench/NOTES.md 80). The ncu A/B parts once per assembler, every build
+                       # compiled fresh (FUSEDATTN_PREBUILT=0), each in its own $OUT/ptxas-TAG/.
                        legacy=$(find / -path "*site-packages/triton/backends/nvidia/bin/ptxas" -not -path "/tmp/*" 2>/dev/null | head -1)
                        say "legacy ptxas: ${legacy:-none} ($([ -n "$legacy" ] && "$legacy" --version | tail -1))"
                        for tag in default legacy; do
                            [ "$tag" = legacy ] && [ -z "$legacy" ] && continue
                            ( [ "$tag" = legacy ] && export TRITON_PTXAS_BLACKWELL_PATH=$legacy
                              export FUSEDATTN_PREBUILT=0 TRITON_CACHE_DIR=/tmp/triton-cache-ptxas-$tag
-                             mkdir -p "$OUT/ptxas-$tag"
-                             run_part "ptxas-ab-$tag-paged" ncu --profile-from-start off --clock-control none \
-                                 --kernel-name regex:_attn_fwd_sm90 --section SpeedOfLight -f -o "$OUT/ptxas-$tag/paged" \
-                                 python3 bench/profile_paged.py --pages 0,16,64 --varlen
-                             ncu --import "$OUT/ptxas-$tag/paged.ncu-rep" --page raw --csv > "$OUT/ptxas-$tag/paged.csv" 2>&1
-                             python3 bench/profile_paged.py --cycles "$OUT/ptxas-$tag/paged.csv" --pages 0,16,64 --varlen 2>&1 \
-                                 | sed "s/^/$tag: /" | tee -a "$LOG"
-                             run_part "ptxas-ab-$tag-fwd" ncu --profile-from-start off --clock-control none \
-                                 --kernel-name regex:_attn_fwd_sm90 --section SpeedOfLight -f -o "$OUT/ptxas-$tag/fwd" \
-                                 python3 bench/fwd_ab.py --profile ${PTXAS_AB_FWD:---configs b2-s8k-d128,b4-s2k-d128-c,b8-s1k-d64-fp16}
-                             ncu --import "$OUT/ptxas-$tag/fwd.ncu-rep" --page raw --csv > "$OUT/ptxas-$tag/fwd.csv" 2>&1
-                             python3 bench/fwd_ab.py --cycles "$OUT/ptxas-$tag/fwd.csv" \
-                                 ${PTXAS_AB_FWD:---configs b2-s8k-d128,b4-s2k-d128-c,b8-s1k-d64-fp16} 2>&1 | sed "s/^/$tag: /" | tee -a "$LOG"
-                             # the single-pass backward (static: no gain from the CUDA 12 ptxas there)
-                             run_part "ptxas-ab-$tag-bwd" ncu --profile-from-start off --clock-control none \
-                                 --kernel-name regex:_attn_bwd_fused --section SpeedOfLight -f -o "$OUT/ptxas-$tag/bwd" \
-                                 python3 bench/fused_ab.py --profile --configs 8k,2kc --variants default
-                             ncu --import "$OUT/ptxas-$tag/bwd.ncu-rep" --page raw --csv > "$OUT/ptxas-$tag/bwd.csv" 2>&1
-                             python3 bench/fused_ab.py --cycles "$OUT/ptxas-$tag/bwd.csv" --configs 8k,2kc --variants default \
-                                 2>&1 | sed "s/^/$tag: /" | tee -a "$LOG" )
+                             export NCU_PAGED_AB_ARGS="--pages 0,16,64 --varlen"
+                             export FWD_AB_ARGS=${PTXAS_AB_FWD:---configs b2-s8k-d128,b4-s2k-d128-c,b8-s1k-d64-fp16}
+                             export FUSED_AB_ARGS="--configs 8k,2kc --variants default"
+                             share=$(left); [ "$tag" = default ] && share=$(( share / 2 ))
+                             OUT="$OUT/ptxas-$tag" DEADLINE=$(( share - 5 )) \
+                                 bash "$0" ncu-paged-ab ncu-fwd-ab ncu-fused-ab 2>&1 | grep -E "cycles|rc=|skipped" \
+                                 | sed "s/^/$tag: /" | tee -a "$LOG" )
                        done ;;
         route-probe)   run_part route-probe python3 bench/prefill_route_probe.py ;;
         fp8-host)      run_part fp8-host python3 bench/fp8_bwd_host_probe.py --cprofile ;;
