@@ -86,7 +86,9 @@
 # Another Triton: carry .triton/triton-VERSION-slim.tar.xz (../shared/tools/pack-triton.sh VERSION .triton)
 # and every part runs on it (unpacked into /tmp, first on PYTHONPATH, with a cache of its own); set
 # TRITON_PACK=VERSION to choose among packs a warm machine still holds (TRITON_PACK=native: the machine's own). FUSEDATTN_TEST_SAMPLE=N with the
-# tests parts runs every N-th test of each file.
+# tests parts runs every N-th test of each file. The pack is on PYTHONPATH for this script's parts only: a
+# command after it in the same shell imports the machine's Triton (session 41 lost a test call that way), so
+# run chosen tests as a part: TEST_PATHS="tests/a.py tests/b.py" [TEST_K=...] bash bench/run_device.sh tests
 # Extra args after `--` go to every bench part (e.g. `-- --only b4-h32kv8 --pass fwd`).
 #
 # Wheels carried in .whl/ (bench/fetch_wheels.sh; name `.whl` in the call's carry) are
