@@ -63,6 +63,16 @@ packed pair twice (64 PRMT per thread and tile). ``_pack_p`` converts pairs with
 ``cvt.rn.bf16x2.f32`` (``f16x2``) into int32 registers that the loop carries; ``_unpack_p`` views
 them as the wgmma's A operand without instructions (SASS: 528 -> 464 per mask-free step,
 bench/NOTES.md 39).
+Triton 3.9 assembles sm_90 with CUDA 13's ptxas, which packs the new P while the PV wgmma still reads
+the old one, so into other registers, and then moves them into the A operand's before the next PV wgmma
+(21-26 IMAD.MOV per step; CUDA 12's ptxas, Triton 3.6-3.8, packs after the wait, in place). Carried as
+fp32 and packed right before its PV wgmma (``P_F32``, 32 more registers across the step), the moves go:
+496 -> 468 SASS per step at d128 on 3.9, the same loops on 3.6. It is on over pages on Triton 3.9+
+(``PAGED_P_F32``), where Nsight Compute's elapsed cycles (H100, bench/NOTES.md 81; the prefill of
+``bench --configs prefill``, 512 queries over 4096 keys, d128 causal) fell 6.9% at pages of 16, 4.2% at
+64, 3.0-3.7% for packed varlen queries. Over a contiguous cache the same switch measured 2.2-2.4% faster
+at 8k / 16k and 5% slower at 2k causal, 10% at d64 (spills under the causal mask, 16-56 bytes; d64: no
+spills, the packing no longer under the PV wgmma), so it stays off there.
 
 [Note] ALiBi by wgmma. The loop is issue-bound, so ALiBi's one add per score (the column term
 slope * c / scale) cost its forward 0.89 of the unmasked speed, the instruction ratio of the loops
@@ -349,6 +359,8 @@ PAGED_V_WARP = TRITON_VERSION < (3, 9)
 # d224 (b32 h32 2k) 1.084 | 1.121 and d256 (b4 h16 4k causal) 1.056 | 1.039 faster; at d128 mixed: 2k causal 1.033 |
 # 1.028 faster, 8k 0.997 | 0.994, 16k causal 0.993 | 1.001, GQA 4k causal 0.982 | 0.998; d64 1.001 | 0.999
 K_AHEAD_ABOVE_D = gl.constexpr(128)
+# over pages, Triton 3.9+: P crosses a step as fp32, packed at the next step's PV ([Note] packed P, its last paragraph)
+PAGED_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
 
 
 @gluon.jit
@@ -839,7 +851,7 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
               drop, WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
               DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PROMOTE: gl.constexpr = 32,
-              FP8_EMU: gl.constexpr = 0):
+              FP8_EMU: gl.constexpr = 0, P_F32: gl.constexpr = False):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
     overlapped with this tile's softmax.
 
@@ -852,7 +864,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     tiles that went through the ring before it), so that n0 = kv0 + j * BLOCK_N is still the
     tile's first key. turn0 + j - 1 counts the ping-pong steps taken before this one (turn0 = 0
     on the one-tile grid). DROPOUT: the PV product takes P with the dropped scores zeroed
-    (``_drop``); l keeps the sum of them all.
+    (``_drop``); l keeps the sum of them all. P_F32 (16-bit only): ``pk`` in and out is P itself, fp32, packed
+    here right before its PV wgmma ([Note] packed P).
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
@@ -876,6 +889,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     if not TILE_ACC:
         o = o * alpha_o[:, None]
     mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    if P_F32:
+        pk = _p_carry(pk, pv_dtype, o_layout, FP8_EMU)
     p = _p_operand(pk, pv_dtype, o_layout)
     if TILE_ACC:
         # FP8, PROMOTE = 0: tile j-1's P V in a fresh accumulator, added to O in fp32 after the wait
@@ -902,7 +917,9 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
         o = _pv_wait(o_tok, p)
     mbarrier.arrive(v_empty.index(prev))
     # 16-bit P packed in the registers of the PV wgmma's A operand, or FP8 P8 = fp8(p), p scaled already, there
-    return o, _p_carry(p_new, pv_dtype, o_layout, FP8_EMU), alpha, m_i, l_i
+    if not P_F32:
+        p_new = _p_carry(p_new, pv_dtype, o_layout, FP8_EMU)
+    return o, p_new, alpha, m_i, l_i
 
 
 @gluon.jit
@@ -972,7 +989,7 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 win_right, slope2, qk_scale, drop, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, scale_s=1.0,
-                PROMOTE: gl.constexpr = 32, FP8_EMU: gl.constexpr = 0):
+                PROMOTE: gl.constexpr = 32, FP8_EMU: gl.constexpr = 0, P_F32: gl.constexpr = False):
     """The online softmax of one consumer warpgroup's 64 query rows (``rows``, first ``row0``, Q in
     ``q_view`` [64, HEAD_D]) over key tiles [t_lo, t_hi) (``_kv_range``); key tile t_lo + j sits in
     ring slot (ring0 + j) % STAGES (ring0: the K/V tiles of earlier work tiles; 0 on the one-tile
@@ -1039,7 +1056,9 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                                            _fp8_semantics(dtype, FP8_EMU), p_shift)
         if DROPOUT:
             p = _drop(p, drop, row0, kv0)
-        pk = _p_carry(p, v_smem.dtype, o_layout, FP8_EMU)
+        # P as the loop carries it to the next step (P_F32: fp32 on 16-bit operands, [Note] packed P)
+        CARRY_F32: gl.constexpr = P_F32 and not _is_fp8(v_smem.dtype) and not _fp8_semantics(dtype, FP8_EMU)
+        pk = p if CARRY_F32 else _p_carry(p, v_smem.dtype, o_layout, FP8_EMU)
 
         # steps j (key tile t_lo + j - ring0, ring slot j % STAGES): the band's masked left edge, the
         # mask-free middle, the masked right edge. The loops run over the ring's own count, with
@@ -1052,21 +1071,21 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE, FP8_EMU)
+                                              PROMOTE, FP8_EMU, CARRY_F32)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, p_shift, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE, FP8_EMU)
+                                              PROMOTE, FP8_EMU, CARRY_F32)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, p_shift, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE, FP8_EMU)
+                                              PROMOTE, FP8_EMU, CARRY_F32)
 
         # last PV product
         last = ring0 + t_hi - t_lo - 1
@@ -1082,6 +1101,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 _zero_cols_from(v_smem.index(slot).reshape([HEAD_D, BLOCK_N]), len_kv - (t_hi - 1) * BLOCK_N)
             else:
                 _zero_rows_from(_kv_view(v_smem, slot, BLOCK_N, HEAD_D), len_kv - (t_hi - 1) * BLOCK_N)
+        if CARRY_F32:
+            pk = _p_carry(pk, v_smem.dtype, o_layout, FP8_EMU)
         p = _p_operand(pk, v_smem.dtype, o_layout)
         if _tile_acc(v_smem.dtype, PROMOTE):
             o_tok = warpgroup_mma(p, _v_operand(v_smem, slot, BLOCK_N, HEAD_D), gl.zeros_like(o), use_acc=False,
@@ -1242,7 +1263,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                   scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, PACKED_Q: gl.constexpr = False,
-                  FP8_EMU: gl.constexpr = 0, FP8_HEAD_SCALES: gl.constexpr = False):
+                  FP8_EMU: gl.constexpr = 0, FP8_HEAD_SCALES: gl.constexpr = False, P_F32: gl.constexpr = False):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
@@ -1266,7 +1287,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               v_empty, turn, pin, bias, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
-                              scale_s, PROMOTE, FP8_EMU)
+                              scale_s, PROMOTE, FP8_EMU, P_F32)
     if FP8_HEAD_SCALES:
         o = o * descale_v
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
@@ -1676,7 +1697,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                              scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False,
                              PACKED_KV: gl.constexpr = False, FP8_EMU: gl.constexpr = 0,
-                             FP8_HEAD_SCALES: gl.constexpr = False):
+                             FP8_HEAD_SCALES: gl.constexpr = False, P_F32: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -1723,7 +1744,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                                   v_ready, v_empty, turn, pin, bias, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
                                   slope2, qk_tile, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
-                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE, FP8_EMU)
+                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE, FP8_EMU, P_F32)
         if FP8_HEAD_SCALES:
             o = o * descale_v
         if PADDED:
@@ -1802,6 +1823,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     # FP8_EMU: FP8 values in 16-bit descriptors, the FP8 semantics on 16-bit MMAs ([Note] FP8 on 16-bit MMAs)
     FP8_SEM: gl.constexpr = _fp8_semantics(dtype, FP8_EMU)
     pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
+    P_F32: gl.constexpr = PAGED_P_F32 and PAGE > 0
     if FP8_SEM:
         gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0 or PACKED_Q),
                          "the FP8 forward runs masks, padding and GQA only")
@@ -1867,7 +1889,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
@@ -1875,7 +1897,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1895,7 +1917,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
@@ -1903,7 +1925,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -1941,13 +1963,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU, FP8_HEAD_SCALES)),
+                             FP8_EMU, FP8_HEAD_SCALES, P_F32)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU, FP8_HEAD_SCALES)),
+                             FP8_EMU, FP8_HEAD_SCALES, P_F32)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
