@@ -140,6 +140,17 @@ def test_gluon_fwd_paged_small_pages_tables(page, d, v_warp, request, monkeypatc
               monkeypatch, persistent=True, separate_v=True, table_pad=5, ctas=3, v_warp=v_warp)
 
 
+@pytest.mark.parametrize("page", [128, 256, 512])
+@pytest.mark.parametrize("d", [128, 256])
+def test_gluon_fwd_paged_large_pages_tables(page, d, request, monkeypatch):
+    """Pages of a key tile or more (128-key tiles at d=128, 64 at d=256: 1 to 8 tiles per page), one table
+    entry per tile (fwd_sm90._paged_tile_loads: K's of tile j, then V's of tile j - 1): K and V through
+    different tables (a K/V or tile mix-up shows), the tables row views of wider tensors (a read past a
+    row shows), GQA 4/2, a partial last tile, the persistent grid on 3 CTAs (several work tiles each)."""
+    run_paged(page * 3 + d, 3, 4, 2, 200, 777, d, page, True, [777, 1, 530], "bfloat16", request.node.nodeid,
+              monkeypatch, persistent=True, separate_v=True, table_pad=5, ctas=3)
+
+
 @pytest.mark.parametrize("page", [8, 16])
 @pytest.mark.parametrize("d", [128, 256])
 def test_gluon_fwd_paged_cache_narrower_than_a_tile(page, d, request, monkeypatch):
