@@ -869,6 +869,16 @@ def _cudnn_fwd_graph(cfg: Config, example: Inputs, stats: bool):
     else:
         k_src, v_src = example.k, example.v
     q, k, v = (graph.tensor_like(t.detach()) for t in (example.q, k_src, v_src))
+    ragged = cfg.mask == "varlen"
+    if ragged:
+        # packed queries (THD), cuDNN's chunked prefill (its test_sdpa_chunked_prefill.py): Q and O as
+        # [b, h, s_q, d] with token stride h * d and per-sequence element offsets; the bench's chunks are
+        # the BSHD memory of [b, s_q] (equal lengths), so the offsets are multiples of s_q * h * d
+        offsets = _ragged_offsets(cfg, example.q.device)
+        q.set_stride([cfg.h_q * cfg.d, cfg.d, cfg.h_q * cfg.d, 1])
+        rq, ro = graph.tensor_like(offsets), graph.tensor_like(offsets)
+        q.set_ragged_offset(rq)
+        tensors["ragged_q"], tensors["ragged_o"] = (rq, offsets), (ro, offsets)
     kw = _cudnn_mask_args(cfg, graph, example, tensors)
     if cfg.page_block:
         table = example.extra["page_table"].view(cfg.b, 1, -1, 1)
@@ -880,11 +890,21 @@ def _cudnn_fwd_graph(cfg: Config, example: Inputs, stats: bool):
                        attn_scale=1.0 / math.sqrt(cfg.d), **kw)
     o_like = bshd(cfg.b, cfg.h_q, cfg.s_q, cfg.dv, cfg.torch_dtype, example.q.device, fill="empty")
     o.set_output(True).set_dim(list(o_like.shape)).set_stride(list(o_like.stride()))
+    if ragged:
+        o.set_stride([cfg.h_q * cfg.dv, cfg.dv, cfg.h_q * cfg.dv, 1]).set_ragged_offset(tensors["ragged_o"][0])
     if stats:
         st.set_output(True).set_data_type(cudnn.data_type.FLOAT)
         st.set_dim([cfg.b, cfg.h_q, cfg.s_q, 1]).set_stride([cfg.h_q * cfg.s_q, cfg.s_q, 1, 1])
     _cudnn_finish(graph)
     return graph, (q, k, v, o, st), tensors
+
+
+def _ragged_offsets(cfg: Config, device) -> torch.Tensor:
+    """cuDNN's ragged offsets of the packed prefill chunks: int64 [b + 1, 1, 1, 1], sequence i's first
+    element i * s_q * h_q * d (every sequence s_q tokens; Q's and O's are the same when d_v = d)."""
+    assert cfg.dv == cfg.d, "one offsets tensor serves Q and O"
+    step = cfg.s_q * cfg.h_q * cfg.d
+    return (torch.arange(cfg.b + 1, dtype=torch.int64, device=device) * step).view(cfg.b + 1, 1, 1, 1)
 
 
 def _cudnn_bwd_graph(cfg: Config, example: Inputs):
@@ -906,18 +926,12 @@ def _cudnn_bwd_graph(cfg: Config, example: Inputs):
 
 
 def prepare_cudnn(cfg: Config, need_bwd: bool):
-    """cuDNN frontend: graphs built once per config, executed with each input set's buffers."""
-    import cudnn
-
+    """cuDNN frontend: graphs built once per config, executed with each input set's buffers (packed
+    queries, ``mask="varlen"``: Q and O with ragged offsets, cuDNN's THD layout)."""
+    _cudnn_handle()      # cuDNN frontend missing: ImportError here, a 'none' column
     _refuse_sink(cfg, "cuDNN frontend here")
-    if cfg.mask == "varlen":
-        raise Unsupported("packed (ragged) queries over a paged cache: not wired for cuDNN frontend here")
-    handle = _cudnn_handle()
     state: Dict[str, object] = {}
-
-    def execute(graph, pack, workspace):
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
-        graph.execute(pack, workspace, handle=handle)
+    execute = _cudnn_execute
 
     def extras(tensors):
         return {h: t for h, t in tensors.values()}

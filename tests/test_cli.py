@@ -152,10 +152,15 @@ def test_bench_sink_config_times_ours_with_the_sink_and_declines_the_rest():
             raise AssertionError(f"{prep} accepted a sink config")
 
 
-def test_bench_varlen_prefill_is_the_padded_prefill_packed():
+def test_bench_varlen_prefill_is_the_padded_prefill_packed(monkeypatch):
     """The prefill table's varlen rows (issue 25 item 3): the same chunks packed as FlashAttention's
-    varlen layout over the same paged cache give the padded rows' output, row for row."""
+    varlen layout over the same paged cache give the padded rows' output, row for row; so do the cuDNN
+    frontend column's graphs (packed rows: cuDNN's THD queries, ragged offsets on Q and O, as its
+    test_sdpa_chunked_prefill.py builds them), run here through fusedattn's Graph door standing in for
+    ``cudnn`` (the real cuDNN frontend runs them in ``bench --configs prefill`` on a GPU)."""
     import torch
+
+    import fusedattn
 
     from fusedattn import bench
 
@@ -168,12 +173,35 @@ def test_bench_varlen_prefill_is_the_padded_prefill_packed():
     packed = bench.prepare_ours(bench.replace(cfg, mask="varlen"), False)(inp).fwd()   # [b * s_q, h, d]
     assert packed.shape == (cfg.b * cfg.s_q, cfg.h_q, cfg.d)
     torch.testing.assert_close(packed, padded.transpose(1, 2).reshape(packed.shape), rtol=1e-5, atol=1e-5)
-    try:
-        bench.prepare_cudnn(bench.replace(cfg, mask="varlen"), False)
-    except ImportError:
-        pass                                                  # cuDNN frontend not installed here
-    except bench.Unsupported as exc:
-        assert "paged" in str(exc)
+
+    monkeypatch.setitem(sys.modules, "cudnn", fusedattn)
+    monkeypatch.setattr(bench, "_CUDNN", {})
+    built = []
+    real_sdpa = fusedattn.pygraph.sdpa
+
+    def sdpa(self, *args, **kwargs):
+        built.append(kwargs)
+        return real_sdpa(self, *args, **kwargs)
+
+    monkeypatch.setattr(fusedattn.pygraph, "sdpa", sdpa)
+    runs = []
+    real_execute = fusedattn.pygraph.execute
+
+    def execute(self, pack, *args, **kwargs):
+        runs.append(pack)
+        return real_execute(self, pack, *args, **kwargs)
+
+    monkeypatch.setattr(fusedattn.pygraph, "execute", execute)
+    for c in (cfg, bench.replace(cfg, mask="varlen")):
+        bench.prepare_cudnn(c, False)(inp).fwd()
+    assert len(built) == 2 and len(runs) == 2
+    assert all(kw["use_padding_mask"] and kw["use_causal_mask_bottom_right"] for kw in built)
+    assert all("paged_attention_k_table" in kw for kw in built)
+    assert built[0]["q"].get_ragged_offset() is None and built[1]["q"].get_ragged_offset() is not None
+    for pack in runs:
+        # the output the graph wrote: O [b, h, s_q, d] over BSHD memory (the packed rows' THD layout)
+        got, = [t for t in pack.values() if t.shape == padded.shape and t.data_ptr() != inp.q.data_ptr()]
+        torch.testing.assert_close(got, padded, rtol=1e-5, atol=1e-5)
 
 
 def test_bench_table_names_rows_measured_on_a_slowed_gpu():
