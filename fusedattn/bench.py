@@ -874,11 +874,11 @@ def _cudnn_fwd_graph(cfg: Config, example: Inputs, stats: bool):
         # packed queries (THD), cuDNN's chunked prefill (its test_sdpa_chunked_prefill.py): Q and O as
         # [b, h, s_q, d] with token stride h * d and per-sequence element offsets; the bench's chunks are
         # the BSHD memory of [b, s_q] (equal lengths), so the offsets are multiples of s_q * h * d
-        offsets = _ragged_offsets(cfg, example.q.device)
         q.set_stride([cfg.h_q * cfg.d, cfg.d, cfg.h_q * cfg.d, 1])
-        rq, ro = graph.tensor_like(offsets), graph.tensor_like(offsets)
-        q.set_ragged_offset(rq)
-        tensors["ragged_q"], tensors["ragged_o"] = (rq, offsets), (ro, offsets)
+        for name, width in (("ragged_q", cfg.d), ("ragged_o", cfg.dv)):
+            offsets = _ragged_offsets(cfg, width, example.q.device)
+            tensors[name] = (graph.tensor_like(offsets), offsets)
+        q.set_ragged_offset(tensors["ragged_q"][0])
     kw = _cudnn_mask_args(cfg, graph, example, tensors)
     if cfg.page_block:
         table = example.extra["page_table"].view(cfg.b, 1, -1, 1)
@@ -899,11 +899,10 @@ def _cudnn_fwd_graph(cfg: Config, example: Inputs, stats: bool):
     return graph, (q, k, v, o, st), tensors
 
 
-def _ragged_offsets(cfg: Config, device) -> torch.Tensor:
-    """cuDNN's ragged offsets of the packed prefill chunks: int64 [b + 1, 1, 1, 1], sequence i's first
-    element i * s_q * h_q * d (every sequence s_q tokens; Q's and O's are the same when d_v = d)."""
-    assert cfg.dv == cfg.d, "one offsets tensor serves Q and O"
-    step = cfg.s_q * cfg.h_q * cfg.d
+def _ragged_offsets(cfg: Config, width: int, device) -> torch.Tensor:
+    """cuDNN's ragged offsets of the packed prefill chunks of a tensor of ``width`` columns per head (d for Q,
+    d_v for O): int64 [b + 1, 1, 1, 1], sequence i's first element i * s_q * h_q * width (s_q tokens each)."""
+    step = cfg.s_q * cfg.h_q * width
     return (torch.arange(cfg.b + 1, dtype=torch.int64, device=device) * step).view(cfg.b + 1, 1, 1, 1)
 
 
