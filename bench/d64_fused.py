@@ -34,6 +34,10 @@ the routed backward (the "routed" row of a later run: 1k and 1k causal 1.00x, 2k
 The tuning switches at d=64 (``--variants``, graphs): LAG 1.08 / 1.06 / 1.06 / 1.17x the pair against the default's
 1.04 / 1.07 / 1.06 / 1.11x (a gain at 8k only, one run: not taken), flat staging 0.97-1.01x, DQ_FIRST, the
 grid's order and the forward order within 2%.
+
+Session 43 (H100, 3.6.0, after KV_REGS; bench/NOTES.md 83), ms graph / eager, single pass / pair: 1k 0.2002 /
+0.2052 against 0.2286 / 0.2292 (1.14 / 1.12x), 1k causal 0.1354 / 0.1428 against 0.1527 / 0.1588 (1.13 / 1.11x),
+2k causal 1.15 / 1.12x, 8k 1.20 / 1.21x: no longer host-bound at 1k, so GLUON_BWD_FUSED_MIN_WORK is 2^25 now.
 """
 import argparse
 

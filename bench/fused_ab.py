@@ -39,12 +39,16 @@ CONFIGS = {  # name: (b, h_q, h_kv, s, d, causal)
     "gqa4kc": (4, 32, 8, 4096, 128, True),
     "2kc": (4, 32, 32, 2048, 128, True),
     "d64": (8, 12, 12, 1024, 64, False),
+    "d64c": (8, 12, 12, 1024, 64, True),
+    "d64_4k": (4, 16, 16, 4096, 64, False),
+    "d64_4kc": (4, 16, 16, 4096, 64, True),
 }
 # the module's switches, one at a time (``launch_bwd_fused_sm90``'s keywords; bwd_fused_sm90 "Switches")
 VARIANTS = {"default": {}, "dqfirst": dict(dq_first=True), "dqlast": dict(dq_first=False), "stages2": dict(stages=2),
             "stages3": dict(stages=3), "flat": dict(flat=True), "forward": dict(reverse=False),
             "reverse": dict(reverse=True), "grid_order": dict(heavy_first=False), "rotate": dict(rotate=True),
-            "segments": dict(segments=True), "per_head": dict(segments=False)}
+            "segments": dict(segments=True), "per_head": dict(segments=False),
+            "kv_smem": dict(kv_regs=False)}
 
 
 def graph_timer(fn, replays=20):

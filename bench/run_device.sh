@@ -46,6 +46,8 @@
 #                  back to back, with the call's host time and a cProfile (issue 25)
 #   odd-dims       bench/odd_dims_probe.py $ODD_DIMS_ARGS: the portable kernels at head dims padding to different tile
 #                  widths (d 24 / d_v 8 ...) under each feature, fp16 and bf16 (Triton 3.6's miscompile, NOTES 66)
+#   d64-fused      bench/d64_fused.py --stages 2 $D64_FUSED_ARGS: the d=64 single pass against the Triton pair and as routed,
+#                  CUDA graphs and eager (plan.GLUON_BWD_FUSED_MIN_WORK, issue 28)
 #   d64-tiles      bench/d64_dkdv_tiles.py: the d=64 dK/dV pass's candidate tiles and register caps, timed (issue 28)
 #   fp8-bwd-tiles  bench/fp8_bwd_tiles.py $FP8_BWD_TILES_ARGS: the FP8 backward's tile pairs, timed and case-checked
 #   bwd-time       bench/profile_bwd.py --time 20 --fa4: the same backwards timed, ours beside FA4 in one process
@@ -360,6 +362,7 @@ for part in "${PARTS[@]}"; do
         paged-tiles)   run_part paged-tiles python3 bench/paged_tiles.py ${PAGED_TILES_ARGS:-} ;;
         prefill-host)  run_part prefill-host python3 bench/prefill_host_probe.py --profile ;;
         odd-dims)      run_part odd-dims python3 bench/odd_dims_probe.py ${ODD_DIMS_ARGS:-} ;;
+        d64-fused)     run_part d64-fused python3 bench/d64_fused.py --stages 2 ${D64_FUSED_ARGS:-} ;;
         d64-tiles)     run_part d64-tiles python3 bench/d64_dkdv_tiles.py ;;
         fp8-bwd-tiles) run_part fp8-bwd-tiles python3 bench/fp8_bwd_tiles.py ${FP8_BWD_TILES_ARGS:-} ;;
         bwd-time)      run_part bwd-time python3 bench/profile_bwd.py --time 20 --fa4 \

@@ -103,8 +103,10 @@ _GLUON_BWD_DIMS = (64, 128, 224, 256)
 # pair). H100, bench/d64_fused.py (session 23), single pass / Triton pair: CUDA graphs 1.04-1.06x at b8 h12 1k,
 # 1.07-1.10x causal, 1.06-1.08x b4 h32 2k causal, 1.11-1.13x b2 h16 8k; eager 1k 0.57x / 0.58x causal (the
 # single pass's launches take more host time than its ~0.2 ms of GPU work: host-bound), 2k causal 1.02x,
-# 8k 1.11x. 2^28 is the 2k causal call's work.
-GLUON_BWD_FUSED_MIN_WORK = {64: 2 ** 28}
+# 8k 1.11x. 2^28 was the 2k causal call's work. Session 43, with K and V in registers (bwd_fused_sm90.KV_REGS):
+# single pass / pair 1.14x graphs and 1.12x eager at b8 h12 1k, 1.13x / 1.11x causal (3.6.0; bench/NOTES.md 83),
+# no longer host-bound, so from 2^25 on: the 1k causal call (1.5 * 2^25) and up.
+GLUON_BWD_FUSED_MIN_WORK = {64: 2 ** 25}
 _GLUON_ENV = "FUSEDATTN_GLUON"          # =0 turns the Gluon kernels off (A/B runs, debugging)
 # Interpreter: small tiles so short test sequences still span several blocks.
 _INTERPRET = Tiles(32, 16, 4, 1)

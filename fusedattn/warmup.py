@@ -138,7 +138,7 @@ def _varlen_call(device: torch.device, max_len: int) -> list:
 
 def _long_d64_call(device: torch.device, dtype: torch.dtype, causal: bool) -> list:
     """Forward and backward at d 64, b 2, h 16, s 4096, physically BSHD: the d=64 backward's single-pass kernel
-    (``plan.GLUON_BWD_FUSED_MIN_WORK``), which the benchmark's d=64 configurations are too small to take.
+    (``plan.GLUON_BWD_FUSED_MIN_WORK``), as the benchmark's d=64 configurations take it too (at other head counts).
     Returns [out, dq, dk, dv]."""
     from .functional import attention
     b, h, s, d = 2, 16, 4096, 64

@@ -2,7 +2,7 @@
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
                                       [flat|swizzled] [p16|p32] [dqfirst|dqlast]
-                                      [defer|nodefer] [atomic|tma] [rotate] [d64] [m128] [dropout]
+                                      [defer|nodefer] [atomic|tma] [rotate] [d64] [m128] [dropout] [kvsmem]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag,
              ... 0 fp16 - d64 (head dim 64; default 128), ... 0 fp16 - d64 m128 (128-row query tiles)
     python tools/gluon_fused_check.py survey    # spills of the builds the anchors launch (below)
@@ -61,7 +61,7 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
                  DQ_FIRST=m.DQ_FIRST[causal] if dq_first is None else dq_first,
                  DEFER_DK=m.DEFER_DK[causal] if defer_dk is None else defer_dk,
                  DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic, ROTATE=m.ROTATE[causal],
-                 CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, SEGMENTS=False)
+                 CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, SEGMENTS=False, KV_REGS=True)
     if fp8_grad is not None:
         sig.update({"SCALES": "*fp32", "AMAX": "*fp32", "DK_OUT": "*" + fp8_grad, "stride_dkb": "i32",
                     "stride_dkh": "i32", "stride_dkm": "i32", "DV_OUT": "*" + fp8_grad, "stride_dvb": "i32",
@@ -130,7 +130,8 @@ def main():
                       defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,
                       dq_atomic=True if "atomic" in flags else False if "tma" in flags else None,
                       d=64 if "d64" in flags else 128, block_m=128 if "m128" in flags else None,
-                      dropout="dropout" in flags, **({"ROTATE": True} if "rotate" in flags else {}))
+                      dropout="dropout" in flags, **({"ROTATE": True} if "rotate" in flags else {}),
+                      **({"KV_REGS": False} if "kvsmem" in flags else {}))
     print(f"shared {k.metadata.shared} bytes")
     print(ptxas_report(k).strip())
     text = sass(k)

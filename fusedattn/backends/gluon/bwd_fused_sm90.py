@@ -183,6 +183,20 @@ in-flight register operand (tools/gluon_check.py ``inflight_a_writes``), 166 KB 
 causal: 199 KB); the 16-bit and fp16-MMA builds' SASS unchanged. Measured (H200, 3.6.0): 1.22-1.25x the fp16
 MMAs at d=128 (2k causal 381, 8k 641, 16k causal 653 TFLOP/s; cuDNN frontend's FP8 backward 303 / 694 / 700).
 
+[Note] K and V in registers (``KV_REGS``, on by default; at d=64, 16-bit, without dropout). A warpgroup's K_WG
+and V_WG [64 keys, d] are the same tile at every step, the A operands of S^T = K_WG Q^T and dP^T = V_WG dO^T.
+The step is shared-memory bound (the status note below), and a wgmma reads its shared-memory A operand again each
+time: at d=64 K_WG and V_WG are 8 KB each per warpgroup and step, 32 KB of the two warpgroups' ~180. Held in
+registers instead (loaded once after the K/V barrier; 16 + 16 registers per thread, a DotOperandLayout of the
+S^T accumulator's), the wgmmas read only Q and dO from shared memory. No-GPU compile (tools/gluon_fused_check.py,
+step loops, SASS instructions): Triton 3.6.0 no mask 376 / 361 -> 337 / 339, causal 369 / 517 -> 343 / 494, no
+spills in them; 3.9.0 no mask 379 / 392 -> 386 / 381, no spills, causal 405 / 533 -> 385 / 542 with 11 local
+accesses in the masked loops. Measured (H100, Nsight Compute elapsed cycles, bench/fused_ab.py, registers /
+shared memory): Triton 3.6.0 b8 h12 1k 1.081x, causal 1.056x, b4 h16 4k 1.118x, causal 1.069x; 3.9.0 1.093x,
+1.009x (the masked loops' spills), 1.122x, 1.041x. Not at d=128 (32 + 32 more registers where the consumers
+have none to spare), not with dropout (its Philox words: 55-96 local accesses per step on 3.9.0). Off:
+``kv_regs=False``.
+
 [Note] status (H100, bench/gluon_fused_sweep.py; whole backward TFLOP/s = 2.5x forward flops, /2 causal,
 including delta, the dq_acc zeroing and the conversion). GPU tests: tests/test_gluon_bwd_fused.py, 107 pass
 (float64 reference and the two-pass Gluon backward). Last sweep (run4, final defaults; "before" = the
@@ -357,7 +371,7 @@ def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_A
 
 
 @gluon.jit
-def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
+def _fused_step(it, t, WG: gl.constexpr, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
                 dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
                 keys, band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr,
                 HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr,
@@ -377,6 +391,8 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     DROPOUT ([Note] dropout): drop_args = (seed, offset, threshold, 1 / (1 - p), H_Q, S_Q, S_KV, the warpgroup's
     first key); the keep bits of this (keys, rows) tile are the forward's (``dropout.keep`` on the transposed
     tile), dV takes the kept P and dS = P (dP * keep / (1 - p) - delta).
+    kv_a: (K_WG, V_WG), the A operands of S^T = K_WG Q^T and dP^T = V_WG dO^T: the warpgroup's shared-memory
+    tiles, or (``KV_REGS``) the same tiles held in registers for the whole loop.
     Returns dk, dv, ds_keep, the (head, row) whose dQ the next LAG step reduces, and kmax."""
     BLOCK_M: gl.constexpr = zero_s.shape[1]
     WG_N: gl.constexpr = k_smem.shape[3]
@@ -400,9 +416,9 @@ def _fused_step(it, t, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_sm
     do_view = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
 
     mbarrier.wait(q_ready.index(slot), phase)
-    s_tok = warpgroup_mma(k_view, q_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(kv_a[0], q_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
-    dp_tok = warpgroup_mma(v_view, do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(kv_a[1], do_view.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(l_ready.index(slot), phase)
     lse2 = lse_smem.index(slot).load(col_layout)
     if FP8_EMU:
@@ -536,7 +552,7 @@ def _release_ds(ds_empty, rb, it, LAG: gl.constexpr):
 
 
 @gluon.jit
-def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
                band, qk_scale, batch, head, prev_head, prev_row, MASKED: gl.constexpr, HAS_RIGHT: gl.constexpr,
                STAGES: gl.constexpr, P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr,
@@ -567,7 +583,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                     j = j - n
             t = hi - 1 - j if REVERSE else lo + j
             dk, dv, ds_keep, prev_head, prev_row, kmax = _fused_step(
-                it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
+                it, t, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, (dq_desc, dq_first + g * head_elems, S_Q), dk, dv,
                 ds_keep, zero_s, zero_q, keys, band, qk_scale, batch, head + g, prev_head, prev_row, MASKED, HAS_RIGHT,
                 STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK, DQ_ATOMIC, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
@@ -585,7 +601,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
                     j = j - n
             t = hi - 1 - j if REVERSE else lo + j
             dk, dv, ds_keep, prev_head, prev_row, kmax = _fused_step(
-                it, t, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
+                it, t, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi, q_ready,
                 do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys, band,
                 qk_scale, batch, head, prev_head, prev_row, MASKED, HAS_RIGHT, STAGES, P16_DS, LAG, DQ_FIRST, DEFER_DK,
                 DQ_ATOMIC, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
@@ -594,7 +610,7 @@ def _tile_loop(lo, hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, ls
 
 
 @gluon.jit
-def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
+def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
           dq_lo, dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
           keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
           P16_DS: gl.constexpr, LAG: gl.constexpr, REVERSE: gl.constexpr, DQ_FIRST: gl.constexpr,
@@ -610,18 +626,18 @@ def _runs(t_lo, t_a, t_b, t_hi, it, WG: gl.constexpr, k_smem, v_view, q_smem, do
     # HAS_LEFT off leaves it empty, but not provably so): that run is not compiled
     if not REVERSE:
         it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
-            lo0, hi0, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+            lo0, hi0, it, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
             DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
     it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
-        t_a, t_b, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+        t_a, t_b, it, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
         q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
         band, qk_scale, batch, head, prev_head, prev_row, False, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
         DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
     if REVERSE:
         it, dk, dv, ds_keep, prev_head, prev_row, kmax = _tile_loop(
-            lo2, hi2, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
+            lo2, hi2, it, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
             q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q, keys,
             band, qk_scale, batch, head, prev_head, prev_row, True, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
             DQ_FIRST, DEFER_DK, DQ_ATOMIC, False, 0, SEGMENTS, GROUP, fp8, kmax, FP8_EMU, DROPOUT, drop_args)
@@ -636,11 +652,13 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
                     LAG: gl.constexpr, DQ_FIRST: gl.constexpr, DEFER_DK: gl.constexpr, DQ_ATOMIC: gl.constexpr,
                     ROTATE: gl.constexpr, rot, SEGMENTS: gl.constexpr, fp8_io=None, FP8_EMU: gl.constexpr = False,
                     P_E5M2: gl.constexpr = False, DS_E5M2: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    drop_io=0):
+                    drop_io=0, KV_REGS: gl.constexpr = False):
     """Consumer warpgroup WG: dK, dV of keys [n0 + 64 WG, +64), and its dQ columns of every tile
     (LAG: each one a tile late, the last one after the loop). FP8_EMU ([Note] FP8): fp8_io = (SCALES, AMAX,
     dK's output, dV's output, S_KV); P's and dS's FP8 types e5m2 where P_E5M2 / DS_E5M2, else e4m3.
-    DROPOUT ([Note] dropout): drop_io = (seed, offset, threshold, 1 / (1 - p), S_KV)."""
+    DROPOUT ([Note] dropout): drop_io = (seed, offset, threshold, 1 / (1 - p), S_KV).
+    KV_REGS ([Note] K and V in registers): at d=64, 16-bit, no dropout, K_WG and V_WG are loaded into registers
+    once and are the A operands of every step's S^T and dP^T wgmmas."""
     WG_N: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     BLOCK_M: gl.constexpr = q_smem.shape[3]
@@ -671,6 +689,12 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
     k_view = k_smem.index(WG).reshape([WG_N, HEAD_D])
     v_view = v_smem.index(WG).reshape([WG_N, HEAD_D])
     mbarrier.wait(kv_bar, 0)
+    if KV_REGS and HEAD_D == 64 and not FP8_EMU and not DROPOUT:
+        # [Note] K and V in registers: 16 + 16 registers per thread, read from shared memory once
+        ka_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        kv_a = (k_view.load(ka_layout), v_view.load(ka_layout))
+    else:
+        kv_a = (k_view, v_view)
     if DEFER_DK:
         # dk is loop-carried as an in-flight wgmma accumulator (``_fused_step``); it starts as the result of
         # a wgmma too, 0 * K_WG with use_acc=False, so that no plain instruction defines it on any path to a
@@ -711,7 +735,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
         head = kv_head * GROUP
         dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
         it, dk, dv, ds_keep, prev_head, prev_row, kmax = _runs(
-            t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
+            t_lo, t_a, t_b, t_hi, it, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
             dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
             keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
             DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, True, GROUP, fp8, kmax, STEP_EMU, DROPOUT, drop_args)
@@ -720,7 +744,7 @@ def _fused_consumer(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
             head = kv_head * GROUP + g
             dq_out = (dq_desc, DQ_ACC + (batch * H_Q + head).to(gl.int64) * acc_rows * HEAD_D, S_Q)
             it, dk, dv, ds_keep, prev_head, prev_row, kmax = _runs(
-                t_lo, t_a, t_b, t_hi, it, WG, k_smem, v_view, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
+                t_lo, t_a, t_b, t_hi, it, WG, k_smem, kv_a, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo,
                 dq_hi, q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, dq_out, dk, dv, ds_keep, zero_s, zero_q,
                 keys, band, qk_scale, batch, head, prev_head, prev_row, HAS_RIGHT, STAGES, P16_DS, LAG, REVERSE,
                 DQ_FIRST, DEFER_DK, DQ_ATOMIC, ROTATE, rot, False, 1, fp8, kmax, STEP_EMU, DROPOUT, drop_args)
@@ -778,7 +802,8 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                          DK_OUT=None, stride_dkb=0, stride_dkh=0, stride_dkm=0, DV_OUT=None, stride_dvb=0,
                          stride_dvh=0, stride_dvm=0, FP8_EMU: gl.constexpr = False, P_E5M2: gl.constexpr = False,
                          DS_E5M2: gl.constexpr = False, QT_DESC=None, DOT_DESC=None, KT_DESC=None, DROP_SEED=0,
-                         DROP_OFFSET=0, DROP_THRESHOLD=0, DROP_RESCALE=1.0, DROPOUT: gl.constexpr = False):
+                         DROP_OFFSET=0, DROP_THRESHOLD=0, DROP_RESCALE=1.0, DROPOUT: gl.constexpr = False,
+                         KV_REGS: gl.constexpr = True):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     WG_N: gl.constexpr = k_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -867,12 +892,14 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, False, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, DROPOUT, drop_io)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, DROPOUT, drop_io,
+                           KV_REGS)),
         (_fused_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_lo, dq_hi,
                            kv_bar.index(0), q_ready, do_ready, l_ready, empty, ds_ready, ds_empty, done.index(0),
                            dk_desc, dv_desc, dq_desc, DQ_ACC, batch, kv_head, n0, H_Q, GROUP, S_Q, band, tiles,
                            qk_scale, sm_scale, HAS_RIGHT, STAGES, REVERSE, P16_DS, LAG, DQ_FIRST, DEFER_DK,
-                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, DROPOUT, drop_io)),
+                           DQ_ATOMIC, ROTATE, pid_n, SEGMENTS, fp8_io, FP8_EMU, P_E5M2, DS_E5M2, DROPOUT, drop_io,
+                           KV_REGS)),
         # the dK/dV pass's producer (no ALiBi, no padding; SLOPES unused: DELTA stands in, batch stride 0)
         (_dkdv_producer, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                           kv_bar.index(0), q_ready, do_ready, l_ready, empty, LSE, stride_lb, stride_lh, stride_lm,
@@ -980,7 +1007,7 @@ def _problem_ok(p) -> bool:
 
 def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=None, dq_acc=None, stages=None,
                           reverse=None, flat=None, p16_ds=None, lag=None, dq_first=None, defer_dk=None,
-                          dq_atomic=None, heavy_first=None, rotate=None, segments=None):
+                          dq_atomic=None, heavy_first=None, rotate=None, segments=None, kv_regs=None):
     """dQ, dK, dV of attention on Hopper in one pass (plus preparing dQ's fp32 accumulator and converting
     it), written in place.
 
@@ -995,7 +1022,8 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
 
     dq_acc: optional fp32 scratch of b*h_q*acc_rows(s_q)*d elements. Tuning: stages, reverse, flat, p16_ds, lag,
     dq_first, defer_dk, dq_atomic, heavy_first, rotate, segments override ``STAGES``, ``REVERSE``, ``DQ_FLAT``,
-    ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``, ``SEGMENTS``."""
+    ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``, ``SEGMENTS``;
+    kv_regs=False keeps K and V in shared memory at d=64 ([Note] K and V in registers)."""
     if dq_acc is None:
         dq_acc = torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=q.device)
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
@@ -1007,7 +1035,7 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
         dq_acc.zero_()
     launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, reverse=reverse, flat=flat,
                   p16_ds=p16_ds, lag=lag, dq_first=dq_first, defer_dk=defer_dk, dq_atomic=dq_atomic,
-                  heavy_first=heavy_first, rotate=rotate, segments=segments)
+                  heavy_first=heavy_first, rotate=rotate, segments=segments, kv_regs=kv_regs)
     launch_convert(p, dq_acc, dq)
     return dq, dk, dv
 
@@ -1026,7 +1054,7 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
                   p16_ds=None, lag=None, dq_first=None, defer_dk=None, dq_atomic=None, heavy_first=None, rotate=None,
-                  segments=None, fp8=None, fp8_t=None):
+                  segments=None, fp8=None, fp8_t=None, kv_regs=None):
     """The fused kernel alone: dK, dV written, dQ / scale added into dq_acc (fp32 contiguous
     [b, h_q, acc_rows(s_q), d]; its rows >= s_q are scratch). fp8 ([Note] FP8): (scales, amax, P's type is e5m2,
     dS's type is e5m2); q, k, v, grad_out then hold the FP8 values in fp16, dk / dv are the gradients in their own
@@ -1057,6 +1085,9 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
             qt, dot, kt = fp8_t
             switch_kw.update(FP8_EMU=2, QT_DESC=_t_desc(qt, BLOCK_M), DOT_DESC=_t_desc(dot, BLOCK_M),
                              KT_DESC=_t_desc(kt, WG_N))
+    if kv_regs is False:
+        # passed only to turn it off (A/B), so the default launches keep their keys (the shipped stores')
+        switch_kw["KV_REGS"] = False
     if p.has_dropout:
         # passed only with dropout, so the other launches keep their keys (the shipped stores'); the numbers go
         # over on each call (triton/launch.Launcher.runtime_names): a new seed per step reuses the cached launch
