@@ -10,6 +10,7 @@ calls the CPU forward.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -262,11 +263,6 @@ class _Call:
             self.cap = s1
         self.seq_len_kv = _lengths(seq_len_kv, self.b, dev)
         self.seq_len_q = _lengths(seq_len_q, self.b, dev, "seq_len_q") if not self.packed else None
-        if self.packed:
-            # new tokens per sequence (the validation's room check and the CPU path)
-            self.lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).contiguous()
-        else:
-            self.lens_q = self.seq_len_q
 
         self.k_new = self.v_new = None
         if (k_new is None) != (v_new is None):
@@ -323,7 +319,17 @@ class _Call:
         if self.backend == "triton" and q.dtype == torch.float64:
             raise NotSupportedError("float64 runs on the CPU path only (backend='cpu')")
 
+    @functools.cached_property
+    def lens_q(self):
+        """New tokens per sequence, [b] int32 on the device, or None (every sequence has s_q). Packed calls make
+        it from cu_seqlens_q on first use only (the validation's room check, the appends, the portable routes):
+        the kernels read cu_seqlens_q themselves, so a trusted call (validate=False) launches no subtraction."""
+        if self.packed:
+            return (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).contiguous()
+        return self.seq_len_q
+
     # -- device-side checks
+
     def validate(self):
         """seq_len_kv, seq_len_q / cu_seqlens_q and the used page-table slots, on the device; one host sync
         (two with cu_seqlens_q), skipped in graph capture."""
