@@ -7,6 +7,7 @@ samples. This reads it and prints, per kernel:
     python bench/ncu_stalls.py SOURCE.csv [--top N]      # the N hottest instructions, their main stall reason
     python bench/ncu_stalls.py SOURCE.csv --waits        # every mbarrier wait (SYNCS.PHASECHK) and its samples
     python bench/ncu_stalls.py SOURCE.csv --loop K       # kernel K's hottest loop, its samples between landmarks
+    python bench/ncu_stalls.py SOURCE.csv --buckets      # samples by execution count (per step, per tile ...)
 
 ``--waits`` is what told the paged prefill's load warp from its consumers (bench/NOTES.md 66): a wait executed
 once per key tile by one warp (the count of the load loop's iterations) is the load warp waiting for a free ring
@@ -104,12 +105,31 @@ def loop(rows, min_share=0.003):
             acc, since, n = {}, 0.0, 0
 
 
+def buckets(rows, n=6):
+    """Samples by execution count: the instructions a warp runs once per step, once per work tile, once per CTA
+    ... each share one count, so two builds of one kernel compare region by region (bench/NOTES.md 84 found the
+    packed prefill's extra time in the per-tile code this way). The n counts with the most samples, each with its
+    samples, instructions and main stall reasons."""
+    total = sum(num(r[SAMPLES]) for r in rows) or 1.0
+    cols = stall_columns(rows)
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["Instructions Executed"], []).append(r)
+    ranked = sorted(groups.items(), key=lambda kv: -sum(num(r[SAMPLES]) for r in kv[1]))
+    for count, members in ranked[:n]:
+        s = sum(num(r[SAMPLES]) for r in members)
+        reasons = sorted(cols, key=lambda c: -sum(num(r[c]) for r in members))[:3]
+        why = ", ".join(f"{c[6:]} {sum(num(r[c]) for r in members) / max(s, 1) * 100:.0f}" for c in reasons)
+        print(f"  x{count:>9s}: {int(s):7d} samples ({s / total * 100:4.1f}%), {len(members):5d} instructions [{why}]")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source_csv")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--waits", action="store_true")
     ap.add_argument("--loop", type=int, metavar="K", help="kernel K's hottest loop by stretches (loop())")
+    ap.add_argument("--buckets", action="store_true", help="samples by execution count (buckets())")
     a = ap.parse_args()
     for i, (name, rows) in enumerate(kernels(a.source_csv)):
         if a.loop is not None and i != a.loop:
@@ -117,6 +137,8 @@ def main():
         print(f"kernel {i}: {name}, {len(rows)} instructions, {int(sum(num(r[SAMPLES]) for r in rows))} samples")
         if rows and a.loop is not None:
             loop(rows)
+        elif rows and a.buckets:
+            buckets(rows)
         elif rows and a.waits:
             waits(rows)
         elif rows:

@@ -37,3 +37,33 @@ def test_gluon_fwd_steps_move_no_p_registers(build):
     steps = _step_moves(build)
     assert all(moves <= 4 for _, moves in steps), (
         f"(instructions, IMAD.MOV) per step loop: {steps}; a step should move at most a few scalars, not P")
+
+
+def _tile_loop_loads(build):
+    """(instructions, LDG) of each consumer work-tile loop of the persistent Gluon forward compiled as ``build``:
+    the loops holding more wgmmas than one step's 16 (a tile's steps and its output) and no TMA copy (the load
+    warps')."""
+    out = run_compile_child(
+        "import gluon_check as c\n"
+        f"k = c.compile_fwd({build})\n"
+        "for _, n, body in c.loops(c.sass(k)):\n"
+        "    if any('EXIT' in b for b in body):\n"
+        "        continue\n"
+        "    print('LOOP', n, sum('GMMA' in b for b in body), sum('UTMALDG' in b for b in body),\n"
+        "          sum(' LDG' in b for b in body))\n")
+    loops = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("LOOP")]
+    tiles = [(n, ldg) for n, mma, tma, ldg in loops if mma > 16 and tma == 0]
+    assert tiles, f"no consumer work-tile loops found: {out[-2000:]}"
+    return tiles
+
+
+@pytest.mark.parametrize("build", [
+    "128, True, 'bf16', seq_q=True, seq_kv=True, varlen=True, bottom_right=True, page=16, persistent=True",
+    "128, True, 'fp16', seq_q=True, seq_kv=True, persistent=True",
+], ids=["paged_prefill", "padded_persistent"])
+def test_gluon_fwd_persistent_consumers_take_lengths_from_the_slot(build):
+    """The persistent grid's padded builds: the producer posts each work tile's lengths and packed row beside its
+    number (fwd_sm90 ``_post_tile``), so the consumers' per-tile code loads nothing from global memory (before:
+    5 LDG per tile, each an L2 round trip on the warpgroup's path; bench/NOTES.md 84)."""
+    tiles = _tile_loop_loads(build)
+    assert all(ldg == 0 for _, ldg in tiles), f"(instructions, LDG) per consumer work-tile loop: {tiles}"

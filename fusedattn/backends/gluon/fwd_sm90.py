@@ -149,9 +149,13 @@ min(#SMs, #tiles) CTAs that loop over work tiles (query tile, batch * head):
   the mean; measured: bench/GLUON_NOTES.md).
 * The producer posts each tile's number in a small shared-memory slot next to its Q slot before
   arriving on that slot's ready barrier; the consumers read it after the wait (an mbarrier arrive
-  releases the thread's earlier shared-memory stores) and work out the same tile geometry. A
-  number >= #tiles ends them. Tiles with nothing to load (padding) still get a Q slot, arrived on
-  without data, so the consumers write their zeros in order.
+  releases the thread's earlier shared-memory stores) and work out the same tile geometry. In padded
+  builds (per-batch lengths, packed queries) the slot also holds what the producer loaded for its own
+  copies: the sequence's query and key lengths and its first packed row (``_post_tile``), so the
+  consumers and the V warp read no global memory per tile (each read was an L2 round trip on their
+  path at a tile's start and again at its output: Triton 3.9, packed queries over pages of 16, ~1.8%
+  of the stall samples; bench/NOTES.md 84). A number >= #tiles ends them. Tiles with nothing to load
+  (padding) still get a Q slot, arrived on without data, so the consumers write their zeros in order.
 * The K/V ring's count goes on across work tiles (slot and phase of ring position r: r % STAGES,
   (r // STAGES) & 1), so the next tile's first K/V tiles load while the consumers finish the
   current one. Q has its own ring per consumer warpgroup (``QSTAGES``; ready per warpgroup, empty
@@ -1343,16 +1347,27 @@ def _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_rig
     visits: (batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles)
     (``_cta_tiles``; diag: the band's diagonal offset, len_kv - len_q under bottom-right)."""
     batch = bh // H_Q
+    len_q = _packed_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, PACKED_Q)
+    len_kv = _packed_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV, PACKED_KV)
+    return _fwd_tile_at(pid_m, bh, len_q, len_kv, H_Q, GROUP, win_left, win_right, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
+                        HAS_SEQ_Q or HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _fwd_tile_at(pid_m, bh, len_q, len_kv, H_Q, GROUP, win_left, win_right, HAS_LEFT: gl.constexpr,
+                 HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, PADDED: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """``_fwd_tile`` for a work tile whose sequence lengths are known already (the persistent grid's posted
+    ones, ``_post_tile``)."""
+    batch = bh // H_Q
     head = bh % H_Q
     kv_head = head // GROUP
     start_m = pid_m * BLOCK_M
-    len_q = _packed_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, PACKED_Q)
-    len_kv = _packed_length(SEQ_KV, batch, S_KV, HAS_SEQ_KV, PACKED_KV)
-    diag = S_Q * 0
+    diag = len_q * 0
     if BOTTOM_RIGHT:
         diag = len_kv - len_q      # bottom-right: each sequence's own lengths
     t_lo, t_a, t_b, t_hi, n_tiles = _cta_tiles(start_m, len_q, len_kv, diag, win_left, win_right, HAS_LEFT,
-                                               HAS_RIGHT, HAS_SEQ_Q or HAS_SEQ_KV, BLOCK_M, BLOCK_N)
+                                               HAS_RIGHT, PADDED, BLOCK_M, BLOCK_N)
     return batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles
 
 
@@ -1404,22 +1419,67 @@ def _next_tile(tile, COUNTER, total, DYNAMIC: gl.constexpr):
     return nxt
 
 
+# what a work tile's slot holds (``_post_tile``): its number, then in padded builds (POSTED_FIELDS of them) its
+# sequence's query and key lengths and the sequence's first row in the packed query view
+TILE_NUMBER = gl.constexpr(0)
+TILE_LEN_Q = gl.constexpr(1)
+TILE_LEN_KV = gl.constexpr(2)
+TILE_Q_OFF = gl.constexpr(3)
+POSTED_FIELDS = gl.constexpr(4)
+
+
 @gluon.jit
-def _post_tile(slot, tile):
-    """The producer writes the work tile number into ``slot`` ([1] int32 shared memory); the
-    consumers read it (``_take_tile``) after the Q ready barrier that the producer arrives on next
-    (an mbarrier arrive releases the thread's earlier shared-memory stores)."""
+def _field_store(tile_smem, at, value):
+    """One int32 into entry ``at`` of the work tiles' slots (``_post_tile``)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    slot.store(gl.full([1], tile, gl.int32, lay))
+    tile_smem.index(at).store(gl.full([1], value, gl.int32, lay))
 
 
 @gluon.jit
-def _take_tile(slot, ready, phase):
+def _post_tile(tile_smem, qs, FIELDS: gl.constexpr, tile, len_q=0, len_kv=0, q_off=0):
+    """The producer writes the work tile number into Q slot qs's entry of ``tile_smem`` ([QSTAGES * FIELDS, 1]
+    int32 shared memory); the consumers read it (``_take_tile``) after the Q ready barrier that the producer
+    arrives on next (an mbarrier arrive releases the thread's earlier shared-memory stores). With FIELDS =
+    POSTED_FIELDS (padded builds) the entry also holds the lengths and packed row the producer loaded for the
+    tile (``_fwd_tile``), so the consumers and the V warp read them here instead of global memory, where each
+    read put an L2 round trip on their path at every work tile's start and output (bench/NOTES.md 84)."""
+    _field_store(tile_smem, qs * FIELDS + TILE_NUMBER, tile)
+    if FIELDS > 1:
+        _field_store(tile_smem, qs * FIELDS + TILE_LEN_Q, len_q)
+        _field_store(tile_smem, qs * FIELDS + TILE_LEN_KV, len_kv)
+        _field_store(tile_smem, qs * FIELDS + TILE_Q_OFF, q_off)
+
+
+@gluon.jit
+def _tile_field(tile_smem, qs, FIELDS: gl.constexpr, field: gl.constexpr):
+    """Field ``field`` of Q slot qs's work tile entry (``_post_tile``), in every thread."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.sum(tile_smem.index(qs * FIELDS + field).load(lay), 0)
+
+
+@gluon.jit
+def _take_tile(tile_smem, qs, FIELDS: gl.constexpr, ready, phase):
     """A consumer's next work tile: wait for its Q ready barrier, then read the number the
-    producer posted in ``slot`` (``_post_tile``)."""
+    producer posted for Q slot qs (``_post_tile``)."""
     mbarrier.wait(ready, phase)
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    return gl.sum(slot.load(lay), 0)
+    return _tile_field(tile_smem, qs, FIELDS, TILE_NUMBER)
+
+
+@gluon.jit
+def _posted_tile(tile_smem, qs, FIELDS: gl.constexpr, pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left,
+                 win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                 HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 PACKED_Q: gl.constexpr, PACKED_KV: gl.constexpr):
+    """``_fwd_tile`` of the work tile (pid_m, bh) a consumer or the V warp took from Q slot qs: the lengths from
+    the slot's entry, where the producer posted them (padded builds), else as ``_fwd_tile`` finds them."""
+    if FIELDS > 1:
+        res = _fwd_tile_at(pid_m, bh, _tile_field(tile_smem, qs, FIELDS, TILE_LEN_Q),
+                           _tile_field(tile_smem, qs, FIELDS, TILE_LEN_KV), H_Q, GROUP, win_left, win_right,
+                           HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, True, BLOCK_M, BLOCK_N)
+    else:
+        res = _fwd_tile(pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
+                        BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, PACKED_KV)
+    return res
 
 
 @gluon.jit
@@ -1622,6 +1682,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
     WG_M: gl.constexpr = q_desc.block_type.shape[2]
     K_AHEAD: gl.constexpr = k_desc.block_type.shape[3] > K_AHEAD_ABOVE_D
     BLOCK_M: gl.constexpr = 2 * WG_M
+    FIELDS: gl.constexpr = tile_smem.shape[0] // QSTAGES
     total = N_M * N_BH
     tile = gl.program_id(0)
     i = 0
@@ -1635,7 +1696,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
         kv_batch, k_off = _packed_origin(SEQ_KV, batch, PACKED_KV)
         qs = i % QSTAGES
         mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)
-        _post_tile(tile_smem.index(qs), tile)
+        _post_tile(tile_smem, qs, FIELDS, tile, len_q, len_kv, q_off)
         if n_tiles > 0:
             # coordinates are [batch, head, row, column] of the 4-D views
             mbarrier.expect(q_ready0.index(qs), q_desc.block_type.nbytes)
@@ -1657,7 +1718,7 @@ def _fwd_producer_persistent(q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem
     # the end: a tile number past the last tells both consumers to stop
     qs = i % QSTAGES
     mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)
-    _post_tile(tile_smem.index(qs), total)
+    _post_tile(tile_smem, qs, FIELDS, total)
     mbarrier.arrive(q_ready0.index(qs))
     mbarrier.arrive(q_ready1.index(qs))
 
@@ -1674,20 +1735,21 @@ def _fwd_v_loader_persistent(k_desc, v_desc, k_smem, v_smem, tile_smem, q_ready0
     Q ready barrier) and copies V's tiles of each into the ring, while the producer copies Q and K. A slot's
     number is read before the consumers can finish that tile (they need its V), so before the producer
     posts another there."""
+    FIELDS: gl.constexpr = tile_smem.shape[0] // QSTAGES
     total = N_M * N_BH
     i = 0
     ring = 0
-    tile = _take_tile(tile_smem.index(0), q_ready0.index(0), 0)
+    tile = _take_tile(tile_smem, 0, FIELDS, q_ready0.index(0), 0)
     while tile < total:
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
-        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
-            pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, False)
+        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _posted_tile(
+            tile_smem, i % QSTAGES, FIELDS, pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right,
+            HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, False)
         _kv_ring_loads_paged_at(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, batch, kv_head,
                                 t_lo, n_tiles, ring, pages, PAGE, BLOCK_N, STAGES, False, True)
         ring += n_tiles
         i += 1
-        tile = _take_tile(tile_smem.index(i % QSTAGES), q_ready0.index(i % QSTAGES), (i // QSTAGES) & 1)
+        tile = _take_tile(tile_smem, i % QSTAGES, FIELDS, q_ready0.index(i % QSTAGES), (i // QSTAGES) & 1)
 
 
 @gluon.jit
@@ -1715,6 +1777,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
     HEAD_D: gl.constexpr = q_smem.shape[4]
     BLOCK_M: gl.constexpr = 2 * WG_M
     PADDED: gl.constexpr = HAS_SEQ_Q or HAS_SEQ_KV
+    FIELDS: gl.constexpr = tile_smem.shape[0] // QSTAGES
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, _mma_k(q_smem.dtype)])
     total = N_M * N_BH
@@ -1723,13 +1786,13 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
     i = 0          # work tiles done by this CTA
     ring = 0       # K/V tiles consumed so far (the ring's count)
     steps = 0      # ping-pong turns taken so far (one per key tile after each work tile's first)
-    tile = _take_tile(tile_smem.index(0), q_ready.index(0), 0)
+    tile = _take_tile(tile_smem, 0, FIELDS, q_ready.index(0), 0)
     while tile < total:
         qs = i % QSTAGES
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
-        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _fwd_tile(
-            pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT, HAS_RIGHT,
-            BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, PACKED_KV)
+        batch, head, kv_head, start_m, len_q, len_kv, diag, t_lo, t_a, t_b, t_hi, n_tiles = _posted_tile(
+            tile_smem, qs, FIELDS, pid_m, bh, SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, win_left, win_right, HAS_LEFT,
+            HAS_RIGHT, BOTTOM_RIGHT, HAS_SEQ_Q, HAS_SEQ_KV, BLOCK_M, BLOCK_N, PACKED_Q, PACKED_KV)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
@@ -1761,16 +1824,25 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         # its slot (the producer rewrites it only after this tile's Q slot is released): a
         # shared-memory read is not merged with the first, so none of them stays live across the
         # loops above (module docstring, [Note] persistent grid: register pressure)
-        tile = gl.sum(tile_smem.index(qs).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+        tile = _tile_field(tile_smem, qs, FIELDS, TILE_NUMBER)
         pid_m, bh = _work_tile(tile, N_M, N_BH, HEAD_GROUP, REVERSE_M)
         batch = bh // H_Q
         head = bh % H_Q
         row0 = pid_m * BLOCK_M + WG * WG_M
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-        len_q = _packed_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, PACKED_Q)
         if HAS_ALIBI:
             slope2 = _alibi_slope2(SLOPES, batch, head, stride_sb)
-        q_batch, q_off = _packed_origin(SEQ_Q, batch, PACKED_Q)
+        if PADDED:
+            # posted by the producer (_post_tile): no global round trip before the output goes out
+            len_q = _tile_field(tile_smem, qs, FIELDS, TILE_LEN_Q)
+            q_batch = batch
+            q_off = batch * 0
+            if PACKED_Q:
+                q_batch = batch * 0
+                q_off = _tile_field(tile_smem, qs, FIELDS, TILE_Q_OFF)
+        else:
+            len_q = _packed_length(SEQ_Q, batch, S_Q, HAS_SEQ_Q, PACKED_Q)
+            q_batch, q_off = _packed_origin(SEQ_Q, batch, PACKED_Q)
         _fwd_write(o, m_i, l_i, rows, row0, stage, o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, S_Q,
                    len_q, slope2, drop, SINK, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, DROPOUT, HAS_SINK, fp8_out, q_off,
                    PACKED_Q, FP8_EMU)
@@ -1782,7 +1854,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
         if PINGPONG:
             steps += gl.maximum(n_tiles - 1, 0)
         i += 1
-        tile = _take_tile(tile_smem.index(i % QSTAGES), q_ready.index(i % QSTAGES), (i // QSTAGES) & 1)
+        tile = _take_tile(tile_smem, i % QSTAGES, FIELDS, q_ready.index(i % QSTAGES), (i // QSTAGES) & 1)
     tma.store_wait(0)
 
 
@@ -1878,7 +1950,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
         # the work tile number of each slot, and the slots' ready (per warpgroup) / empty barriers
         q_smem0 = gl.allocate_shared_memory(dtype, [QSTAGES, 1, 1, WG_M, HEAD_D], q_desc.layout)
         q_smem1 = gl.allocate_shared_memory(dtype, [QSTAGES, 1, 1, WG_M, HEAD_D], q_desc.layout)
-        tile_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # (one int32 entry per field and Q slot: [QSTAGES * fields, 1], _post_tile)
+        fields: gl.constexpr = POSTED_FIELDS if HAS_SEQ_Q or HAS_SEQ_KV else 1
+        tile_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES * fields, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_ready0 = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
         q_ready1 = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
