@@ -1,25 +1,28 @@
-"""Lab tool (no GPU): local memory of the Gluon forward as real launches compile it.
+"""Lab tool (no GPU): local memory of the Gluon kernels as real launches compile them.
 
-    python tools/recorded_locals.py [--store DIR] [--where NAME=VALUE ...] [--keys PREFIX,...]
+    python tools/recorded_locals.py [--store DIR] [--kernel MODULE.FUNCTION] [--where NAME=VALUE ...]
+                                    [--keys PREFIX,...]
 
-Compiles the shipped store's recorded ``_attn_fwd_sm90`` launches (this Triton's store by default) from this
-tree's sources, with the JIT's own specialization (tools/store_rebuild.py: pointer alignment and integer
-divisibility as recorded), and prints per launch its switches, stack bytes, LDL / STL count, SASS size and, per
-step loop (a loop with wgmmas), (instructions, local accesses). ``--where PAGE=16 --where PACKED_Q=True`` keeps
-the launches whose compile-time switches have those reprs. For an A/B, run it from two checkouts (a ``git
-worktree`` of the base commit) with the same arguments.
+Compiles the shipped store's recorded launches of one Gluon kernel (``fwd_sm90._attn_fwd_sm90`` unless
+``--kernel`` names another, e.g. ``bwd_dkdv_sm90._attn_bwd_dkdv_sm90``; this Triton's store unless ``--store``)
+from this tree's sources, with the JIT's own specialization (tools/store_rebuild.py: pointer alignment and
+integer divisibility as recorded), and prints per launch its switches, stack bytes, LDL / STL count, SASS size
+and, per loop with wgmmas, (instructions, local accesses). ``--where PAGE=16 --where PACKED_Q=True`` keeps the
+launches whose compile-time switches have those reprs. For an A/B, run it from two checkouts (a ``git worktree``
+of the base commit) with the same arguments. ``recorded_launches`` and ``locals_of`` serve tests too.
 
 Why not tools/gluon_check.py: its ``compile_fwd`` specializes on no argument, and ptxas then allocates
 registers differently. The bench's paged prefill (pages of 16, packed queries, Triton 3.9.0) compiled there
 showed 24 bytes of stack; as the launch compiles it, 256 bytes and ~100 local loads per work tile, which Nsight
 Compute showed as long-scoreboard stalls at each tile's masked steps (bench/NOTES.md 85).
 
-Measured (session 45, Triton 3.9.0 / 3.6.0, sources of commit 746e8bc): the prefill's padded and packed builds over pages
-of 16, 64 and 256 hold 216-256 bytes of stack on 3.9.0 (31-32 local accesses in the second warpgroup's masked
-step loop), none on 3.6.0; ``bench/pending/mask-immediates.patch`` takes 3.9.0 to 56-88 bytes.
+Measured (session 45, Triton 3.9.0 / 3.6.0, sources of commit 746e8bc): the prefill's padded and packed builds
+over pages of 16, 64 and 256 hold 216-256 bytes of stack on 3.9.0 (31-32 local accesses in the second
+warpgroup's masked step loop), none on 3.6.0; ``bench/pending/mask-immediates.patch`` takes 3.9.0 to 56-88 bytes.
 """
 import argparse
 import ast
+import importlib
 import json
 import os
 import re
@@ -33,8 +36,8 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import gluon_check  # noqa: E402
 import store_rebuild  # noqa: E402
 from fusedattn.backends import prebuilt  # noqa: E402
-from fusedattn.backends.gluon import fwd_sm90  # noqa: E402
 
+STORE = os.path.join(prebuilt.STORE_ROOT, prebuilt.store_name(90))   # this Triton's store
 SHOWN = ("BLOCK_N", "STAGES", "PERSISTENT", "HAS_LEFT", "HAS_RIGHT", "BOTTOM_RIGHT", "HAS_SEQ_Q", "HAS_SEQ_KV",
          "PAGE", "PACKED_Q", "HAS_ALIBI", "DROPOUT", "WRITE_LSE")
 
@@ -49,35 +52,50 @@ def stack_bytes(cubin: bytes) -> int:
     return int(re.search(r"STACK:(\d+)", usage).group(1))
 
 
+def recorded_launches(kernel="fwd_sm90._attn_fwd_sm90", where=None, keys="", store=None, head_dim=None):
+    """(index key, switches by name) of the store's recorded launches of ``kernel`` (module.function under
+    backends/gluon) whose compile-time switches have the reprs in ``where``, whose key starts with one of the
+    comma-separated prefixes ``keys`` (any, if empty) and, given ``head_dim``, whose Q box is that wide."""
+    module, name = kernel.split(".")
+    fn = getattr(importlib.import_module(f"fusedattn.backends.gluon.{module}"), name)
+    with open(os.path.join(store or STORE, "index.json")) as f:
+        entries = json.load(f)["kernels"]
+    for key, entry in entries.items():
+        if entry["name"] != name or (keys and not any(key.startswith(p) for p in keys.split(","))):
+            continue
+        specs = dict(zip(fn.arg_names, ast.literal_eval(entry["specs"])))
+        if head_dim is not None and specs["q_desc"][2][3] != head_dim:
+            continue
+        if all(specs.get(k) == v for k, v in (where or {}).items()):
+            yield key, entry, specs
+
+
+def locals_of(entry):
+    """(stack bytes, SASS, [(instructions, MUFU.EX2, LDL + STL) per loop with wgmmas]) of one recorded launch
+    compiled from this tree's sources as the JIT compiles it (tools/store_rebuild.py)."""
+    kernel = store_rebuild._kernel(entry["kernel"])
+    call_args, call_kwargs, _ = store_rebuild.launch_of(kernel, ast.literal_eval(entry["specs"]))
+    compiled = store_rebuild.compile_launch(kernel, call_args, call_kwargs)
+    text = gluon_check.sass(compiled)
+    loops = [(n, sum("MUFU.EX2" in b for b in body), sum("LDL" in b or "STL" in b for b in body))
+             for _, n, body in gluon_check.inner_loops(text) if any("GMMA" in b for b in body)]
+    return stack_bytes(compiled.asm["cubin"]), text, loops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--store", default=os.path.join(prebuilt.STORE_ROOT, prebuilt.store_name(90)))
+    ap.add_argument("--store", default=STORE)
+    ap.add_argument("--kernel", default="fwd_sm90._attn_fwd_sm90", help="module.function under backends/gluon")
     ap.add_argument("--where", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--keys", default="", help="comma list of index key prefixes")
     args = ap.parse_args()
-    want = dict(w.split("=", 1) for w in args.where)
-    names = fwd_sm90._attn_fwd_sm90.arg_names
-    with open(os.path.join(args.store, "index.json")) as f:
-        entries = json.load(f)["kernels"]
-    for key, entry in entries.items():
-        if entry["name"] != "_attn_fwd_sm90":
-            continue
-        if args.keys and not any(key.startswith(p) for p in args.keys.split(",")):
-            continue
-        specs = dict(zip(names, ast.literal_eval(entry["specs"])))
-        if any(specs.get(k) != v for k, v in want.items()):
-            continue
-        kernel = store_rebuild._kernel(entry["kernel"])
-        call_args, call_kwargs, _ = store_rebuild.launch_of(kernel, ast.literal_eval(entry["specs"]))
-        compiled = store_rebuild.compile_launch(kernel, call_args, call_kwargs)
-        text = gluon_check.sass(compiled)
-        steps = [(n, sum("LDL" in b or "STL" in b for b in body)) for _, n, body in gluon_check.inner_loops(text)
-                 if any("GMMA" in b for b in body)]
-        head = specs["q_desc"][2][3]
-        switches = " ".join(f"{k}={specs[k]}" for k in SHOWN)
-        print(f"{key[:10]} d{head} {switches}\n    stack {stack_bytes(compiled.asm['cubin'])} LDL {text.count('LDL')} "
+    where = dict(w.split("=", 1) for w in args.where)
+    for key, entry, specs in recorded_launches(args.kernel, where, args.keys, args.store):
+        stack, text, loops = locals_of(entry)
+        switches = " ".join(f"{k}={specs[k]}" for k in SHOWN if k in specs)
+        print(f"{key[:10]} d{specs['q_desc'][2][3]} {switches}\n    stack {stack} LDL {text.count('LDL')} "
               f"STL {text.count('STL')} SASS {len(re.findall(r'/[*][0-9a-f]{4,}[*]/', text))} "
-              f"step loops (instructions, local) {steps}", flush=True)
+              f"loops with wgmmas (instructions, local) {[(n, local) for n, _, local in loops]}", flush=True)
 
 
 if __name__ == "__main__":
