@@ -12,6 +12,13 @@ their results.
 import pytest
 from conftest import run_compile_child
 
+from fusedattn.backends.compat import TRITON_VERSION
+
+# fwd_sm90.MASK_IMMEDIATES: the split mask compares are compiled on Triton 3.9+ only (GPU-run there, bench/NOTES.md
+# 86); before it the plain compares stay, which hold the indices in registers (3.6.0 did not spill them)
+needs_mask_immediates = pytest.mark.skipif(
+    TRITON_VERSION < (3, 9), reason="fwd_sm90.MASK_IMMEDIATES is off before Triton 3.9: the plain mask compares")
+
 
 def _step_moves(build):
     """(instructions, IMAD.MOV) of each step loop of the Gluon forward compiled as ``build`` (keywords of
@@ -67,3 +74,57 @@ def test_gluon_fwd_persistent_consumers_take_lengths_from_the_slot(build):
     5 LDG per tile, each an L2 round trip on the warpgroup's path; bench/NOTES.md 84)."""
     tiles = _tile_loop_loads(build)
     assert all(ldg == 0 for _, ldg in tiles), f"(instructions, LDG) per consumer work-tile loop: {tiles}"
+
+
+def _recorded_build_locals(constants, kernel="fwd_sm90._attn_fwd_sm90", head_dim=128):
+    """Stack bytes and, per loop with wgmmas, (instructions, MUFU.EX2, local-memory accesses: LDL / STL) of a Gluon
+    kernel (``kernel``: module.function under backends/gluon) as a real launch compiles it: the shipped store's
+    first recorded launch of head dim ``head_dim`` whose compile-time switches match ``constants`` (their reprs),
+    rebuilt from this tree's sources (tools/recorded_locals.py: the JIT's specialization, pointer alignment and
+    integer divisibility, which change ptxas's register allocation; tools/gluon_check.py's compile_fwd
+    specializes on neither)."""
+    out = run_compile_child(
+        "import recorded_locals as r\n"
+        f"found = next(r.recorded_launches({kernel!r}, {constants!r}, head_dim={head_dim}), None)\n"
+        "assert found, 'no recorded launch with these switches'\n"
+        "stack, _, loops = r.locals_of(found[1])\n"
+        "print('STACK', stack)\n"
+        "for loop in loops:\n"
+        "    print('LOOP', *loop)\n")
+    stack = int(next(line.split()[1] for line in out.splitlines() if line.startswith("STACK")))
+    loops = [tuple(int(x) for x in line.split()[1:]) for line in out.splitlines() if line.startswith("LOOP")]
+    assert loops, f"no loops with wgmmas found: {out[-2000:]}"
+    return stack, loops
+
+
+@needs_mask_immediates
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_gluon_fwd_prefill_masks_hold_no_column_indices(packed):
+    """The bench's paged prefill (pages of 16, bottom-right causal, per-sequence key lengths; padded or packed
+    queries) as its launch compiles: the band mask compares each score's column as an immediate against a bound
+    less the thread's part (fwd_sm90 ``_band_keep`` THREAD_BITS), so no column index lives in a register across
+    the persistent grid's tile loop. Before (Triton 3.9.0): LLVM hoisted a thread's 32 column indices (and 16 row
+    indices of ``_zero_rows_from``) out of that loop, ptxas spilled them (224-256 bytes of stack) and reloaded
+    them at every masked step (31-32 local accesses in the second warpgroup's masked step loop, ~100 per work
+    tile; bench/NOTES.md 85). After: 72-88 bytes, at most a few accesses per step loop (on the H100: pages of 64
+    +5.1%, pages of 16 -1.1%, its second warpgroup's unmasked step spilling one value instead; NOTES 86)."""
+    stack, loops = _recorded_build_locals({"PAGE": "16", "PACKED_Q": repr(packed), "BOTTOM_RIGHT": "True",
+                                           "HAS_SEQ_KV": "True", "PERSISTENT": "True"})
+    steps = [(n, local) for n, ex2, local in loops if ex2 == 66]
+    assert len(steps) >= 2, f"no step loops found: (instructions, MUFU.EX2, local accesses) {loops}"
+    assert stack <= 128, f"{stack} bytes of stack (step loops: (instructions, local accesses) {steps})"
+    assert all(local <= 8 for _, local in steps), f"(instructions, local accesses) per step loop: {steps}"
+
+
+@needs_mask_immediates
+def test_gluon_dkdv_causal_mask_holds_no_row_indices():
+    """The dK/dV pass under a causal mask (d128, as the backward of the 2k / 4k causal anchors records it): the
+    transposed band mask compares each query row as an immediate (bwd_dkdv_sm90 ``_pt_tile``, fwd_sm90
+    ``_band_keep``'s THREAD_BITS), so its masked step loops hold no local-memory access. Before (Triton 3.9.0): 7-8
+    per masked step, the tile's 16 row indices of a thread hoisted out of the loops and spilled; 475-484
+    instructions per masked step, after 388-395 (bench/NOTES.md 85)."""
+    stack, loops = _recorded_build_locals({"HAS_RIGHT": "True", "HAS_LEFT": "False", "HAS_ALIBI": "False",
+                                           "HAS_SEQ_Q": "False", "DROPOUT": "False", "FP8_EMU": "False"},
+                                          "bwd_dkdv_sm90._attn_bwd_dkdv_sm90")
+    assert all(local == 0 for _, _, local in loops), (
+        f"(instructions, MUFU.EX2, local accesses) per loop with wgmmas: {loops}; {stack} bytes of stack")

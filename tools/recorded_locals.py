@@ -18,7 +18,8 @@ Compute showed as long-scoreboard stalls at each tile's masked steps (bench/NOTE
 
 Measured (session 45, Triton 3.9.0 / 3.6.0, sources of commit 746e8bc): the prefill's padded and packed builds
 over pages of 16, 64 and 256 hold 216-256 bytes of stack on 3.9.0 (31-32 local accesses in the second
-warpgroup's masked step loop), none on 3.6.0; ``bench/pending/mask-immediates.patch`` takes 3.9.0 to 56-88 bytes.
+warpgroup's masked step loop), none on 3.6.0; the mask-immediate compares (``fwd_sm90._band_keep``'s
+THREAD_BITS, session 46) take 3.9.0 to 56-88 bytes; measured on the H100, bench/NOTES.md 86.
 """
 import argparse
 import ast

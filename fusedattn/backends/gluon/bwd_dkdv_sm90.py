@@ -126,8 +126,8 @@ from ..compat import tma_load, tma_store
 from . import dropout
 from .bwd_dq_sm90 import (_bwd_problem_ok, _chunk, _fp8_ds_factors, _fp8_grad_write, _fp8_round16, _heavy_first,
                           _padding_ok, launch_dq_sm90)
-from .fwd_sm90 import (LOG2E, LOG2E_C, TILE_D, _alibi_slope2, _is_sm90, _seq_length, _slopes_ok, _tma, _tma_ready,
-                       widened_fp16)
+from .fwd_sm90 import (LOG2E, LOG2E_C, MASK_IMMEDIATES, MMA_COL_THREAD_BITS, TILE_D, _alibi_slope2, _is_sm90,
+                       _seq_length, _slopes_ok, _tma, _tma_ready, widened_fp16)
 from ..triton.launch import cdiv
 from .launch import launch
 
@@ -197,16 +197,26 @@ def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS
         x = x + (slope2 * (keys - t * BLOCK_M).to(gl.float32))[:, None]
     if MASKED:
         diag, win_left, win_right = band
-        rows = t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
         # fwd_sm90._band_keep transposed, with the offsets on the key side (2 values per thread here, the
         # rows 32; 224 more instructions per masked loop set the other way); keys past S_KV stay
-        # unmasked: only their own dK/dV rows see them, and the store clips those
-        if HAS_RIGHT:
-            keep = keys[:, None] - (diag + win_right) <= rows[None, :]
-            if HAS_LEFT:
-                keep = keep & (rows[None, :] <= keys[:, None] - (diag - win_left))
+        # unmasked: only their own dK/dV rows see them, and the store clips those. The rows are the tile's
+        # columns: each compared as an immediate (its register's part) against the key side less the thread's
+        # part and the tile's first row (fwd_sm90 ``_band_keep``'s THREAD_BITS), so that no row index is held in
+        # a register across the loops (Triton 3.9 spilled them: up to 39 local accesses per masked step of the
+        # d=128 single pass, bench/NOTES.md 85; fwd_sm90.MASK_IMMEDIATES: Triton 3.9+)
+        if MASK_IMMEDIATES:
+            cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+            r_reg = (cols & (BLOCK_M - 1 - MMA_COL_THREAD_BITS))[None, :]
+            k_side = keys[:, None] - t * BLOCK_M - (cols & MMA_COL_THREAD_BITS)[None, :]
         else:
-            keep = rows[None, :] <= keys[:, None] - (diag - win_left)
+            r_reg = (t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout)))[None, :]
+            k_side = keys[:, None]
+        if HAS_RIGHT:
+            keep = k_side - (diag + win_right) <= r_reg
+            if HAS_LEFT:
+                keep = keep & (r_reg <= k_side - (diag - win_left))
+        else:
+            keep = r_reg <= k_side - (diag - win_left)
         x = gl.where(keep, x, float("-inf"))
     return gl.exp2(x)
 

@@ -370,6 +370,11 @@ K_AHEAD_ABOVE_D = gl.constexpr(128)
 PAGED_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
 # ... and over a contiguous cache at d128 without a band, ALiBi or dropout (the same note: no spills there)
 DENSE_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
+# masks compared with each index's register part as an immediate (``_band_keep``'s THREAD_BITS, ``_index_below``,
+# the backward's ``_pt_tile``), Triton 3.9+: there the padded builds over pages spilled the indices (bench/NOTES.md
+# 85). On the H100 (3.9.0, elapsed cycles, NOTES 86) pages of 64 +5.1%, 16k causal +1.1%, the causal backward
+# +1-2%, but the padded build over pages of 16 -1.1%; up to 3.8 not yet run on the GPU, so the plain compares stay
+MASK_IMMEDIATES = gl.constexpr(TRITON_VERSION >= (3, 9))
 
 
 @gluon.jit
@@ -470,12 +475,42 @@ def _kv_ring_loads(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
                       n_tiles, 0, BLOCK_N, STAGES)
 
 
+# Which bits of a score tile's column index come from the thread: wgmma's accumulator fragment gives thread t the
+# columns 2 * (t % 4) + {0, 1} + 8 * i (PTX ISA, "Matrix fragments for wgmma .m64nNk16"), so bits 1-2 are the
+# thread's and the others the register's (``_band_keep``'s THREAD_BITS).
+MMA_COL_THREAD_BITS = gl.constexpr(6)
+
+
 @gluon.jit
-def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               THREAD_BITS: gl.constexpr = 0):
     """Which (row i, key j) pairs of a score tile a band keeps (forward, dQ pass): j < S_KV and
     (HAS_LEFT) j >= i + diag - win_left and (HAS_RIGHT) j <= i + diag + win_right. rows: [M, 1],
-    cols: [1, N] (the band's offsets go on the row side, the one with few values per thread)."""
-    if HAS_LEFT:
+    cols: [1, N] (the band's offsets go on the row side, the one with few values per thread).
+
+    THREAD_BITS (nonzero only where cols is a ``gl.arange`` from 0 of a power-of-two length in a distributed
+    layout): the bits of a column index that the thread contributes (``MMA_COL_THREAD_BITS`` in the wgmma
+    accumulator's layout). Each compare is then made as j_reg OP bound - j_thread, with j_reg = j & ~THREAD_BITS,
+    which the compiler folds to an immediate per register, and j_thread one value per thread: no column index is
+    held in a register. Otherwise LLVM hoists the 32 column indices of a thread out of the persistent grid's tile
+    loop and ptxas, short of registers beside the step loop, spilled them and reloaded them at every masked step
+    (Triton 3.9, padded builds over a paged cache: 224-256 bytes of stack, ~100 local loads per work tile,
+    bench/NOTES.md 85). Any THREAD_BITS gives the same answer (j_reg + j_thread = j); the layout's own bits give
+    the immediates. Not for the length mask alone: there LLVM holds no index either when S_KV is known to be a
+    multiple of 16 (the JIT's divisibility), and compares each 16-column group once (8 compares a thread, not 32)."""
+    if (THREAD_BITS != 0) & (HAS_LEFT or HAS_RIGHT):
+        # the same compares as below, the thread's part of each column moved to the bounds' side
+        c_thread = cols & THREAD_BITS
+        c_reg = cols & (cols.shape[1] - 1 - THREAD_BITS)
+        if HAS_LEFT:
+            hi = S_KV - 1
+            if HAS_RIGHT:
+                hi = gl.minimum(rows + (diag + win_right), S_KV - 1)
+            keep = (c_reg <= hi - c_thread) & (c_reg >= rows + (diag - win_left) - c_thread)
+        else:
+            keep = c_reg < S_KV - c_thread
+            keep = keep & (c_reg <= rows + (diag + win_right) - c_thread)
+    elif HAS_LEFT:
         # a window: S_KV folds into the right bound (one value per row), so a score costs two
         # compares and one select (it was three and two: SASS 862 -> 753 per masked tile)
         hi = S_KV - 1
@@ -489,6 +524,18 @@ def _band_keep(rows, cols, S_KV, diag, win_left, win_right, HAS_LEFT: gl.constex
         if HAS_RIGHT:
             keep = keep & (cols <= rows + (diag + win_right))
     return keep
+
+
+@gluon.jit
+def _index_below(idx, bound, THREAD_BITS: gl.constexpr):
+    """idx < bound for an index vector ``idx`` (a ``gl.arange`` from 0 of a power-of-two length in a distributed
+    layout) whose thread-given bits are THREAD_BITS, compared as ``_band_keep`` compares: each register's part
+    of the index an immediate, the thread's part taken off the bound, so that no index is held in a register
+    across the persistent grid's tile loop. Plain ``idx < bound`` where MASK_IMMEDIATES is off."""
+    if MASK_IMMEDIATES:
+        return (idx & (idx.shape[0] - 1 - THREAD_BITS)) < bound - (idx & THREAD_BITS)
+    else:
+        return idx < bound
 
 
 @gluon.jit
@@ -528,8 +575,14 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
     if HAS_ALIBI:
         alibi_shift = slope2 * (n0 - row0).to(gl.float32)
     if MASKED:
-        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-        keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        if MASK_IMMEDIATES:
+            # the tile's columns from 0 and the band moved by -n0: the column indices are the layout's alone
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            keep = _band_keep(rows[:, None] - n0, cols[None, :], S_KV - n0, diag, win_left, win_right, HAS_LEFT,
+                              HAS_RIGHT, MMA_COL_THREAD_BITS)
+        else:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
         if COL_IN_S:
             s = gl.where(keep, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + alibi_shift)
@@ -947,13 +1000,20 @@ def _zero_rows_from(tile, n_valid, other=None):
     HEAD_D: gl.constexpr = tile.shape[1]
     # 8 consecutive 16-bit columns (16 bytes) per thread; a warp covers 256 // HEAD_D rows
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_D, HEAD_D // 8], [4, 1], [1, 0])
+    # a row's low bits are the thread's (its lane's row in the warp, then the warp), the rest the register's
+    ROW_THREAD_BITS: gl.constexpr = 4 * (256 // HEAD_D) - 1
     if n_valid < BLOCK_N:
         r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        x = tile.load(layout)
-        tile.store(gl.where(r[:, None] < n_valid, x, gl.zeros_like(x)))
+        if MASK_IMMEDIATES:
+            keep = _index_below(r, n_valid, ROW_THREAD_BITS)[:, None]
+            x = tile.load(layout)
+        else:
+            x = tile.load(layout)   # before the compare: the order (and so the SASS) up to Triton 3.8 as before
+            keep = r[:, None] < n_valid
+        tile.store(gl.where(keep, x, gl.zeros_like(x)))
         if other is not None:
             y = other.load(layout)
-            other.store(gl.where(r[:, None] < n_valid, y, gl.zeros_like(y)))
+            other.store(gl.where(keep, y, gl.zeros_like(y)))
         fence_async_shared()
         cta_barrier()
 
@@ -1215,7 +1275,7 @@ def _store_rows(val, rows, q_off, head, len_q, o_out):
     base = o_out[0] + head.to(gl.int64) * o_out[2]
     ptrs = base + at.to(gl.int64)[:, None] * o_out[3] + cols[None, :]
     keep = (rows < len_q) & (at >= 0) & (at < o_out[1])
-    gl.store(ptrs, val, mask=keep[:, None] & (cols < o_out[4])[None, :])
+    gl.store(ptrs, val, mask=keep[:, None] & _index_below(cols, o_out[4], MMA_COL_THREAD_BITS)[None, :])
 
 
 @gluon.jit
