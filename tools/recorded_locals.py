@@ -54,7 +54,7 @@ def stack_bytes(cubin: bytes) -> int:
 
 
 def recorded_launches(kernel="fwd_sm90._attn_fwd_sm90", where=None, keys="", store=None, head_dim=None):
-    """(index key, switches by name) of the store's recorded launches of ``kernel`` (module.function under
+    """(index key, index entry, switches by name) of the store's recorded launches of ``kernel`` (module.function under
     backends/gluon) whose compile-time switches have the reprs in ``where``, whose key starts with one of the
     comma-separated prefixes ``keys`` (any, if empty) and, given ``head_dim``, whose Q box is that wide."""
     module, name = kernel.split(".")
