@@ -12,13 +12,6 @@ their results.
 import pytest
 from conftest import run_compile_child
 
-from fusedattn.backends.compat import TRITON_VERSION
-
-# fwd_sm90.MASK_IMMEDIATES: the split mask compares are compiled on Triton 3.9+ only (GPU-run there, bench/NOTES.md
-# 86); before it the plain compares stay, which hold the indices in registers (3.6.0 did not spill them)
-needs_mask_immediates = pytest.mark.skipif(
-    TRITON_VERSION < (3, 9), reason="fwd_sm90.MASK_IMMEDIATES is off before Triton 3.9: the plain mask compares")
-
 
 def _step_moves(build):
     """(instructions, IMAD.MOV) of each step loop of the Gluon forward compiled as ``build`` (keywords of
@@ -97,7 +90,6 @@ def _recorded_build_locals(constants, kernel="fwd_sm90._attn_fwd_sm90", head_dim
     return stack, loops
 
 
-@needs_mask_immediates
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_gluon_fwd_prefill_masks_hold_no_column_indices(packed):
     """The bench's paged prefill (pages of 16, bottom-right causal, per-sequence key lengths; padded or packed
@@ -116,7 +108,6 @@ def test_gluon_fwd_prefill_masks_hold_no_column_indices(packed):
     assert all(local <= 8 for _, local in steps), f"(instructions, local accesses) per step loop: {steps}"
 
 
-@needs_mask_immediates
 def test_gluon_dkdv_causal_mask_holds_no_row_indices():
     """The dK/dV pass under a causal mask (d128, as the backward of the 2k / 4k causal anchors records it): the
     transposed band mask compares each query row as an immediate (bwd_dkdv_sm90 ``_pt_tile``, fwd_sm90
@@ -128,3 +119,17 @@ def test_gluon_dkdv_causal_mask_holds_no_row_indices():
                                           "bwd_dkdv_sm90._attn_bwd_dkdv_sm90")
     assert all(local == 0 for _, _, local in loops), (
         f"(instructions, MUFU.EX2, local accesses) per loop with wgmmas: {loops}; {stack} bytes of stack")
+
+
+def test_gluon_fwd_causal_masked_step_compares_immediates():
+    """The causal d128 forward (the 2k causal anchor's build, persistent grid) as its launch compiles: a masked
+    step (the diagonal tile) costs the unmasked step plus the band's compares and selects, each column an
+    immediate (fwd_sm90 ``_band_keep``'s THREAD_BITS). With the column indices held in registers (n0 + arange),
+    Triton 3.6.0 made 899-901 instructions of the masked step against 460-461 unmasked; as immediates 703-704
+    (bench/NOTES.md 87: the 2k causal forward +2.1% on the H100)."""
+    _, loops = _recorded_build_locals({"HAS_RIGHT": "True", "HAS_LEFT": "False", "BOTTOM_RIGHT": "False",
+                                       "HAS_SEQ_KV": "False", "PAGE": "0", "HAS_ALIBI": "False", "DROPOUT": "False",
+                                       "PERSISTENT": "True"})
+    steps = sorted(n for n, ex2, _ in loops if ex2 == 66)
+    assert len(steps) >= 2, f"no step loops found: (instructions, MUFU.EX2, local accesses) {loops}"
+    assert steps[-1] <= 1.6 * steps[0], f"instructions per step loop, unmasked to masked: {steps}"

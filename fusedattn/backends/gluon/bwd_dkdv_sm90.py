@@ -126,7 +126,7 @@ from ..compat import tma_load, tma_store
 from . import dropout
 from .bwd_dq_sm90 import (_bwd_problem_ok, _chunk, _fp8_ds_factors, _fp8_grad_write, _fp8_round16, _heavy_first,
                           _padding_ok, launch_dq_sm90)
-from .fwd_sm90 import (LOG2E, LOG2E_C, MASK_IMMEDIATES, MMA_COL_THREAD_BITS, TILE_D, _alibi_slope2, _is_sm90,
+from .fwd_sm90 import (LOG2E, LOG2E_C, MMA_COL_THREAD_BITS, TILE_D, _alibi_slope2, _is_sm90,
                        _seq_length, _slopes_ok, _tma, _tma_ready, widened_fp16)
 from ..triton.launch import cdiv
 from .launch import launch
@@ -203,14 +203,10 @@ def _pt_tile(s, qk_scale, lse2, t, keys, band, slope2, MASKED: gl.constexpr, HAS
         # columns: each compared as an immediate (its register's part) against the key side less the thread's
         # part and the tile's first row (fwd_sm90 ``_band_keep``'s THREAD_BITS), so that no row index is held in
         # a register across the loops (Triton 3.9 spilled them: up to 39 local accesses per masked step of the
-        # d=128 single pass, bench/NOTES.md 85; fwd_sm90.MASK_IMMEDIATES: Triton 3.9+)
-        if MASK_IMMEDIATES:
-            cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
-            r_reg = (cols & (BLOCK_M - 1 - MMA_COL_THREAD_BITS))[None, :]
-            k_side = keys[:, None] - t * BLOCK_M - (cols & MMA_COL_THREAD_BITS)[None, :]
-        else:
-            r_reg = (t * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout)))[None, :]
-            k_side = keys[:, None]
+        # d=128 single pass, bench/NOTES.md 85)
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s.type.layout))
+        r_reg = (cols & (BLOCK_M - 1 - MMA_COL_THREAD_BITS))[None, :]
+        k_side = keys[:, None] - t * BLOCK_M - (cols & MMA_COL_THREAD_BITS)[None, :]
         if HAS_RIGHT:
             keep = k_side - (diag + win_right) <= r_reg
             if HAS_LEFT:

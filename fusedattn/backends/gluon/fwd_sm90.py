@@ -370,11 +370,6 @@ K_AHEAD_ABOVE_D = gl.constexpr(128)
 PAGED_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
 # ... and over a contiguous cache at d128 without a band, ALiBi or dropout (the same note: no spills there)
 DENSE_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
-# masks compared with each index's register part as an immediate (``_band_keep``'s THREAD_BITS, ``_index_below``,
-# the backward's ``_pt_tile``), Triton 3.9+: there the padded builds over pages spilled the indices (bench/NOTES.md
-# 85). On the H100 (3.9.0, elapsed cycles, NOTES 86) pages of 64 +5.1%, 16k causal +1.1%, the causal backward
-# +1-2%, but the padded build over pages of 16 -1.1%; up to 3.8 not yet run on the GPU, so the plain compares stay
-MASK_IMMEDIATES = gl.constexpr(TRITON_VERSION >= (3, 9))
 
 
 @gluon.jit
@@ -531,11 +526,8 @@ def _index_below(idx, bound, THREAD_BITS: gl.constexpr):
     """idx < bound for an index vector ``idx`` (a ``gl.arange`` from 0 of a power-of-two length in a distributed
     layout) whose thread-given bits are THREAD_BITS, compared as ``_band_keep`` compares: each register's part
     of the index an immediate, the thread's part taken off the bound, so that no index is held in a register
-    across the persistent grid's tile loop. Plain ``idx < bound`` where MASK_IMMEDIATES is off."""
-    if MASK_IMMEDIATES:
-        return (idx & (idx.shape[0] - 1 - THREAD_BITS)) < bound - (idx & THREAD_BITS)
-    else:
-        return idx < bound
+    across the persistent grid's tile loop."""
+    return (idx & (idx.shape[0] - 1 - THREAD_BITS)) < bound - (idx & THREAD_BITS)
 
 
 @gluon.jit
@@ -575,14 +567,12 @@ def _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_rig
     if HAS_ALIBI:
         alibi_shift = slope2 * (n0 - row0).to(gl.float32)
     if MASKED:
-        if MASK_IMMEDIATES:
-            # the tile's columns from 0 and the band moved by -n0: the column indices are the layout's alone
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            keep = _band_keep(rows[:, None] - n0, cols[None, :], S_KV - n0, diag, win_left, win_right, HAS_LEFT,
-                              HAS_RIGHT, MMA_COL_THREAD_BITS)
-        else:
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            keep = _band_keep(rows[:, None], cols[None, :], S_KV, diag, win_left, win_right, HAS_LEFT, HAS_RIGHT)
+        # the tile's columns from 0 and the band moved by -n0: the column indices are the layout's alone, each
+        # compared as an immediate (``_band_keep``'s THREAD_BITS). Triton 3.6.0, causal d128: 899 -> 703
+        # instructions per masked step, the 2k causal forward +2.1%, padded +3.9% (H100, bench/NOTES.md 87)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        keep = _band_keep(rows[:, None] - n0, cols[None, :], S_KV - n0, diag, win_left, win_right, HAS_LEFT,
+                          HAS_RIGHT, MMA_COL_THREAD_BITS)
         if COL_IN_S:
             s = gl.where(keep, s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale + alibi_shift)
@@ -1004,12 +994,8 @@ def _zero_rows_from(tile, n_valid, other=None):
     ROW_THREAD_BITS: gl.constexpr = 4 * (256 // HEAD_D) - 1
     if n_valid < BLOCK_N:
         r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        if MASK_IMMEDIATES:
-            keep = _index_below(r, n_valid, ROW_THREAD_BITS)[:, None]
-            x = tile.load(layout)
-        else:
-            x = tile.load(layout)   # before the compare: the order (and so the SASS) up to Triton 3.8 as before
-            keep = r[:, None] < n_valid
+        keep = _index_below(r, n_valid, ROW_THREAD_BITS)[:, None]
+        x = tile.load(layout)
         tile.store(gl.where(keep, x, gl.zeros_like(x)))
         if other is not None:
             y = other.load(layout)
