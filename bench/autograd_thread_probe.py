@@ -22,21 +22,14 @@ import torch
 
 import fusedattn
 from fusedattn import functional
+from overhead import host_ms    # bench/overhead.py: enqueue time of one call, no sync
 
 N = 200
 
 
 def host_us(fn, n=N):
-    """Host time per call (us) of n calls with no sync between them (bench/overhead.py's host_ms)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return host
+    """Host time per call (us) of n calls with no sync between them."""
+    return host_ms(fn, n) * 1e3
 
 
 def main():
