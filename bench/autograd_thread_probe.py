@@ -22,7 +22,7 @@ import torch
 
 import fusedattn
 from fusedattn import functional
-from overhead import host_ms    # bench/overhead.py: enqueue time of one call, no sync
+from overhead import host_ms, small_training_call    # bench/overhead.py: host time per call, the d=64 call
 
 N = 200
 
@@ -36,11 +36,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--causal", action="store_true")
     args = ap.parse_args()
-    b, h, s, d = 8, 12, 1024, 64
-    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2).requires_grad_()  # noqa
-    q, k, v = mk(), mk(), mk()
-    out = fusedattn.attention(q, k, v, causal=args.causal)
-    do = torch.randn_like(out)
+    q, k, v, out, do = small_training_call(args.causal)
     grad = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
 
     original = functional._Attention.backward

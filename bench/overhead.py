@@ -120,15 +120,22 @@ class _NoOp(torch.autograd.Function):
         return ctx.grads
 
 
+def small_training_call(causal):
+    """The d=64 anchor as a training step makes it (b8 h12 s1024 d64 fp16, physically BSHD): q, k, v (leaves that
+    require grad), out = attention(q, k, v) with its autograd graph, and a gradient do (also used by
+    bench/autograd_thread_probe.py)."""
+    b, h, s, d = 8, 12, 1024, 64
+    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2).requires_grad_()  # noqa
+    q, k, v = mk(), mk(), mk()
+    out = fusedattn.attention(q, k, v, causal=causal)
+    return q, k, v, out, torch.randn_like(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--causal", action="store_true")
     args = ap.parse_args()
-    b, h, s, d = 8, 12, 1024, 64
-    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2).requires_grad_()  # noqa
-    q, k, v = mk(), mk(), mk()
-    out = fusedattn.attention(q, k, v, causal=args.causal)
-    do = torch.randn_like(out)
+    q, k, v, out, do = small_training_call(args.causal)
     fwd = lambda: fusedattn.attention(q.detach(), k.detach(), v.detach(), causal=args.causal)  # noqa
     bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa
     p, extras = make_problem(q.detach(), k.detach(), v.detach(), causal=args.causal)
