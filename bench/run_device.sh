@@ -8,6 +8,8 @@
 #   tests-gluon | tests-rest   the Gluon kernels' GPU tests / all the others (~770 s together)
 #   tests-gluon-fwd | tests-gluon-bwd   the two halves of tests-gluon (it no longer fits one call)
 #   overhead       bench/overhead.py: host vs GPU time per layer of a small (d=64) call
+#   thread-probe   bench/autograd_thread_probe.py (and --causal): the d=64 autograd backward's host time on the
+#                  engine's device thread, against the same call on the main thread (issue 28)
 #   decode-sweep   bench/decode_sweep.py: decode tiles x splits, TB/s (DECODE_SWEEP_ARGS=--fp8: e4m3 caches)
 #   decode-overhead  bench/decode_overhead.py: host vs GPU time of one decode call (sdpa, ours, the HF door)
 #   flush-probe    bench/flush_probe.py --anchors: copies, decode rows and four ANCHORS forwards after a zeroing
@@ -263,6 +265,8 @@ for part in "${PARTS[@]}"; do
                            --ignore=tests/test_gluon_fwd.py --ignore=tests/test_gluon_bwd_dq.py \
                            --ignore=tests/test_gluon_bwd_dkdv.py ;;
         overhead)      run_part overhead python3 bench/overhead.py ;;
+        thread-probe)  run_part thread-probe python3 bench/autograd_thread_probe.py
+                       run_part thread-probe-causal python3 bench/autograd_thread_probe.py --causal ;;
         decode-sweep)  run_part decode-sweep python3 bench/decode_sweep.py ${DECODE_SWEEP_ARGS:-} ;;
         decode-overhead) run_part decode-overhead python3 bench/decode_overhead.py ;;
         flush-probe)   run_part flush-probe python3 bench/flush_probe.py --anchors ;;
