@@ -518,6 +518,61 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
     check("bhsd")                                        # new strides: same specialization, re-encoded, still right
 
 
+def test_gluon_host_layouts_are_made_once():
+    """backends/gluon/launch.signature_key keys a TMA descriptor's shared layout by identity (hashing the frozen
+    dataclass costs more than the launch), so every layout a launch function passes must be one kept object per
+    geometry: the fused backward's dQ box was built anew per call and missed the launch cache on most backwards
+    (through the JIT's dispatch and the store's lookup each time, bench/NOTES.md 88)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from fusedattn.backends.gluon import bwd_fused_sm90, fwd_sm90
+    for flat in (False, True):
+        for d in (64, 128):
+            first, again = bwd_fused_sm90._dq_box(flat, d), bwd_fused_sm90._dq_box(flat, d)
+            assert first[1] is again[1], f"_dq_box(flat={flat}, d={d}) made a new layout"
+    assert fwd_sm90._smem_layout(128, 128, torch.bfloat16) is fwd_sm90._smem_layout(128, 128, torch.bfloat16)
+    # the two dQ layouts at d=64 share a box shape: only the layout's identity tells their launches apart
+    assert bwd_fused_sm90._dq_box(False, 64)[0] == bwd_fused_sm90._dq_box(True, 64)[0]
+    assert bwd_fused_sm90._dq_box(False, 64)[1] is not bwd_fused_sm90._dq_box(True, 64)[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_backward_repeat_calls_launch_the_cached_kernels(d):
+    """The single-pass backward's three launches (delta and dQ-accumulator zeroing, the kernel, dQ's conversion),
+    repeated through autograd (the engine's device thread) with new data: every repeat launch takes the cached
+    direct path (no new cache entry, one direct launch per kernel per call) and the gradients stay right."""
+    from fusedattn.backends.gluon import bwd_fused_sm90
+    from fusedattn.backends.gluon.launch import _LAUNCHERS
+    from fusedattn.plan import GLUON_BWD_FUSED_MIN_WORK
+    torch.manual_seed(8)
+    b, h, s = 2, 4, 512
+    if d in GLUON_BWD_FUSED_MIN_WORK:     # the d=64 single pass starts at a work size
+        s = max(s, int((GLUON_BWD_FUSED_MIN_WORK[d] / (b * h)) ** 0.5) + 64)
+    mk = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+
+    def step():
+        q, k, v = mk(), mk(), mk()
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fusedattn.attention(qs, ks, vs, deterministic=False)
+        do = torch.randn_like(out)
+        out.backward(do)
+        return q, k, v, do, (None, qs.grad, ks.grad, vs.grad)
+
+    step()
+    launchers = [_LAUNCHERS[kernel] for kernel in (bwd_fused_sm90._delta_zero, bwd_fused_sm90._attn_bwd_fused_sm90,
+                                                   bwd_fused_sm90._dq_convert)]
+    entries = [len(x.cache) for x in launchers]
+    direct = [x.direct_launches for x in launchers]
+    for i in range(3):
+        q, k, v, do, got = step()
+        _check_against_reference(q, k, v, do, got, torch.bfloat16, f"fused backward d={d} repeat {i}")
+    assert [len(x.cache) for x in launchers] == entries, "a repeat backward made a new launch-cache entry"
+    assert [x.direct_launches - n for x, n in zip(launchers, direct)] == [3, 3, 3], \
+        "a repeat backward's launch went through the JIT"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")

@@ -973,9 +973,14 @@ def acc_rows(s_q):
     return cdiv(s_q, BLOCK_M) * BLOCK_M
 
 
+@functools.lru_cache(maxsize=None)
 def _dq_box(flat, d=128):
     """(box width, shared layout) of the dQ staging tile / TMA reduce (``DQ_FLAT``) at head dim d: a
-    warpgroup's d / 2 columns in one unswizzled box (flat) or in 32-column (128-byte) swizzled boxes."""
+    warpgroup's d / 2 columns in one unswizzled box (flat) or in 32-column (128-byte) swizzled boxes.
+    Made once per (flat, d): ``launch.signature_key`` keys a descriptor's layout by identity, so a layout
+    built anew on each call missed the launch cache (each backward then went through the JIT's dispatch and
+    the store's lookup, ~120 us of host time at d=64, bench/NOTES.md 88) and could, with a freed layout's id
+    reused, hit another layout's entry."""
     if flat:
         return d // 2, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     return 32, gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
