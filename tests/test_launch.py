@@ -573,6 +573,63 @@ def test_fused_backward_repeat_calls_launch_the_cached_kernels(d):
         "a repeat backward's launch went through the JIT"
 
 
+def _all_launchers():
+    """Every launch cache of the package: the Gluon kernels' (made at first launch) and the portable kernels'."""
+    from fusedattn.backends.gluon.launch import _LAUNCHERS
+    from fusedattn.backends.triton import decode
+    from fusedattn.backends.triton.launch import Launcher
+    found = list(_LAUNCHERS.values())
+    for mod in (fwd, bwd, decode):
+        found += [x for x in vars(mod).values() if isinstance(x, Launcher)]
+    return found
+
+
+# (d, s, attention kwargs) of training calls taking each backward route: the single pass (d=128 and d=64 from its
+# work size, dropout), the two Gluon passes (deterministic, masks), the portable pair (small d=64)
+REPEAT_ROUTES = {"fused_d128": (128, 512, dict(deterministic=False)),
+                 "fused_d64": (64, 2112, dict(deterministic=False)),
+                 "fused_dropout": (128, 512, dict(deterministic=False, dropout_p=0.1)),
+                 "two_pass_causal": (128, 700, dict(deterministic=True, causal=True)),
+                 "two_pass_window_alibi": (128, 700, dict(deterministic=True, window=(100, 0), alibi=True)),
+                 "padding_causal": (128, 517, dict(causal=True, seq_len_q=[333, 100], seq_len_kv=[517, 1])),
+                 "portable_d64": (64, 300, dict(causal=True))}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")
+@pytest.mark.parametrize("route", REPEAT_ROUTES)
+def test_repeat_training_steps_add_no_launch_entries(route):
+    """A training step repeated with new data of the same metadata (forward and backward through autograd) makes no
+    new launch-cache entry in any kernel's cache: every key part is the same from call to call (a part that is not,
+    such as a layout object built per call and keyed by identity, sends each call through the JIT's dispatch: the
+    fused backward's dQ layout did, bench/NOTES.md 88)."""
+    d, s, kw = REPEAT_ROUTES[route]
+    kw = {key: torch.tensor(val, dtype=torch.int32, device="cuda") if isinstance(val, list) else val
+          for key, val in kw.items()}
+    torch.manual_seed(9)
+    mk = lambda h: torch.randn(2, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+
+    def step():
+        q, k, v = (mk(h).requires_grad_() for h in (4, 2, 2))
+        out = fusedattn.attention(q, k, v, **kw)
+        out.backward(torch.randn_like(out))
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), f"route={route}: a non-finite gradient"
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    entries = {id(x): len(x.cache) for x in _all_launchers()}
+    direct = sum(x.direct_launches for x in _all_launchers())
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    grown = [(x.kernel.fn.__name__ if hasattr(x.kernel, "fn") else x.kernel, entries.get(id(x), 0), len(x.cache))
+             for x in _all_launchers() if len(x.cache) != entries.get(id(x), 0)]
+    assert not grown, f"route={route}: repeat steps made launch-cache entries (kernel, before, after): {grown}"
+    assert sum(x.direct_launches for x in _all_launchers()) > direct, f"route={route}: no cached launch"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")
