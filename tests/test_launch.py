@@ -535,6 +535,32 @@ def test_gluon_host_layouts_are_made_once():
     assert bwd_fused_sm90._dq_box(False, 64)[1] is not bwd_fused_sm90._dq_box(True, 64)[1]
 
 
+def test_gluon_launch_keys_layouts_by_value():
+    """backends/gluon/launch.signature_key: a descriptor's layout keys by value, so a layout made anew on each call
+    (equal fields, a new object, perhaps at a freed one's address) gives the same key, and two layouts that differ
+    (the d=64 dQ boxes: the same box shape, swizzled or not) never share one."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon import language as gl
+
+    from fusedattn.backends.gluon.launch import Tma, signature_key
+
+    def layout(swizzle):
+        return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
+
+    acc = torch.zeros(1, 2, 64, 64)
+
+    def key(lay):
+        return signature_key((Tma(acc, acc.shape, acc.stride(), (1, 1, 64, 32), lay), 7), {"D": 64})
+
+    kept = layout(128)
+    assert key(kept) == key(kept)
+    assert key(layout(128)) == key(layout(128)) == key(kept), "equal layouts made apart key differently"
+    assert key(layout(0)) != key(layout(128)), "a flat and a swizzled layout share a launch key"
+    for _ in range(300):        # past the token table's size: it is cleared, the keys stay the same
+        assert key(layout(0)) != key(kept)
+    assert key(kept) == key(layout(128))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon kernels are Hopper-only (compute capability 9.x): GPU test skipped")

@@ -50,14 +50,33 @@ class Tma(NamedTuple):
 
 def signature_key(args, kwargs, runtime_names=frozenset()) -> tuple:
     """The cache key of one launch (``triton.launch.signature_key``; runtime_names: the kernel's
-    ``Launcher.runtime_names``), a :class:`Tma` keyed by its dtype, box and layout (the layout by identity:
-    layouts are built once and kept, ``fwd_sm90._smem_layout``, and a frozen dataclass's hash rebuilds a tuple
-    of its fields on every call)."""
+    ``Launcher.runtime_names``), a :class:`Tma` keyed by its dtype, box and layout (the layout by value, through
+    :func:`_layout_token`)."""
     return _signature_key(args, kwargs, Tma, _tma_key, runtime_names)
 
 
 def _tma_key(a: Tma) -> tuple:
-    return a.base.dtype, a.block_shape, id(a.layout)
+    return a.base.dtype, a.block_shape, _layout_token(a.layout)
+
+
+_LAYOUT_TOKENS: dict = {}       # id(layout) -> (layout, its token)
+
+
+def _layout_token(layout):
+    """A layout's part of a launch key: equal for equal layouts, cheap for the same object. Layouts are built once
+    and kept (``fwd_sm90._smem_layout``), so an identity lookup answers (a frozen dataclass's hash rebuilds a tuple
+    of its fields on every call); the entry holds the layout, so its id is not reused by another object while the
+    entry lives, and a layout made anew per call still keys by value (its repr), never by address: keyed by
+    ``id()`` alone, the fused backward's per-call dQ layout missed the launch cache on most calls
+    (bench/NOTES.md 88) and a reused address could have matched another layout's entry."""
+    entry = _LAYOUT_TOKENS.get(id(layout))
+    if entry is not None and entry[0] is layout:
+        return entry[1]
+    if len(_LAYOUT_TOKENS) >= 256:
+        _LAYOUT_TOKENS.clear()
+    token = repr(layout)
+    _LAYOUT_TOKENS[id(layout)] = (layout, token)
+    return token
 
 
 def _jit_arg(a):
