@@ -519,10 +519,10 @@ def test_gluon_repeat_calls_launch_the_cached_kernels(route):
 
 
 def test_gluon_host_layouts_are_made_once():
-    """backends/gluon/launch.signature_key keys a TMA descriptor's shared layout by identity (hashing the frozen
-    dataclass costs more than the launch), so every layout a launch function passes must be one kept object per
-    geometry: the fused backward's dQ box was built anew per call and missed the launch cache on most backwards
-    (through the JIT's dispatch and the store's lookup each time, bench/NOTES.md 88)."""
+    """Every layout a launch function passes is one kept object per geometry: backends/gluon/launch._layout_token
+    answers a kept layout by identity and a new one only through its repr (hashing the frozen dataclass costs more
+    than the launch). The fused backward's dQ box was built anew per call and, keyed by id() then, missed the
+    launch cache on most backwards (bench/NOTES.md 88)."""
     pytest.importorskip("triton.experimental.gluon")
     from fusedattn.backends.gluon import bwd_fused_sm90, fwd_sm90
     for flat in (False, True):
@@ -530,7 +530,7 @@ def test_gluon_host_layouts_are_made_once():
             first, again = bwd_fused_sm90._dq_box(flat, d), bwd_fused_sm90._dq_box(flat, d)
             assert first[1] is again[1], f"_dq_box(flat={flat}, d={d}) made a new layout"
     assert fwd_sm90._smem_layout(128, 128, torch.bfloat16) is fwd_sm90._smem_layout(128, 128, torch.bfloat16)
-    # the two dQ layouts at d=64 share a box shape: only the layout's identity tells their launches apart
+    # the two dQ layouts at d=64 share a box shape: only the layout tells their launches apart
     assert bwd_fused_sm90._dq_box(False, 64)[0] == bwd_fused_sm90._dq_box(True, 64)[0]
     assert bwd_fused_sm90._dq_box(False, 64)[1] is not bwd_fused_sm90._dq_box(True, 64)[1]
 
@@ -627,9 +627,9 @@ REPEAT_ROUTES = {"fused_d128": (128, 512, dict(deterministic=False)),
 @pytest.mark.parametrize("route", REPEAT_ROUTES)
 def test_repeat_training_steps_add_no_launch_entries(route):
     """A training step repeated with new data of the same metadata (forward and backward through autograd) makes no
-    new launch-cache entry in any kernel's cache: every key part is the same from call to call (a part that is not,
-    such as a layout object built per call and keyed by identity, sends each call through the JIT's dispatch: the
-    fused backward's dQ layout did, bench/NOTES.md 88)."""
+    new launch-cache entry in any kernel's cache: every key part is the same from call to call (a part that is not
+    sends each call through the JIT's dispatch: the fused backward's per-call dQ layout did while layouts were keyed
+    by id(), bench/NOTES.md 88)."""
     d, s, kw = REPEAT_ROUTES[route]
     kw = {key: torch.tensor(val, dtype=torch.int32, device="cuda") if isinstance(val, list) else val
           for key, val in kw.items()}

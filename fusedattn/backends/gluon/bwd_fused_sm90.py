@@ -977,10 +977,9 @@ def acc_rows(s_q):
 def _dq_box(flat, d=128):
     """(box width, shared layout) of the dQ staging tile / TMA reduce (``DQ_FLAT``) at head dim d: a
     warpgroup's d / 2 columns in one unswizzled box (flat) or in 32-column (128-byte) swizzled boxes.
-    Made once per (flat, d): ``launch.signature_key`` keys a descriptor's layout by identity, so a layout
-    built anew on each call missed the launch cache (each backward then went through the JIT's dispatch and
-    the store's lookup, ~120 us of host time at d=64, bench/NOTES.md 88) and could, with a freed layout's id
-    reused, hit another layout's entry."""
+    Made once per (flat, d), as every layout a launch passes: ``launch._layout_token`` answers a kept layout by
+    identity and a new one only through its repr (built anew per call, and keyed by id() as it once was, this one
+    sent most backwards through the JIT's dispatch: ~120 us of host time at d=64, bench/NOTES.md 88)."""
     if flat:
         return d // 2, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     return 32, gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
