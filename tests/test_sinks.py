@@ -375,6 +375,22 @@ def test_delta_pass_launch_key_includes_the_sink(monkeypatch):
     keys = [key for key, _ in seen]
     assert len(set(keys[:3])) == 3 and keys[1] == keys[3]
 
+
+def test_delta_pass_launch_key_is_the_same_for_every_dropout_seed(monkeypatch):
+    """launch_delta's key holds nothing that changes from one training step to the next: with dropout the problem
+    carries a new seed and offset on every call, and a key holding them made a cache entry and a JIT dispatch per
+    step (the GPU test test_launch.py::test_repeat_training_steps_add_no_launch_entries[fused_dropout], bench/NOTES.md
+    89); what the kernel does depend on (here the query length) still tells keys apart."""
+    from fusedattn.backends.triton import bwd
+    from fusedattn.problem import make_problem
+    seen = []
+    monkeypatch.setattr(bwd, "_PREPROCESS", lambda key, grid, *a, **kw: seen.append(key))
+    for seed, offset, s_q in ((1, 0, 33), (2**40 + 3, 16, 33), (48, 2**33, 33), (1, 0, 34)):
+        q = torch.randn(1, 4, s_q, 16)
+        p, _ = make_problem(q, q, q, dropout_p=0.1, dropout_seed=seed, dropout_offset=offset)
+        bwd.launch_delta(p, q, q, torch.empty(4, s_q))
+    assert seen[0] == seen[1] == seen[2] and seen[3] != seen[0], seen
+
 # the Gluon two-pass backward with a sink (H100/H200): (d, kwargs of attention, lengths) -> the kernel that
 # computes delta and takes the sink there: "causal_2k" (issue 26's bench row, below
 # functional._FUSED_CAUSAL_MIN_KEYS keys: two passes) and "causal_padded" (rows that see no key, rows past

@@ -488,9 +488,12 @@ def launch_delta(p, out, grad_out, delta, *, lse=None, sink=None, dsink=None):
     else:
         lse = sink = dsink = delta
         lse_strides = (0, 0, 0)
-    # the launch key: everything the JIT specializes on (launch.py's contract); delta is fresh (aligned);
-    # with the sink, lse's strides and the three fp32 pointers' alignment
-    key = (p, out.stride(), grad_out.stride(), out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0,
+    # the launch key: everything the JIT specializes on (launch.py's contract), and nothing that changes from
+    # call to call: the integers the kernel takes, not the problem, whose dropout seed is new on every training
+    # step (bench/NOTES.md 89); delta is fresh (aligned); with the sink, lse's strides and the three fp32
+    # pointers' alignment
+    key = (out.dtype, grad_out.dtype, p.h_q, p.s_q, p.d_v, out.stride(), grad_out.stride(),
+           out.data_ptr() % 16 == 0, grad_out.data_ptr() % 16 == 0,
            has_sink and (lse_strides, lse.data_ptr() % 16 == 0, sink.data_ptr() % 16 == 0, dsink.data_ptr() % 16 == 0))
     _PREPROCESS(key, (cdiv(p.s_q, block_m), p.b * p.h_q),
                 out, grad_out, delta, out, lse, sink, dsink, *out.stride(), *grad_out.stride(), *lse_strides,
