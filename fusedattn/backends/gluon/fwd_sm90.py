@@ -76,6 +76,16 @@ spills, the packing no longer under the PV wgmma). So it is on there only at d12
 window), ALiBi or dropout (``DENSE_P_F32``): those builds take 28-30 fewer SASS instructions per step (496 ->
 468 one-tile, 487 -> 466 persistent; padded and packed queries alike) and spill nothing: b2 h16 8k 1.020x
 in elapsed cycles (H100, 3.9.0; the causal, d64 builds unchanged, within 0.2%).
+Stats in shared memory. With P carried as fp32 the paged builds' registers are full (12 warps at launch,
+240 a consumer thread), and 3.9's ptxas kept one step value in local memory, in one warpgroup or the
+other: at pages of 16 a store and reload of the pin slot's address and a swapped value, 6 local accesses
+per mask-free step (9 in the masked one) in the prefill's padded build, 4-6 in the packed one. Over pages
+on 3.9+ (``PAGED_STATS_SMEM``) the running max and sum cross a step in the pin slot, now [2 * 64]
+(``_stats_store`` after the softmax, where the sum was stored anyway; ``_stats_load`` before the next
+one), which frees their 4 registers: no local access in any step loop of the paged builds (pages of 16,
+64, 256, padded and packed), +5 SASS instructions per step. Elapsed cycles (H100, 3.9.0, bench/NOTES.md
+89): pages of 16 2.6% faster (0.930 -> 0.952 of the contiguous cache), packed queries over 16 2.0%
+(0.918 -> 0.934), over 64 0.8%; pages of 64 0.2% slower (they had no spill in the mask-free loop).
 
 [Note] ALiBi by wgmma. The loop is issue-bound, so ALiBi's one add per score (the column term
 slope * c / scale) cost its forward 0.89 of the unmasked speed, the instruction ratio of the loops
@@ -370,6 +380,9 @@ K_AHEAD_ABOVE_D = gl.constexpr(128)
 PAGED_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
 # ... and over a contiguous cache at d128 without a band, ALiBi or dropout (the same note: no spills there)
 DENSE_P_F32 = gl.constexpr(TRITON_VERSION >= (3, 9))
+# over pages, Triton 3.9+: the running max and sum cross a step in shared memory ([Note] packed P, stats in shared
+# memory), which frees the registers whose lack put a step value in local memory (bench/NOTES.md 89)
+PAGED_STATS_SMEM = gl.constexpr(TRITON_VERSION >= (3, 9))
 
 
 @gluon.jit
@@ -897,13 +910,30 @@ def _drop(p, drop, row0, n0):
 
 
 @gluon.jit
+def _stats_store(pin, m_i, l_i):
+    """STATS_SMEM: a step's running sum and max into ``pin`` (fp32 [2 * 64]: l in the first half, m in the second).
+    Each thread writes its own rows (the four threads of a row write the same values) and reads back only those
+    addresses, so its own program order makes the next step's ``_stats_load`` see them: no barrier."""
+    WG_M: gl.constexpr = pin.shape[0] // 2
+    pin.slice(0, WG_M).store(l_i)
+    pin.slice(WG_M, WG_M).store(m_i)
+
+
+@gluon.jit
+def _stats_load(pin, layout: gl.constexpr):
+    """(m, l) as the last ``_stats_store`` left them, in the rows' ``layout``."""
+    WG_M: gl.constexpr = pin.shape[0] // 2
+    return pin.slice(WG_M, WG_M).load(layout), pin.slice(0, WG_M).load(layout)
+
+
+@gluon.jit
 def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk, alpha, m_i, l_i, zero_s,
               qk_scale, p_shift, rows, row0, kv0, S_KV, diag, win_left, win_right, slope2, alibi_col, bias, pin, turn,
               turn0,
               drop, WG: gl.constexpr,
               MASKED: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, HAS_ALIBI: gl.constexpr,
               DROPOUT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, PROMOTE: gl.constexpr = 32,
-              FP8_EMU: gl.constexpr = 0, P_F32: gl.constexpr = False):
+              FP8_EMU: gl.constexpr = 0, P_F32: gl.constexpr = False, STATS_SMEM: gl.constexpr = False):
     """Step j >= 1 (key tile kv0 / BLOCK_N + j): QK^T of this tile, then PV of the previous one
     overlapped with this tile's softmax.
 
@@ -917,7 +947,8 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     tile's first key. turn0 + j - 1 counts the ping-pong steps taken before this one (turn0 = 0
     on the one-tile grid). DROPOUT: the PV product takes P with the dropped scores zeroed
     (``_drop``); l keeps the sum of them all. P_F32 (16-bit only): ``pk`` in and out is P itself, fp32, packed
-    here right before its PV wgmma ([Note] packed P).
+    here right before its PV wgmma ([Note] packed P). STATS_SMEM: m_i and l_i in and out are unused; the step reads
+    them from ``pin`` ([2 * 64]) and leaves its own there (``_stats_store``).
     """
     BLOCK_N: gl.constexpr = zero_s.shape[1]
     HEAD_D: gl.constexpr = q_view.shape[1]
@@ -956,11 +987,16 @@ def _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, 
     n0 = kv0 + j * BLOCK_N
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(slot))
+    if STATS_SMEM:
+        m_i, l_i = _stats_load(pin, gl.SliceLayout(1, zero_s.type.layout))
     p_new, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, n0, S_KV, diag, win_left, win_right,
                                            alibi_col, slope2, row0, MASKED, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA,
                                            _fp8_semantics(q_view.dtype, FP8_EMU), p_shift)
     # l depends on every exponential of the tile: storing it orders them all before the wait
-    pin.store(l_i)
+    if STATS_SMEM:
+        _stats_store(pin, m_i, l_i)
+    else:
+        pin.store(l_i)
     if DROPOUT:
         p_new = _drop(p_new, drop, row0, n0)
     if TILE_ACC:
@@ -1044,7 +1080,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                 win_right, slope2, qk_scale, drop, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                 HAS_ALIBI: gl.constexpr, PADDED: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, scale_s=1.0,
-                PROMOTE: gl.constexpr = 32, FP8_EMU: gl.constexpr = 0, P_F32: gl.constexpr = False):
+                PROMOTE: gl.constexpr = 32, FP8_EMU: gl.constexpr = 0, P_F32: gl.constexpr = False,
+                STATS_SMEM: gl.constexpr = False):
     """The online softmax of one consumer warpgroup's 64 query rows (``rows``, first ``row0``, Q in
     ``q_view`` [64, HEAD_D]) over key tiles [t_lo, t_hi) (``_kv_range``); key tile t_lo + j sits in
     ring slot (ring0 + j) % STAGES (ring0: the K/V tiles of earlier work tiles; 0 on the one-tile
@@ -1056,7 +1093,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
     (persistent grid, 2 Q slots): once this tile's first QK^T is done, the previous work tile's Q
     slot is handed back to the producer (after its output store has read it), so the next Q load
     runs under this tile. Keys >= len_kv are masked; with padding a tile with n_tiles = 0
-    computes nothing and returns o = 0, l = 0 (the epilogue then writes zeros)."""
+    computes nothing and returns o = 0, l = 0 (the epilogue then writes zeros). STATS_SMEM: the steps pass the
+    running max and sum through ``pin`` ([2 * 64] fp32, ``_stats_store``) instead of registers."""
     WG_M: gl.constexpr = q_view.shape[0]
     HEAD_D: gl.constexpr = q_view.shape[1]
     dtype: gl.constexpr = q_view.dtype
@@ -1109,6 +1147,8 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, qk_scale, rows, kv0, len_kv, diag, win_left, win_right,
                                            alibi_col, slope2, row0, True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, BY_MMA,
                                            _fp8_semantics(dtype, FP8_EMU), p_shift)
+        if STATS_SMEM:
+            _stats_store(pin, m_i, l_i)
         if DROPOUT:
             p = _drop(p, drop, row0, kv0)
         # P as the loop carries it to the next step (P_F32: fp32 on 16-bit operands, [Note] packed P)
@@ -1126,22 +1166,24 @@ def _fwd_attend(WG: gl.constexpr, q_view, q_ready, k_smem, v_smem, k_ready, k_em
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE, FP8_EMU, CARRY_F32)
+                                              PROMOTE, FP8_EMU, CARRY_F32, STATS_SMEM)
         for j in range(ring0 + t_a - t_lo, ring0 + t_b - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, p_shift, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               False, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE, FP8_EMU, CARRY_F32)
+                                              PROMOTE, FP8_EMU, CARRY_F32, STATS_SMEM)
         for j in range(ring0 + t_b - t_lo, ring0 + t_hi - t_lo):
             o, pk, alpha, m_i, l_i = _fwd_step(j, q_view, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, o, pk,
                                               alpha, m_i, l_i, zero_s, qk_scale, p_shift, rows, row0, kvr, len_kv, diag,
                                               win_left, win_right, slope2, alibi_col, bias, pin, turn, turn_r, drop,
                                               WG,
                                               True, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, DROPOUT, STAGES, PINGPONG,
-                                              PROMOTE, FP8_EMU, CARRY_F32)
+                                              PROMOTE, FP8_EMU, CARRY_F32, STATS_SMEM)
 
+        if STATS_SMEM:
+            m_i, l_i = _stats_load(pin, row_s)
         # last PV product
         last = ring0 + t_hi - t_lo - 1
         slot = last % STAGES
@@ -1318,7 +1360,8 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                   HAS_SEQ_Q: gl.constexpr, HAS_SEQ_KV: gl.constexpr, DROPOUT: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                   scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, q_off=0, PACKED_Q: gl.constexpr = False,
-                  FP8_EMU: gl.constexpr = 0, FP8_HEAD_SCALES: gl.constexpr = False, P_F32: gl.constexpr = False):
+                  FP8_EMU: gl.constexpr = 0, FP8_HEAD_SCALES: gl.constexpr = False, P_F32: gl.constexpr = False,
+                  STATS_SMEM: gl.constexpr = False):
     """Consumer warpgroup WG (one work tile per CTA): the online softmax of query rows
     [start_m + 64 * WG, +64) over key tiles [t_lo, t_hi) (``_fwd_attend``), then the epilogue
     through the (now free) Q buffer (``_fwd_write``). Keys j >= len_kv are masked (len_kv = S_KV
@@ -1333,7 +1376,8 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                                                        instr_shape=[16, BLOCK_N, _mma_k(q_smem.dtype)])
     row0 = start_m + WG * WG_M
     rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))   # global query row of each accumulator row
-    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    pin = gl.allocate_shared_memory(gl.float32, [2 * WG_M if STATS_SMEM else WG_M],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bias = _alibi_operands(q_smem.dtype, WG_M, BLOCK_N, _alibi_by_mma(HAS_ALIBI, q_smem.dtype))
     descale_v = 1.0
     if FP8_HEAD_SCALES:
@@ -1342,7 +1386,7 @@ def _fwd_consumer(WG: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
                               v_empty, turn, pin, bias, 0, 0, None, False, rows, row0, t_lo, t_a, t_b, t_hi, n_tiles,
                               len_kv, diag, win_left, win_right, slope2, qk_scale, drop, HAS_LEFT, HAS_RIGHT,
                               HAS_ALIBI, HAS_SEQ_Q or HAS_SEQ_KV, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, PINGPONG,
-                              scale_s, PROMOTE, FP8_EMU, P_F32)
+                              scale_s, PROMOTE, FP8_EMU, P_F32, STATS_SMEM)
     if FP8_HEAD_SCALES:
         o = o * descale_v
     _fwd_write(o, m_i, l_i, rows, row0, q_smem, o_desc, LSE, stride_lb, stride_lh, stride_lm, batch, head, S_Q,
@@ -1810,7 +1854,8 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                              QSTAGES: gl.constexpr, PINGPONG: gl.constexpr, HAS_SINK: gl.constexpr,
                              scale_s=1.0, fp8_out=None, PROMOTE: gl.constexpr = 32, PACKED_Q: gl.constexpr = False,
                              PACKED_KV: gl.constexpr = False, FP8_EMU: gl.constexpr = 0,
-                             FP8_HEAD_SCALES: gl.constexpr = False, P_F32: gl.constexpr = False):
+                             FP8_HEAD_SCALES: gl.constexpr = False, P_F32: gl.constexpr = False,
+                             STATS_SMEM: gl.constexpr = False):
     """Consumer warpgroup WG of the persistent grid: work tiles as the producer posts them (the
     i-th in Q slot i % QSTAGES of q_smem [QSTAGES, 1, 1, 64, HEAD_D]), each one as on the
     one-tile grid (``_fwd_attend``, ``_fwd_write``), the O epilogue staged in the tile's own Q
@@ -1827,7 +1872,8 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, _mma_k(q_smem.dtype)])
     total = N_M * N_BH
-    pin = gl.allocate_shared_memory(gl.float32, [WG_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    pin = gl.allocate_shared_memory(gl.float32, [2 * WG_M if STATS_SMEM else WG_M],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bias = _alibi_operands(q_smem.dtype, WG_M, BLOCK_N, _alibi_by_mma(HAS_ALIBI, q_smem.dtype))
     i = 0          # work tiles done by this CTA
     ring = 0       # K/V tiles consumed so far (the ring's count)
@@ -1858,7 +1904,7 @@ def _fwd_consumer_persistent(WG: gl.constexpr, q_smem, tile_smem, k_smem, v_smem
                                   v_ready, v_empty, turn, pin, bias, ring, steps, prev_free, (QSTAGES == 2) & (i > 0),
                                   rows, row0, t_lo, t_a, t_b, t_hi, n_tiles, len_kv, diag, win_left, win_right,
                                   slope2, qk_tile, drop, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, PADDED, HAS_SEQ_KV,
-                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE, FP8_EMU, P_F32)
+                                  DROPOUT, BLOCK_N, STAGES, PINGPONG, scale_s, PROMOTE, FP8_EMU, P_F32, STATS_SMEM)
         if FP8_HEAD_SCALES:
             o = o * descale_v
         if PADDED:
@@ -1948,6 +1994,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
     pages = (PT_K, PT_V, stride_ptk, stride_ptv, MAX_PAGES)
     P_F32: gl.constexpr = (PAGED_P_F32 and PAGE > 0) or (DENSE_P_F32 and HEAD_D == 128 and not (
         HAS_LEFT or HAS_RIGHT or HAS_ALIBI or DROPOUT))
+    STATS_SMEM: gl.constexpr = PAGED_STATS_SMEM and PAGE > 0
     if FP8_SEM:
         gl.static_assert(not (HAS_ALIBI or DROPOUT or HAS_SINK or PAGE > 0 or PACKED_Q),
                          "the FP8 forward runs masks, padding and GQA only")
@@ -2015,7 +2062,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32, STATS_SMEM)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
@@ -2023,7 +2070,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32, STATS_SMEM)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -2043,7 +2090,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32, STATS_SMEM)),
                 (_fwd_consumer_persistent, (1, q_smem1, tile_smem, k_smem, v_smem, q_ready1, q_empty, k_ready, k_empty,
                                             v_ready, v_empty, turn, o_desc, LSE, stride_lb, stride_lh, stride_lm, SLOPES, stride_sb,
                                             SEQ_Q, SEQ_KV, H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, qk_scale,
@@ -2051,7 +2098,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                                             SINK, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, HAS_ALIBI, WRITE_LSE, REVERSE_M,
                                             HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT, BLOCK_N, STAGES, QSTAGES, PINGPONG,
                                             HAS_SINK, scale_s, fp8_out, PROMOTE, PACKED_Q, PACKED_KV,
-                                            FP8_EMU, FP8_HEAD_SCALES, P_F32)),
+                                            FP8_EMU, FP8_HEAD_SCALES, P_F32, STATS_SMEM)),
                 (_fwd_producer_persistent, (q_desc, k_desc, v_desc, q_smem0, q_smem1, tile_smem, k_smem, v_smem, q_ready0,
                                             q_ready1, q_empty, k_ready, k_empty, v_ready, v_empty, COUNTER, SEQ_Q, SEQ_KV,
                                             H_Q, GROUP, S_Q, S_KV, N_M, N_BH, HEAD_GROUP, win_left, win_right, pages,
@@ -2089,13 +2136,13 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, st
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU, FP8_HEAD_SCALES, P_F32)),
+                             FP8_EMU, FP8_HEAD_SCALES, P_F32, STATS_SMEM)),
             (_fwd_consumer, (1, q_smem1, k_smem, v_smem, q_bar.index(1), k_ready, k_empty, v_ready, v_empty, turn,
                              o_desc, LSE, stride_lb, stride_lh, stride_lm, q_batch, head, start_m, t_lo, t_a, t_b,
                              t_hi, n_tiles, S_Q, len_q, len_kv, diag, win_left, win_right, slope2, qk_scale, drop,
                              SINK, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, WRITE_LSE, HAS_SEQ_Q, HAS_SEQ_KV, DROPOUT,
                              BLOCK_N, STAGES, PINGPONG, HAS_SINK, scale_s, fp8_out, PROMOTE, q_off, PACKED_Q,
-                             FP8_EMU, FP8_HEAD_SCALES, P_F32)),
+                             FP8_EMU, FP8_HEAD_SCALES, P_F32, STATS_SMEM)),
             # the load warp (warp 8)
             (_fwd_producer, (q_desc, k_desc, v_desc, q_smem0, q_smem1, k_smem, v_smem, q_bar, k_ready, k_empty,
                              v_ready, v_empty, batch, head, kv_head, start_m, t_lo, n_tiles, pages, BLOCK_N,
