@@ -1,20 +1,25 @@
 """Lab tool (no GPU): local memory of the Gluon kernels as real launches compile them.
 
     python tools/recorded_locals.py [--store DIR] [--kernel MODULE.FUNCTION] [--where NAME=VALUE ...]
-                                    [--keys PREFIX,...]
+                                    [--keys PREFIX,...] [--all-loops]
 
 Compiles the shipped store's recorded launches of one Gluon kernel (``fwd_sm90._attn_fwd_sm90`` unless
 ``--kernel`` names another, e.g. ``bwd_dkdv_sm90._attn_bwd_dkdv_sm90``; this Triton's store unless ``--store``)
 from this tree's sources, with the JIT's own specialization (tools/store_rebuild.py: pointer alignment and
 integer divisibility as recorded), and prints per launch its switches, stack bytes, LDL / STL count, SASS size
 and, per loop with wgmmas, (instructions, local accesses). ``--where PAGE=16 --where PACKED_Q=True`` keeps the
-launches whose compile-time switches have those reprs. For an A/B, run it from two checkouts (a ``git worktree``
-of the base commit) with the same arguments. ``recorded_launches`` and ``locals_of`` serve tests too.
+launches whose compile-time switches have those reprs. ``--all-loops`` also lists every loop of the SASS of 60
+instructions or more with no EXIT inside, outer ones too (the persistent grid's work-tile loops: per work tile code), with its local
+accesses. For an A/B, run it from two checkouts (a ``git worktree`` of the base commit) with the same arguments. ``recorded_launches`` and ``locals_of`` serve tests too.
 
 Why not tools/gluon_check.py: its ``compile_fwd`` specializes on no argument, and ptxas then allocates
 registers differently. The bench's paged prefill (pages of 16, packed queries, Triton 3.9.0) compiled there
 showed 24 bytes of stack; as the launch compiles it, 256 bytes and ~100 local loads per work tile, which Nsight
 Compute showed as long-scoreboard stalls at each tile's masked steps (bench/NOTES.md 85).
+
+Measured (session 49, Triton 3.9.0, ``--where PAGE=16 --all-loops``): the packed prefill's first consumer held 18
+local accesses in its work-tile loop against the padded build's 10, 8 without the packed epilogue's partial-tile
+stores (bench/NOTES.md 89).
 
 Measured (session 45, Triton 3.9.0 / 3.6.0, sources of commit 746e8bc): the prefill's padded and packed builds
 over pages of 16, 64 and 256 hold 216-256 bytes of stack on 3.9.0 (31-32 local accesses in the second
@@ -89,6 +94,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="fwd_sm90._attn_fwd_sm90", help="module.function under backends/gluon")
     ap.add_argument("--where", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--keys", default="", help="comma list of index key prefixes")
+    ap.add_argument("--all-loops", action="store_true", help="also every loop with its local accesses, outer ones too")
     args = ap.parse_args()
     where = dict(w.split("=", 1) for w in args.where)
     for key, entry, specs in recorded_launches(args.kernel, where, args.keys, args.store):
@@ -97,6 +103,12 @@ def main() -> None:
         print(f"{key[:10]} d{specs['q_desc'][2][3]} {switches}\n    stack {stack} LDL {text.count('LDL')} "
               f"STL {text.count('STL')} SASS {len(re.findall(r'/[*][0-9a-f]{4,}[*]/', text))} "
               f"loops with wgmmas (instructions, local) {[(n, local) for n, _, local in loops]}", flush=True)
+        if args.all_loops:
+            for label, n, body in gluon_check.loops(text):
+                if n >= 60 and not any("EXIT" in b for b in body):
+                    local = sum("LDL" in b or "STL" in b for b in body)
+                    wgmma = " (wgmmas)" if any("GMMA" in b for b in body) else ""
+                    print(f"      loop {label}: {n} instructions, {local} local accesses{wgmma}")
 
 
 if __name__ == "__main__":
