@@ -115,7 +115,7 @@ def test_gluon_fwd_paged_steps_touch_no_local_memory(packed, page):
     compile: no step loop of either consumer warpgroup reads or writes local memory. On Triton 3.9 the fp32 P carry
     fills the registers, and ptxas kept one step value in local memory until the running max and sum crossed the step
     in shared memory (fwd_sm90 ``PAGED_STATS_SMEM``, [Note] packed P): before, 6 accesses per mask-free step of pages of
-    16 (9 masked), 1-6 in the others; after, none, and the pages-of-16 prefill 2.6% faster in elapsed cycles (H100,
+    16 (3 masked), 1-4 in the others; after, none, and the pages-of-16 prefill 2.6% faster in elapsed cycles (H100,
     bench/NOTES.md 89)."""
     constants = {"PAGE": page, "PACKED_Q": repr(packed), "BOTTOM_RIGHT": "True", "HAS_SEQ_KV": "True",
                  "PERSISTENT": "True"}

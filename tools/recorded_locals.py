@@ -9,8 +9,9 @@ from this tree's sources, with the JIT's own specialization (tools/store_rebuild
 integer divisibility as recorded), and prints per launch its switches, stack bytes, LDL / STL count, SASS size
 and, per loop with wgmmas, (instructions, local accesses). ``--where PAGE=16 --where PACKED_Q=True`` keeps the
 launches whose compile-time switches have those reprs. ``--all-loops`` also lists every loop of the SASS of 60
-instructions or more with no EXIT inside, outer ones too (the persistent grid's work-tile loops: per work tile code), with its local
-accesses. For an A/B, run it from two checkouts (a ``git worktree`` of the base commit) with the same arguments. ``recorded_launches`` and ``locals_of`` serve tests too.
+instructions or more with no EXIT inside, outer ones too (the persistent grid's work-tile loops: per work tile
+code), with its local accesses. For an A/B, run it from two checkouts (a ``git worktree`` of the base commit) with
+the same arguments. ``recorded_launches`` and ``locals_of`` serve tests too.
 
 Why not tools/gluon_check.py: its ``compile_fwd`` specializes on no argument, and ptxas then allocates
 registers differently. The bench's paged prefill (pages of 16, packed queries, Triton 3.9.0) compiled there

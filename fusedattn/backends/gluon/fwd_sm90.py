@@ -79,7 +79,7 @@ in elapsed cycles (H100, 3.9.0; the causal, d64 builds unchanged, within 0.2%).
 Stats in shared memory. With P carried as fp32 the paged builds' registers are full (12 warps at launch,
 240 a consumer thread), and 3.9's ptxas kept one step value in local memory, in one warpgroup or the
 other: at pages of 16 a store and reload of the pin slot's address and a swapped value, 6 local accesses
-per mask-free step (9 in the masked one) in the prefill's padded build, 4-6 in the packed one. Over pages
+per mask-free step (3 in the masked one) in the prefill's padded build, 4 (4) in the packed one. Over pages
 on 3.9+ (``PAGED_STATS_SMEM``) the running max and sum cross a step in the pin slot, now [2 * 64]
 (``_stats_store`` after the softmax, where the sum was stored anyway; ``_stats_load`` before the next
 one), which frees their 4 registers: no local access in any step loop of the paged builds (pages of 16,
