@@ -20,6 +20,7 @@ import torch
 
 from .backends import compat
 from .backends import cpu as cpu_backend
+from .backends import replay as _replay
 from . import fp8 as _fp8
 from .plan import GLUON_BWD_FUSED_MIN_WORK, plan
 from .problem import InvalidArgumentError, InvalidTypeError, check_deterministic, make_problem
@@ -126,6 +127,7 @@ _gluon_off: set = set()      # passes ("forward", "backward") whose Gluon kernel
 
 def _turn_gluon_off(what: str, exc: BaseException) -> None:
     _gluon_off.add(what)
+    _replay.clear_all()         # a replay would launch the Gluon kernels again
     compat.warn_once(f"gluon-{what}", f"the Gluon {what} kernels failed on {compat.unsupported_note()} "
                                       f"({type(exc).__name__}: {str(exc)[:200]}); the portable Triton "
                                       "kernels run it from now on")
@@ -152,7 +154,7 @@ _FUSED_CAUSAL_MIN_KEYS = 4096
 
 
 def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, deterministic=None,
-                        dsink=None) -> bool:
+                        dsink=None, replay_key=None) -> bool:
     """The Hopper backward when the Gluon dQ pass accepts the call: delta = rowsum(dO * O) (by the dQ
     pass under a band and no padding, by a separate pass otherwise), dQ, then dK/dV on the Gluon pass where it
     accepts the call, else on the Triton one (which reads this delta). False (nothing launched) when
@@ -165,7 +167,8 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     (one read of O and dO: ~25 us against ~1.6 ms of backward at b2 h16 8k d128, so a sink keeps the
     single pass, bench/NOTES.md 54). deterministic=False: the kernel that computes delta also adds the
     sink's gradient into dsink with atomics (``_sink_acc``), no launch of its own; deterministic:
-    ``cpu.sink_grad`` from delta (a few torch kernels, bitwise reproducible)."""
+    ``cpu.sink_grad`` from delta (a few torch kernels, bitwise reproducible). replay_key: the single pass, when it
+    runs with no sink, is recorded for a replay under this key (:func:`_replay_key`)."""
     min_work = GLUON_BWD_FUSED_MIN_WORK.get(p.d)
     fused_only = min_work is not None
     # d=64: the single pass from that much work on, causal or not; otherwise the Triton pair (the Gluon two passes
@@ -186,7 +189,10 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
         # zeroes its fp32 dQ accumulator (out=). fused.supports refuses every band but causal.
         from .backends.triton.args import aligned
         out = aligned(out)
-        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=out)
+        if replay_key is not None and dsink is None and replay_key not in _backward_replays:
+            _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, replay_key)
+        else:
+            fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=out)
         if dsink is not None:
             # deterministic is False here: the delta pass adds the sink's gradient itself
             from .backends.triton.bwd import launch_delta
@@ -228,6 +234,40 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
     elif dsink is not None:
         dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
     return True
+
+
+# the single-pass backward's launches by _replay_key (backends.replay): a repeat eager backward of one problem and
+# tensor layout issues them again with its own tensors, skipping the routing, checks, descriptors and launch keys
+_backward_replays = _replay.Cache()
+
+
+def _replay_key(p, pl, deterministic, q, k, v, out, grad_out, lse):
+    """The key of an autograd backward's replay: what its route and every launch argument besides the tensors'
+    addresses depend on (the problem, its plan, the deterministic flag, the device, each tensor's strides; the
+    dtypes are the problem's and lse's fp32, grad_out's is out's under autograd), or None when a tensor is not 16-byte
+    aligned (the launch keys tell alignment per tensor, this key does not)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | grad_out.data_ptr() | lse.data_ptr()) % 16:
+        return None
+    return (p, pl, deterministic, q.device.index, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
+            lse.stride())
+
+
+def _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, key) -> None:
+    """The single-pass backward (``fused.launch_bwd_fused_sm90`` with out), its launches kept as a replay for
+    ``key`` once they all took the launch caches' cached path (a key's first call compiles or looks its kernels up
+    through the JIT: it is recorded on a later call). The replay makes dq, dk, dv as :func:`_run_backward` does and
+    the scratch as ``fused.scratch``."""
+    from .backends.triton.launch import recording
+    dq_acc, delta = fused.scratch(p, q.device)
+    with recording() as recorded:
+        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, out=out, dq_acc=dq_acc)
+    if recorded.complete:
+        device = q.device
+
+        def make(q, k, v, out, grad_out, lse):
+            return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + fused.scratch(p, device)
+        roles = (q, k, v, out, grad_out, lse, dq, dk, dv, dq_acc, delta)
+        _backward_replays.keep(key, _replay.build(recorded, roles, make))
 
 
 def _sink_acc(dsink):
@@ -386,9 +426,10 @@ def attention_backward(q, k, v, out, grad_out, stats, *, attn_scale=None, causal
 
 
 def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, dv=None, need_dbias=False,
-                  deterministic=None, dsink=None):
+                  deterministic=None, dsink=None, replay_key=None):
     """The backward once inputs are validated (autograd calls this directly with the forward's problem).
-    dsink: fp32 [h_q] written with the sink's gradient (problems with a sink; None skips it)."""
+    dsink: fp32 [h_q] written with the sink's gradient (problems with a sink; None skips it). replay_key: see
+    :func:`_run_gluon_backward`."""
     # gradients in the layout of their inputs (empty_like keeps the strides of a dense tensor, e.g.
     # BSHD memory, in one call: eager backward at d=64 is host-bound)
     dq = torch.empty_like(q) if dq is None else dq
@@ -410,7 +451,8 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
         dbias_full = cpu_backend.backward(p, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, dsink)
     elif not (pl.bwd_gluon and not need_dbias
                    and _gluon_ran("backward", lambda: _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out,
-                                                                          lse, dq, dk, dv, deterministic, dsink))):
+                                                                          lse, dq, dk, dv, deterministic, dsink,
+                                                                          replay_key))):
         from .backends.triton.bwd import launch_bwd
         delta = None
         if dsink is not None:
@@ -495,11 +537,24 @@ class _Attention(torch.autograd.Function):
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
+        lse = stats[..., 0]
+        deterministic = ctx.deterministic
+        replay_key = None
+        if attn_bias is None and sink is None and not p.has_dropout and q.is_cuda and _replay.ENABLED:
+            # a repeat of a replayed problem and layout: its launches again, nothing else (_fused_backward_recorded)
+            if deterministic is None:
+                deterministic = torch.are_deterministic_algorithms_enabled()
+            replay_key = _replay_key(p, pl, deterministic, q, k, v, out, grad_out, lse)
+            replay = _backward_replays.get(replay_key)
+            if replay is not None:
+                made = replay(q, k, v, out, grad_out, lse)
+                if made is not None:
+                    return made[0], made[1], made[2], None, None, None, None
         dsink = None
         if sink is not None:
             dsink = torch.empty((p.h_q,), dtype=torch.float32, device=q.device)
-        dq, dk, dv, dbias = _run_backward(p, extras, pl, q, k, v, out, grad_out, stats[..., 0],
-                                          need_dbias=need_dbias, deterministic=ctx.deterministic, dsink=dsink)
+        dq, dk, dv, dbias = _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, need_dbias=need_dbias,
+                                          deterministic=deterministic, dsink=dsink, replay_key=replay_key)
         if dbias is not None:
             dbias = dbias.to(attn_bias.dtype)
         if dsink is not None:

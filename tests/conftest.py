@@ -84,6 +84,17 @@ def _gpu_faults_stay_with_their_test():
         torch.cuda.synchronize()
 
 
+@pytest.fixture(autouse=True)
+def _no_replay_outlives_its_test():
+    """Every launch replay (``fusedattn.backends.replay``) is forgotten after each test: a replay recorded under one
+    test's routing switches (monkeypatched) must not run in another test of the same problem."""
+    yield
+    import sys
+    replay = sys.modules.get("fusedattn.backends.replay")
+    if replay is not None:
+        replay.clear_all()
+
+
 def run_compile_child(code: str) -> str:
     """Run ``code`` in a child Python at the repository root (tools/ and the root on sys.path) with Triton's
     interpreter off, and return its stdout: a test that compiles a kernel for sm_90 with no GPU (CI turns the

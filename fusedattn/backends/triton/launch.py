@@ -20,6 +20,10 @@ as dropout seeds, whose integer width the JIT specializes on).
 Under the interpreter, or when a launch hook is installed (profilers), every call goes
 through the JIT.
 
+Recording (:class:`recording`): inside that context, on the calling thread, every launch that takes the cached
+path is also listed with the callable that made it, so ``backends.replay`` can issue the same launches again for
+another call's tensors without this module's keys.
+
 Compile ahead (:func:`compiling_ahead`): inside that context, on the calling thread, a launch does not
 run; its kernel is compiled for these arguments on a pool of threads (Triton's compiler releases the GIL
 for part of the work: two Gluon forward compiles on two cores took 2.6 s together against 4.2 s one after
@@ -70,6 +74,7 @@ def cdiv(a: int, b: int) -> int:
 
 _ahead = threading.local()          # .active: this thread's launches compile ahead instead of running
 _pending: dict = {}                 # kernel -> futures of its compiles in flight
+
 _pending_lock = threading.Lock()
 _pool: list = []                    # the compile threads, made on first use
 
@@ -142,6 +147,38 @@ def _wait_for_compiles(kernel) -> None:
             future.result()
         except Exception:       # noqa: BLE001 -- the launch below compiles again and reports the error itself
             pass
+
+
+class _Recording(threading.local):
+    active = None                   # this thread's open :class:`recording`, or None
+
+
+_recording = _Recording()
+
+
+class recording:
+    """Context manager: the launches made inside it on this thread are listed in ``launches``, each as
+    ``(launcher, go, device, grid, args)``, where ``go(grid_x, grid_y, grid_z, stream, args)`` launches the
+    same compiled kernel again (``backends.replay``); ``complete`` turns False when a launch inside went
+    through the JIT (the first call of its key: no cached kernel to list yet)."""
+
+    def __enter__(self):
+        self.launches = []
+        self.complete = True
+        self.previous = _recording.active
+        _recording.active = self
+        return self
+
+    def __exit__(self, *exc):
+        _recording.active = self.previous
+        return False
+
+
+def _public_go(compiled, tail):
+    """A ``go`` (see :class:`recording`) through Triton's own launcher, for a kernel without a fast path."""
+    def go(grid_x, grid_y, grid_z, stream, args):
+        compat.public_launch(compiled, grid_x, grid_y, grid_z, stream, args, tail)
+    return go
 
 
 def trailing_params(kernel, args: tuple, kwargs: dict) -> tuple:
@@ -304,7 +341,12 @@ class Launcher:
                     fast(g[0], g[1], g[2], _current_raw_stream(device), call)
                 else:
                     compat.public_launch(compiled, g[0], g[1], g[2], _current_raw_stream(device), call, tail)
+                listing = _recording.active
+                if listing is not None:
+                    listing.launches.append((self, fast or _public_go(compiled, tail), device, g, call))
                 return
+        if _recording.active is not None:
+            _recording.active.complete = False
         if self.jit_arg:
             compiled = jit_launch(self.kernel, grid, *map(self.jit_arg, args),
                                   **{name: self.jit_arg(value) for name, value in kwargs.items()})

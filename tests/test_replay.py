@@ -1,0 +1,171 @@
+"""Launch replays (``fusedattn.backends.replay``): a repeat eager call's recorded launches issued again with its
+own tensors.
+
+The CPU tests build replays from hand-made recordings (on the CPU every launch goes through the interpreter's JIT,
+which records nothing) and check how arguments are re-addressed and when a replay is refused; the GPU tests run
+the single-pass backward through autograd, where the replay is made and taken."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.backends import replay
+from fusedattn.backends.gluon.launch import Tma
+from fusedattn.backends.triton import launch
+
+from conftest import HAS_CUDA
+
+
+class _Launcher:
+    direct_launches = 0
+
+
+def _recorded(*launches, complete=True):
+    """A finished recording as ``launch.recording`` leaves it: (launcher, go, device, grid, args) per launch."""
+    return SimpleNamespace(complete=complete, launches=list(launches))
+
+
+@pytest.fixture
+def on_device_zero(monkeypatch):
+    """The replay's device checks on a CPU machine: device 0 current, stream 0, a context nothing needs."""
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_raw_stream", lambda device: 1234)
+    monkeypatch.setattr(replay.compat, "ensure_context", lambda device: None)
+
+
+def test_replay_passes_the_new_tensors_in_their_roles(on_device_zero):
+    """Each tensor argument is the new call's tensor of the same role (matched by address when recorded, a view
+    of a role included), a descriptor keeps its shape, strides, box and layout on the new base, scalars stay."""
+    q, k, out = torch.randn(2, 8), torch.randn(4, 8), torch.randn(2, 8)
+    scratch = torch.zeros(16)
+    calls = []
+    go = lambda *a: calls.append(a)  # noqa: E731
+    desc = Tma(k.view(2, 2, 8), (2, 2, 8), (16, 8, 1), (1, 2, 8), "layout")
+    launcher = _Launcher()
+    recorded = _recorded((launcher, go, 0, (3, 2, 1), (q, desc, 7, 0.5, None, True, scratch.view(4, 4))),
+                         (launcher, go, 0, (1, 1, 1), (out, scratch)))
+    made_scratch = torch.zeros(16)
+    built = replay.build(recorded, (q, k, out, scratch), lambda q, k: (torch.empty_like(q), made_scratch))
+    assert built is not None
+    q2, k2 = torch.randn(2, 8), torch.randn(4, 8)
+    made = built(q2, k2)
+    assert made[1] is made_scratch and made[0].shape == q2.shape
+    assert len(calls) == 2 and launcher.direct_launches == 2 and built.calls == 1
+    (gx, gy, gz, stream, args), (_, _, _, _, args2) = calls
+    assert (gx, gy, gz, stream) == (3, 2, 1, 1234)
+    assert args[0] is q2 and args[2:6] == (7, 0.5, None, True) and args[6] is made_scratch
+    assert type(args[1]) is Tma and args[1].base is k2 and tuple(args[1])[1:] == tuple(desc)[1:]
+    assert args2[0] is made[0] and args2[1] is made_scratch
+
+
+def test_build_refuses_what_it_cannot_re_address():
+    """No replay where it could not be exact: a launch through the JIT (not listed), nothing launched, two roles at
+    one address, a tensor argument no role holds (a persistent buffer: it must not be swapped for new memory), a
+    pointer-like argument of another kind, launches on two devices."""
+    a, b, kept = torch.randn(8), torch.randn(8), torch.randn(8)
+    go = lambda *x: None  # noqa: E731
+    make = lambda *x: ()  # noqa: E731
+    one = (_Launcher(), go, 0, (1, 1, 1), (a, b))
+    assert replay.build(_recorded(one), (a, b), make) is not None
+    assert replay.build(_recorded(one, complete=False), (a, b), make) is None
+    assert replay.build(_recorded(), (a, b), make) is None
+    assert replay.build(_recorded(one), (a, b, a[0:]), make) is None
+    assert replay.build(_recorded((_Launcher(), go, 0, (1, 1, 1), (a, kept))), (a, b), make) is None
+    assert replay.build(_recorded((_Launcher(), go, 0, (1, 1, 1), (a, SimpleNamespace(data_ptr=lambda: 16)))),
+                        (a, b), make) is None
+    assert replay.build(_recorded(one, (_Launcher(), go, 1, (1, 1, 1), (a,))), (a, b), make) is None
+
+
+def test_replay_steps_aside_where_launches_must_take_the_ordinary_path(on_device_zero, monkeypatch):
+    """Another current device, or compiles ahead on this thread: the replay makes and launches nothing (None), so
+    the caller takes the ordinary path."""
+    a = torch.randn(8)
+    calls = []
+    built = replay.build(_recorded((_Launcher(), lambda *x: calls.append(x), 0, (1, 1, 1), (a,))), (a,),
+                         lambda a: ())
+    with launch.compiling_ahead():
+        assert built(torch.randn(8)) is None
+    monkeypatch.setattr(launch, "_current_device", lambda: 1)
+    assert built(torch.randn(8)) is None
+    assert not calls and built.calls == 0
+
+
+def test_cache_forgets_when_full_and_on_clear_all():
+    cache = replay.Cache(limit=2)
+    cache.keep("a", None)
+    cache.keep("b", None)
+    cache.keep("c", None)
+    assert list(cache) == ["c"]
+    replay.clear_all()
+    assert not cache
+
+
+_HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HOPPER, reason="the single-pass backward is Hopper-only (compute capability 9.x): "
+                                        "GPU test skipped")
+# (d, h, s, causal): problems of the single pass (at d=64 from plan.GLUON_BWD_FUSED_MIN_WORK's 2^25 scores on)
+@pytest.mark.parametrize("d, h, s, causal", [(64, 4, 2112, False), (64, 8, 2112, True), (128, 4, 512, False)])
+def test_repeat_backward_is_replayed_with_each_step_s_tensors(d, h, s, causal):
+    """Training steps of one problem and layout, each with new tensors (new addresses, new values): from the third
+    backward on, the single pass is replayed; the replayed steps' gradients match the float64 reference, and a step
+    whose q, k and v are one tensor (self-attention on x) is right too."""
+    from fusedattn import functional
+    from test_launch import _check_against_reference
+    torch.manual_seed(11)
+    mk = lambda: torch.randn(2, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+
+    def step(q, k, v):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fusedattn.attention(qs, ks, vs, causal=causal, deterministic=False)
+        do = torch.randn_like(out)
+        out.backward(do)
+        return do, (None, qs.grad, ks.grad, vs.grad)
+
+    for i in range(4):
+        q, k, v = mk(), mk(), mk()
+        do, got = step(q, k, v)
+        if i >= 2:
+            _check_against_reference(q, k, v, do, got, torch.bfloat16, f"d={d} s={s} causal={causal} step {i}",
+                                     causal=causal)
+    replays = [r for r in functional._backward_replays.values() if r is not None]
+    assert len(replays) == 1 and replays[0].calls == 2, "steps 3 and 4 were not replayed"
+    x = mk()
+    do, got = step(x, x, x)
+    _check_against_reference(x, x, x, do, got, torch.bfloat16, f"d={d} self-attention on one tensor", causal=causal)
+    assert replays[0].calls == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HOPPER, reason="the single-pass backward is Hopper-only (compute capability 9.x): "
+                                        "GPU test skipped")
+def test_replay_key_tells_layouts_and_modes_apart():
+    """Another layout (BHSD memory after BSHD), deterministic=True (the two passes) or a dropout step of the same
+    shapes never takes the first layout's replay: each is right against the reference, and only the BSHD
+    problem's replay ran."""
+    from fusedattn import functional
+    from test_launch import _check_against_reference
+    torch.manual_seed(12)
+    b, h, s, d = 2, 4, 512, 128
+    bshd = lambda: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    bhsd = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+
+    def step(make, **kw):
+        q, k, v = make(), make(), make()
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fusedattn.attention(qs, ks, vs, **kw)
+        do = torch.randn_like(out)
+        out.backward(do)
+        return q, k, v, do, (None, qs.grad, ks.grad, vs.grad)
+
+    for _ in range(3):
+        step(bshd, deterministic=False)
+    replayed = [r for r in functional._backward_replays.values() if r is not None]
+    assert [r.calls for r in replayed] == [1]
+    for make, kw in ((bhsd, dict(deterministic=False)), (bshd, dict(deterministic=True))):
+        q, k, v, do, got = step(make, **kw)
+        _check_against_reference(q, k, v, do, got, torch.bfloat16, f"{kw} after the BSHD replay")
+    assert replayed[0].calls == 1
