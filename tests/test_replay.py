@@ -131,21 +131,23 @@ def test_repeat_backward_is_replayed_with_each_step_s_tensors(d, h, s, causal):
         if i >= 2:
             _check_against_reference(q, k, v, do, got, torch.bfloat16, f"d={d} s={s} causal={causal} step {i}",
                                      causal=causal)
+    # made on the first call whose launches were all cached (the second, or the first where an earlier test of
+    # this worker launched the same kernels)
     replays = [r for r in functional._backward_replays.values() if r is not None]
-    assert len(replays) == 1 and replays[0].calls == 2, "steps 3 and 4 were not replayed"
+    assert len(replays) == 1 and replays[0].calls >= 2, "steps 3 and 4 were not replayed"
+    calls = replays[0].calls
     x = mk()
     do, got = step(x, x, x)
     _check_against_reference(x, x, x, do, got, torch.bfloat16, f"d={d} self-attention on one tensor", causal=causal)
-    assert replays[0].calls == 3
+    assert replays[0].calls == calls + 1
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _HOPPER, reason="the single-pass backward is Hopper-only (compute capability 9.x): "
                                         "GPU test skipped")
 def test_replay_key_tells_layouts_and_modes_apart():
-    """Another layout (BHSD memory after BSHD), deterministic=True (the two passes) or a dropout step of the same
-    shapes never takes the first layout's replay: each is right against the reference, and only the BSHD
-    problem's replay ran."""
+    """Another layout (BHSD memory after BSHD) or deterministic=True (the two passes) of the same shapes never takes
+    the first layout's replay: each is right against the reference, and the BSHD replay did not run for them."""
     from fusedattn import functional
     from test_launch import _check_against_reference
     torch.manual_seed(12)
@@ -164,8 +166,9 @@ def test_replay_key_tells_layouts_and_modes_apart():
     for _ in range(3):
         step(bshd, deterministic=False)
     replayed = [r for r in functional._backward_replays.values() if r is not None]
-    assert [r.calls for r in replayed] == [1]
+    assert len(replayed) == 1 and replayed[0].calls >= 1
+    calls = replayed[0].calls
     for make, kw in ((bhsd, dict(deterministic=False)), (bshd, dict(deterministic=True))):
         q, k, v, do, got = step(make, **kw)
         _check_against_reference(q, k, v, do, got, torch.bfloat16, f"{kw} after the BSHD replay")
-    assert replayed[0].calls == 1
+    assert replayed[0].calls == calls
