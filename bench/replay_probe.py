@@ -9,7 +9,9 @@ alternating, in one process. For each d=64 anchor (b8 h12 s1024 fp16, plain and 
   * host: us to enqueue one ``torch.autograd.grad`` (200 calls, no sync; bench/overhead.py's host_ms);
   * body: us of ``_Attention.backward`` on autograd's device thread, timed from inside;
   * bench: the bench's eager backward time (``bench.do_bench_cold``: each call after an L2 flush) and its TFLOP/s;
-then the medians over the rounds.
+then the medians over the rounds. ``--parts``: the replayed backward's host time split into its parts, each timed
+alone on the main thread (us per call, 2000 calls): the key, the replay's checks, its allocations, each launch's
+argument tuple and driver launch.
 """
 import argparse
 import statistics
@@ -17,15 +19,71 @@ import time
 
 import torch
 
+import fusedattn
 from fusedattn import bench, functional
 from fusedattn.backends import replay
 from overhead import host_ms, small_training_call    # bench/overhead.py
 
 
+def per_call_us(fn, n=2000) -> float:
+    """Host us per call of ``fn`` (n calls, the GPU synchronized before and after)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / n
+    torch.cuda.synchronize()
+    return us
+
+
+def parts(causal: bool) -> None:
+    """The replayed backward's parts, timed alone (see the module docstring)."""
+    from fusedattn.backends.triton import launch
+    from fusedattn.backends import compat
+    q, k, v, out, do = small_training_call(causal)
+    for _ in range(3):
+        torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    made = [r for r in functional._backward_replays.values() if r is not None]
+    assert len(made) == 1, "no replay was made"
+    rep = made[0]
+    q_, k_, v_ = (t.detach() for t in (q, k, v))
+    ctx_problem = []
+    o2, st = fusedattn.attention_forward(q_, k_, v_, causal=causal, return_stats=True, _keep_problem=ctx_problem)
+    p, extras, pl = ctx_problem
+    lse = st[..., 0]
+    roles_in = (q_, k_, v_, o2, do, lse)
+    roles = roles_in + rep.make(*roles_in)
+    device = rep.device
+    rows = [("whole replay (checks, allocations, 3 launches)", lambda: rep(*roles_in)),
+            ("key (_replay_key)", lambda: functional._replay_key(p, pl, False, q_, k_, v_, o2, do, lse)),
+            ("key lookup", lambda: functional._backward_replays.get(
+                functional._replay_key(p, pl, False, q_, k_, v_, o2, do, lse))),
+            ("stats[..., 0] view", lambda: st[..., 0]),
+            ("allocations (make)", lambda: rep.make(*roles_in)),
+            ("  one empty_like", lambda: torch.empty_like(q_)),
+            ("checks: _current_device", launch._current_device),
+            ("checks: _no_launch_hooks", launch._no_launch_hooks),
+            ("ensure_context", lambda: compat.ensure_context(device)),
+            ("raw stream", lambda: launch._current_raw_stream(device))]
+    stream = launch._current_raw_stream(device)
+    for i, (launcher, go, gx, gy, gz, args_of) in enumerate(rep.steps):
+        name = getattr(getattr(launcher.kernel, "fn", None), "__name__", str(launcher.kernel))
+        args = args_of(roles)
+        rows.append((f"step {i} {name}: arguments", lambda args_of=args_of: args_of(roles)))
+        rows.append((f"step {i} {name}: launch", lambda go=go, g=(gx, gy, gz), args=args: go(*g, stream, args)))
+    for name, fn in rows:
+        print(f"{'causal' if causal else 'plain '} {name:55s} {per_call_us(fn):7.2f} us", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--parts", action="store_true")
     args = ap.parse_args()
+    if args.parts:
+        for causal in (False, True):
+            parts(causal)
+        return
     original = functional._Attention.backward
     spent = {"body": 0.0, "calls": 0}
 
