@@ -4,14 +4,16 @@ process (bench/NOTES.md 90).
     python3 bench/replay_probe.py [--rounds 5]
 
 The anchors' eager d=64 backward is host-bound, and its host time moves from run to run on the GPU machine (the
-same build read 123 and 191 TFLOP/s in two processes of one call), so replays off and on are compared in rounds,
+same code read 123 and 191 TFLOP/s in two processes), so replays off and on are compared in rounds,
 alternating, in one process. For each d=64 anchor (b8 h12 s1024 fp16, plain and causal), per round and setting:
   * host: us to enqueue one ``torch.autograd.grad`` (200 calls, no sync; bench/overhead.py's host_ms);
   * body: us of ``_Attention.backward`` on autograd's device thread, timed from inside;
   * bench: the bench's eager backward time (``bench.do_bench_cold``: each call after an L2 flush) and its TFLOP/s;
+  * fwd: the bench's eager forward time (under no_grad) of the same problem, which replays do not touch (two
+    processes of call 1 read it at 148 and 389 TFLOP/s);
 then the medians over the rounds. ``--parts``: the replayed backward's host time split into its parts, each timed
-alone on the main thread (us per call, 2000 calls): the key, the replay's checks, its allocations, each launch's
-argument tuple and driver launch.
+alone on the main thread (us per call, 300 calls: fewer launches than the launch queue holds, so a launch times
+the host): the key, the replay's checks, its allocations, each launch's argument tuple and driver launch.
 """
 import argparse
 import statistics
@@ -25,7 +27,7 @@ from fusedattn.backends import replay
 from overhead import host_ms, small_training_call    # bench/overhead.py
 
 
-def per_call_us(fn, n=2000) -> float:
+def per_call_us(fn, n=300) -> float:
     """Host us per call of ``fn`` (n calls, the GPU synchronized before and after)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -40,6 +42,7 @@ def parts(causal: bool) -> None:
     """The replayed backward's parts, timed alone (see the module docstring)."""
     from fusedattn.backends.triton import launch
     from fusedattn.backends import compat
+    functional._backward_replays.clear()
     q, k, v, out, do = small_training_call(causal)
     for _ in range(3):
         torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
@@ -51,13 +54,13 @@ def parts(causal: bool) -> None:
     o2, st = fusedattn.attention_forward(q_, k_, v_, causal=causal, return_stats=True, _keep_problem=ctx_problem)
     p, extras, pl = ctx_problem
     lse = st[..., 0]
-    roles_in = (q_, k_, v_, o2, do, lse)
+    roles_in = (q_, k_, v_, o2, do, st)
     roles = roles_in + rep.make(*roles_in)
     device = rep.device
     rows = [("whole replay (checks, allocations, 3 launches)", lambda: rep(*roles_in)),
-            ("key (_replay_key)", lambda: functional._replay_key(p, pl, False, q_, k_, v_, o2, do, lse)),
+            ("key (_replay_key)", lambda: functional._replay_key(p, pl, False, q_, k_, v_, o2, do, st)),
             ("key lookup", lambda: functional._backward_replays.get(
-                functional._replay_key(p, pl, False, q_, k_, v_, o2, do, lse))),
+                functional._replay_key(p, pl, False, q_, k_, v_, o2, do, st))),
             ("stats[..., 0] view", lambda: st[..., 0]),
             ("allocations (make)", lambda: rep.make(*roles_in)),
             ("  one empty_like", lambda: torch.empty_like(q_)),
@@ -100,6 +103,8 @@ def main():
         for causal in (False, True):
             q, k, v, out, do = small_training_call(causal)
             grad = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+            qd, kd, vd = q.detach(), k.detach(), v.detach()
+            fwd = lambda: fusedattn.attention(qd, kd, vd, causal=causal)  # noqa: E731
             flops = 2.5 * 4 * q.shape[0] * q.shape[1] * q.shape[2] ** 2 * q.shape[3] / (2 if causal else 1)
             rows = {False: [], True: []}
             for r in range(args.rounds):
@@ -113,14 +118,17 @@ def main():
                     host = host_ms(grad) * 1e3
                     body = spent["body"] * 1e6 / max(spent["calls"], 1)
                     ms = bench.do_bench_cold(grad, warmup=25, rep=100)
-                    rows[on].append((host, body, ms))
+                    with torch.no_grad():
+                        fwd_ms = bench.do_bench_cold(fwd, warmup=25, rep=100)
+                    rows[on].append((host, body, ms, fwd_ms))
                     print(f"{'causal' if causal else 'plain '} round {r} replay {'on ' if on else 'off'}: host "
                           f"{host:6.1f} us, body {body:6.1f} us, bench {ms * 1e3:6.1f} us = "
-                          f"{flops / ms / 1e9:5.0f} TFLOP/s", flush=True)
+                          f"{flops / ms / 1e9:5.0f} TFLOP/s; fwd {flops / 2.5 / fwd_ms / 1e9:5.0f} TFLOP/s", flush=True)
             for on in (False, True):
-                host, body, ms = (statistics.median(x[i] for x in rows[on]) for i in range(3))
+                host, body, ms, fwd_ms = (statistics.median(x[i] for x in rows[on]) for i in range(4))
                 print(f"{'causal' if causal else 'plain '} median replay {'on ' if on else 'off'}: host {host:6.1f} us, "
-                      f"body {body:6.1f} us, bench {ms * 1e3:6.1f} us = {flops / ms / 1e9:5.0f} TFLOP/s")
+                      f"body {body:6.1f} us, bench {ms * 1e3:6.1f} us = {flops / ms / 1e9:5.0f} TFLOP/s; fwd "
+                      f"{flops / 2.5 / fwd_ms / 1e9:5.0f} TFLOP/s")
     finally:
         functional._Attention.backward = staticmethod(original)
         replay.ENABLED = True

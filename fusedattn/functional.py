@@ -241,15 +241,15 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
 _backward_replays = _replay.Cache()
 
 
-def _replay_key(p, pl, deterministic, q, k, v, out, grad_out, lse):
+def _replay_key(p, pl, deterministic, q, k, v, out, grad_out, stats):
     """The key of an autograd backward's replay: what its route and every launch argument besides the tensors'
     addresses depend on (the problem, its plan, the deterministic flag, the device, each tensor's strides; the
-    dtypes are the problem's and lse's fp32, grad_out's is out's under autograd), or None when a tensor is not 16-byte
-    aligned (the launch keys tell alignment per tensor, this key does not)."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | grad_out.data_ptr() | lse.data_ptr()) % 16:
+    dtypes are the problem's and the stats' fp32, grad_out's is out's under autograd), or None when a tensor is not
+    16-byte aligned (the launch keys tell alignment per tensor, this key does not)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | grad_out.data_ptr() | stats.data_ptr()) % 16:
         return None
     return (p, pl, deterministic, q.device.index, q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
-            lse.stride())
+            stats.stride())
 
 
 def _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, key) -> None:
@@ -537,19 +537,20 @@ class _Attention(torch.autograd.Function):
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
-        lse = stats[..., 0]
         deterministic = ctx.deterministic
         replay_key = None
         if attn_bias is None and sink is None and not p.has_dropout and q.is_cuda and _replay.ENABLED:
-            # a repeat of a replayed problem and layout: its launches again, nothing else (_fused_backward_recorded)
+            # a repeat of a replayed problem and layout: its launches again, nothing else (_fused_backward_recorded);
+            # stats in the role of lse, its [..., 0] view: the same address, and launches take addresses
             if deterministic is None:
                 deterministic = torch.are_deterministic_algorithms_enabled()
-            replay_key = _replay_key(p, pl, deterministic, q, k, v, out, grad_out, lse)
+            replay_key = _replay_key(p, pl, deterministic, q, k, v, out, grad_out, stats)
             replay = _backward_replays.get(replay_key)
             if replay is not None:
-                made = replay(q, k, v, out, grad_out, lse)
+                made = replay(q, k, v, out, grad_out, stats)
                 if made is not None:
                     return made[0], made[1], made[2], None, None, None, None
+        lse = stats[..., 0]
         dsink = None
         if sink is not None:
             dsink = torch.empty((p.h_q,), dtype=torch.float32, device=q.device)
