@@ -256,7 +256,7 @@ def _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, 
     """The single-pass backward (``fused.launch_bwd_fused_sm90`` with out), its launches kept as a replay for
     ``key`` once they all took the launch caches' cached path (a key's first call compiles or looks its kernels up
     through the JIT: it is recorded on a later call). The replay makes dq, dk, dv as :func:`_run_backward` does and
-    the scratch as ``fused.scratch``."""
+    the scratch as ``fused.scratch``; its callers pass the stats in lse's role (the same address)."""
     from .backends.triton.launch import recording
     dq_acc, delta = fused.scratch(p, q.device)
     with recording() as recorded:
@@ -264,7 +264,7 @@ def _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, 
     if recorded.complete:
         device = q.device
 
-        def make(q, k, v, out, grad_out, lse):
+        def make(q, k, v, _out, _grad_out, _stats):
             return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + fused.scratch(p, device)
         roles = (q, k, v, out, grad_out, lse, dq, dk, dv, dq_acc, delta)
         _backward_replays.keep(key, _replay.build(recorded, roles, make))

@@ -74,7 +74,6 @@ def cdiv(a: int, b: int) -> int:
 
 _ahead = threading.local()          # .active: this thread's launches compile ahead instead of running
 _pending: dict = {}                 # kernel -> futures of its compiles in flight
-
 _pending_lock = threading.Lock()
 _pool: list = []                    # the compile threads, made on first use
 
