@@ -3,7 +3,9 @@
 An eager training step at d=64 spends more host time than GPU time in its backward: on the H100 machine the
 single-pass backward's body took 301 us on autograd's device thread (161 us on a plain thread) for ~200 us of
 GPU time, of which the launches themselves are three driver calls; the rest is routing, ``supports``' checks,
-descriptor arguments and three launch keys, the same on every step (bench/NOTES.md 89).
+descriptor arguments and three launch keys, the same on every step (bench/NOTES.md 89). Replayed (session 50,
+NOTES 90): that body 253 -> 122 us, the d=64 anchor's eager backward 183 -> 314 TFLOP/s (torch's cuDNN: 317),
+its causal one 83 -> 147 (cuDNN 202; still host-bound, in the autograd engine's ~108 us around the body).
 
 A :class:`Replay` is made from one real call (``triton.launch.recording`` lists the launches it made through
 the launch caches' cached path): each tensor argument, and each TMA descriptor's base, is matched by its
@@ -40,7 +42,7 @@ class Replay:
 
     def __init__(self, device: int, steps: list, make: Callable):
         self.device = device
-        self.steps = steps          # (launcher, go, grid_x, grid_y, grid_z, build(roles) -> args)
+        self.steps = steps          # (launcher, go, grid_x, grid_y, grid_z, args_of(roles) -> args)
         self.make = make            # make(*inputs) -> the outputs and scratch roles, after the inputs
         self.calls = 0              # calls replayed (tests check the path is taken)
 
@@ -56,9 +58,9 @@ class Replay:
         roles = inputs + made
         compat.ensure_context(device)
         stream = _launch._current_raw_stream(device)
-        for launcher, go, grid_x, grid_y, grid_z, args in self.steps:
+        for launcher, go, grid_x, grid_y, grid_z, args_of in self.steps:
             launcher.direct_launches += 1
-            go(grid_x, grid_y, grid_z, stream, args(roles))
+            go(grid_x, grid_y, grid_z, stream, args_of(roles))
         self.calls += 1
         return made
 
