@@ -1,11 +1,11 @@
 """Issue 28's eager d=64 backward with launch replays (``fusedattn.backends.replay``) off and on, interleaved in one
 process (bench/NOTES.md 90).
 
-    python3 bench/replay_probe.py [--rounds 5]
+    python3 bench/replay_probe.py [--rounds 5] [--parts] [--shape B,H,S]
 
 The anchors' eager d=64 backward is host-bound, and its host time moves from run to run on the GPU machine (the
 same code read 123 and 191 TFLOP/s in two processes), so replays off and on are compared in rounds,
-alternating, in one process. For each d=64 anchor (b8 h12 s1024 fp16, plain and causal), per round and setting:
+alternating, in one process. For the d=64 anchor (b8 h12 s1024 fp16; --shape another), plain and causal, per round and setting:
   * host: us to enqueue one ``torch.autograd.grad`` (200 calls, no sync; bench/overhead.py's host_ms);
   * body: us of ``_Attention.backward`` on autograd's device thread, timed from inside;
   * bench: the bench's eager backward time (``bench.do_bench_cold``: each call after an L2 flush) and its TFLOP/s;
@@ -24,7 +24,7 @@ import torch
 import fusedattn
 from fusedattn import bench, functional
 from fusedattn.backends import replay
-from overhead import host_ms, small_training_call    # bench/overhead.py
+from overhead import host_ms    # bench/overhead.py
 
 
 def per_call_us(fn, n=300) -> float:
@@ -38,12 +38,22 @@ def per_call_us(fn, n=300) -> float:
     return us
 
 
-def parts(causal: bool) -> None:
+def training_call(shape, causal):
+    """q, k, v (BSHD memory, leaves that require grad), out = attention(q, k, v) with its autograd graph, and a
+    gradient do, for shape (b, h, s) at d=64 fp16 (bench/overhead.py's small_training_call at any size)."""
+    b, h, s = shape
+    mk = lambda: torch.randn(b, s, h, 64, device="cuda", dtype=torch.float16).transpose(1, 2).requires_grad_()  # noqa
+    q, k, v = mk(), mk(), mk()
+    out = fusedattn.attention(q, k, v, causal=causal)
+    return q, k, v, out, torch.randn_like(out)
+
+
+def parts(shape, causal: bool) -> None:
     """The replayed backward's parts, timed alone (see the module docstring)."""
     from fusedattn.backends.triton import launch
     from fusedattn.backends import compat
     functional._backward_replays.clear()
-    q, k, v, out, do = small_training_call(causal)
+    q, k, v, out, do = training_call(shape, causal)
     for _ in range(3):
         torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     made = [r for r in functional._backward_replays.values() if r is not None]
@@ -82,10 +92,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--shape", type=lambda text: tuple(int(x) for x in text.split(",")), default=(8, 12, 1024),
+                    metavar="B,H,S", help="the problem (d=64 fp16; default the anchor's 8,12,1024)")
     args = ap.parse_args()
     if args.parts:
         for causal in (False, True):
-            parts(causal)
+            parts(args.shape, causal)
         return
     original = functional._Attention.backward
     spent = {"body": 0.0, "calls": 0}
@@ -101,7 +113,7 @@ def main():
     functional._Attention.backward = staticmethod(timed_backward)
     try:
         for causal in (False, True):
-            q, k, v, out, do = small_training_call(causal)
+            q, k, v, out, do = training_call(args.shape, causal)
             grad = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
             qd, kd, vd = q.detach(), k.detach(), v.detach()
             fwd = lambda: fusedattn.attention(qd, kd, vd, causal=causal)  # noqa: E731
