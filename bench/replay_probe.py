@@ -5,7 +5,8 @@ process (bench/NOTES.md 90).
 
 The anchors' eager d=64 backward is host-bound, and its host time moves from run to run on the GPU machine (the
 same code read 123 and 191 TFLOP/s in two processes), so replays off and on are compared in rounds,
-alternating, in one process. For the d=64 anchor (b8 h12 s1024 fp16; --shape another), plain and causal, per round and setting:
+alternating, in one process. For the d=64 anchor (b8 h12 s1024 fp16; ``--shape`` another), plain and causal, per
+round and setting:
   * host: us to enqueue one ``torch.autograd.grad`` (200 calls, no sync; bench/overhead.py's host_ms);
   * body: us of ``_Attention.backward`` on autograd's device thread, timed from inside;
   * bench: the bench's eager backward time (``bench.do_bench_cold``: each call after an L2 flush) and its TFLOP/s;
