@@ -34,6 +34,32 @@ def on_device_zero(monkeypatch):
     monkeypatch.setattr(replay.compat, "ensure_context", lambda device: None)
 
 
+def test_recording_lists_cached_launches_and_marks_the_others(on_device_zero, monkeypatch):
+    """``launch.recording`` lists each launch that took a Launcher's cached path, with the callable that made it, its
+    device, grid (three entries) and arguments; a launch through the JIT (no cached kernel for its key yet), or a
+    cached key on another current device, marks the recording incomplete; outside a recording nothing is listed."""
+    monkeypatch.setattr(launch, "_no_launch_hooks", lambda: True)
+    jitted = []
+    monkeypatch.setattr(launch, "jit_launch", lambda kernel, grid, *a, **kw: jitted.append(grid))
+    launcher = launch.Launcher(SimpleNamespace(params=[], arg_names=[]))
+    went = []
+    fast = lambda *x: went.append(x)  # noqa: E731
+    launcher.cache["key"] = ("compiled", (), 0, fast, ())
+    a = torch.randn(4)
+    with launch.recording() as recorded:
+        launcher("key", (2, 3), a, 7)
+    assert recorded.complete and recorded.launches == [(launcher, fast, 0, (2, 3, 1), (a, 7))]
+    assert went == [(2, 3, 1, 1234, (a, 7))] and launcher.direct_launches == 1
+    with launch.recording() as recorded:
+        launcher("new key", (1,), a)
+    assert not recorded.complete and not recorded.launches and jitted == [(1,)]
+    monkeypatch.setattr(launch, "_current_device", lambda: 1)
+    with launch.recording() as recorded:
+        launcher("key", (2, 3), a, 7)
+    assert not recorded.complete and not recorded.launches
+    assert launch._recording.active is None
+
+
 def test_replay_passes_the_new_tensors_in_their_roles(on_device_zero):
     """Each tensor argument is the new call's tensor of the same role (matched by address when recorded, a view
     of a role included), a descriptor keeps its shape, strides, box and layout on the new base, scalars stay."""
