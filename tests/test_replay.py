@@ -1,9 +1,10 @@
 """Launch replays (``fusedattn.backends.replay``): a repeat eager call's recorded launches issued again with its
 own tensors.
 
-The CPU tests build replays from hand-made recordings (on the CPU every launch goes through the interpreter's JIT,
-which records nothing) and check how arguments are re-addressed and when a replay is refused; the GPU tests run
-the single-pass backward through autograd, where the replay is made and taken."""
+The CPU tests record a Launcher whose cache entry is set by hand and build replays from hand-made recordings (on
+the CPU every launch goes through the interpreter's JIT, which records nothing), and check how arguments are
+re-addressed and when a replay is refused; the GPU tests run the single-pass backward through autograd, where the
+replay is made and taken."""
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +29,7 @@ def _recorded(*launches, complete=True):
 
 @pytest.fixture
 def on_device_zero(monkeypatch):
-    """The replay's device checks on a CPU machine: device 0 current, stream 0, a context nothing needs."""
+    """The launch path's device checks on a CPU machine: device 0 current, raw stream 1234, a context nothing needs."""
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "_current_raw_stream", lambda device: 1234)
     monkeypatch.setattr(replay.compat, "ensure_context", lambda device: None)
