@@ -28,17 +28,6 @@ from fusedattn.backends import replay
 from overhead import host_ms    # bench/overhead.py
 
 
-def per_call_us(fn, n=300) -> float:
-    """Host us per call of ``fn`` (n calls, the GPU synchronized before and after)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / n
-    torch.cuda.synchronize()
-    return us
-
-
 def training_call(shape, causal):
     """q, k, v (BSHD memory, leaves that require grad), out = attention(q, k, v) with its autograd graph, and a
     gradient do, for shape (b, h, s) at d=64 fp16 (bench/overhead.py's small_training_call at any size)."""
@@ -86,7 +75,7 @@ def parts(shape, causal: bool) -> None:
         rows.append((f"step {i} {name}: arguments", lambda args_of=args_of: args_of(roles)))
         rows.append((f"step {i} {name}: launch", lambda go=go, g=(gx, gy, gz), args=args: go(*g, stream, args)))
     for name, fn in rows:
-        print(f"{'causal' if causal else 'plain '} {name:55s} {per_call_us(fn):7.2f} us", flush=True)
+        print(f"{'causal' if causal else 'plain '} {name:55s} {host_ms(fn, 300) * 1e3:7.2f} us", flush=True)
 
 
 def main():

@@ -1028,12 +1028,12 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
     dq_first, defer_dk, dq_atomic, heavy_first, rotate, segments override ``STAGES``, ``REVERSE``, ``DQ_FLAT``,
     ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``, ``SEGMENTS``;
     kv_regs=False keeps K and V in shared memory at d=64 ([Note] K and V in registers)."""
-    if dq_acc is None or (out is not None and delta is None):
-        acc_made, delta_made = scratch(p, q.device)
-        dq_acc = acc_made if dq_acc is None else dq_acc
-        delta = delta_made if delta is None and out is not None else delta
+    if dq_acc is None:
+        dq_acc = _acc_buffer(p, q.device)
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
     if out is not None:
+        if delta is None:
+            delta = _delta_buffer(p, q.device)
         launch_delta_zero(p, out, grad_out, delta, dq_acc)
     else:
         dq_acc.zero_()
@@ -1046,9 +1046,16 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
 
 def scratch(p, device) -> tuple:
     """(dq_acc, delta): dQ's fp32 accumulator [b, h_q, acc_rows(s_q), d] and delta's fp32 [b*h_q, s_q], uninitialized
-    (``_delta_zero`` writes both)."""
-    return (torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=device),
-            torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=device))
+    (``_delta_zero`` writes both), as ``launch_bwd_fused_sm90`` makes them."""
+    return _acc_buffer(p, device), _delta_buffer(p, device)
+
+
+def _acc_buffer(p, device):
+    return torch.empty((p.b, p.h_q, acc_rows(p.s_q), p.d), dtype=torch.float32, device=device)
+
+
+def _delta_buffer(p, device):
+    return torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=device)
 
 
 def launch_delta_zero(p, out, grad_out, delta, dq_acc):
