@@ -190,7 +190,9 @@ def _run_gluon_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq, dk, dv, 
         from .backends.triton.args import aligned
         out = aligned(out)
         if replay_key is not None and dsink is None and replay_key not in _backward_replays:
-            _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, replay_key)
+            _record_backward(replay_key, (q, k, v, out, grad_out, lse, dq, dk, dv), lambda: fused.scratch(p, q.device),
+                             lambda dq_acc, delta: fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq,
+                                                                               dk, dv, out=out, dq_acc=dq_acc))
         else:
             fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, None, dq, dk, dv, out=out)
         if dsink is not None:
@@ -252,22 +254,20 @@ def _replay_key(p, pl, deterministic, q, k, v, out, grad_out, stats):
             stats.stride())
 
 
-def _fused_backward_recorded(fused, p, q, k, v, out, grad_out, lse, dq, dk, dv, key) -> None:
-    """The single-pass backward (``fused.launch_bwd_fused_sm90`` with out), its launches kept as a replay for
+def _record_backward(key, roles, scratch, run) -> None:
+    """A backward route's launches, ``run(*scratch())`` (launches only: nothing else on the GPU), kept as a replay for
     ``key`` once they all took the launch caches' cached path (a key's first call compiles or looks its kernels up
-    through the JIT: it is recorded on a later call). The replay makes dq, dk, dv as :func:`_run_backward` does and
-    the scratch as ``fused.scratch``; its callers pass the stats in lse's role (the same address)."""
+    through the JIT: it is recorded on a later call). roles: (q, k, v, out, grad_out, lse, dq, dk, dv) as
+    :func:`_run_backward` has them; its callers pass the stats in lse's role (the same address). The replay makes
+    dq, dk, dv as :func:`_run_backward` does and the scratch with ``scratch()``."""
     from .backends.triton.launch import recording
-    dq_acc, delta = fused.scratch(p, q.device)
+    made = scratch()
     with recording() as recorded:
-        fused.launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, out=out, dq_acc=dq_acc)
+        run(*made)
     if recorded.complete:
-        device = q.device
-
         def make(q, k, v, _out, _grad_out, _stats):
-            return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + fused.scratch(p, device)
-        roles = (q, k, v, out, grad_out, lse, dq, dk, dv, dq_acc, delta)
-        _backward_replays.keep(key, _replay.build(recorded, roles, make))
+            return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) + scratch()
+        _backward_replays.keep(key, _replay.build(recorded, roles + made, make))
 
 
 def _sink_acc(dsink):
@@ -458,7 +458,15 @@ def _run_backward(p, extras, pl, q, k, v, out, grad_out, lse, dq=None, dk=None, 
         if dsink is not None:
             # the dQ pass writes delta = rowsum(dO * O) here; the sink's gradient reads it
             delta = torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device)
-        dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias, delta_out=delta)
+        if replay_key is not None and dsink is None and not need_dbias and replay_key not in _backward_replays:
+            # the portable pair (small d=64 calls, the most host-bound): its delta is the replay's scratch
+            _record_backward(replay_key, (q, k, v, out, grad_out, lse, dq, dk, dv),
+                             lambda: (torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=q.device),),
+                             lambda scratch_delta: launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv,
+                                                              False, delta_out=scratch_delta))
+        else:
+            dbias_full = launch_bwd(p, pl, q, k, v, out, grad_out, lse, extras, dq, dk, dv, need_dbias,
+                                    delta_out=delta)
         if dsink is not None:
             dsink.copy_(cpu_backend.sink_grad(extras["sink"], lse, delta))
     dbias = _reduce_to_shape(dbias_full, p.bias_shape) if need_dbias else None

@@ -134,12 +134,14 @@ _HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.gpu
 @pytest.mark.skipif(not _HOPPER, reason="the single-pass backward is Hopper-only (compute capability 9.x): "
                                         "GPU test skipped")
-# (d, h, s, causal): problems of the single pass (at d=64 from plan.GLUON_BWD_FUSED_MIN_WORK's 2^25 scores on)
-@pytest.mark.parametrize("d, h, s, causal", [(64, 4, 2112, False), (64, 8, 2112, True), (128, 4, 512, False)])
+# (d, h, s, causal): problems of the single pass (at d=64 from plan.GLUON_BWD_FUSED_MIN_WORK's 2^25 scores on) and of
+# the portable pair (smaller d=64 calls)
+@pytest.mark.parametrize("d, h, s, causal", [(64, 4, 2112, False), (64, 8, 2112, True), (128, 4, 512, False),
+                                             (64, 4, 300, True), (64, 2, 512, False)])
 def test_repeat_backward_is_replayed_with_each_step_s_tensors(d, h, s, causal):
     """Training steps of one problem and layout, each with new tensors (new addresses, new values): from the third
-    backward on, the single pass is replayed; the replayed steps' gradients match the float64 reference, and a step
-    whose q, k and v are one tensor (self-attention on x) is right too."""
+    backward on, the route's launches are replayed; the replayed steps' gradients match the float64 reference, and a
+    step whose q, k and v are one tensor (self-attention on x) is right too."""
     from fusedattn import functional
     from test_launch import _check_against_reference
     torch.manual_seed(11)
