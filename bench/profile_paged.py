@@ -45,7 +45,7 @@ def _runs(args):
     base = [c for c in bench.prefill_configs() if c.mask != "varlen" and c.page_block == 0][0]
     cfgs = [replace(base, page_block=int(p)) for p in args.pages.split(",")]
     if args.varlen:
-        cfgs += [replace(c, mask="varlen") for c in cfgs if c.page_block]
+        cfgs += [replace(c, mask="varlen") for c in cfgs]
     warps = [None] if args.v_warp is None else [bool(int(w)) for w in args.v_warp.split(",")]
     runs = []
     for cfg in cfgs:
@@ -57,18 +57,23 @@ def _runs(args):
 
 
 def cycles(path, labels) -> None:
-    """Each profiled forward's elapsed cycles (``ncu_raw``), in profiling order, and its ratio of the first's
-    (the contiguous cache's: >1 means slower than contiguous)."""
-    first = None
+    """Each profiled forward's elapsed cycles (``ncu_raw``), in profiling order, and its ratio to the contiguous
+    cache's with the same queries (padded or packed, "contiguous / this": < 1 means slower than contiguous); packed
+    rows also to the padded contiguous cache's."""
+    base = {}
     for label, (cyc, ) in zip(labels, kernel_metrics(path, "_attn_fwd_sm90", len(labels))):
-        first = first or cyc
-        print(f"{label:26s} {cyc / 1e6:8.4f} M cycles  contiguous / this {first / cyc:.3f}")
+        packed = label.startswith("varlen")
+        base.setdefault(packed, cyc)
+        line = f"{label:26s} {cyc / 1e6:8.4f} M cycles  contiguous / this {base[packed] / cyc:.3f}"
+        if packed and False in base:
+            line += f"  (padded contiguous / this {base[False] / cyc:.3f})"
+        print(line)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", default="0,16,64", help="page sizes (0: the contiguous cache)")
-    ap.add_argument("--varlen", action="store_true", help="also the packed (varlen) queries over each paged cache")
+    ap.add_argument("--varlen", action="store_true", help="also the packed (varlen) queries over each cache")
     ap.add_argument("--v-warp", default=None, help="comma list of PAGED_V_WARP values to profile (0,1); default: as shipped")
     ap.add_argument("--cycles", metavar="RAW_CSV", help="print the elapsed cycles of a profile made with the same args")
     args = ap.parse_args()

@@ -202,10 +202,12 @@ def decode_configs() -> List[Config]:
 def prefill_configs() -> List[Config]:
     """Issue 6: a chunk of new tokens against a longer cache (causal, bottom-right), contiguous and paged
     with pages of 16 to 256 keys (issue 25 item 3: paged within 0.95x of contiguous at every page size),
-    and the same chunks packed (varlen queries) over the paged cache, the same work."""
+    and the same chunks packed (varlen queries) over the contiguous and the paged cache, the same work. The
+    table's "ours/contiguous" column divides each row by ours over the contiguous cache with the same queries
+    (padded or packed): what the pages cost."""
     padded = [Config("prefill", 8, 32, 8, 512, 4096, 128, "bf16", causal=True, page_block=block)
               for block in (0, 16, 64, 256)]
-    return padded + [replace(c, mask="varlen") for c in padded if c.page_block in (16, 64)]
+    return padded + [replace(c, mask="varlen") for c in padded if c.page_block in (0, 16, 64)]
 
 
 def fp8_configs() -> List[Config]:
@@ -626,15 +628,19 @@ def prepare_ours(cfg: Config, need_bwd: bool):
             x = inp.extra
             fp8 = _fp8_cache_kwargs(cfg, inp)
             if cfg.mask == "varlen":
-                # the [b, s_q] chunks packed as FlashAttention's varlen layout: BSHD memory reshaped, no copy
-                q = inp.q.transpose(1, 2).reshape(cfg.b * cfg.s_q, cfg.h_q, cfg.d)
-                cu = torch.arange(0, cfg.b + 1, dtype=torch.int32, device=q.device) * cfg.s_q
+                q, cu = _packed_queries(cfg, inp)
                 return Runner(lambda: with_cache(q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
                                                  seq_len_kv=x["seq_len_kv"], cu_seqlens_q=cu, max_seqlen_q=cfg.s_q,
                                                  causal=True, validate=False))
             return Runner(lambda: with_cache(inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
                                              seq_len_kv=x["seq_len_kv"], causal=True, validate=False, **fp8))
         return bind
+    if cfg.table == "prefill" and cfg.mask == "varlen" and with_cache is not None:
+        def bind_packed(inp):
+            q, cu = _packed_queries(cfg, inp)
+            return Runner(lambda: with_cache(q, inp.k, inp.v, cu_seqlens_q=cu, max_seqlen_q=cfg.s_q, causal=True,
+                                             validate=False))
+        return bind_packed
     if cfg.table in ("decode", "prefill") and with_cache is not None:
         return lambda inp: Runner(lambda: with_cache(inp.q, inp.k, inp.v, causal=True, validate=False,
                                                      **_fp8_cache_kwargs(cfg, inp)))
@@ -648,6 +654,13 @@ def prepare_ours(cfg: Config, need_bwd: bool):
         return attention(inp.q, inp.k, inp.v, **kw, **extra)
 
     return lambda inp: _autograd_runner(attn, inp, sink=cfg.mask == "sink")
+
+
+def _packed_queries(cfg: Config, inp: Inputs):
+    """(q, cu_seqlens_q) of a packed prefill config: the [b, s_q] chunks as FlashAttention's varlen layout
+    ``[b * s_q, h_q, d]`` (the BSHD memory reshaped, no copy) and int32 offsets 0, s_q, 2 s_q, ..."""
+    q = inp.q.transpose(1, 2).reshape(cfg.b * cfg.s_q, cfg.h_q, cfg.d)
+    return q, torch.arange(0, cfg.b + 1, dtype=torch.int32, device=q.device) * cfg.s_q
 
 
 def _fp8_cache_kwargs(cfg: Config, inp: Inputs) -> dict:
@@ -697,6 +710,8 @@ def prepare_sdpa(backend_name: str):
             raise Unsupported(f"skip: math would need {math_bytes(cfg) / 1e9:.0f} GB")
         if cfg.page_block:
             raise Unsupported("SDPA has no paged K/V cache")
+        if cfg.mask == "varlen":
+            raise Unsupported("SDPA has no packed (varlen) queries")
         _refuse_sink(cfg, "SDPA")
 
         def attn(inp):
@@ -758,8 +773,8 @@ def prepare_flex(cfg: Config, need_bwd: bool):
     if cfg.mask == "dropout":
         raise Unsupported("FlexAttention has no dropout")
     _refuse_sink(cfg, "FlexAttention (a score_mod cannot add a column)")
-    if cfg.page_block:
-        raise Unsupported("paged cache not wired for FlexAttention here")
+    if cfg.page_block or cfg.mask == "varlen":
+        raise Unsupported("paged cache and packed queries not wired for FlexAttention here")
     flex = _flex_compiled()
     dev = _device()
     mask_mod, batch = _flex_mask_mod(cfg, dev)
@@ -776,10 +791,10 @@ def prepare_flex(cfg: Config, need_bwd: bool):
 
 def prepare_fa4(cfg: Config, need_bwd: bool):
     """FlashAttention-4 (CuTe DSL); it takes BSHD tensors, so the views are transposed back."""
+    if cfg.mask in ("padding", "alibi", "dropout", "sink", "fp8cache", "varlen") or cfg.page_block:
+        raise Unsupported(f"not wired for FA4: {cfg.mask or 'paged'}")
     from flash_attn.cute import flash_attn_func
 
-    if cfg.mask in ("padding", "alibi", "dropout", "sink", "fp8cache") or cfg.page_block:
-        raise Unsupported(f"not wired for FA4: {cfg.mask or 'paged'}")
     kw = {"causal": cfg.causal and cfg.s_q > 1}
     if cfg.mask == "window":
         kw["window_size"] = (cfg.window, 0)
@@ -1464,6 +1479,8 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
         head.append("ours/ours bf16")       # issue 27: FP8 against our own bf16 forward / backward, same values
     if kind == "decode":
         head.append("ours/copy")
+    if kind == "prefill":
+        head.append("ours/contiguous")      # issue 25 item 3: what the pages cost, same queries (padded or packed)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     shown = {"fwd": ("fwd",), "bwd": ("bwd", "fwd+bwd")}.get(bench.args.pass_, ("fwd", "bwd", "fwd+bwd"))
     if kind in ("decode", "prefill"):
@@ -1481,6 +1498,10 @@ def render_table(bench: Bench, cfgs: List[Config], columns: List[str], copy_tbs:
                 cells.append(_ratio(row.get(col), base.value if base and base.status == "ok" else None))
             if kind == "decode":
                 cells.append(_ratio(row.get("ours"), copy_tbs))
+            if kind == "prefill":
+                contiguous = bench.results.get((replace(cfg, page_block=0).name, p), {}).get("ours")
+                cells.append(_ratio(row.get("ours"), contiguous.value if contiguous and contiguous.status == "ok"
+                                    else None))
             if kind == "fp8":
                 bf16 = row.get("ours bf16")
                 cells.append(_ratio(row.get("ours"), bf16.value if bf16 and bf16.status == "ok" else None))

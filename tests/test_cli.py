@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,8 +90,8 @@ def test_bench_config_names_are_unique_and_filterable():
 
     args = bench.parse_args(["--configs", "all"])
     names = [c.name for c in bench.select_configs(args)]
-    # anchors, masked (4 masks + a d=64 dropout row + 2 sink rows), decode, prefill (4 caches + 2 packed)
-    assert len(names) == len(set(names)) == 8 + 7 + 6 + 6
+    # anchors, masked (4 masks + a d=64 dropout row + 2 sink rows), decode, prefill (4 caches + 3 packed)
+    assert len(names) == len(set(names)) == 8 + 7 + 6 + 7
     only = bench.select_configs(bench.parse_args(["--only", "h32kv8,paged16"]))
     assert [c.name for c in only] == ["b4-h32kv8-s4096-d128-bf16-causal",
                                       "decode-b64-h32kv8-kv4096-d128-bf16-contig",
@@ -100,6 +102,7 @@ def test_bench_config_names_are_unique_and_filterable():
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged16",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged256",
+                                      "prefill-b8-h32kv8-q512-kv4096-d128-bf16-contig-varlen",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged16-varlen",
                                       "prefill-b8-h32kv8-q512-kv4096-d128-bf16-paged64-varlen"]
 
@@ -154,7 +157,7 @@ def test_bench_sink_config_times_ours_with_the_sink_and_declines_the_rest():
 
 def test_bench_varlen_prefill_is_the_padded_prefill_packed(monkeypatch):
     """The prefill table's varlen rows (issue 25 item 3): the same chunks packed as FlashAttention's
-    varlen layout over the same paged cache give the padded rows' output, row for row; so do the cuDNN
+    varlen layout over the same paged or contiguous cache give the padded rows' output, row for row; so do the cuDNN
     frontend column's graphs (packed rows: cuDNN's THD queries, ragged offsets on Q and O, as its
     test_sdpa_chunked_prefill.py builds them), run here through fusedattn's Graph door standing in for
     ``cudnn`` (the real cuDNN frontend runs them in ``bench --configs prefill`` on a GPU)."""
@@ -165,14 +168,19 @@ def test_bench_varlen_prefill_is_the_padded_prefill_packed(monkeypatch):
     from fusedattn import bench
 
     names = [c.name for c in bench.prefill_configs()]
-    assert sum(n.endswith("-varlen") for n in names) == 2 and len(set(names)) == len(names)
+    assert sum(n.endswith("-varlen") for n in names) == 3 and len(set(names)) == len(names)
     torch.manual_seed(0)
     cfg = bench.Config("prefill", 2, 4, 2, 5, 19, 8, "fp32", causal=True, page_block=4)
     inp = bench.make_inputs(cfg, "cpu")
     padded = bench.prepare_ours(cfg, False)(inp).fwd()                       # [b, h, s_q, d]
-    packed = bench.prepare_ours(bench.replace(cfg, mask="varlen"), False)(inp).fwd()   # [b * s_q, h, d]
-    assert packed.shape == (cfg.b * cfg.s_q, cfg.h_q, cfg.d)
-    torch.testing.assert_close(packed, padded.transpose(1, 2).reshape(packed.shape), rtol=1e-5, atol=1e-5)
+    for cache in (cfg, bench.replace(cfg, page_block=0)):                    # the paged cache, the contiguous one
+        packed = bench.prepare_ours(bench.replace(cache, mask="varlen"), False)(inp).fwd()   # [b * s_q, h, d]
+        assert packed.shape == (cfg.b * cfg.s_q, cfg.h_q, cfg.d)
+        torch.testing.assert_close(packed, padded.transpose(1, 2).reshape(packed.shape), rtol=1e-5, atol=1e-5)
+    for prepare in (bench.prepare_sdpa("MATH"), bench.prepare_flex, bench.prepare_fa4):
+        # no packed-queries layout wired for them: declined, not timed on the padded layout under a packed label
+        with pytest.raises(bench.Unsupported):
+            prepare(bench.replace(cfg, page_block=0, mask="varlen"), False)
 
     monkeypatch.setitem(sys.modules, "cudnn", fusedattn)
     monkeypatch.setattr(bench, "_CUDNN", {})
@@ -202,6 +210,24 @@ def test_bench_varlen_prefill_is_the_padded_prefill_packed(monkeypatch):
         # the output the graph wrote: O [b, h, s_q, d] over BSHD memory (the packed rows' THD layout)
         got, = [t for t in pack.values() if t.shape == padded.shape and t.data_ptr() != inp.q.data_ptr()]
         torch.testing.assert_close(got, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_table_divides_each_row_by_the_contiguous_cache_with_the_same_queries():
+    """Issue 25 item 3 asks the paged prefill for 0.95x of the contiguous cache, padded and packed queries alike:
+    the prefill table's ours/contiguous column divides a padded row by the padded contiguous one and a packed
+    (varlen) row by the packed contiguous one, so the pages' cost is not mixed with the packing's."""
+    from fusedattn import bench
+
+    cfgs = bench.prefill_configs()
+    b = bench.Bench(bench.parse_args(["--configs", "prefill"]))
+    speed = {"contig": 600.0, "paged16": 570.0, "paged64": 590.0, "paged256": 606.0,
+             "contig-varlen": 580.0, "paged16-varlen": 551.0, "paged64-varlen": 574.2}
+    for cfg in cfgs:
+        b._store(cfg, "fwd", "ours", bench.Cell("ok", 1.0, speed[cfg.name.split("bf16-")[1]]))
+    head, *rows = table_rows(bench.render_table(b, cfgs, ["ours"], None))
+    ratio = {row[0]: row[head.index("ours/contiguous")] for row in rows}
+    got = [ratio[cfg.label] for cfg in cfgs]
+    assert got == ["1.00", "0.95", "0.98", "1.01", "1.00", "0.95", "0.99"], got
 
 
 def test_bench_table_names_rows_measured_on_a_slowed_gpu():
