@@ -1,5 +1,5 @@
-"""Issue 28's eager d=64 backward with launch replays (``fusedattn.backends.replay``) off and on, interleaved in one
-process (bench/NOTES.md 90).
+"""Issue 28's eager d=64 backward and forward with launch replays (``fusedattn.backends.replay``) off and on,
+interleaved in one process (bench/NOTES.md 90, 91).
 
     python3 bench/replay_probe.py [--rounds 5] [--parts] [--shape B,H,S]
 
@@ -10,8 +10,9 @@ round and setting:
   * host: us to enqueue one ``torch.autograd.grad`` (200 calls, no sync; bench/overhead.py's host_ms);
   * body: us of ``_Attention.backward`` on autograd's device thread, timed from inside;
   * bench: the bench's eager backward time (``bench.do_bench_cold``: each call after an L2 flush) and its TFLOP/s;
-  * fwd: the bench's eager forward time (under no_grad) of the same problem, which replays do not touch (two
-    processes of call 1 read it at 148 and 389 TFLOP/s);
+  * fwd: the bench's eager forward time (under no_grad) of the same problem and its host time per call (session
+    51: the forward is replayed too, ``functional._forward_replays``; before, two processes of session 50's call 1
+    read it at 148 and 389 TFLOP/s);
 then the medians over the rounds. ``--parts``: the replayed backward's host time split into its parts, each timed
 alone on the main thread (us per call, 300 calls: fewer launches than the launch queue holds, so a launch times
 the host): the key, the replay's checks, its allocations, each launch's argument tuple and driver launch.
@@ -122,15 +123,17 @@ def main():
                     ms = bench.do_bench_cold(grad, warmup=25, rep=100)
                     with torch.no_grad():
                         fwd_ms = bench.do_bench_cold(fwd, warmup=25, rep=100)
-                    rows[on].append((host, body, ms, fwd_ms))
+                        fwd_host = host_ms(fwd) * 1e3
+                    rows[on].append((host, body, ms, fwd_ms, fwd_host))
                     print(f"{'causal' if causal else 'plain '} round {r} replay {'on ' if on else 'off'}: host "
                           f"{host:6.1f} us, body {body:6.1f} us, bench {ms * 1e3:6.1f} us = "
-                          f"{flops / ms / 1e9:5.0f} TFLOP/s; fwd {flops / 2.5 / fwd_ms / 1e9:5.0f} TFLOP/s", flush=True)
+                          f"{flops / ms / 1e9:5.0f} TFLOP/s; fwd {flops / 2.5 / fwd_ms / 1e9:5.0f} TFLOP/s, "
+                          f"host {fwd_host:5.1f} us", flush=True)
             for on in (False, True):
-                host, body, ms, fwd_ms = (statistics.median(x[i] for x in rows[on]) for i in range(4))
+                host, body, ms, fwd_ms, fwd_host = (statistics.median(x[i] for x in rows[on]) for i in range(5))
                 print(f"{'causal' if causal else 'plain '} median replay {'on ' if on else 'off'}: host {host:6.1f} us, "
                       f"body {body:6.1f} us, bench {ms * 1e3:6.1f} us = {flops / ms / 1e9:5.0f} TFLOP/s; fwd "
-                      f"{flops / 2.5 / fwd_ms / 1e9:5.0f} TFLOP/s")
+                      f"{flops / 2.5 / fwd_ms / 1e9:5.0f} TFLOP/s, host {fwd_host:5.1f} us")
     finally:
         functional._Attention.backward = staticmethod(original)
         replay.ENABLED = True

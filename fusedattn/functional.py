@@ -333,6 +333,22 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
     ``return_stats`` or ``stats_out``). ``out`` / ``stats_out`` must not share memory with q, k or v
     (refused by name: every row reads K and V while rows of the output are written).
     """
+    forward_key = None
+    if (seq_len_q is None and seq_len_kv is None and attn_bias is None and alibi is False
+            and type(dropout_p) in _PLAIN_OPTION and not dropout_p
+            and page_table_k is None and page_table_v is None and out is None and stats_out is None and sink is None
+            and _replay.ENABLED and type(q) is torch.Tensor and q.is_cuda):
+        # a repeat of a replayed plain call (every training step, every layer): its launches, nothing else
+        forward_key = _forward_key(q, k, v, attn_scale, causal, causal_alignment, window, softcap, return_stats,
+                                   validate, backend)
+        kept = _forward_replays.get(forward_key)
+        if kept is not None:
+            replay, (p, extras, pl) = kept
+            made = replay(q, k, v)
+            if made is not None:
+                if _keep_problem is not None:
+                    _keep_problem.extend((p, dict(extras), pl))     # an unshared extras, as make_problem's memo
+                return made[0], (made[1] if return_stats else None)
     p, extras = make_problem(q, k, v, attn_scale=attn_scale, causal=causal, causal_alignment=causal_alignment,
                              window=window, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv, attn_bias=attn_bias,
                              alibi=alibi, softcap=softcap, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -363,9 +379,72 @@ def attention_forward(q, k, v, *, attn_scale=None, causal=False, causal_alignmen
                 lse.fill_(float("-inf"))     # every row saw no key: the log of an empty sum
                 if p.has_sink:               # ... but for the sink's term (rows past seq_len_q excepted)
                     _fill_sink_lse(lse, extras)
+        elif forward_key is not None and forward_key not in _forward_replays:
+            _record_forward(forward_key, (p, extras, pl), q, k, v, out, stats)
         else:
             _run_forward(p, extras, pl, q, k, v, out, lse)
     return out, stats
+
+
+_forward_replays = _replay.Cache()
+
+
+def _forward_key(q, k, v, attn_scale, causal, causal_alignment, window, softcap, return_stats, validate, backend):
+    """The key of a plain forward's replay (no lengths, bias, ALiBi, dropout, pages, sink or caller's buffers):
+    what make_problem, the plan and every launch argument besides the tensors' addresses depend on (shapes,
+    strides, dtypes and devices of q, k, v; the scalar options), or None where a replay must not be kept: a
+    tensor not 16-byte aligned (the launch keys tell alignment per tensor, this key does not), an option that is
+    not a plain scalar (a tensor's hash is its identity, not its value)."""
+    if (type(k) is not torch.Tensor or type(v) is not torch.Tensor or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
+            or type(attn_scale) not in _PLAIN_OPTION or type(softcap) not in _PLAIN_OPTION
+            or type(causal) is not bool or not (window is None or type(window) is tuple)):
+        return None
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), attn_scale, causal, causal_alignment, window, softcap,
+           bool(return_stats), validate, backend)
+    try:
+        hash(key)
+    except TypeError:               # an unhashable window entry: the ordinary path validates (and rejects) it
+        return None
+    return key
+
+
+_PLAIN_OPTION = (type(None), bool, int, float)
+
+
+def _record_forward(key, problem, q, k, v, out, stats) -> None:
+    """The forward's launches (``_run_forward`` of problem = (p, extras, pl)), kept as a replay for ``key`` with
+    the problem (autograd's context takes it from there) once they all took the launch caches' cached path. Roles:
+    q, k, v, out, the stats when asked for, and the Gluon forward's tile counter of this stream (a persistent
+    buffer, the same one while the stream is: ``make`` asks for the current stream's)."""
+    from .backends.triton.launch import recording
+    p, extras, pl = problem
+    lse = stats[..., 0] if stats is not None else None
+    counter = _tile_counter_of(q.device) if pl.fwd_gluon else None
+    with recording() as recorded:
+        _run_forward(p, extras, pl, q, k, v, out, lse)
+    if recorded.complete:
+        shape_o, shape_stats = tuple(out.shape), None if stats is None else tuple(stats.shape)
+        dtype, device = out.dtype, out.device
+
+        def make(q, _k, _v):
+            counter_now = _tile_counter_of(device) if counter is not None else None
+            if (counter_now is None) != (counter is None):
+                return None          # capturing a CUDA graph on a stream with no counter yet: the ordinary path
+            made = (_like_layout(q, shape_o, dtype),)
+            if shape_stats is not None:
+                made += (torch.empty(shape_stats, dtype=torch.float32, device=device),)
+            return made + ((counter_now,) if counter_now is not None else ())
+        roles = (q, k, v, out) + ((stats,) if stats is not None else ()) + ((counter,) if counter is not None else ())
+        replay = _replay.build(recorded, roles, make)
+        _forward_replays.keep(key, None if replay is None else (replay, problem))
+
+
+def _tile_counter_of(device):
+    """The Gluon forward's tile counter of the current stream on device (fwd_sm90._tile_counter), None where no
+    Gluon forward is loaded or the stream is capturing a graph and has none."""
+    gluon = _gluon_kernels("forward", "fwd_sm90")
+    return gluon[0]._tile_counter(device) if gluon is not None else None
 
 
 def _fill_sink_lse(lse, extras):

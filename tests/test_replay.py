@@ -116,6 +116,35 @@ def test_replay_steps_aside_where_launches_must_take_the_ordinary_path(on_device
     monkeypatch.setattr(launch, "_current_device", lambda: 1)
     assert built(torch.randn(8)) is None
     assert not calls and built.calls == 0
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    refusing = replay.build(_recorded((_Launcher(), lambda *x: calls.append(x), 0, (1, 1, 1), (a,))), (a,),
+                            lambda a: None)      # make found the call unlike the recorded one
+    assert refusing(torch.randn(8)) is None and not calls and refusing.calls == 0
+
+
+def test_forward_key_holds_what_the_launches_depend_on():
+    """The forward replay's key (``functional._forward_key``) tells apart every shape, stride, dtype and scalar option
+    of a plain call, and is None (no replay) for what it cannot stand for: a tensor not 16-byte aligned, a tensor
+    option (hashed by identity, not value), an unhashable window; the eligible call's key is stable."""
+    from fusedattn import functional
+    q = torch.randn(2, 4, 64, 16)
+    k = v = torch.randn(2, 2, 64, 16)
+    args = dict(attn_scale=None, causal=True, causal_alignment="top_left", window=None, softcap=0.0,
+                return_stats=False, validate=True, backend="auto")
+    key = functional._forward_key(q, k, v, **args)
+    assert key is not None and key == functional._forward_key(q.clone(), k.clone(), v.clone(), **args)
+    others = [functional._forward_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, **args),
+              functional._forward_key(q[:, :, :32], k, v, **args),
+              functional._forward_key(q.half(), k.half(), v.half(), **args)]
+    others += [functional._forward_key(q, k, v, **dict(args, **{name: value})) for name, value in
+               (("attn_scale", 0.5), ("causal", False), ("causal_alignment", "bottom_right"), ("window", (8, 0)),
+                ("softcap", 30.0), ("return_stats", True))]
+    assert None not in others and len({key, *others}) == len(others) + 1
+    flat = torch.randn(2 * 4 * 64 * 16 + 1)
+    assert functional._forward_key(flat[1:].view(2, 4, 64, 16), k, v, **args) is None          # 4-byte aligned
+    assert functional._forward_key(q, k, v, **dict(args, attn_scale=torch.tensor(0.5))) is None
+    assert functional._forward_key(q, k, v, **dict(args, window=([1], 0))) is None
+    assert functional._forward_key(q, k, v, **dict(args, causal=1)) is None
 
 
 def test_cache_forgets_when_full_and_on_clear_all():
@@ -169,6 +198,71 @@ def test_repeat_backward_is_replayed_with_each_step_s_tensors(d, h, s, causal):
     do, got = step(x, x, x)
     _check_against_reference(x, x, x, do, got, torch.bfloat16, f"d={d} self-attention on one tensor", causal=causal)
     assert replays[0].calls == calls + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no GPU: GPU test skipped")
+# (d, h_q, h_kv, s_q, s_kv, causal, return_stats, bshd): the Gluon forward's routes on Hopper (one-tile and
+# persistent grids, GQA), a decode-sized call, the portable kernel's head dims
+@pytest.mark.parametrize("d, h_q, h_kv, s_q, s_kv, causal, stats, bshd", [
+    (64, 12, 12, 1024, 1024, False, False, True), (64, 8, 8, 1000, 1000, True, True, True),
+    (128, 8, 2, 640, 1536, True, False, False), (128, 4, 4, 3, 777, False, True, True),
+    (40, 4, 4, 200, 300, False, True, False)])
+def test_repeat_forward_is_replayed_with_each_call_s_tensors(d, h_q, h_kv, s_q, s_kv, causal, stats, bshd):
+    """Forwards of one problem and layout, each with new tensors: a call whose launches were all cached is recorded
+    (``functional._forward_replays``) and later calls are replayed where the route allows one; every call's output
+    (and stats) matches the float64 reference, without autograd and under it (which asks for the stats: its own
+    key), and the replayed autograd calls' gradients are right; another layout of the same shapes is not served by
+    the replay."""
+    from fusedattn import functional
+    from fusedattn.reference import attention_reference
+    from fusedattn.testing import assert_error_within, assert_lse_close
+    from test_launch import _check_against_reference
+    torch.manual_seed(13)
+
+    def mk(h, s, layout_bshd=bshd):
+        if layout_bshd:
+            return torch.randn(2, s, h, d, device="cuda", dtype=torch.float16).transpose(1, 2)
+        return torch.randn(2, h, s, d, device="cuda", dtype=torch.float16)
+
+    def check(q, k, v, out, st, msg):
+        gold, gold_stats = attention_reference(*(t.detach().cpu() for t in (q, k, v)), causal=causal)
+        base, _ = attention_reference(*(t.detach().cpu() for t in (q, k, v)), causal=causal, dtype=torch.float16)
+        assert_error_within(out.detach().cpu(), gold, base, msg=f"out {msg}")
+        if st is not None:
+            assert_lse_close(st, gold_stats, msg=f"stats {msg}")
+
+    def replay_of(q, k, v, with_stats):
+        key = functional._forward_key(q, k, v, None, causal, "top_left", None, 0.0, with_stats, True, "auto")
+        kept = functional._forward_replays.get(key)
+        return None if kept is None else kept[0]
+
+    shapes = ((h_q, s_q), (h_kv, s_kv), (h_kv, s_kv))
+    for i in range(4):
+        q, k, v = (mk(h, s) for h, s in shapes)
+        got = fusedattn.attention(q, k, v, causal=causal, return_stats=stats)
+        out, st = got if stats else (got, None)
+        check(q, k, v, out, st, f"call {i}")
+    replayed = replay_of(q, k, v, stats)
+    if replayed is None:
+        pytest.skip(f"this route gives no forward replay (a scratch buffer or a JIT launch): d {d}, h {h_q}/{h_kv}, "
+                    f"{s_q}x{s_kv}: the outputs were checked, the replay not")
+    assert replayed.calls >= 2, "calls 3 and 4 were not replayed"
+    for i in range(4):
+        # autograd: the forward asks for the stats; the context keeps the replay's problem for the backward
+        q, k, v = (mk(h, s).requires_grad_() for h, s in shapes)
+        out = fusedattn.attention(q, k, v, causal=causal)
+        do = torch.randn_like(out)
+        out.backward(do)
+        if i >= 2:
+            _check_against_reference(q, k, v, do, (out, q.grad, k.grad, v.grad), torch.float16,
+                                     f"autograd call {i}", causal=causal)
+    assert replay_of(q, k, v, True).calls >= 2, "autograd calls 3 and 4 were not replayed"
+    calls = replayed.calls
+    q, k, v = (mk(h, s, not bshd) for h, s in shapes)          # the other layout, same shapes
+    got = fusedattn.attention(q, k, v, causal=causal, return_stats=stats)
+    check(q, k, v, got[0] if stats else got, got[1] if stats else None, "another layout")
+    assert replayed.calls == calls
 
 
 @pytest.mark.gpu

@@ -55,6 +55,8 @@ class Replay:
                 or getattr(_launch._ahead, "active", None) is not None):
             return None
         made = self.make(*inputs)
+        if made is None:             # make found the call unlike the recorded one in a way no key holds
+            return None
         roles = inputs + made
         compat.ensure_context(device)
         stream = _launch._current_raw_stream(device)
