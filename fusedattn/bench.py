@@ -854,7 +854,9 @@ def _cudnn_mask_args(cfg: Config, graph, example: Inputs, tensors: Dict[str, obj
     dev = example.q.device
     causal = cfg.causal and cfg.s_q > 1
     kw = {"use_causal_mask_bottom_right": True} if causal and cfg.s_q != cfg.s_kv else {"use_causal_mask": causal}
-    if cfg.lens or cfg.page_block:
+    if cfg.lens or cfg.page_block or cfg.mask == "varlen":
+        # (cuDNN takes ragged offsets only with the padding mask: "is_ragged==True is only allowed when
+        # padding_mask=True")
         lens_q = torch.tensor(cfg.lens or (cfg.s_q,) * cfg.b, dtype=torch.int32, device=dev).view(cfg.b, 1, 1, 1)
         lens_kv = torch.tensor(cfg.lens or (cfg.s_kv,) * cfg.b, dtype=torch.int32, device=dev).view(cfg.b, 1, 1, 1)
         tensors["seq_len_q"] = (graph.tensor_like(lens_q), lens_q)
