@@ -414,12 +414,18 @@ _PLAIN_OPTION = (type(None), bool, int, float)
 
 def _record_forward(key, problem, q, k, v, out, stats) -> None:
     """The forward's launches (``_run_forward`` of problem = (p, extras, pl)), kept as a replay for ``key`` with
-    the problem (autograd's context takes it from there) once they all took the launch caches' cached path. Roles:
+    the problem (autograd's context takes it from there) once they all took the launch caches' cached path, outside
+    CUDA-graph captures. Roles:
     q, k, v, out, the stats when asked for, and the Gluon forward's tile counter of this stream (a persistent
     buffer, the same one while the stream is: ``make`` asks for the current stream's)."""
     from .backends.triton.launch import recording
     p, extras, pl = problem
     lse = stats[..., 0] if stats is not None else None
+    if torch.cuda.is_current_stream_capturing():
+        # a capture's first launch on a stream with no tile counter takes another grid (fwd_sm90._tile_counter):
+        # recorded here, that grid would stay with every later eager call of the key
+        _run_forward(p, extras, pl, q, k, v, out, lse)
+        return
     counter = _tile_counter_of(q.device) if pl.fwd_gluon else None
     with recording() as recorded:
         _run_forward(p, extras, pl, q, k, v, out, lse)

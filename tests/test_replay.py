@@ -122,6 +122,25 @@ def test_replay_steps_aside_where_launches_must_take_the_ordinary_path(on_device
     assert refusing(torch.randn(8)) is None and not calls and refusing.calls == 0
 
 
+def test_forward_is_not_recorded_inside_a_graph_capture(monkeypatch):
+    """``functional._record_forward`` runs the forward but keeps no replay (not even a refusal) while a CUDA graph is
+    being captured: a capture's first launch on a stream with no tile counter takes another grid, which a replay
+    would keep for every later eager call. Outside a capture the key gets its entry (here None: the CPU path
+    launches no kernel to replay). The CPU path stands in for the GPU's launches."""
+    from fusedattn import functional
+    from fusedattn.plan import plan
+    from fusedattn.problem import make_problem
+    q = torch.randn(1, 2, 16, 8)
+    p, extras = make_problem(q, q, q)
+    problem = (p, extras, plan(p, "cpu"))
+    for capturing in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        out = torch.full_like(q, float("nan"))
+        functional._record_forward(("test key", capturing), problem, q, q, q, out, None)
+        assert not torch.isnan(out).any(), "the forward did not run"
+        assert (("test key", capturing) in functional._forward_replays) is not capturing
+
+
 def test_forward_key_holds_what_the_launches_depend_on():
     """The forward replay's key (``functional._forward_key``) tells apart every shape, stride, dtype and scalar option
     of a plain call, and is None (no replay) for what it cannot stand for: a tensor not 16-byte aligned, a tensor
