@@ -426,7 +426,9 @@ def _record_forward(key, problem, q, k, v, out, stats) -> None:
         # recorded here, that grid would stay with every later eager call of the key
         _run_forward(p, extras, pl, q, k, v, out, lse)
         return
-    counter = _tile_counter_of(q.device) if pl.fwd_gluon else None
+    gluon = _gluon_kernels("forward", "fwd_sm90") if pl.fwd_gluon else None
+    tile_counter = gluon[0]._tile_counter if gluon is not None else None    # of the current stream, or None
+    counter = tile_counter(q.device) if tile_counter is not None else None
     with recording() as recorded:
         _run_forward(p, extras, pl, q, k, v, out, lse)
     if recorded.complete:
@@ -434,7 +436,7 @@ def _record_forward(key, problem, q, k, v, out, stats) -> None:
         dtype, device = out.dtype, out.device
 
         def make(q, _k, _v):
-            counter_now = _tile_counter_of(device) if counter is not None else None
+            counter_now = tile_counter(device) if counter is not None else None
             if (counter_now is None) != (counter is None):
                 return None          # capturing a CUDA graph on a stream with no counter yet: the ordinary path
             made = (_like_layout(q, shape_o, dtype),)
@@ -444,13 +446,6 @@ def _record_forward(key, problem, q, k, v, out, stats) -> None:
         roles = (q, k, v, out) + ((stats,) if stats is not None else ()) + ((counter,) if counter is not None else ())
         replay = _replay.build(recorded, roles, make)
         _forward_replays.keep(key, None if replay is None else (replay, problem))
-
-
-def _tile_counter_of(device):
-    """The Gluon forward's tile counter of the current stream on device (fwd_sm90._tile_counter), None where no
-    Gluon forward is loaded or the stream is capturing a graph and has none."""
-    gluon = _gluon_kernels("forward", "fwd_sm90")
-    return gluon[0]._tile_counter(device) if gluon is not None else None
 
 
 def _fill_sink_lse(lse, extras):
