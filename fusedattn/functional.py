@@ -399,9 +399,11 @@ def _forward_key(q, k, v, attn_scale, causal, causal_alignment, window, softcap,
             or type(attn_scale) not in _PLAIN_OPTION or type(softcap) not in _PLAIN_OPTION
             or type(causal) is not bool or not (window is None or type(window) is tuple)):
         return None
+    # the options' types too: True == 1 == 1.0 as keys, but validation may take one and refuse another
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), attn_scale, causal, causal_alignment, window, softcap,
-           bool(return_stats), validate, backend)
+           q.get_device(), k.get_device(), v.get_device(), attn_scale, type(attn_scale), causal, causal_alignment,
+           window, None if window is None else tuple(map(type, window)), softcap, type(softcap), bool(return_stats),
+           validate, type(validate), backend)
     try:
         hash(key)
     except TypeError:               # an unhashable window entry: the ordinary path validates (and rejects) it

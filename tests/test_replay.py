@@ -164,6 +164,10 @@ def test_forward_key_holds_what_the_launches_depend_on():
     assert functional._forward_key(q, k, v, **dict(args, attn_scale=torch.tensor(0.5))) is None
     assert functional._forward_key(q, k, v, **dict(args, window=([1], 0))) is None
     assert functional._forward_key(q, k, v, **dict(args, causal=1)) is None
+    # equal values of other types (True == 1 == 1.0) are other keys: validation may refuse one and take another
+    ones = [functional._forward_key(q, k, v, **dict(args, attn_scale=one)) for one in (1, 1.0, True)]
+    ones += [functional._forward_key(q, k, v, **dict(args, window=(one, 0))) for one in (1, True)]
+    assert None not in ones and len(set(ones)) == len(ones)
 
 
 def test_cache_forgets_when_full_and_on_clear_all():
