@@ -372,9 +372,11 @@ def make_problem(q, k, v, *, attn_scale=None, causal=False, causal_alignment="to
             and type(dropout_seed) in _SCALARS and type(dropout_offset) in _SCALARS
             and (window is None or type(window) is tuple)):
         lens = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in (seq_len_q, seq_len_kv))
+        # the scalars' types too: True == 1 == 1.0 as keys, but validation takes attn_scale=1.0 and refuses True
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                attn_scale, causal, causal_alignment, window, softcap, dropout_p, dropout_seed, dropout_offset,
-               alibi, lens)
+               alibi, lens, tuple(map(type, (attn_scale, causal, softcap, dropout_p, dropout_seed, dropout_offset))),
+               None if window is None else tuple(map(type, window)))
         try:
             hit = _PLAIN.get(key)
         except TypeError:           # an unhashable window entry: validate (and reject) below

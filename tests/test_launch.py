@@ -52,6 +52,12 @@ def test_make_problem_memo_returns_fresh_extras_and_still_validates():
         make_problem(q, k, v, dropout_seed=-1)
     with pytest.raises(ValueError, match="window"):         # an unhashable window still gets its error
         make_problem(q, k, v, window=(3, [1]))
+    # a value equal to a remembered one but of another type (True == 1 == 1.0) is validated, not served
+    make_problem(q, k, v, attn_scale=1.0, window=(1, 0))
+    with pytest.raises(TypeError, match="attn_scale"):
+        make_problem(q, k, v, attn_scale=True, window=(1, 0))
+    with pytest.raises(ValueError, match="window"):
+        make_problem(q, k, v, attn_scale=1.0, window=(True, 0))
 
 
 @pytest.mark.gpu
