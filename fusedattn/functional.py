@@ -417,9 +417,8 @@ _PLAIN_OPTION = (type(None), bool, int, float)
 def _record_forward(key, problem, q, k, v, out, stats) -> None:
     """The forward's launches (``_run_forward`` of problem = (p, extras, pl)), kept as a replay for ``key`` with
     the problem (autograd's context takes it from there) once they all took the launch caches' cached path, outside
-    CUDA-graph captures. Roles:
-    q, k, v, out, the stats when asked for, and the Gluon forward's tile counter of this stream (a persistent
-    buffer, the same one while the stream is: ``make`` asks for the current stream's)."""
+    CUDA-graph captures. Roles: q, k, v, out, the stats when asked for, and the Gluon forward's tile counter of the
+    current stream (a persistent buffer: ``make`` asks for the calling stream's)."""
     from .backends.triton.launch import recording
     p, extras, pl = problem
     lse = stats[..., 0] if stats is not None else None
