@@ -620,30 +620,24 @@ def prepare_ours(cfg: Config, need_bwd: bool):
     if attention is None:
         raise Unsupported("fusedattn.attention is missing")
     with_cache = getattr(fusedattn, "attention_with_kvcache", None)
-    if cfg.page_block:
-        if with_cache is None:
-            raise Unsupported("fusedattn.attention_with_kvcache is missing (issue 6)")
-
+    if cfg.page_block and with_cache is None:
+        raise Unsupported("fusedattn.attention_with_kvcache is missing (issue 6)")
+    if cfg.table in ("decode", "prefill") and with_cache is not None:
         def bind(inp):
             x = inp.extra
-            fp8 = _fp8_cache_kwargs(cfg, inp)
+            # the cache: a paged container with its table and lengths, or the contiguous k, v
+            if cfg.page_block:
+                caches, paging = (x["k_cache"], x["v_cache"]), dict(page_table=x["page_table"],
+                                                                    seq_len_kv=x["seq_len_kv"])
+            else:
+                caches, paging = (inp.k, inp.v), {}
             if cfg.mask == "varlen":
                 q, cu = _packed_queries(cfg, inp)
-                return Runner(lambda: with_cache(q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
-                                                 seq_len_kv=x["seq_len_kv"], cu_seqlens_q=cu, max_seqlen_q=cfg.s_q,
+                return Runner(lambda: with_cache(q, *caches, **paging, cu_seqlens_q=cu, max_seqlen_q=cfg.s_q,
                                                  causal=True, validate=False))
-            return Runner(lambda: with_cache(inp.q, x["k_cache"], x["v_cache"], page_table=x["page_table"],
-                                             seq_len_kv=x["seq_len_kv"], causal=True, validate=False, **fp8))
+            fp8 = _fp8_cache_kwargs(cfg, inp)
+            return Runner(lambda: with_cache(inp.q, *caches, **paging, causal=True, validate=False, **fp8))
         return bind
-    if cfg.table == "prefill" and cfg.mask == "varlen" and with_cache is not None:
-        def bind_packed(inp):
-            q, cu = _packed_queries(cfg, inp)
-            return Runner(lambda: with_cache(q, inp.k, inp.v, cu_seqlens_q=cu, max_seqlen_q=cfg.s_q, causal=True,
-                                             validate=False))
-        return bind_packed
-    if cfg.table in ("decode", "prefill") and with_cache is not None:
-        return lambda inp: Runner(lambda: with_cache(inp.q, inp.k, inp.v, causal=True, validate=False,
-                                                     **_fp8_cache_kwargs(cfg, inp)))
     kw = _ours_kwargs(cfg)
 
     def attn(inp):
