@@ -67,8 +67,8 @@ def flops(name):
     return f / 2 if causal else f
 
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats",
-            "SchedulerStats", "Occupancy", "LaunchStats", "SourceCounters")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
+            "InstructionStats", "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats", "SourceCounters")
 
 
 def ncu_command(out="$OUT/ncu-bwd/bwd", fa4=True):
@@ -99,7 +99,11 @@ def _ours(name):
 
 def _fa4(name):
     """FA4's backward of the same inputs (its forward once, outside the profiled range), or None."""
+    import site
     import torch
+    # the carried wheels' folder (run_device.sh's install_wheels): FA4 finds its DSL through a .pth file there
+    for folder in filter(None, os.environ.get("FUSEDATTN_EXTRA_SITE", "").split(os.pathsep)):
+        site.addsitedir(folder)
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as exc:  # noqa: BLE001 - not installed on this machine

@@ -290,7 +290,8 @@ for part in "${PARTS[@]}"; do
                            python3 bench/profile_fused.py ;;
         ncu-bwd)       mkdir -p "$OUT/ncu-bwd"
                        run_part ncu-bwd ncu --profile-from-start off --clock-control none --section SpeedOfLight \
-                           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+                           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                           --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section WarpStateStats \
                            --section SchedulerStats --section Occupancy --section LaunchStats \
                            $([ "${NCU_BWD_SOURCE:-1}" = 1 ] && echo --section SourceCounters) -f -o "$OUT/ncu-bwd/bwd" python3 bench/profile_bwd.py --fa4 \
                            ${NCU_BWD_CONFIGS:+--configs "$NCU_BWD_CONFIGS"} ${NCU_BWD_ARGS:-}
