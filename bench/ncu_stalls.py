@@ -8,6 +8,8 @@ samples. This reads it and prints, per kernel:
     python bench/ncu_stalls.py SOURCE.csv --waits        # every mbarrier wait (SYNCS.PHASECHK) and its samples
     python bench/ncu_stalls.py SOURCE.csv --loop K       # kernel K's hottest loop, its samples between landmarks
     python bench/ncu_stalls.py SOURCE.csv --buckets      # samples by execution count (per step, per tile ...)
+    python bench/ncu_stalls.py SOURCE.csv --opcodes      # samples by opcode (idle warps' NOPs left out)
+    python bench/ncu_stalls.py SOURCE.csv --conflicts    # the instructions with shared-memory bank conflicts
 
 ``--waits`` is what told the paged prefill's load warp from its consumers (bench/NOTES.md 66): a wait executed
 once per key tile by one warp (the count of the load loop's iterations) is the load warp waiting for a free ring
@@ -123,6 +125,42 @@ def buckets(rows, n=6):
         print(f"  x{count:>9s}: {int(s):7d} samples ({s / total * 100:4.1f}%), {len(members):5d} instructions [{why}]")
 
 
+def opcodes(rows, n=16):
+    """Samples by opcode (the part before the first dot; wgmma waits, mbarrier waits kept apart), as a share of
+    the kernel's; warps parked in NOPs (executed fewer than 10000 times: the idle warps of a producer warpgroup)
+    left out. bench/NOTES.md 92 compared our single-pass backward with FlashAttention-4's this way (FA4's warps
+    wait at HGMMA issue, the tensor pipe full; ours at the step's last wgmma wait)."""
+    by = {}
+    for r in rows:
+        words = r["Source"].split()
+        if not words:
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        if op == "NOP" and num(r["Instructions Executed"]) < 10000:
+            continue
+        key = ("DEPBAR (wgmma wait)" if op.startswith("WARPGROUP.DEPBAR") else
+               "mbarrier wait" if op.startswith("SYNCS.PHASECHK") else op.split(".")[0])
+        by[key] = by.get(key, 0.0) + num(r[SAMPLES])
+    total = sum(by.values()) or 1.0
+    ranked = sorted(by.items(), key=lambda kv: -kv[1])[:n]
+    print("  samples by opcode (%):", ", ".join(f"{k} {v / total * 100:.1f}" for k, v in ranked))
+
+
+def conflicts(rows, n=12):
+    """The instructions with the most shared-memory wavefronts beyond the ideal (bank conflicts): executions,
+    wavefronts, ideal. bench/NOTES.md 92 found the fused backward's dQ staging stores at twice the ideal."""
+    excess = "L1 Wavefronts Shared Excessive"
+    if not rows or excess not in rows[0]:
+        print("  no shared-memory wavefront columns (the SourceCounters section)")
+        return
+    hot = sorted(rows, key=lambda r: -num(r[excess]))[:n]
+    for r in hot:
+        if num(r[excess]) == 0:
+            break
+        print(f"  x{r['Instructions Executed']:>9s} wavefronts {r['L1 Wavefronts Shared']:>12s} ideal "
+              f"{r['L1 Wavefronts Shared Ideal']:>12s}  {r['Source'].strip()[:70]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source_csv")
@@ -130,6 +168,8 @@ def main():
     ap.add_argument("--waits", action="store_true")
     ap.add_argument("--loop", type=int, metavar="K", help="kernel K's hottest loop by stretches (loop())")
     ap.add_argument("--buckets", action="store_true", help="samples by execution count (buckets())")
+    ap.add_argument("--opcodes", action="store_true", help="samples by opcode (opcodes())")
+    ap.add_argument("--conflicts", action="store_true", help="shared-memory bank conflicts by instruction")
     a = ap.parse_args()
     for i, (name, rows) in enumerate(kernels(a.source_csv)):
         if a.loop is not None and i != a.loop:
@@ -141,6 +181,10 @@ def main():
             buckets(rows)
         elif rows and a.waits:
             waits(rows)
+        elif rows and a.opcodes:
+            opcodes(rows)
+        elif rows and a.conflicts:
+            conflicts(rows)
         elif rows:
             top(rows, a.top)
 

@@ -3,6 +3,7 @@ the same kernels' static profile from their sm_90 SASS, with no GPU.
 
     python3 bench/profile_bwd.py [--configs d64,d64c,2kc,8k,16kc,gqa4kc] [--fa4] [--time N] [--dry-run]
     python3 bench/profile_bwd.py --sass [--configs ...]        # no GPU: ptxas + nvdisasm (bench/BWD_PROFILE.md)
+    python3 bench/profile_bwd.py --compare RAW.csv             # no GPU: an ncu-bwd report's kernels side by side
 
 GPU mode: per config, random BSHD inputs (as ``fusedattn bench``), our forward, two warm-up backwards (the
 first compiles), then ONE backward (``fusedattn.attention_backward``, the routed path: Triton dQ + dK/dV at
@@ -25,6 +26,7 @@ tile's step) the instruction count, HGMMA shapes and FLOPs, waits, barriers, loc
 dQ reduction's instructions and the issue order.
 """
 import argparse
+import csv
 import collections
 import os
 import re
@@ -336,6 +338,35 @@ def ideal_table():
               f"{f / ours:8.3f} {f / best:8.3f}  {ours * redo:6.0f}")
 
 
+# ``--compare``: the main kernels' metrics side by side (label, raw-page metric, scale)
+COMPARED = (("elapsed cycles (M)", "gpc__cycles_elapsed.max", 1e-6),
+            ("tensor pipe active (%)", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", 1),
+            ("instructions (M)", "smsp__inst_executed.sum", 1e-6),
+            ("shared store bank conflicts (M)", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum", 1e-6),
+            ("LSU shared wavefronts (M)", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
+            ("local (spill) loads (M)", "smsp__sass_inst_executed_op_local_ld.sum", 1e-6),
+            ("issue slots busy (%)", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1))
+
+
+def compare(path):
+    """From the raw page of an ``ncu-bwd`` report (``ncu --import R --page raw --csv``): the main backward kernel
+    of each profiled backward (ours: the single pass or the dK/dV pass; FA4's ``FlashAttentionBackwardSm90``), in
+    profiling order, one column each, the ``COMPARED`` metrics as rows (bench/NOTES.md 92's table)."""
+    rows = list(csv.reader(open(path)))
+    hdr = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    head = rows[hdr]
+    name = head.index("Kernel Name")
+    main = [r for r in rows[hdr + 2:] if any(k in r[name] for k in ("bwd_fused", "bwd_dkdv", "BackwardSm90"))]
+    labels = ["FA4" if "BackwardSm90" in r[name] else r[name].strip("_")[:18] for r in main]
+    print(f"{'metric':34s}" + "".join(f"{x:>20s}" for x in labels))
+    for label, metric, scale in COMPARED:
+        if metric not in head:
+            continue
+        j = head.index(metric)
+        vals = [float(r[j].replace(",", "") or 0) * scale for r in main]
+        print(f"{label:34s}" + "".join(f"{v:20.3f}" for v in vals))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
@@ -343,7 +374,10 @@ def main():
     ap.add_argument("--time", type=int, default=0, metavar="N", help="time N backwards per config (no ncu)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the ncu command; no GPU")
     ap.add_argument("--sass", action="store_true", help="static SASS profile of the kernels (no GPU)")
+    ap.add_argument("--compare", metavar="RAW_CSV", help="the profiled main kernels' metrics side by side (no GPU)")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args.compare)
     args.configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:

@@ -307,6 +307,7 @@ for part in "${PARTS[@]}"; do
         ncu-fused-ab)  mkdir -p "$OUT/ncu-fused-ab"
                        run_part ncu-fused-ab ncu --profile-from-start off --clock-control none \
                            --kernel-name regex:_attn_bwd_fused --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                           --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum \
                            -f -o "$OUT/ncu-fused-ab/ab" python3 bench/fused_ab.py --profile ${FUSED_AB_ARGS:-}
                        if [ -f "$OUT/ncu-fused-ab/ab.ncu-rep" ]; then
                            ncu --import "$OUT/ncu-fused-ab/ab.ncu-rep" --page raw --csv > "$OUT/ncu-fused-ab/raw.csv" 2>&1
