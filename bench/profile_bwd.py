@@ -26,8 +26,8 @@ tile's step) the instruction count, HGMMA shapes and FLOPs, waits, barriers, loc
 dQ reduction's instructions and the issue order.
 """
 import argparse
-import csv
 import collections
+import csv
 import os
 import re
 import sys
