@@ -27,7 +27,6 @@ dQ reduction's instructions and the issue order.
 """
 import argparse
 import collections
-import csv
 import os
 import re
 import sys
@@ -352,11 +351,10 @@ def compare(path):
     """From the raw page of an ``ncu-bwd`` report (``ncu --import R --page raw --csv``): the main backward kernel
     of each profiled backward (ours: the single pass or the dK/dV pass; FA4's ``FlashAttentionBackwardSm90``), in
     profiling order, one column each, the ``COMPARED`` metrics as rows (bench/NOTES.md 92's table)."""
-    rows = list(csv.reader(open(path)))
-    hdr = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
-    head = rows[hdr]
+    from ncu_raw import raw_table      # this folder is on sys.path when run as a script
+    head, rows = raw_table(path)
     name = head.index("Kernel Name")
-    main = [r for r in rows[hdr + 2:] if any(k in r[name] for k in ("bwd_fused", "bwd_dkdv", "BackwardSm90"))]
+    main = [r for r in rows if any(k in r[name] for k in ("bwd_fused", "bwd_dkdv", "BackwardSm90"))]
     labels = ["FA4" if "BackwardSm90" in r[name] else r[name].strip("_")[:18] for r in main]
     print(f"{'metric':34s}" + "".join(f"{x:>20s}" for x in labels))
     for label, metric, scale in COMPARED:
