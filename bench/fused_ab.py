@@ -48,7 +48,9 @@ VARIANTS = {"default": {}, "dqfirst": dict(dq_first=True), "dqlast": dict(dq_fir
             "stages3": dict(stages=3), "flat": dict(flat=True), "forward": dict(reverse=False),
             "reverse": dict(reverse=True), "grid_order": dict(heavy_first=False), "rotate": dict(rotate=True),
             "segments": dict(segments=True), "per_head": dict(segments=False),
-            "kv_smem": dict(kv_regs=False)}
+            "kv_smem": dict(kv_regs=False), "frag": dict(flat="frag"),
+            "frag_dqfirst": dict(flat="frag", dq_first=True), "swizzled": dict(flat=False),
+            "frag_dqlast": dict(flat="frag", dq_first=False)}
 
 
 def graph_timer(fn, replays=20):

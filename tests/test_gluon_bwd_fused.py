@@ -249,14 +249,19 @@ VARIANTS = {"stages2": dict(stages=2), "stages3": dict(stages=3), "nolag": dict(
             "rotate_lag": dict(rotate=True, lag=True), "segments": dict(segments=True), "per_head": dict(segments=False),
             "segments_rotate": dict(segments=True, rotate=True), "segments_forward": dict(segments=True, reverse=False),
             "segments_lag": dict(segments=True, lag=True),
-            "segments_defer": dict(segments=True, defer_dk=True, dq_first=True, lag=False)}
+            "segments_defer": dict(segments=True, defer_dk=True, dq_first=True, lag=False),
+            "frag": dict(flat="frag", lag=False), "frag_stages2": dict(flat="frag", lag=False, stages=2),
+            "frag_segments": dict(flat="frag", lag=False, segments=True),
+            "frag_via_out": dict(flat="frag", lag=False, via_out=True),
+            "frag_dqfirst": dict(flat="frag", lag=False, dq_first=True),
+            "frag_dqlast": dict(flat="frag", lag=False, dq_first=False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["none", "top_left", "bottom_right"])
 def test_gluon_fused_variants(mode, variant, request):
-    """The tuning switches (a 3-deep Q/dO ring, LAG or not, query tiles in either order, flat or swizzled dQ
-    staging, dS from 16-bit P, dQ before or after dK, dK deferred to the next step, dQ by atomics, heavy CTAs
+    """The tuning switches (a 3-deep Q/dO ring, LAG or not, query tiles in either order, flat, swizzled or
+    fragment-order dQ staging, dS from 16-bit P, dQ before or after dK, dK deferred to the next step, dQ by atomics, heavy CTAs
     first or the grid's order, each run of query tiles over the group's heads in one loop or a loop per head), one
     at a time and the staging x LAG pairs, and the out= path (delta and the dq_acc zeroing in one kernel); GQA 4, many rounds
     of the ring."""

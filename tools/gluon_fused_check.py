@@ -1,7 +1,7 @@
 """Compile the Gluon sm_90 fused (single-pass) backward kernel with no GPU, and show what matters in its SASS.
 
     python tools/gluon_fused_check.py [CAUSAL] [dtype] [STAGES|-] [bottom_right] [lag|nolag] [reverse|forward]
-                                      [flat|swizzled] [p16|p32] [dqfirst|dqlast]
+                                      [flat|swizzled|frag] [p16|p32] [dqfirst|dqlast]
                                       [defer|nodefer] [atomic|tma] [rotate] [d64] [m128] [dropout] [kvsmem]
         e.g. ... 1 bf16, ... 0 fp16 3, ... 1 bf16 - nolag,
              ... 0 fp16 - d64 (head dim 64; default 128), ... 0 fp16 - d64 m128 (128-row query tiles)
@@ -16,6 +16,7 @@ UTMAREDG), as ``tools/gluon_bwd_check.py`` does for the dK/dV pass.
 import os
 import re
 import sys
+import types
 
 import triton
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -44,21 +45,25 @@ def compile_fused(causal=True, dtype="bf16", bottom_right=False, stages=None, re
     stages = stages or m.STAGES[causal]
     ql = fwd_sm90._smem_layout(block_m, d, tdt)
     kl = fwd_sm90._smem_layout(m.WG_N, d, tdt)
-    box, dl = m._dq_box(m.DQ_FLAT[causal] if flat is None else flat, d)
+    # the staging and dQ-first order a launch of this problem gets (``_dq_flat``, ``_dq_first``)
+    flat = m._dq_flat(types.SimpleNamespace(band=object() if causal else None, d=d), flat, lag, dq_atomic,
+                      fp8_grad is not None)
+    dq_first = m._dq_first(flat, causal, dq_first)
+    box, dl = m._dq_box(flat, d)
     sig = {"q_desc": f"tensordesc<{dtype}[1, 1, {block_m}, {d}],{ql!r}>",
            "k_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "v_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "do_desc": f"tensordesc<{dtype}[1, 1, {block_m}, {d}],{ql!r}>",
            "dk_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
            "dv_desc": f"tensordesc<{dtype}[1, 1, {m.WG_N}, {d}],{kl!r}>",
-           "dq_desc": f"tensordesc<fp32[1, 1, {block_m}, {box}],{dl!r}>", "DQ_ACC": "*fp32",
+           "dq_desc": f"tensordesc<fp32[1, 1, {16 if flat == 'frag' else block_m}, {box}],{dl!r}>", "DQ_ACC": "*fp32",
            "LSE": "*fp32", "stride_lb": "i32", "stride_lh": "i32", "stride_lm": "i32",
            "DELTA": "*fp32", "H_KV": "i32", "H_Q": "i32", "GROUP": "i32", "S_Q": "i32", "S_KV": "i32",
            "qk_scale": "fp32", "sm_scale": "fp32", "CHUNK": "i32"}
     const = dict(STAGES=stages, HAS_RIGHT=causal, BOTTOM_RIGHT=bottom_right, LAG=m.LAG[causal] if lag is None else lag,
                  REVERSE=m.REVERSE[causal] if reverse is None else reverse,
                  P16_DS=m.P16_DS if p16_ds is None else p16_ds,
-                 DQ_FIRST=m.DQ_FIRST[causal] if dq_first is None else dq_first,
+                 DQ_FIRST=dq_first,
                  DEFER_DK=m.DEFER_DK[causal] if defer_dk is None else defer_dk,
                  DQ_ATOMIC=m.DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic, ROTATE=m.ROTATE[causal],
                  CONSUMER_REGS=m.CONSUMER_REGS, PRODUCER_REGS=m.PRODUCER_REGS, SEGMENTS=False, KV_REGS=True)
@@ -124,7 +129,7 @@ def main():
     k = compile_fused(causal, dtype, bottom_right="bottom_right" in flags, stages=stages,
                       lag=True if "lag" in flags else False if "nolag" in flags else None,
                       reverse=True if "reverse" in flags else False if "forward" in flags else None,
-                      flat=True if "flat" in flags else False if "swizzled" in flags else None,
+                      flat=True if "flat" in flags else "frag" if "frag" in flags else False if "swizzled" in flags else None,
                       p16_ds=True if "p16" in flags else False if "p32" in flags else None,
                       dq_first=True if "dqfirst" in flags else False if "dqlast" in flags else None,
                       defer_dk=True if "defer" in flags else False if "nodefer" in flags else None,

@@ -81,7 +81,9 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
 * dQ first (``DQ_FIRST``): the dQ product issued before dK (FA3), so the staging (store_wait, 16 STS, fence,
   2 reduces) runs under the dK wgmma. Predicted +3-8% (the staging was serial). Measured: no gain
   (DQ_FIRST on vs off, runs 1-3: 2k -1.0/-0.4/+1.4%, 8k no mask -1.4/-1.1/-6.4%): the staging was not the
-  bottleneck. Off.
+  bottleneck. Off with the swizzled staging; with the "frag" one (``FRAG_DQ_FIRST``, FA4's order) on under a
+  causal mask: Nsight Compute cycles (bench/NOTES.md 94) 16k causal 1.066x / GQA 4k causal 1.109x the swizzled
+  default against frag with dQ last 1.020x / 1.086x; without a mask 1.038x against 1.070x.
 * dK deferred (``DEFER_DK``, needs DQ_FIRST): dK stays in flight into the next step (waited with its S^T), dS^T
   for it read from the exchange buffer, so the tensor core has work across the step boundary. The in-flight
   accumulator is loop-carried: it starts as the result of a wgmma (0 * K_WG), since a plain zero on any path
@@ -96,10 +98,23 @@ up to 10% at 16k causal, where columns timed later in a config's row read higher
   of tile i - 1, and warpgroup 0 for its dS of tile i), so the two need not meet at the same point of
   every tile; the last tile's columns after the loop; a reduce at row s_q (the first step's) is dropped
   whole by TMA. H100: no gain anywhere, GQA 4k causal -2..-12%: off.
-* dQ staging (``DQ_FLAT``): two [64, 32] 128-byte-swizzled boxes per warpgroup (conflict-free stores, the
-  register tile split by ``gl.split``) or one unswizzled [64, 64] box (one base address, fewer spill
-  accesses, 8-way bank conflicts on the 16 STS.64). H100: swizzled +5-8% without a mask and at GQA 4k, even
-  elsewhere (run1: flat -5% at 8k no mask and GQA 4k): swizzled.
+* dQ staging (``DQ_FLAT``): two [64, 32] 128-byte-swizzled boxes per warpgroup (the register tile split by
+  ``gl.split``; 2-way bank conflicts on the 16 STS.64, bench/NOTES.md 92) or one unswizzled [64, 64] box (one
+  base address, fewer spill accesses, 8-way bank conflicts). H100: swizzled +5-8% without a mask and at GQA 4k,
+  even elsewhere (run1: flat -5% at 8k no mask and GQA 4k): swizzled. "frag" ([Note] dQ in fragment order): one
+  [16, 256] box per warpgroup in the accumulator's own order (d=128, 16-bit, not with LAG or DQ_ATOMIC), the
+  default where it applies: Nsight Compute cycles against the swizzled boxes (bench/NOTES.md 94) 8k 1.070x, 16k
+  causal 1.020x, GQA 4k causal 1.086x (with dQ first under a mask, ``FRAG_DQ_FIRST``: 1.066x, 1.109x).
+
+[Note] dQ in fragment order (``DQ_FLAT`` "frag", FlashAttention-3 / 4's dQ path, bench/NOTES.md 93). The TMA reduce's
+cost follows its rows (entry 93: eight [64, 8] boxes per warpgroup, 4x the rows of the two [64, 32] ones, cost +47%
+of the kernel's cycles), so the warpgroup's [64, 64] fp32 tile goes out as one box of 16 rows of 1 KB: dq_acc holds
+each 64-row tile's two column halves as 4096 contiguous values in the order the wgmma accumulator keeps them (flat
+index e | i << 1 | lane << 2 | warp << 7 | j << 9 for row 16 warp + 8 i + lane // 4, column 8 j + 2 (lane % 4) + e),
+so a warp's store is 512 contiguous bytes (8 STS.128 per thread, no conflicts). ``_frag_tile`` gets there by a
+reshape to twelve size-2 dimensions, a permute and a reshape: layout-only, no data moves between threads. The
+conversion (``_dq_convert`` FRAG) computes the same index; the padding rows past s_q are interleaved with the rest,
+so the out= path zeroes them too (``_delta_zero`` ZERO_PAD); their dQ is 0 (zero-filled Q and dO rows).
 * ``P16_DS``: dS from the 16-bit P (the dV operand), so the fp32 P dies at the dV issue. bf16 needs an
   unpack per element (F2F + PRMT + IMAD.U32, +50 instructions per loop); spills 14 -> 8 (bf16), 0 (fp16).
   H100: -3..-7%: off.
@@ -249,8 +264,9 @@ BLOCK_N = 2 * WG_N   # keys per CTA
 BLOCK_M = 64         # query rows per tile of the Q/dO ring
 HEAD_DIMS = (64, 128)   # d = d_v; the kernel takes its head dim from the descriptors
 # dQ staging (docstring, "Switches"): True: one unswizzled [64, 64] fp32 box per warpgroup (one base address,
-# 8-way bank conflicts on the stores); False: two [64, 32] 128-byte-swizzled boxes (conflict-free stores)
-DQ_FLAT = {False: False, True: False}    # causal -> flat
+# 8-way bank conflicts on the stores); False: two [64, 32] 128-byte-swizzled boxes (2-way conflicts, bench/NOTES.md
+# 92); "frag": one [16, 256] box in the accumulator's own order ([Note] dQ in fragment order)
+DQ_FLAT = {False: "frag", True: "frag"}  # causal -> flat (bench/NOTES.md 94: "frag" 1.02-1.09x the swizzled boxes)
 # dS^T = P^T (dP^T - delta) from the 16-bit P^T (the dV operand) instead of the fp32 one (docstring, "Switches")
 P16_DS = False
 # warpgroup 1 computes each tile's dQ columns one tile late (docstring, "Switches": Lag)
@@ -259,6 +275,9 @@ STAGES = {False: 2, True: 3}     # causal -> Q/dO ring depth
 REVERSE = {False: False, True: True}     # causal -> query tiles last first (docstring, "Switches": Order)
 # dQ product issued before dK += dS^T Q, the dQ staging under the dK wgmma (docstring, "Switches": dQ first)
 DQ_FIRST = {False: False, True: False}   # causal -> dQ first
+# the same with the "frag" dQ staging (FA4's order: its 8 STS.128 and one reduce under the dK wgmma); bench/NOTES.md
+# 94: causal 1.07x / 1.11x (16k, GQA 4k) over frag alone's 1.02x / 1.09x, without a mask 1.04x against 1.07x
+FRAG_DQ_FIRST = {False: False, True: True}
 # with DQ_FIRST: dK's wait moves to the next step, after its S^T / dP^T issue (docstring, "Switches": dK deferred)
 DEFER_DK = {False: False, True: False}   # causal -> defer
 # dQ reduced by vector atomics from registers instead of staging + TMA reduce (docstring, "Switches": dQ atomics)
@@ -330,6 +349,22 @@ def _dq_product(ds_smem, k_smem, b, zero_q, WG: gl.constexpr, FP8_MMA: gl.conste
     return tok
 
 
+# the "frag" dQ staging ([Note] dQ in fragment order): a warpgroup's [64, 64] fp32 dQ tile as [16, 256]
+FRAG_ROWS = gl.constexpr(16)
+FRAG_ROW = gl.constexpr(256)
+
+
+@gluon.jit
+def _frag_tile(dq):
+    """[Note] dQ in fragment order: the wgmma accumulator dq [64 rows, 64 cols] (m64n64 layout: row = 16 warp +
+    8 i + lane // 4, col = 8 j + 2 (lane % 4) + e, registers (j, i, e)) as [16, 256] whose flat index is
+    f = e | i << 1 | lane << 2 | warp << 7 | j << 9: a layout-only reshape (bits of row and col permuted), no data
+    moves between threads."""
+    bits = dq.reshape([2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])   # row bits r5..r0, col bits c5..c0
+    # f11..f0 = c5 c4 c3 | r5 r4 | r2 r1 r0 | c2 c1 | r3 | c0
+    return bits.permute((6, 7, 8, 0, 1, 3, 4, 5, 9, 10, 2, 11)).reshape([FRAG_ROWS, FRAG_ROW])
+
+
 @gluon.jit
 def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_ATOMIC: gl.constexpr):
     """This warpgroup's dQ columns (fp32 [64, 64] registers) reduced into dq_acc[batch, head, row:row+64,
@@ -345,6 +380,7 @@ def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_A
     BLOCK_M: gl.constexpr = dq.shape[0]
     DQ_N: gl.constexpr = dq.shape[1]
     DQ_BOX: gl.constexpr = dq_lo.shape[4]
+    DQ_FRAG: gl.constexpr = DQ_BOX == FRAG_ROW
     dq_desc, dq_ptr, S_Q = dq_out
     if DQ_ATOMIC:
         # no mask: dq_acc has whole 64-row tiles per head, and rows >= S_Q (dQ = 0 there) are never read
@@ -356,7 +392,15 @@ def _dq_stage(dq, dq_lo, dq_hi, dq_out, batch, head, row, WG: gl.constexpr, DQ_A
     else:
         # the previous reduce out of the staging tile has read it (long since: one tile ago)
         tma.store_wait(0)
-        if DQ_BOX == DQ_N:
+        if DQ_FRAG:
+            # fragment order ("frag", ``_frag_tile``): the tile's 4096 values as [16, 256], each thread's four
+            # registers of a column block contiguous and the lanes in order, so a warp's store is 512 contiguous
+            # bytes (STS.128, no conflicts) and one reduce of 16 rows of 1 KB moves the whole tile (row // 2: the
+            # tile's 32 rows of 256 per 64 query rows, this warpgroup's 16 of them)
+            dq_lo.index(WG).reshape([FRAG_ROWS, FRAG_ROW]).store(_frag_tile(dq))
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [batch, head, row // 2 + WG * FRAG_ROWS, 0], dq_lo.index(WG))
+        elif DQ_BOX == DQ_N:
             dq_lo.index(WG).reshape([BLOCK_M, DQ_N]).store(dq)
             fence_async_shared()
             tma_reduce_add(dq_desc, [batch, head, row, WG * DQ_N], dq_lo.index(WG))
@@ -851,8 +895,13 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
         t_io = (q_desc, do_desc, k_desc, q_smem, do_smem, k_smem)      # stand-ins, never read
     # dQ staging: per warpgroup [64 rows, 32] fp32 boxes (the reduce's), columns [0, 32) and [32, 64) of its
     # 64 in two allocations (``_dq_stage``); flat: one [64, 64] box each, dq_lo alone
-    dq_lo = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_BOX], dq_desc.layout)
-    if DQ_BOX == HEAD_D // 2:
+    if DQ_BOX == FRAG_ROW:
+        # "frag": one [16, 256] box per warpgroup ([Note] dQ in fragment order)
+        gl.static_assert(HEAD_D == 128 and not LAG and not DQ_ATOMIC, "frag dQ staging: d=128, no LAG, no atomics")
+        dq_lo = gl.allocate_shared_memory(gl.float32, [2, 1, 1, FRAG_ROWS, FRAG_ROW], dq_desc.layout)
+    else:
+        dq_lo = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_BOX], dq_desc.layout)
+    if DQ_BOX == HEAD_D // 2 or DQ_BOX == FRAG_ROW:
         dq_hi = dq_lo
     else:
         dq_hi = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_BOX], dq_desc.layout)
@@ -910,11 +959,11 @@ def _attn_bwd_fused_sm90(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_d
 
 @triton.jit
 def _delta_zero(O, DO, DELTA, ACC, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, H_Q, S_Q,
-                ACC_ROWS, BLOCK: tl.constexpr, D: tl.constexpr):
+                ACC_ROWS, BLOCK: tl.constexpr, D: tl.constexpr, ZERO_PAD: tl.constexpr = False):
     """delta[bh, rows] = rowsum(dO * O) in fp32 and dq_acc[bh, rows, :] = 0 for BLOCK rows of one (batch,
     head): the delta pass and the zeroing of the fused kernel's dQ accumulator (ACC_ROWS rows per head, the
     padding past S_Q left alone) in one launch (both are bandwidth-bound; one pass saves the second launch
-    and its tail)."""
+    and its tail). ZERO_PAD: the padding rows zeroed too (the "frag" layout interleaves them with the rest)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     batch = (bh // H_Q).to(tl.int64)
@@ -928,19 +977,28 @@ def _delta_zero(O, DO, DELTA, ACC, stride_ob, stride_oh, stride_om, stride_dob, 
                  + cols[None, :], mask=keep, other=0.0)
     tl.store(DELTA + bh.to(tl.int64) * S_Q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < S_Q)
     tl.store(ACC + (bh.to(tl.int64) * ACC_ROWS + rows)[:, None] * D + cols[None, :],
-             tl.zeros([BLOCK, D], tl.float32), mask=keep)
+             tl.zeros([BLOCK, D], tl.float32), mask=(rows < ACC_ROWS)[:, None] if ZERO_PAD else keep)
 
 
 @triton.jit
 def _dq_convert(ACC, DQ, stride_b, stride_h, stride_m, H_Q, S_Q, ACC_ROWS, scale, BLOCK: tl.constexpr,
-                D: tl.constexpr):
+                D: tl.constexpr, FRAG: tl.constexpr = False):
     """dq[b, h, rows] = scale * dq_acc[b, h, rows] in dq's dtype (dq: any strides, unit last; dq_acc ACC_ROWS
-    rows per head)."""
+    rows per head; FRAG: each 64-row tile's two 64-column halves in fragment order, [Note] dQ in fragment order)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
-    acc = tl.load(ACC + (bh.to(tl.int64) * ACC_ROWS + rows)[:, None] * D + cols[None, :], mask=(rows < S_Q)[:, None])
+    if FRAG:
+        # f = e | i << 1 | lane << 2 | warp << 7 | j << 9 of (r, c) within a [64, 64] half (``_frag_tile``)
+        r = (rows % 64)[:, None]
+        c = (cols % 64)[None, :]
+        f = ((c & 1) | ((r >> 3) & 1) << 1 | ((c >> 1) & 3) << 2 | (r & 7) << 4 | ((r >> 4) & 3) << 7
+             | (c >> 3) << 9)
+        offs = bh.to(tl.int64) * ACC_ROWS * D + ((rows // 64) * (64 * D))[:, None] + ((cols // 64) * 4096)[None, :] + f
+    else:
+        offs = (bh.to(tl.int64) * ACC_ROWS + rows)[:, None] * D + cols[None, :]
+    acc = tl.load(ACC + offs, mask=(rows < S_Q)[:, None])
     base = DQ + (bh // H_Q).to(tl.int64) * stride_b + (bh % H_Q).to(tl.int64) * stride_h
     tl.store(base + rows.to(tl.int64)[:, None] * stride_m + cols[None, :], (acc * scale).to(DQ.dtype.element_ty),
              mask=(rows < S_Q)[:, None])
@@ -980,6 +1038,8 @@ def _dq_box(flat, d=128):
     Made once per (flat, d), as every layout a launch passes: ``launch._layout_token`` answers a kept layout by
     identity and a new one only through its repr (built anew per call, and keyed by id() as it once was, this one
     sent most backwards through the JIT's dispatch: ~120 us of host time at d=64, bench/NOTES.md 88)."""
+    if flat == "frag":
+        return FRAG_ROW.value, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     if flat:
         return d // 2, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     return 32, gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
@@ -1028,19 +1088,20 @@ def launch_bwd_fused_sm90(p, q, k, v, grad_out, lse, delta, dq, dk, dv, *, out=N
     dq_first, defer_dk, dq_atomic, heavy_first, rotate, segments override ``STAGES``, ``REVERSE``, ``DQ_FLAT``,
     ``P16_DS``, ``LAG``, ``DQ_FIRST``, ``DEFER_DK``, ``DQ_ATOMIC``, ``HEAVY_FIRST``, ``ROTATE``, ``SEGMENTS``;
     kv_regs=False keeps K and V in shared memory at d=64 ([Note] K and V in registers)."""
+    frag = _dq_flat(p, flat, lag, dq_atomic) == "frag"
     if dq_acc is None:
         dq_acc = _acc_buffer(p, q.device)
     dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
     if out is not None:
         if delta is None:
             delta = _delta_buffer(p, q.device)
-        launch_delta_zero(p, out, grad_out, delta, dq_acc)
+        launch_delta_zero(p, out, grad_out, delta, dq_acc, zero_pad=frag)
     else:
         dq_acc.zero_()
     launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, stages=stages, reverse=reverse, flat=flat,
                   p16_ds=p16_ds, lag=lag, dq_first=dq_first, defer_dk=defer_dk, dq_atomic=dq_atomic,
                   heavy_first=heavy_first, rotate=rotate, segments=segments, kv_regs=kv_regs)
-    launch_convert(p, dq_acc, dq)
+    launch_convert(p, dq_acc, dq, frag=frag)
     return dq, dk, dv
 
 
@@ -1058,7 +1119,7 @@ def _delta_buffer(p, device):
     return torch.empty((p.b * p.h_q, p.s_q), dtype=torch.float32, device=device)
 
 
-def launch_delta_zero(p, out, grad_out, delta, dq_acc):
+def launch_delta_zero(p, out, grad_out, delta, dq_acc, zero_pad=False):
     """delta = rowsum(dO * O) (fp32 contiguous [b*h_q, s_q]) and dq_acc = 0 (fp32 contiguous
     [b, h_q, acc_rows(s_q), d]; rows >= s_q left alone) in one launch. out, grad_out [b,h_q,s_q,d], any strides with unit last stride."""
     assert delta.is_contiguous() and delta.dtype == torch.float32
@@ -1067,7 +1128,8 @@ def launch_delta_zero(p, out, grad_out, delta, dq_acc):
     block = 64
     launch(_delta_zero, (cdiv(p.s_q, block), p.b * p.h_q),
         out, grad_out, delta, dq_acc, out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0),
-        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=p.d, num_warps=4)
+        grad_out.stride(1), grad_out.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), BLOCK=block, D=p.d, num_warps=4,
+        **({"ZERO_PAD": True} if zero_pad else {}))
 
 
 def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=None, reverse=None, flat=None,
@@ -1082,15 +1144,22 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     band = p.band
     causal = band is not None
     stages = stages or STAGES[causal]
-    dq_first = DQ_FIRST[causal] if dq_first is None else dq_first
+    flat = _dq_flat(p, flat, lag, dq_atomic, fp8 is not None)
+    dq_first = _dq_first(flat, causal, dq_first)
     defer_dk = DEFER_DK[causal] if defer_dk is None else defer_dk
     assert dq_first or not defer_dk, "defer_dk needs dq_first (dK the last wgmma group in flight)"
     assert delta.is_contiguous() and delta.dtype == torch.float32
     assert dq_acc.is_contiguous() and dq_acc.dtype == torch.float32
-    dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
-    box, layout = _dq_box(DQ_FLAT[causal] if flat is None else flat, p.d)
-    # the TMA reduce clips at s_q (LAG's reduce at row s_q before the first tile is dropped whole)
-    dq_desc = Tma(dq_acc, (p.b, p.h_q, p.s_q, p.d), dq_acc.stride(), (1, 1, BLOCK_M, box), layout)
+    box, layout = _dq_box(flat, p.d)
+    if flat == "frag":
+        # [Note] dQ in fragment order: per head acc_rows / 2 rows of 256, each 64-row tile's two halves 16 rows each
+        assert p.d == 128 and fp8 is None, "the frag dQ staging: d=128, 16-bit"
+        dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q) // 2, FRAG_ROW.value)
+        dq_desc = Tma(dq_acc, tuple(dq_acc.shape), dq_acc.stride(), (1, 1, FRAG_ROWS.value, box), layout)
+    else:
+        dq_acc = dq_acc.view(p.b, p.h_q, acc_rows(p.s_q), p.d)
+        # the TMA reduce clips at s_q (LAG's reduce at row s_q before the first tile is dropped whole)
+        dq_desc = Tma(dq_acc, (p.b, p.h_q, p.s_q, p.d), dq_acc.stride(), (1, 1, BLOCK_M, box), layout)
     grid = (cdiv(p.s_kv, BLOCK_N), p.b * p.h_kv)
     switch_kw = {}
     if fp8 is not None:
@@ -1132,12 +1201,35 @@ def launch_kernel(p, q, k, v, grad_out, lse, delta, dq_acc, dk, dv, *, stages=No
     )
 
 
-def launch_convert(p, dq_acc, dq):
-    """dq = scale * dq_acc in dq's dtype (dq: any strides with unit last stride)."""
+def _dq_flat(p, flat, lag, dq_atomic, fp8=False):
+    """The dQ staging a launch gets: ``flat`` where given, else ``DQ_FLAT``'s, with "frag" ([Note] dQ in fragment
+    order) only where it applies (d=128, 16-bit, no LAG, no atomics; else the swizzled boxes)."""
+    if flat is not None:
+        return flat
+    causal = p.band is not None
+    flat = DQ_FLAT[causal]
+    lag = LAG[causal] if lag is None else lag
+    dq_atomic = DQ_ATOMIC[causal] if dq_atomic is None else dq_atomic
+    if flat == "frag" and (p.d != 128 or fp8 or lag or dq_atomic):
+        return False
+    return flat
+
+
+def _dq_first(flat, causal, dq_first=None):
+    """Whether the dQ product goes before dK's: ``dq_first`` where given, else ``FRAG_DQ_FIRST``'s with the "frag"
+    staging and ``DQ_FIRST``'s with the others."""
+    if dq_first is not None:
+        return dq_first
+    return (FRAG_DQ_FIRST if flat == "frag" else DQ_FIRST)[causal]
+
+
+def launch_convert(p, dq_acc, dq, frag=False):
+    """dq = scale * dq_acc in dq's dtype (dq: any strides with unit last stride); frag: dq_acc in fragment order
+    ([Note] dQ in fragment order)."""
     block = 64
     launch(_dq_convert, (cdiv(p.s_q, block), p.b * p.h_q),
         dq_acc, dq, dq.stride(0), dq.stride(1), dq.stride(2), p.h_q, p.s_q, acc_rows(p.s_q), p.scale, BLOCK=block,
-        D=p.d, num_warps=4)
+        D=p.d, num_warps=4, **({"FRAG": True} if frag else {}))
 
 
 # ----------------------------------------------------------------------------------------------
